@@ -1,0 +1,445 @@
+"""Steady-state training throughput on CPU: t5x_like (JAX) against a PyTorch/transformers reference.
+
+    python benchmarks/train_throughput.py [--models tiny,bloom_100m] [--steps N] [--json OUT]
+                                          [--breakdown]
+
+For each model it measures, each in its own subprocess (so neither framework's thread pool competes
+with the other's):
+
+* ours (JAX), model.dtype float32 and bfloat16: the real train step (`trainer.make_train_step`,
+  jitted and compiled ahead of time exactly as `Trainer.compile` does, donated state) on a
+  1 x 1 x 1 mesh; 2 warm-up steps, then N timed steps, each ended by `jax.device_get(stats)` as
+  the trainer's loop does. The batch is a fixed random token array already on the device, so the
+  numbers exclude the host data pipeline (`--breakdown` times that separately);
+* the reference (PyTorch): the same BLOOM as `transformers.BloomForCausalLM` (dropout 0), AdamW
+  with the same betas/eps/weight decay (no decay on biases and LayerNorms, as ours), the same
+  micro-batching (gradient accumulation over the same micro-batches), clip_grad_norm_(1.0), fp32;
+  then again under `torch.autocast('cpu', dtype=torch.bfloat16)`.
+
+Throughput: tokens/s = global_batch x seq_len / median step time; model TFLOP/s from
+`metrics.megatron_flops_per_iteration` (the same FLOP count for every implementation); MFU against
+the best f32 matmul probe (`metrics.measure_matmul_tflops('float32')`, n = 1024 and 2048) measured
+at the start of the same run. bf16 matmul probes (JAX and torch) are reported alongside.
+
+`--breakdown` also times, for JAX float32, the forward pass, forward + backward, and the
+attention core alone, so the optimizer/clipping share of a step is the remainder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MARKER = '@@RESULT@@ '
+WARMUP = 2
+
+# Each model is configs/tiny.py on a single-device mesh plus these overrides.
+MODELS = {
+    # The tiny config's own shapes: global batch 16 in 4 micro-batches of 4, seq 128.
+    'tiny': {},
+    # BLOOM with GPT-2-small shapes (12 layers, hidden 768, 12 heads, vocab 8192).
+    'bloom_100m': {
+        'model.num_layers': 12,
+        'model.hidden_size': 768,
+        'model.num_heads': 12,
+        'train.seq_len': 256,
+        'train.global_batch_size': 8,
+        'train.micro_batch_size': 8,
+    },
+}
+DEFAULT_STEPS = {'tiny': 10, 'bloom_100m': 3}
+
+
+def build_config(model: str, dtype: str = 'float32'):
+  from t5x_like.config import load_config_file
+  overrides = {'mesh.data': 1, 'mesh.pipeline': 1, 'mesh.tensor': 1, 'model.dtype': dtype,
+               **MODELS[model]}
+  return load_config_file(os.path.join(REPO, 'configs', 'tiny.py'), overrides).validate()
+
+
+def random_batch(cfg, seed: int = 0):
+  """int32 [num_micro, micro_batch, seq_len + 1] tokens in [0, vocab_size)."""
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  shape = (cfg.num_microbatches, cfg.train.micro_batch_size, cfg.train.seq_len + 1)
+  return rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
+
+
+def _summary(times: list[float], cpu_s: float, cfg) -> dict:
+  """Throughput from the median step; cpu_util = this process's CPU time / (wall x nproc) over
+  the timed steps, which drops below ~1 when other work on the machine takes the cores."""
+  from t5x_like import metrics
+  gbs, seq = cfg.train.global_batch_size, cfg.train.seq_len
+  median = statistics.median(times)
+  flops = metrics.megatron_flops_per_iteration(cfg, gbs, seq)
+  return {
+      'step_times_s': times,
+      'step_s_median': median,
+      'step_s_min': min(times),
+      'step_s_max': max(times),
+      'tokens_per_sec': gbs * seq / median,
+      'tokens_per_sec_best': gbs * seq / min(times),
+      'flops_per_iteration': flops,
+      'tflops': flops / median / 1e12,
+      'cpu_util': cpu_s / (sum(times) * os.cpu_count()),
+  }
+
+
+def _cpu_time() -> float:
+  t = os.times()
+  return t.user + t.system
+
+
+# ----------------------------------------------------------------------------------- workers
+
+
+def worker_jax_probe(_: argparse.Namespace) -> dict:
+  import jax
+  from t5x_like import metrics
+  out = {'jax_version': jax.__version__, 'device': str(jax.devices()[0])}
+  for dtype in ('float32', 'bfloat16'):
+    for n, repeats in ((1024, 8), (2048, 4)):
+      out[f'jax_{dtype}_n{n}_tflops'] = metrics.measure_matmul_tflops(dtype, n=n, repeats=repeats)
+  return out
+
+
+def worker_torch_probe(_: argparse.Namespace) -> dict:
+  import torch
+  torch.set_num_threads(os.cpu_count())
+  out = {'torch_version': torch.__version__, 'torch_threads': torch.get_num_threads()}
+  for dtype in (torch.float32, torch.bfloat16):
+    n = 2048
+    a, b = torch.ones(n, n, dtype=dtype), torch.ones(n, n, dtype=dtype)
+    torch.mm(a, b)
+    best = float('inf')
+    for _ in range(4):
+      start = time.perf_counter()
+      torch.mm(a, b)
+      best = min(best, time.perf_counter() - start)
+    out[f'torch_{str(dtype).split(".")[-1]}_n{n}_tflops'] = 2 * n**3 / best / 1e12
+  return out
+
+
+def worker_jax(args: argparse.Namespace) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from t5x_like import partitioning
+  from t5x_like.train_state import make_layout
+  from t5x_like.trainer import make_train_step
+
+  cfg = build_config(args.model, args.dtype)
+  mesh = partitioning.make_mesh(1, 1, 1)
+  layout = make_layout(cfg, mesh)
+  batch_sharding = NamedSharding(mesh, P(None, 'data', None))
+  # Exactly Trainer.compile.
+  step = jax.jit(make_train_step(cfg, layout),
+                 in_shardings=(layout.shardings, batch_sharding, None, None),
+                 out_shardings=(layout.shardings, None),
+                 donate_argnums=(0,))
+  host_batch = random_batch(cfg)
+  start = time.perf_counter()
+  abstract_batch = jax.ShapeDtypeStruct(host_batch.shape, jnp.int32, sharding=batch_sharding)
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  compiled = step.lower(layout.abstract, abstract_batch, scalar, scalar).compile()
+  compile_s = time.perf_counter() - start
+  state = layout.init(cfg.train.seed)
+  batch = jax.device_put(host_batch, batch_sharding)
+  gbs = cfg.train.global_batch_size
+  times, losses, cpu_s = [], [], 0.0
+  for i in range(WARMUP + args.steps):
+    cpu_start, start = _cpu_time(), time.perf_counter()
+    state, stats = compiled(state, batch, jnp.int32(i * gbs), jnp.int32(i))
+    stats = jax.device_get(stats)
+    elapsed = time.perf_counter() - start
+    losses.append(float(stats['lm_loss']))
+    if i >= WARMUP:
+      times.append(elapsed)
+      cpu_s += _cpu_time() - cpu_start
+  out = {'compile_s': compile_s, 'losses': losses, 'num_params': cfg.model.num_params(),
+         **_summary(times, cpu_s, cfg)}
+  if args.breakdown:
+    del state
+    out['breakdown'] = jax_breakdown(cfg, layout, host_batch, args.steps)
+  return out
+
+
+def jax_breakdown(cfg, layout, host_batch, steps: int) -> dict:
+  """Times the forward, forward+backward and the attention core alone (same shapes, jitted)."""
+  import jax
+  import jax.numpy as jnp
+  from t5x_like import model as model_lib
+
+  model = layout.model.clone(mesh=None)
+  dtype = jnp.dtype(cfg.model.dtype)
+  params = layout.init(cfg.train.seed).params
+  micro = jnp.asarray(host_batch[0])
+
+  def loss_fn(p, tokens):
+    p = jax.tree.map(lambda x: x.astype(dtype), p)
+    logits = model.apply({'params': p}, tokens[:, :-1])
+    return model_lib.cross_entropy(logits, tokens[:, 1:]).mean()
+
+  m = cfg.model
+  b, s, n, d = micro.shape[0], cfg.train.seq_len, m.num_heads, m.head_dim
+  qkv = [jnp.ones((b, s, n, d), dtype) * (0.01 * (i + 1)) for i in range(3)]
+
+  slopes = model_lib.alibi_slopes(n) if m.architecture == 'bloom' else None
+
+  def attention_loss(q, k, v):  # The attention core the model calls, whichever API it has.
+    if hasattr(model_lib, 'attention_reference'):
+      ctx = model_lib.attention_reference(q, k, v, alibi_slopes=slopes, causal=True)
+    else:
+      ctx = model_lib.dot_product_attention(q, k, v, m)
+    return ctx.astype(jnp.float32).sum()
+
+  # Host data pipeline: the Trainer builds each global batch from the embedded corpus.
+  def data_batch():
+    from t5x_like.data import load_default
+    _, source = load_default(cfg.train.seq_len, cfg.train.seed)
+    return lambda: source.batch(0, cfg.train.global_batch_size)
+
+  cases = {
+      'forward_per_micro': (jax.jit(loss_fn), (params, micro)),
+      'fwd_bwd_per_micro': (jax.jit(jax.value_and_grad(loss_fn)), (params, micro)),
+      'attention_core_fwd_bwd_per_layer_per_micro':
+          (jax.jit(jax.value_and_grad(attention_loss, argnums=(0, 1, 2))), qkv),
+  }
+  out = {}
+  for name, (fn, fn_args) in cases.items():
+    jax.block_until_ready(fn(*fn_args))
+    times = []
+    for _ in range(max(steps, 3)):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*fn_args))
+      times.append(time.perf_counter() - start)
+    out[name] = statistics.median(times)
+  try:
+    start = time.perf_counter()
+    make = data_batch()
+    out['data_setup_s'] = time.perf_counter() - start
+    make()
+    start = time.perf_counter()
+    for _ in range(10):
+      make()
+    out['data_batch_s'] = (time.perf_counter() - start) / 10
+  except Exception as e:  # The corpus may be unavailable; the rest of the breakdown still counts.
+    out['data_error'] = f'{type(e).__name__}: {e}'
+  return out
+
+
+def worker_torch(args: argparse.Namespace) -> dict:
+  import contextlib
+  import torch
+  from transformers import BloomConfig, BloomForCausalLM
+
+  torch.set_num_threads(os.cpu_count())
+  torch.manual_seed(0)
+  cfg = build_config(args.model)
+  m, o = cfg.model, cfg.optimizer
+  hf_config = BloomConfig(vocab_size=cfg.padded_vocab_size, hidden_size=m.hidden_size,
+                          n_layer=m.num_layers, n_head=m.num_heads,
+                          layer_norm_epsilon=m.layernorm_epsilon, hidden_dropout=0.0,
+                          attention_dropout=0.0, initializer_range=0.02, use_cache=False)
+  model = BloomForCausalLM(hf_config)
+  model.train()
+  decay, no_decay = [], []
+  for name, p in model.named_parameters():
+    (no_decay if p.ndim < 2 else decay).append(p)
+  optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': o.weight_decay},
+                                 {'params': no_decay, 'weight_decay': 0.0}],
+                                lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+  batch = torch.from_numpy(random_batch(cfg)).long()
+  num_micro = batch.shape[0]
+  autocast = (lambda: torch.autocast('cpu', dtype=torch.bfloat16)) if args.dtype == 'bfloat16' \
+      else contextlib.nullcontext
+  times, losses, cpu_s = [], [], 0.0
+  for i in range(WARMUP + args.steps):
+    cpu_start, start = _cpu_time(), time.perf_counter()
+    total = 0.0
+    for j in range(num_micro):
+      inputs = batch[j, :, :-1]
+      with autocast():
+        loss = model(input_ids=inputs, labels=inputs).loss
+      (loss / num_micro).backward()
+      total += loss.item() / num_micro
+    torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    elapsed = time.perf_counter() - start
+    losses.append(total)
+    if i >= WARMUP:
+      times.append(elapsed)
+      cpu_s += _cpu_time() - cpu_start
+  return {'losses': losses, 'hf_num_params': sum(p.numel() for p in model.parameters()),
+          'torch_version': torch.__version__, **_summary(times, cpu_s, cfg)}
+
+
+WORKERS = {'jax_probe': worker_jax_probe, 'torch_probe': worker_torch_probe, 'jax': worker_jax,
+           'torch': worker_torch}
+
+
+# ------------------------------------------------------------------------------------ driver
+
+
+def run_worker(kind: str, model: str = '', dtype: str = 'float32', steps: int = 0,
+               breakdown: bool = False, timeout: float = 480) -> dict:
+  cmd = [sys.executable, os.path.abspath(__file__), '--_worker', kind, '--_model', model,
+         '--_dtype', dtype, '--steps', str(steps)]
+  if breakdown:
+    cmd.append('--breakdown')
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  label = f'{kind} {model} {dtype}'.strip()
+  print(f'# running {label} ...', file=sys.stderr, flush=True)
+  start = time.perf_counter()
+  try:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return {'error': f'timed out after {timeout:.0f} s'}
+  for line in proc.stdout.splitlines():
+    if line.startswith(MARKER):
+      result = json.loads(line[len(MARKER):])
+      result['wall_s'] = time.perf_counter() - start
+      return result
+  return {'error': f'exit {proc.returncode}: {proc.stderr.strip()[-2000:]}'}
+
+
+def machine_info() -> dict:
+  cpu = ''
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('model name'):
+          cpu = line.split(':', 1)[1].strip()
+          break
+      f.seek(0)
+      flags = next((l.split(':', 1)[1].split() for l in f if l.startswith('flags')), [])
+  except OSError:
+    flags = []
+  return {
+      'date': datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
+      'nproc': os.cpu_count(),
+      'cpu': cpu,
+      'cpu_flags': sorted(f for f in flags if f.startswith(('amx', 'avx512_bf16', 'avx512f'))),
+      'loadavg_start': os.getloadavg(),
+      'python': platform.python_version(),
+  }
+
+
+def fmt_table(results: dict, peak: float) -> str:
+  header = ('| model | implementation | step s: median (min-max) | tokens/s (median step) '
+            '| tokens/s (best step) | TFLOP/s | MFU vs f32 peak | vs torch f32 | CPU util |')
+  lines = [header, '|' + '---|' * 9]
+  for model, rows in results.items():
+    ref = rows.get('torch f32', {}).get('tokens_per_sec')
+    for impl, r in rows.items():
+      if 'error' in r:
+        lines.append(f'| {model} | {impl} | error: {r["error"][-120:]!r} | | | | | | |')
+        continue
+      ratio = f"{r['tokens_per_sec'] / ref:.2f}x" if ref else '-'
+      lines.append(
+          f"| {model} | {impl} | {r['step_s_median']:.3f} ({r['step_s_min']:.3f}-"
+          f"{r['step_s_max']:.3f}) | {r['tokens_per_sec']:,.0f} | {r['tokens_per_sec_best']:,.0f} "
+          f"| {r['tflops']:.4f} | {100 * r['tflops'] / peak:.1f}% | {ratio} "
+          f"| {r['cpu_util']:.2f} |")
+  return '\n'.join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--models', default='tiny,bloom_100m',
+                      help=f'comma-separated, from {sorted(MODELS)}')
+  parser.add_argument('--steps', type=int, default=0,
+                      help=f'timed steps per measurement (after {WARMUP} warm-up steps); '
+                           f'0: per-model defaults {DEFAULT_STEPS}')
+  parser.add_argument('--impls', default='ours_f32,ours_bf16,torch_f32,torch_bf16',
+                      help='which of ours_f32, ours_bf16, torch_f32, torch_bf16 to run')
+  parser.add_argument('--json', default='', help='write all results to this file')
+  parser.add_argument('--breakdown', action='store_true',
+                      help='also time forward / fwd+bwd / attention for ours f32')
+  parser.add_argument('--_worker', default='', help=argparse.SUPPRESS)
+  parser.add_argument('--_model', default='', help=argparse.SUPPRESS)
+  parser.add_argument('--_dtype', default='float32', help=argparse.SUPPRESS)
+  args = parser.parse_args()
+
+  if args._worker:
+    args.model, args.dtype = args._model, args._dtype
+    print(MARKER + json.dumps(WORKERS[args._worker](args)), flush=True)
+    return
+
+  models = [m for m in args.models.split(',') if m]
+  unknown = set(models) - set(MODELS)
+  if unknown:
+    parser.error(f'unknown model(s) {sorted(unknown)}; choose from {sorted(MODELS)}')
+  impls = [i for i in args.impls.split(',') if i]
+  info = machine_info()
+  total_start = time.perf_counter()
+  probes = {**run_worker('jax_probe'), **run_worker('torch_probe')}
+  peak = max(v for k, v in probes.items() if k.startswith('jax_float32_') and k.endswith('tflops'))
+  results: dict[str, dict] = {}
+  for model in models:
+    steps = args.steps or DEFAULT_STEPS[model]
+    rows = results.setdefault(model, {})
+    for impl in impls:
+      kind, dtype = impl.split('_')
+      dtype = {'f32': 'float32', 'bf16': 'bfloat16'}[dtype]
+      name = {'ours': 'ours', 'torch': 'torch'}[kind] + (' f32' if dtype == 'float32' else
+                                                         (' bf16' if kind == 'ours' else
+                                                          ' bf16 autocast'))
+      rows[name] = run_worker('jax' if kind == 'ours' else 'torch', model, dtype, steps,
+                              breakdown=args.breakdown and impl == 'ours_f32')
+      rows[name]['steps'] = steps
+  info['loadavg_end'] = os.getloadavg()
+  info['total_s'] = time.perf_counter() - total_start
+
+  print(f"\n{info['date']}; {info['nproc']} CPUs: {info['cpu']} ({' '.join(info['cpu_flags'])})")
+  print(f"load average at start {info['loadavg_start'][0]:.2f}, at end "
+        f"{info['loadavg_end'][0]:.2f}; total {info['total_s']:.0f} s")
+  print('matmul probes (TFLOP/s): ' + ', '.join(
+      f'{k.removesuffix("_tflops")} {v:.4f}' for k, v in probes.items() if k.endswith('tflops')))
+  print(f'MFU reference (best JAX f32 probe): {peak:.4f} TFLOP/s\n')
+  for model, rows in results.items():
+    r = rows.get('ours f32') or rows.get('ours bf16') or {}
+    if 'num_params' in r:
+      cfg = build_config(model)
+      print(f"{model}: {r['num_params'] / 1e6:.2f}M params (ModelConfig.num_params), "
+            f"{cfg.model.num_layers} layers x hidden {cfg.model.hidden_size} x "
+            f"{cfg.model.num_heads} heads, vocab {cfg.padded_vocab_size}, seq {cfg.train.seq_len}, "
+            f"global batch {cfg.train.global_batch_size} in {cfg.num_microbatches} micro-batch(es) "
+            f"of {cfg.train.micro_batch_size}; {r['flops_per_iteration'] / 1e9:.1f} GFLOP/iteration; "
+            f"{r['steps']} timed steps after {WARMUP} warm-up")
+  print()
+  print(fmt_table(results, peak))
+  print()
+  for model, rows in results.items():
+    ours, ref = rows.get('ours f32', {}), rows.get('torch f32', {})
+    if 'tokens_per_sec' in ours and 'tokens_per_sec' in ref:
+      speedup = ours['tokens_per_sec'] / ref['tokens_per_sec']
+      mfu = ours['tflops'] / peak
+      print(f'{model}: ours f32 / torch f32 = {speedup:.2f}x (goal >= 1.20: '
+            f"{'met' if speedup >= 1.2 else 'NOT met'}); MFU {100 * mfu:.1f}% (goal >= 60%: "
+            f"{'met' if mfu >= 0.6 else 'NOT met'})")
+    if 'breakdown' in ours:
+      b = ours['breakdown']
+      print(f'{model} breakdown (ours f32, s): ' + ', '.join(
+          f'{k} {v:.4f}' if isinstance(v, float) else f'{k} {v}' for k, v in b.items()))
+    for impl, r in rows.items():
+      if 'losses' in r:
+        print(f"{model} {impl}: losses {[round(l, 3) for l in r['losses']]}")
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump({'machine': info, 'probes': probes, 'peak_f32_tflops': peak,
+                 'results': results}, f, indent=2)
+    print(f'\nwrote {args.json}')
+
+
+if __name__ == '__main__':
+  main()

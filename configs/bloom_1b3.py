@@ -1,0 +1,32 @@
+"""A 1.3B BLOOM (BigScience's tr11b-1B3-ml shape: 24 layers, hidden 2048, 16 heads, 250k vocab).
+
+BigScience names it by its non-embedding parameters (1.21B); with the 250,880-row embedding the
+model has 1.72B parameters. bf16 on 16 GPUs: data 8 x pipeline 2.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.model = dict(
+      architecture='bloom',
+      num_layers=24,
+      hidden_size=2048,
+      num_heads=16,
+      vocab_size=250680,
+      pad_vocab_size_to=250880,
+      hidden_dropout=0.0,
+      attention_dropout=0.0,
+      init_std=0.0127,  # sqrt(1 / (3 * 2048))
+      dtype='bfloat16',
+      remat_policy='full',
+  )
+  c.train = dict(steps=0, train_samples=220_000_000, global_batch_size=512, micro_batch_size=4,
+                 seq_len=2048, seed=42)
+  c.optimizer = dict(lr=2e-4, min_lr=1e-5, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                     clip_grad=1.0, warmup_samples=183_105, decay_samples=200_000_000,
+                     decay_style='cosine')
+  c.mesh = dict(data=8, pipeline=2, tensor=1)
+  c.checkpoint = dict(save_interval=500, max_to_keep=3, init_from='')
+  return c

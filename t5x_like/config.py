@@ -1,0 +1,339 @@
+"""The one typed, validated configuration of a run.
+
+Two front ends produce the same `Config`:
+
+* ml_collections config files (`configs/*.py` with `get_config()`), overridden on the command line
+  with `--config.section.key=value`;
+* gin files (`configs/*.gin`) that bind `section.key = value`, overridden with `--gin_bindings`.
+
+Both are turned into frozen dataclasses here and validated once (`Config.validate`); the rest of the
+code trusts the result. Unknown keys are errors, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+  """A configuration problem, with a message that names the key and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  # 'bloom': ALiBi, embedding LayerNorm.  'gpt2': learned absolute positions, no embedding LayerNorm.
+  architecture: Literal['bloom', 'gpt2'] = 'bloom'
+  num_layers: int = 2
+  hidden_size: int = 64
+  num_heads: int = 4
+  ffn_hidden_size: int = 0  # 0 means 4 * hidden_size.
+  vocab_size: int = 256  # Real tokens; the embedding is padded (see padded_vocab_size).
+  # 0: pad to a multiple of 128 * mesh.tensor (Megatron's --make-vocab-size-divisible-by).
+  pad_vocab_size_to: int = 0
+  max_position_embeddings: int = 2048  # gpt2 only.
+  layernorm_epsilon: float = 1e-5
+  hidden_dropout: float = 0.0
+  attention_dropout: float = 0.0
+  # Std of all weights; output projections use init_std / sqrt(2 * num_layers). 0: sqrt(1/(3h)).
+  init_std: float = 0.0
+  dtype: str = 'float32'  # Compute dtype; params stay fp32.
+  attention_impl: Literal['xla'] = 'xla'
+  # 'none': keep every activation; 'full': recompute each block in backward;
+  # 'save_dots': keep matmul outputs, recompute the rest.
+  remat_policy: Literal['none', 'full', 'save_dots'] = 'none'
+
+  @property
+  def ffn_size(self) -> int:
+    return self.ffn_hidden_size or 4 * self.hidden_size
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_heads
+
+  @property
+  def weight_init_std(self) -> float:
+    return self.init_std or math.sqrt(1.0 / (3 * self.hidden_size))
+
+  def padded_vocab_size(self, tensor: int) -> int:
+    if self.pad_vocab_size_to:
+      return self.pad_vocab_size_to
+    multiple = 128 * tensor
+    return -(-self.vocab_size // multiple) * multiple
+
+  def num_params(self, tensor: int = 1) -> int:
+    """Megatron's model-size formula (padded vocabulary, learned positions for gpt2)."""
+    h, L = self.hidden_size, self.num_layers
+    ffn = self.ffn_size
+    block = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h  # attn, mlp, two LNs
+    total = L * block + self.padded_vocab_size(tensor) * h + 2 * h
+    if self.architecture == 'gpt2':
+      total += self.max_position_embeddings * h
+    else:
+      total += 2 * h  # embedding LayerNorm
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 0  # Cap on iterations; 0 means no cap (then train_samples must be set).
+  train_samples: int = 0  # Megatron's --train-samples; 0 means no sample-based stop.
+  global_batch_size: int = 8
+  micro_batch_size: int = 4
+  seq_len: int = 64
+  seed: int = 1234
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  lr: float = 1e-3
+  min_lr: float = 1e-4
+  beta1: float = 0.9
+  beta2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  clip_grad: float = 1.0  # Global-norm clipping threshold; 0 disables clipping.
+  warmup_samples: int = 0
+  decay_samples: int = 0  # Samples at which the decay reaches min_lr; 0 means no decay.
+  decay_style: Literal['cosine', 'linear', 'constant'] = 'cosine'
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  # 'embedded': the default corpus built from the Python documentation on this machine.
+  corpus: Literal['embedded'] = 'embedded'
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = 1
+  pipeline: int = 1
+  tensor: int = 1
+
+  @property
+  def num_devices(self) -> int:
+    return self.data * self.pipeline * self.tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  save_interval: int = 0  # Iterations between saves; 0 saves only at the end.
+  max_to_keep: int = 3
+  init_from: str = ''  # A checkpoint whose weights start a new run (optimizer starts fresh).
+
+
+SECTIONS = {
+    'model': ModelConfig,
+    'train': TrainConfig,
+    'optimizer': OptimizerConfig,
+    'data': DataConfig,
+    'mesh': MeshConfig,
+    'checkpoint': CheckpointConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  train: TrainConfig = TrainConfig()
+  optimizer: OptimizerConfig = OptimizerConfig()
+  data: DataConfig = DataConfig()
+  mesh: MeshConfig = MeshConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+
+  @property
+  def num_microbatches(self) -> int:
+    return self.train.global_batch_size // (self.train.micro_batch_size * self.mesh.data)
+
+  @property
+  def padded_vocab_size(self) -> int:
+    return self.model.padded_vocab_size(self.mesh.tensor)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, raw: dict[str, Any]) -> Config:
+    """Builds a Config from nested dicts; unknown sections or keys are errors."""
+    unknown = set(raw) - set(SECTIONS)
+    if unknown:
+      raise ConfigError(f'unknown config section(s) {sorted(unknown)}; '
+                        f'known sections are {sorted(SECTIONS)}')
+    sections = {}
+    for name, section_cls in SECTIONS.items():
+      values = dict(raw.get(name) or {})
+      fields = {f.name: f for f in dataclasses.fields(section_cls)}
+      bad = set(values) - set(fields)
+      if bad:
+        raise ConfigError(f'unknown config key(s) {[f"{name}.{k}" for k in sorted(bad)]}; '
+                          f'known keys of {name!r}: {sorted(fields)}')
+      for key, value in values.items():
+        values[key] = _coerce(f'{name}.{key}', value, type(getattr(section_cls(), key)))
+      sections[name] = section_cls(**values)
+    return cls(**sections)
+
+  def replace(self, **sections: dict[str, Any]) -> Config:
+    """Returns a copy with some keys of some sections changed, e.g. replace(mesh={'data': 2})."""
+    raw = self.to_dict()
+    for name, values in sections.items():
+      raw.setdefault(name, {}).update(values)
+    return Config.from_dict(raw)
+
+  def validate(self) -> Config:
+    """Checks every cross-field constraint; raises one ConfigError naming the fix."""
+    m, t, o, mesh = self.model, self.train, self.optimizer, self.mesh
+
+    def need(ok: bool, message: str):
+      if not ok:
+        raise ConfigError(message)
+
+    for section in (m, t, mesh):
+      for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, int) and f.name not in ('steps', 'train_samples', 'ffn_hidden_size',
+                                                     'pad_vocab_size_to', 'init_std', 'seed'):
+          need(value > 0, f'{type(section).__name__}.{f.name} must be > 0, got {value}')
+    need(m.architecture in ('bloom', 'gpt2'),
+         f"model.architecture must be 'bloom' or 'gpt2', got {m.architecture!r}")
+    need(m.hidden_size % m.num_heads == 0,
+         f'model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads '
+         f'({m.num_heads}); pick a head count that divides it')
+    need(m.num_heads % mesh.tensor == 0,
+         f'model.num_heads ({m.num_heads}) must be divisible by mesh.tensor ({mesh.tensor}): '
+         'tensor parallelism splits whole heads; use a mesh.tensor that divides the head count')
+    need(m.ffn_size % mesh.tensor == 0,
+         f'the FFN size ({m.ffn_size}) must be divisible by mesh.tensor ({mesh.tensor})')
+    padded = self.padded_vocab_size
+    need(padded >= m.vocab_size,
+         f'model.pad_vocab_size_to ({m.pad_vocab_size_to}) is smaller than model.vocab_size '
+         f'({m.vocab_size})')
+    need(padded % mesh.tensor == 0,
+         f'the padded vocabulary ({padded}) must be divisible by mesh.tensor ({mesh.tensor}); '
+         'set model.pad_vocab_size_to to a multiple of it')
+    need(m.dtype in ('float32', 'bfloat16', 'float16'),
+         f"model.dtype must be 'float32', 'bfloat16' or 'float16', got {m.dtype!r}")
+    need(m.attention_impl == 'xla',
+         f"model.attention_impl={m.attention_impl!r} is not available; use 'xla'")
+    need(m.remat_policy in ('none', 'full', 'save_dots'),
+         f"model.remat_policy must be 'none', 'full' or 'save_dots', got {m.remat_policy!r}")
+    need(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
+         'model.hidden_dropout and model.attention_dropout must be in [0, 1)')
+    if m.architecture == 'gpt2':
+      need(t.seq_len <= m.max_position_embeddings,
+           f'train.seq_len ({t.seq_len}) exceeds model.max_position_embeddings '
+           f'({m.max_position_embeddings}) of the gpt2 architecture')
+    need(t.steps > 0 or t.train_samples > 0,
+         'set train.steps (iterations) or train.train_samples (samples) so the run can end')
+    per_step = t.micro_batch_size * mesh.data
+    need(t.global_batch_size % per_step == 0,
+         f'train.global_batch_size ({t.global_batch_size}) must be divisible by '
+         f'train.micro_batch_size x mesh.data ({t.micro_batch_size} x {mesh.data} = {per_step})')
+    need(mesh.pipeline == 1,
+         f'mesh.pipeline={mesh.pipeline}: pipeline parallelism is not implemented yet; '
+         'use mesh.pipeline=1 and spread the devices over mesh.data and mesh.tensor')
+    need(o.decay_style in ('cosine', 'linear', 'constant'),
+         f"optimizer.decay_style must be 'cosine', 'linear' or 'constant', got {o.decay_style!r}")
+    need(o.lr >= 0 and 0 <= o.min_lr <= max(o.lr, o.min_lr),
+         'optimizer.lr and optimizer.min_lr must be >= 0')
+    need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, 'optimizer.beta1 and beta2 must be in [0, 1)')
+    need(o.decay_samples == 0 or o.decay_samples > o.warmup_samples,
+         f'optimizer.decay_samples ({o.decay_samples}) must exceed optimizer.warmup_samples '
+         f'({o.warmup_samples}), or be 0 for no decay')
+    need(self.checkpoint.save_interval >= 0, 'checkpoint.save_interval must be >= 0')
+    if self.checkpoint.init_from:
+      need(os.path.isdir(self.checkpoint.init_from),
+           f'checkpoint.init_from={self.checkpoint.init_from!r} is not a directory; point it at a '
+           'checkpoint directory (a run\'s WORKDIR/checkpoints or one step inside it)')
+    return self
+
+
+def _coerce(key: str, value: Any, want: type) -> Any:
+  """Converts ints to floats where a float is wanted; rejects other type mismatches."""
+  if want is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if want is int and isinstance(value, float) and value.is_integer():
+    return int(value)
+  if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+    raise ConfigError(f'{key} must be of type {want.__name__}, got {value!r}')
+  return value
+
+
+# --------------------------------------------------------------------------- front ends
+
+
+def load_config_file(path: str, overrides: dict[str, Any] | None = None) -> Config:
+  """Loads `configs/*.py` (a `get_config()` returning a ConfigDict) plus dotted overrides."""
+  import importlib.util
+  if not os.path.isfile(path):
+    raise ConfigError(f'config file {path!r} not found; pass an existing file such as '
+                      'configs/tiny.py')
+  spec = importlib.util.spec_from_file_location('_t5x_like_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, 'get_config'):
+    raise ConfigError(f'{path} defines no get_config() function')
+  raw = module.get_config()
+  raw = raw.to_dict() if hasattr(raw, 'to_dict') else dict(raw)
+  for dotted, value in (overrides or {}).items():
+    apply_override(raw, dotted, value)
+  return Config.from_dict(raw)
+
+
+def apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
+  section, _, key = dotted.partition('.')
+  if section not in SECTIONS or not key:
+    raise ConfigError(f'unknown config key {dotted!r}; keys look like model.num_layers')
+  known = {f.name for f in dataclasses.fields(SECTIONS[section])}
+  if key not in known:
+    raise ConfigError(f'unknown config key {dotted!r}; known keys of {section!r}: {sorted(known)}')
+  raw.setdefault(section, {})[key] = value
+
+
+def parse_override_value(text: str) -> Any:
+  """`--config.a.b=VALUE` values: Python/JSON literals, else the raw string."""
+  import ast
+  lowered = text.strip().lower()
+  if lowered in ('true', 'false'):
+    return lowered == 'true'
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+_GIN_MAKERS: dict[str, Any] = {}
+
+
+def _gin_makers() -> dict[str, Any]:
+  """Registers each section dataclass with gin once, under its section name."""
+  import gin
+  if not _GIN_MAKERS:
+    for name, section_cls in SECTIONS.items():
+      _GIN_MAKERS[name] = gin.external_configurable(section_cls, name=name)
+  return _GIN_MAKERS
+
+
+def load_gin(files: list[str], bindings: list[str]) -> Config:
+  """Loads gin files binding `section.key = value` (the same names as the config files)."""
+  import gin
+  for path in files:
+    if not os.path.isfile(path):
+      raise ConfigError(f'gin file {path!r} not found; pass an existing file such as '
+                        'configs/tiny.gin')
+  gin.clear_config()
+  makers = _gin_makers()
+  try:
+    gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
+    sections = {name: maker() for name, maker in makers.items()}
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f'gin configuration error: {e}') from None
+  finally:
+    gin.clear_config()
+  # Round-trip through from_dict so both front ends get the same type coercion.
+  return Config.from_dict({k: dataclasses.asdict(v) for k, v in sections.items()})

@@ -1,0 +1,119 @@
+"""Throughput accounting (Megatron TFLOPs, MFU), the Megatron log line, and the metrics files."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from t5x_like.config import Config
+
+# Dense bf16 peak TFLOP/s per device, from the vendors' data sheets (SXM parts).
+BF16_PEAK_TFLOPS = {
+    'A100': 312.0,
+    'H100': 989.0,
+    'H200': 989.0,
+    'B200': 2250.0,
+}
+
+
+def megatron_flops_per_iteration(cfg: Config, global_batch_size: int, seq_len: int) -> float:
+  """Megatron's model FLOPs per iteration: 24 c B s L h^2 (1 + s/(6h) + V/(16 L h)).
+
+  c = 4 with full activation recomputation (one more forward), 3 otherwise.
+  """
+  m = cfg.model
+  c = 4 if m.remat_policy == 'full' else 3
+  h, L, V = m.hidden_size, m.num_layers, cfg.padded_vocab_size
+  return (24 * c * global_batch_size * seq_len * L * h * h *
+          (1 + seq_len / (6 * h) + V / (16 * L * h)))
+
+
+def device_peak_tflops(dtype: str = 'float32') -> tuple[float, str]:
+  """Peak TFLOP/s of ONE device and where the number comes from.
+
+  GPUs: the bf16 data-sheet table. CPU: a matmul probe in the compute dtype measured now on the
+  whole machine, divided by the number of (virtual) devices that share it.
+  """
+  device = jax.devices()[0]
+  if device.platform == 'gpu':
+    for name, peak in BF16_PEAK_TFLOPS.items():
+      if name in device.device_kind:
+        return peak, f'{device.device_kind} bf16 data-sheet peak'
+    raise RuntimeError(f'no bf16 peak known for GPU {device.device_kind!r}; add it to '
+                       'metrics.BF16_PEAK_TFLOPS')
+  machine = measure_matmul_tflops(dtype)
+  share = machine / jax.device_count()
+  return share, (f'CPU peak measured by a {dtype} matmul probe: {machine * 1e3:.1f} GFLOP/s for '
+                 f'the machine, shared by {jax.device_count()} virtual device(s)')
+
+
+def measure_matmul_tflops(dtype: str = 'float32', n: int = 1024, repeats: int = 8) -> float:
+  """Best-of-N TFLOP/s of an n x n x n matmul on the first device."""
+  device = jax.devices()[0]
+  a = jax.device_put(jnp.ones((n, n), dtype), device)
+  b = jax.device_put(jnp.ones((n, n), dtype), device)
+  matmul = jax.jit(lambda x, y: x @ y)
+  matmul(a, b).block_until_ready()
+  best = float('inf')
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2 * n**3 / best / 1e12
+
+
+def log_line(r: dict, total_iterations: int) -> str:
+  """The Megatron-DeepSpeed iteration line (same fields, order and formatting)."""
+  return (f" iteration {r['iteration']:8d}/{total_iterations:8d} |"
+          f" consumed samples: {r['consumed_samples']:12d} |"
+          f" consumed tokens: {r['consumed_tokens']:12d} |"
+          f" elapsed time per iteration (s): {r['step_time_s']:.2f} |"
+          f" learning rate: {r['learning_rate']:.3E} |"
+          f" global batch size: {r['global_batch_size']:5d} |"
+          f" lm loss: {r['lm_loss']:.6E} |"
+          f" grad norm: {r['grad_norm']:.3f} |"
+          f" num zeros: {r['num_zeros']:.1f} |"
+          f" number of skipped iterations: {r['skipped_iterations']:3d} |"
+          f" number of nan iterations: {r['nan_iterations']:3d} |"
+          f" samples per second: {r['samples_per_sec']:.3f} |"
+          f" TFLOPs: {r['tflops']:.2f} |")
+
+
+class MetricsWriter:
+  """Appends to WORKDIR/logs/main_log.txt and WORKDIR/metrics.jsonl (only process 0 writes)."""
+
+  def __init__(self, workdir: str, enabled: bool = True):
+    self.enabled = enabled
+    self.log_path = os.path.join(workdir, 'logs', 'main_log.txt')
+    self.jsonl_path = os.path.join(workdir, 'metrics.jsonl')
+    if enabled:
+      os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+
+  def truncate_after(self, iteration: int) -> None:
+    """Drops records past `iteration` (written after the checkpoint a restart resumes from)."""
+    if not self.enabled or not os.path.exists(self.jsonl_path):
+      return
+    with open(self.jsonl_path) as f:
+      keep = [line for line in f if line.strip() and json.loads(line)['iteration'] <= iteration]
+    tmp = self.jsonl_path + '.tmp'
+    with open(tmp, 'w') as f:
+      f.writelines(keep)
+    os.replace(tmp, self.jsonl_path)
+
+  def info(self, message: str) -> None:
+    """A line for stdout and main_log.txt."""
+    if not self.enabled:
+      return
+    print(message, flush=True)
+    with open(self.log_path, 'a') as f:
+      f.write(message + '\n')
+
+  def record(self, record: dict, total_iterations: int) -> None:
+    self.info(log_line(record, total_iterations))
+    if self.enabled:
+      with open(self.jsonl_path, 'a') as f:
+        f.write(json.dumps(record) + '\n')

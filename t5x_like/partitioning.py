@@ -1,0 +1,138 @@
+"""Logical axis names -> mesh axes, kept as data, and the shardings derived from them.
+
+The model names every parameter dimension and every main activation with a logical axis. This module
+is the only place that says which mesh axis (`data`, `pipeline`, `tensor`) each logical axis maps to.
+Megatron tensor parallelism falls out of the rules: QKV and h->4h kernels are split on their output
+dims (`heads`, `mlp`), attention-out and 4h->h on their input dims (the same names), the embedding
+and the logits on `vocab`.
+
+ZeRO-1: fp32 master params and Adam moments are additionally split over `data` on one dimension that
+the rules leave unsharded (never `layers`, so the layer scan never gathers the whole stack). The
+forward pass casts the params to the compute dtype and constrains them to the rule sharding (no
+`data`), which all-gathers the bf16 copy, as DeepSpeed does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ('data', 'pipeline', 'tensor')
+
+# Logical axis -> mesh axis (None: replicated). Parameter axes first, then activation axes.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    # parameters
+    ('layers', None),  # The stacked-layer dim; the pipeline issue maps it to stages.
+    ('vocab', 'tensor'),
+    ('embed', None),
+    ('positions', None),
+    ('heads', 'tensor'),
+    ('qkv', None),
+    ('kv', None),
+    ('mlp', 'tensor'),
+    # activations
+    ('batch', 'data'),
+    ('length', None),
+    ('act_embed', None),
+    ('act_heads', 'tensor'),
+    ('act_mlp', 'tensor'),
+    ('act_vocab', 'tensor'),
+)
+_RULES = dict(LOGICAL_AXIS_RULES)
+
+
+def logical_to_mesh(names: Sequence[str | None]) -> P:
+  """PartitionSpec for a tuple of logical axis names."""
+  mesh_axes = []
+  for name in names:
+    if name is not None and name not in _RULES:
+      raise KeyError(f'logical axis {name!r} has no rule in partitioning.LOGICAL_AXIS_RULES')
+    mesh_axes.append(_RULES.get(name) if name else None)
+  return P(*mesh_axes)
+
+
+def zero_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
+  """Rule spec plus a `data` split (ZeRO-1) on one dim that `data` divides.
+
+  Prefers the largest dim the rules leave unsplit; otherwise splits an already tensor-split dim
+  further (`('tensor', 'data')`). Never the stacked `layers` dim. Tiny tensors that nothing
+  divides stay replicated over `data`.
+  """
+  spec = list(logical_to_mesh(names))
+  data = mesh.shape['data']
+  if data == 1:
+    return P(*spec)
+  dims = [i for i, n in enumerate(names) if n != 'layers']
+  free = [i for i in dims if spec[i] is None and shape[i] % data == 0]
+  if free:
+    spec[max(free, key=lambda i: shape[i])] = 'data'
+    return P(*spec)
+  split = [i for i in dims if spec[i] is not None and
+           shape[i] % (mesh.shape[spec[i]] * data) == 0]
+  if split:
+    best = max(split, key=lambda i: shape[i])
+    spec[best] = (spec[best], 'data')
+  return P(*spec)
+
+
+def ensure_devices(num_devices: int) -> None:
+  """Makes sure `num_devices` devices exist, creating virtual CPU devices before JAX starts.
+
+  On a CPU-only machine the mesh runs on virtual devices (as XLA_FLAGS=
+  --xla_force_host_platform_device_count would give); this must happen before the backend starts.
+  On GPU a mesh larger than the GPUs present is an error.
+  """
+  backends_started = _backends_started()
+  if not backends_started and _cpu_only():
+    current = jax.config.jax_num_cpu_devices
+    if current is None or current < num_devices:
+      jax.config.update('jax_num_cpu_devices', max(num_devices, 1))
+  available = jax.device_count()
+  if available < num_devices:
+    platform = jax.devices()[0].platform
+    hint = ('start the process with more virtual CPU devices' if platform == 'cpu'
+            else f'use a mesh of at most {available} devices or launch on more nodes')
+    raise RuntimeError(f'the mesh needs {num_devices} devices but only {available} '
+                       f'{platform.upper()} device(s) are present; {hint}')
+
+
+def _backends_started() -> bool:
+  from jax._src import xla_bridge
+  return bool(xla_bridge._backends)
+
+
+def _cpu_only() -> bool:
+  platforms = (os.environ.get('JAX_PLATFORMS') or jax.config.jax_platforms or '').lower()
+  if platforms:
+    return platforms.split(',')[0] == 'cpu'
+  # No explicit platform: CPU only when no accelerator plugin is installed.
+  import importlib.util
+  return not any(importlib.util.find_spec(m) for m in ('jax_cuda12_plugin', 'jax_cuda13_plugin',
+                                                        'jax_rocm_plugin', 'libtpu'))
+
+
+def make_mesh(data: int, pipeline: int, tensor: int, devices=None) -> Mesh:
+  """A `data x pipeline x tensor` mesh; `tensor` is innermost so it stays within a node."""
+  ensure_devices(data * pipeline * tensor)
+  devices = devices if devices is not None else jax.devices()
+  devices = np.asarray(devices[:data * pipeline * tensor]).reshape(data, pipeline, tensor)
+  return Mesh(devices, MESH_AXES)
+
+
+def named(mesh: Mesh, spec: P) -> NamedSharding:
+  return NamedSharding(mesh, spec)
+
+
+def tree_shardings(mesh: Mesh, logical_names, shapes, zero: bool):
+  """NamedShardings for a pytree of logical-name tuples and a matching pytree of shapes."""
+  is_names = lambda x: isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+  def one(names, shape):
+    spec = zero_spec(names, shape, mesh) if zero else logical_to_mesh(names)
+    return NamedSharding(mesh, spec)
+
+  return jax.tree.map(one, logical_names, shapes, is_leaf=is_names)

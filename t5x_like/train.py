@@ -1,0 +1,77 @@
+"""`python -m t5x_like.train`: train from a config file or gin files.
+
+  python -m t5x_like.train --config configs/tiny.py --workdir DIR [--config.train.steps=N ...]
+  python -m t5x_like.train --gin_file configs/tiny.gin --workdir DIR [--gin_bindings 'train.steps=N']
+
+A workdir that already holds checkpoints resumes from the latest one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from t5x_like.config import (Config, ConfigError, load_config_file, load_gin,
+                             parse_override_value)
+
+
+def parse_args(argv: list[str]) -> tuple[Config, str]:
+  """Parses the command line into a validated Config and the workdir (no JAX involved)."""
+  parser = argparse.ArgumentParser(prog='python -m t5x_like.train', description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--config', help='ml_collections config file (configs/*.py)')
+  parser.add_argument('--gin_file', action='append', default=[], help='gin file (repeatable)')
+  parser.add_argument('--gin_bindings', action='append', default=[],
+                      help="gin binding such as 'train.steps = 10' (repeatable)")
+  parser.add_argument('--workdir', required=True, help='where checkpoints and logs go')
+  args, rest = parser.parse_known_args(argv)
+  overrides = parse_overrides(rest)
+  if bool(args.config) == bool(args.gin_file):
+    raise ConfigError('pass exactly one of --config FILE.py or --gin_file FILE.gin')
+  if args.gin_file:
+    if overrides:
+      raise ConfigError('--config.* overrides go with --config; with gin use --gin_bindings')
+    cfg = load_gin(args.gin_file, args.gin_bindings)
+  else:
+    cfg = load_config_file(args.config, overrides)
+  return cfg.validate(), args.workdir
+
+
+def parse_overrides(rest: list[str]) -> dict:
+  """`--config.a.b=value` or `--config.a.b value` pairs; anything else is an error."""
+  overrides, i = {}, 0
+  while i < len(rest):
+    arg = rest[i]
+    if not arg.startswith('--config.'):
+      raise ConfigError(f'unrecognised argument {arg!r}; overrides look like '
+                        '--config.train.steps=10')
+    key, eq, value = arg[len('--config.'):].partition('=')
+    if not eq:
+      if i + 1 >= len(rest):
+        raise ConfigError(f'{arg} needs a value')
+      i += 1
+      value = rest[i]
+    overrides[key] = parse_override_value(value)
+    i += 1
+  return overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+  try:
+    cfg, workdir = parse_args(sys.argv[1:] if argv is None else argv)
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  # JAX starts only once the config is known to be good.
+  from t5x_like.checkpoints import CheckpointError
+  from t5x_like.trainer import Trainer
+  try:
+    Trainer(cfg, workdir).run()
+  except (ConfigError, CheckpointError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

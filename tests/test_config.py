@@ -1,0 +1,106 @@
+import dataclasses
+import os
+
+import pytest
+
+from t5x_like.config import Config, ConfigError, load_config_file, load_gin
+from t5x_like.train import parse_args
+
+from conftest import REPO
+
+
+def cfg_path(name):
+  return os.path.join(REPO, 'configs', name)
+
+
+@pytest.mark.parametrize('name', ['tiny', 'bloom_176b'])
+def test_config_file_and_gin_file_give_the_same_config(name):
+  from_py = load_config_file(cfg_path(f'{name}.py'))
+  from_gin = load_gin([cfg_path(f'{name}.gin')], [])
+  assert from_py == from_gin
+
+
+def test_overrides_on_both_front_ends_agree():
+  a, _ = parse_args(['--config', cfg_path('tiny.py'), '--workdir', '/tmp/x',
+                     '--config.train.steps=7', '--config.mesh.data', '4',
+                     '--config.mesh.tensor=1', '--config.optimizer.lr=3e-4'])
+  b, _ = parse_args(['--gin_file', cfg_path('tiny.gin'), '--workdir', '/tmp/x',
+                     '--gin_bindings', 'train.steps = 7', '--gin_bindings', 'mesh.data = 4',
+                     '--gin_bindings', 'mesh.tensor = 1', '--gin_bindings', 'optimizer.lr = 3e-4'])
+  assert a == b
+  assert (a.train.steps, a.mesh.data, a.optimizer.lr) == (7, 4, 3e-4)
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--config.model.num_layerz=3'], 'model.num_layerz'),
+    (['--config.modle.num_layers=3'], 'modle.num_layers'),
+    (['--config.model.num_layers=three'], 'model.num_layers must be of type int'),
+    (['--config.model.num_heads=6'], 'must be divisible by model.num_heads'),
+    (['--config.mesh.tensor=3'], 'divisible by mesh.tensor'),
+    (['--config.train.global_batch_size=12'], 'global_batch_size (12) must be divisible'),
+    (['--config.mesh.pipeline=2'], 'pipeline parallelism is not implemented'),
+    (['--config.train.steps=0'], 'set train.steps'),
+    (['--config.checkpoint.init_from=/no/such/ckpt'], 'is not a directory'),
+])
+def test_bad_config_is_one_clear_error(argv, message):
+  with pytest.raises(ConfigError, match=None) as info:
+    parse_args(['--config', cfg_path('tiny.py'), '--workdir', '/tmp/x', *argv])
+  assert message in str(info.value)
+
+
+def test_unknown_gin_binding_and_missing_files():
+  with pytest.raises(ConfigError, match='num_layerz'):
+    load_gin([cfg_path('tiny.gin')], ['model.num_layerz = 3'])
+  with pytest.raises(ConfigError, match='not found'):
+    load_gin(['/no/such.gin'], [])
+  with pytest.raises(ConfigError, match='not found'):
+    load_config_file('/no/such.py')
+
+
+def test_from_dict_rejects_unknown_sections_and_keys():
+  with pytest.raises(ConfigError, match='unknown config section'):
+    Config.from_dict({'trian': {}})
+  with pytest.raises(ConfigError, match="unknown config key"):
+    Config.from_dict({'train': {'stepz': 1}})
+
+
+def test_vocab_padding():
+  cfg = Config.from_dict({'model': dict(vocab_size=250680), 'mesh': dict(tensor=4)})
+  assert cfg.padded_vocab_size == 250880  # multiple of 128 x 4, as Megatron pads tr11
+  cfg = Config.from_dict({'model': dict(vocab_size=1000, pad_vocab_size_to=1024)})
+  assert cfg.padded_vocab_size == 1024
+
+
+def test_bloom_176b_is_exactly_tr11():
+  cfg = load_config_file(cfg_path('bloom_176b.py'))
+  m, t, o, mesh = cfg.model, cfg.train, cfg.optimizer, cfg.mesh
+  assert (m.num_layers, m.hidden_size, m.num_heads, m.head_dim) == (70, 14336, 112, 128)
+  assert (m.vocab_size, cfg.padded_vocab_size) == (250680, 250880)
+  assert abs(m.num_params(mesh.tensor) / 1e9 - 176.25) < 0.01
+  assert (mesh.tensor, mesh.pipeline, mesh.data) == (4, 12, 8)
+  assert (t.micro_batch_size, t.global_batch_size, t.seq_len) == (2, 2048, 2048)
+  assert t.train_samples == 220_000_000
+  assert (o.lr, o.min_lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.clip_grad) == (
+      6e-5, 6e-6, 0.9, 0.95, 1e-8, 0.1, 1.0)
+  assert (o.warmup_samples, o.decay_samples, o.decay_style) == (183_105, 200_000_000, 'cosine')
+  assert (m.hidden_dropout, m.attention_dropout, m.dtype) == (0.1, 0.1, 'bfloat16')
+  assert abs(m.weight_init_std - 0.0048) < 1e-4
+
+
+def test_tr8_104b_and_1b3_sizes():
+  cfg = load_config_file(cfg_path('tr8_104b.py'))
+  assert cfg.model.architecture == 'gpt2'
+  assert round(cfg.model.num_params(cfg.mesh.tensor) / 1e9) == 104
+  cfg = load_config_file(cfg_path('bloom_1b3.py'))
+  m = cfg.model
+  assert (m.num_layers, m.hidden_size, m.num_heads, cfg.padded_vocab_size) == (24, 2048, 16, 250880)
+  # BigScience names this size by its non-embedding parameters: 24 x (12h^2 + 13h) = 1.21B.
+  assert abs(m.num_layers * (12 * m.hidden_size**2 + 13 * m.hidden_size) / 1e9 - 1.21) < 0.01
+  cfg.replace(mesh={'pipeline': 1}).validate()
+
+
+def test_every_shipped_config_validates_with_pipeline_one():
+  for name in sorted(os.listdir(os.path.join(REPO, 'configs'))):
+    if name.endswith('.py'):
+      cfg = load_config_file(cfg_path(name)).replace(mesh={'pipeline': 1})
+      cfg.validate()

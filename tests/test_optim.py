@@ -1,0 +1,83 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5x_like import optim
+from t5x_like.config import OptimizerConfig
+
+
+def lr_at(cfg, samples):
+  return float(optim.learning_rate(cfg, samples))
+
+
+def test_warmup_then_cosine_to_min_then_constant():
+  cfg = OptimizerConfig(lr=6e-5, min_lr=6e-6, warmup_samples=183_105, decay_samples=200_000_000)
+  assert lr_at(cfg, 0) == 0.0
+  assert lr_at(cfg, 183_105 // 2) == pytest.approx(3e-5, rel=1e-4)
+  assert lr_at(cfg, 183_105) == pytest.approx(6e-5, rel=1e-6)
+  mid = 183_105 + (200_000_000 - 183_105) / 2
+  assert lr_at(cfg, mid) == pytest.approx((6e-5 + 6e-6) / 2, rel=1e-4)
+  assert lr_at(cfg, 200_000_000) == pytest.approx(6e-6, rel=1e-6)
+  assert lr_at(cfg, 250_000_000) == pytest.approx(6e-6, rel=1e-6)
+
+
+def test_linear_and_constant_decay():
+  lin = OptimizerConfig(lr=1.0, min_lr=0.0, warmup_samples=10, decay_samples=110,
+                        decay_style='linear')
+  assert lr_at(lin, 60) == pytest.approx(0.5)
+  assert lr_at(lin, 85) == pytest.approx(0.25)
+  const = OptimizerConfig(lr=1.0, min_lr=0.0, warmup_samples=10, decay_samples=110,
+                          decay_style='constant')
+  assert lr_at(const, 5) == pytest.approx(0.5) and lr_at(const, 100) == 1.0
+
+
+def test_no_weight_decay_on_biases_or_any_layernorm():
+  params = {
+      'word_embeddings': jnp.ones((8, 4)),
+      'embed_ln': {'scale': jnp.ones(4), 'bias': jnp.ones(4)},
+      'final_ln': {'scale': jnp.ones(4), 'bias': jnp.ones(4)},
+      'layers': {'ln1': {'scale': jnp.ones((2, 4))},
+                 'attn': {'qkv_kernel': jnp.ones((2, 4, 2, 3, 2)), 'qkv_bias': jnp.ones((2, 2, 3, 2)),
+                          'out_bias': jnp.ones((2, 4))},
+                 'mlp': {'wi_kernel': jnp.ones((2, 4, 16)), 'wi_bias': jnp.ones((2, 16))}},
+  }
+  mask = optim.decay_mask(params)
+  assert mask['word_embeddings'] is True
+  assert mask['layers']['attn']['qkv_kernel'] and mask['layers']['mlp']['wi_kernel']
+  for path in (('embed_ln', 'scale'), ('embed_ln', 'bias'), ('final_ln', 'scale'),
+               ('layers', 'ln1', 'scale'), ('layers', 'attn', 'qkv_bias'),
+               ('layers', 'attn', 'out_bias'), ('layers', 'mlp', 'wi_bias')):
+    node = mask
+    for key in path:
+      node = node[key]
+    assert node is False, path
+
+
+def test_adam_step_count_lives_in_the_state_and_matches_torch_adamw_math():
+  cfg = OptimizerConfig(lr=0.1, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+  params = {'w': jnp.array([[1.0, -2.0]]), 'b': jnp.array([0.5])}
+  tx = optim.make_optimizer(cfg, params)
+  state = tx.init(params)
+  grads = {'w': jnp.array([[0.3, -0.1]]), 'b': jnp.array([0.2])}
+  p = params
+  for step in range(1, 4):
+    updates, state = tx.update(grads, state, p)
+    p = jax.tree.map(lambda x, u: x - cfg.lr * u, p, updates)
+    assert int(optim.adam_count(state)) == step
+  # Closed form after 3 equal gradients: m_hat = g, v_hat = g^2 -> update = sign(g) (+ wd for w).
+  w = np.array([[1.0, -2.0]])
+  for _ in range(3):
+    w = w - 0.1 * (np.sign([[0.3, -0.1]]) * np.abs([[0.3, -0.1]]) / (np.abs([[0.3, -0.1]]) + 1e-8)
+                   + 0.1 * w)
+  np.testing.assert_allclose(p['w'], w, rtol=1e-5)
+  np.testing.assert_allclose(p['b'], 0.5 - 3 * 0.1, rtol=1e-5)  # no decay on the bias
+
+
+def test_clipping_reports_the_pre_clip_norm():
+  grads = {'a': jnp.array([3.0, 4.0])}
+  clipped, norm = optim.clip_by_global_norm(grads, 1.0)
+  assert float(norm) == pytest.approx(5.0)
+  assert float(jnp.linalg.norm(clipped['a'])) == pytest.approx(1.0, rel=1e-5)
+  unclipped, norm = optim.clip_by_global_norm(grads, 0.0)
+  np.testing.assert_array_equal(unclipped['a'], grads['a'])
