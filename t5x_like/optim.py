@@ -74,7 +74,7 @@ def make_optimizer(cfg: OptimizerConfig, params) -> optax.GradientTransformation
 
 def clip_by_global_norm(grads, max_norm: float):
   """Returns (clipped grads, pre-clip global norm). max_norm 0 disables clipping."""
-  norm = optax.global_norm(grads)
+  norm = optax.tree.norm(grads)
   if max_norm <= 0:
     return grads, norm
   scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))

@@ -21,6 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from t5x_like.config import ConfigError
+
 MESH_AXES = ('data', 'pipeline', 'tensor')
 
 # Logical axis -> mesh axis (None: replicated). Parameter axes first, then activation axes.
@@ -96,7 +98,7 @@ def ensure_devices(num_devices: int) -> None:
     platform = jax.devices()[0].platform
     hint = ('start the process with more virtual CPU devices' if platform == 'cpu'
             else f'use a mesh of at most {available} devices or launch on more nodes')
-    raise RuntimeError(f'the mesh needs {num_devices} devices but only {available} '
+    raise ConfigError(f'the mesh needs {num_devices} devices but only {available} '
                        f'{platform.upper()} device(s) are present; {hint}')
 
 

@@ -1,0 +1,48 @@
+"""`python -m t5x_like.train`, as a user runs it, in fresh processes."""
+
+import json
+import os
+
+from t5x_like.config import load_gin
+
+from conftest import REPO, run_cli
+
+
+def test_tiny_config_trains_with_a_falling_loss(tmp_path):
+  workdir = str(tmp_path / 'tiny')
+  r = run_cli(['-m', 't5x_like.train', '--config', 'configs/tiny.py', '--workdir', workdir,
+               '--config.train.steps=30', '--config.checkpoint.save_interval=15'])
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert 'iteration       30/      30' in r.stdout
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    losses = [json.loads(line)['lm_loss'] for line in f]
+  assert len(losses) == 30
+  assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['15', '30']
+
+
+def test_gin_front_end_trains_and_records_the_same_config(tmp_path):
+  workdir = str(tmp_path / 'gin')
+  bindings = ['train.steps = 2', 'model.num_layers = 1', 'checkpoint.save_interval = 0']
+  args = ['-m', 't5x_like.train', '--gin_file', 'configs/tiny.gin', '--workdir', workdir]
+  for b in bindings:
+    args += ['--gin_bindings', b]
+  r = run_cli(args)
+  assert r.returncode == 0, r.stderr[-3000:]
+  with open(os.path.join(workdir, 'config.json')) as f:
+    recorded = json.load(f)
+  assert recorded == load_gin([os.path.join(REPO, 'configs', 'tiny.gin')], bindings).to_dict()
+
+
+def test_bad_command_lines_exit_2_with_one_message_and_no_workdir(tmp_path):
+  workdir = tmp_path / 'never'
+  cases = [
+      (['--config', 'configs/tiny.py', '--config.model.num_layerz=2'], 'model.num_layerz'),
+      (['--config', 'configs/nope.py'], 'not found'),
+      (['--config', 'configs/tiny.py', '--config.model.num_heads=7'], 'divisible'),
+  ]
+  for argv, message in cases:
+    r = run_cli(['-m', 't5x_like.train', *argv, '--workdir', str(workdir)])
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert 'Traceback' not in r.stderr
+  assert not workdir.exists()
