@@ -197,20 +197,25 @@ def save_params(root: str, params, config: Config, step: int = 0) -> None:
 # masked out of the logits; restoring keeps the real rows and zero-fills or drops the padding.
 
 
+def _is_embedding(path) -> bool:
+  """The word embeddings and their Adam moments (the only arrays with a vocabulary dim)."""
+  return any(getattr(k, 'key', None) == 'word_embeddings' for k in path)
+
+
 def _restore_arg(abstract_tree, saved: Config, config: Config):
   saved_rows, rows = saved.padded_vocab_size, config.padded_vocab_size
   if saved_rows == rows:
     return ocp.args.StandardRestore(abstract_tree)
 
-  def at_saved_rows(a):
-    if a.ndim == 2 and a.shape[0] == rows and a.shape[1] == config.model.hidden_size:
-      mesh = a.sharding.mesh
-      spec = P('tensor') if saved_rows % mesh.shape['tensor'] == 0 else P()
-      return jax.ShapeDtypeStruct((saved_rows, a.shape[1]), a.dtype,
-                                  sharding=NamedSharding(mesh, spec))
-    return a
+  def at_saved_rows(path, a):
+    if not _is_embedding(path):
+      return a
+    mesh = a.sharding.mesh
+    spec = P('tensor') if saved_rows % mesh.shape['tensor'] == 0 else P()
+    return jax.ShapeDtypeStruct((saved_rows, a.shape[1]), a.dtype,
+                                sharding=NamedSharding(mesh, spec))
 
-  return ocp.args.StandardRestore(jax.tree.map(at_saved_rows, abstract_tree))
+  return ocp.args.StandardRestore(jax.tree_util.tree_map_with_path(at_saved_rows, abstract_tree))
 
 
 def _fit_vocab(tree, abstract_tree):

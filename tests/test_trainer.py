@@ -140,3 +140,25 @@ def test_bad_inputs_fail_before_compiling_and_touch_nothing(six_steps, tmp_path)
   with pytest.raises(ConfigError, match='needs 16 devices but only 8'):
     Trainer(corpus_config(mesh=dict(data=8, tensor=2), train=dict(micro_batch_size=1)),
             str(tmp_path / 'big'))
+
+
+def test_restore_onto_a_mesh_with_another_vocab_padding(tmp_path):
+  """Padding to 128 x tensor differs between tensor=2 (8448 rows) and tensor=1 (8320 rows)."""
+  saved_cfg = corpus_config(model=dict(vocab_size=8300), mesh=dict(data=1, tensor=2),
+                            train=dict(steps=1))
+  trainer = Trainer(saved_cfg, str(tmp_path / 'run'))
+  trainer.run()
+  target_cfg = saved_cfg.replace(mesh={'data': 2, 'tensor': 1})
+  assert (saved_cfg.padded_vocab_size, target_cfg.padded_vocab_size) == (8448, 8320)
+  layout = make_layout(target_cfg, partitioning.make_mesh(2, 1, 1))
+  state, progress = checkpoints.restore(str(tmp_path / 'run' / 'checkpoints'), layout, target_cfg)
+  saved = jax.device_get(trainer.final_state)
+  assert state.params['word_embeddings'].shape == (8320, 64)
+  assert state.params['word_embeddings'].sharding == layout.shardings.params['word_embeddings']
+  np.testing.assert_array_equal(state.params['word_embeddings'],
+                                saved.params['word_embeddings'][:8320])
+  np.testing.assert_array_equal(state.opt_state[0].mu['word_embeddings'],
+                                saved.opt_state[0].mu['word_embeddings'][:8320])
+  np.testing.assert_array_equal(state.params['layers']['mlp']['wi_kernel'],
+                                saved.params['layers']['mlp']['wi_kernel'])
+  assert progress.iteration == 1
