@@ -1,7 +1,7 @@
 """Steady-state training throughput on CPU: t5x_like (JAX) against a PyTorch/transformers reference.
 
     python benchmarks/train_throughput.py [--models tiny,bloom_100m] [--steps N] [--json OUT]
-                                          [--breakdown]
+        [--impls ours_f32,torch_f32,ours_bf16,torch_bf16] [--threads N] [--breakdown]
 
 For each model it measures, each in its own subprocess (so neither framework's thread pool competes
 with the other's):
@@ -19,10 +19,21 @@ with the other's):
 Throughput: tokens/s = global_batch x seq_len / median step time; model TFLOP/s from
 `metrics.megatron_flops_per_iteration` (the same FLOP count for every implementation); MFU against
 the best f32 matmul probe (`metrics.measure_matmul_tflops('float32')`, n = 1024 and 2048) measured
-at the start of the same run. bf16 matmul probes (JAX and torch) are reported alongside.
+at the start and at the end of the same run (the best of both: on a shared machine a probe that
+ran while another process held a core would flatter the MFU). bf16 matmul probes (JAX and torch) are reported alongside.
 
-`--breakdown` also times, for JAX float32, the forward pass, forward + backward, and the
-attention core alone, so the optimizer/clipping share of a step is the remainder.
+`--profile` traces one step of ours f32 with `jax.profiler` and splits the XLA ops' time by what
+they compute (layer matmuls, LM head, attention, layernorms, the layer scan's stacking, the
+optimizer...). `--breakdown` also times, for JAX float32, the forward pass, forward + backward, and the
+attention core alone, so the optimizer/clipping share of a step is the remainder. `--threads 1`
+pins every worker to one CPU (torch with one thread): on a shared machine that comparison suffers
+far less from other processes than the default (OpenMP barriers stall when a core is taken).
+
+cpu_util (this process's CPU seconds / (wall seconds x CPUs it may use), over the timed steps) and
+the load average after each worker are recorded: on a shared machine they say how much of the
+machine each number actually had. tokens per CPU-s (tokens / CPU seconds of the process) is, with
+`--threads 1`, close to what an idle core would give whatever else runs (with more threads it
+also counts spin-waiting).
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -89,7 +101,9 @@ def _summary(times: list[float], cpu_s: float, cfg) -> dict:
       'tokens_per_sec_best': gbs * seq / min(times),
       'flops_per_iteration': flops,
       'tflops': flops / median / 1e12,
-      'cpu_util': cpu_s / (sum(times) * os.cpu_count()),
+      'cpu_util': cpu_s / (sum(times) * len(os.sched_getaffinity(0))),
+      # With one thread this is close to the throughput of an idle core, whatever else runs.
+      'tokens_per_cpu_sec': gbs * seq * len(times) / cpu_s,
   }
 
 
@@ -113,7 +127,7 @@ def worker_jax_probe(_: argparse.Namespace) -> dict:
 
 def worker_torch_probe(_: argparse.Namespace) -> dict:
   import torch
-  torch.set_num_threads(os.cpu_count())
+  torch.set_num_threads(len(os.sched_getaffinity(0)))
   out = {'torch_version': torch.__version__, 'torch_threads': torch.get_num_threads()}
   for dtype in (torch.float32, torch.bfloat16):
     n = 2048
@@ -164,12 +178,83 @@ def worker_jax(args: argparse.Namespace) -> dict:
     if i >= WARMUP:
       times.append(elapsed)
       cpu_s += _cpu_time() - cpu_start
+      if len(times) >= 2 and sum(times) > args.max_timed_s:
+        break
   out = {'compile_s': compile_s, 'losses': losses, 'num_params': cfg.model.num_params(),
          **_summary(times, cpu_s, cfg)}
+  if args.profile:
+    state, out['profile'] = jax_profile(compiled, state, batch, gbs)
   if args.breakdown:
     del state
     out['breakdown'] = jax_breakdown(cfg, layout, host_batch, args.steps)
   return out
+
+
+def _profile_category(meta: str) -> str:
+  """What part of the train step an HLO op belongs to, from its JAX op_name metadata."""
+  m = re.sub(r'^jit\(step\)/while/body/closed_call/?', '', meta)
+  if not meta:
+    return 'other (no metadata)'
+  if 'bse,ve->bsv' in m:
+    return 'LM head matmuls (tied embedding)'
+  if 'bqnd,bknd' in m or 'bnqk,bknd' in m:
+    return 'attention score/context matmuls'
+  if '/layers/' in m and 'dot_general' in m:
+    return 'layer matmuls (qkv, attn out, mlp)'
+  if re.search(r'(^|/)(ln1|ln2|embed_ln|final_ln)/', m):
+    return 'layernorms'
+  if '/layers/attn/' in m:
+    return 'attention elementwise (ALiBi, mask, softmax)'
+  if '/layers/mlp/' in m:
+    return 'MLP elementwise (bias, GeLU)'
+  if (not m or m.endswith('closed_call') or 'dynamic_slice' in m or 'dynamic_update_slice' in m
+      or 'dynamic_index_in_dim' in m or re.search(r'Transformer\)\)?/(while|broadcast_in_dim)', m)):
+    return 'layer scan: stacking, slicing, zero-init, copies'
+  if '/layers/' in m:
+    return 'other per-layer elementwise (residual adds, biases)'
+  if 'Transformer' in m or 'jvp()' in m or 'transpose(jvp())' in m:
+    return 'embedding, logits mask, cross-entropy'
+  return 'optimizer, clipping, grad accumulation'
+
+
+def jax_profile(compiled, state, batch, gbs: int):
+  """Traces one step with jax.profiler and splits the XLA ops' time into categories.
+
+  Times are summed over the ops' trace events (both threads), so the shares are of op time, not of
+  wall time.
+  """
+  import collections
+  import glob
+  import gzip
+  import tempfile
+  import jax
+  import jax.numpy as jnp
+
+  meta = {}
+  for line in compiled.as_text().splitlines():
+    match = re.match(r'\s*(?:ROOT )?%([\w.\-]+) = ', line)
+    if match and match.group(1) not in meta:
+      op_name = re.search(r'op_name="([^"]*)"', line)
+      meta[match.group(1)] = op_name.group(1) if op_name else ''
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      start = time.perf_counter()
+      state, stats = compiled(state, batch, jnp.int32(0), jnp.int32(10**6))
+      jax.device_get(stats)
+      wall = time.perf_counter() - start
+    with gzip.open(glob.glob(f'{tmp}/**/perfetto_trace.json.gz', recursive=True)[0]) as f:
+      trace = json.load(f)
+  events = trace['traceEvents'] if isinstance(trace, dict) else trace
+  by_category, by_op = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get('ph') == 'X' and e.get('name') in meta:
+      by_category[_profile_category(meta[e['name']])] += e.get('dur', 0) / 1e6
+      by_op[e['name']] += e.get('dur', 0) / 1e6
+  total = sum(by_category.values())
+  top = [{'op': name, 's': t, 'op_name': meta[name][-120:]} for name, t in by_op.most_common(12)]
+  return state, {'step_wall_s': wall, 'op_time_s': total,
+                 'share': {c: t / total for c, t in by_category.most_common()},
+                 'top_ops': top}
 
 
 def jax_breakdown(cfg, layout, host_batch, steps: int) -> dict:
@@ -241,7 +326,7 @@ def worker_torch(args: argparse.Namespace) -> dict:
   import torch
   from transformers import BloomConfig, BloomForCausalLM
 
-  torch.set_num_threads(os.cpu_count())
+  torch.set_num_threads(len(os.sched_getaffinity(0)))
   torch.manual_seed(0)
   cfg = build_config(args.model)
   m, o = cfg.model, cfg.optimizer
@@ -279,6 +364,8 @@ def worker_torch(args: argparse.Namespace) -> dict:
     if i >= WARMUP:
       times.append(elapsed)
       cpu_s += _cpu_time() - cpu_start
+      if len(times) >= 2 and sum(times) > args.max_timed_s:
+        break
   return {'losses': losses, 'hf_num_params': sum(p.numel() for p in model.parameters()),
           'torch_version': torch.__version__, **_summary(times, cpu_s, cfg)}
 
@@ -291,11 +378,16 @@ WORKERS = {'jax_probe': worker_jax_probe, 'torch_probe': worker_torch_probe, 'ja
 
 
 def run_worker(kind: str, model: str = '', dtype: str = 'float32', steps: int = 0,
-               breakdown: bool = False, timeout: float = 480) -> dict:
+               max_timed_s: float = 60.0, breakdown: bool = False, profile: bool = False,
+               threads: int = 0,
+               timeout: float = 480) -> dict:
   cmd = [sys.executable, os.path.abspath(__file__), '--_worker', kind, '--_model', model,
-         '--_dtype', dtype, '--steps', str(steps)]
+         '--_dtype', dtype, '--steps', str(steps), '--threads', str(threads),
+         '--max-timed-s', str(max_timed_s)]
   if breakdown:
     cmd.append('--breakdown')
+  if profile:
+    cmd.append('--profile')
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get('PYTHONPATH', ''))
   label = f'{kind} {model} {dtype}'.strip()
   print(f'# running {label} ...', file=sys.stderr, flush=True)
@@ -308,6 +400,7 @@ def run_worker(kind: str, model: str = '', dtype: str = 'float32', steps: int = 
     if line.startswith(MARKER):
       result = json.loads(line[len(MARKER):])
       result['wall_s'] = time.perf_counter() - start
+      result['loadavg_1m_after'] = os.getloadavg()[0]
       return result
   return {'error': f'exit {proc.returncode}: {proc.stderr.strip()[-2000:]}'}
 
@@ -336,20 +429,22 @@ def machine_info() -> dict:
 
 def fmt_table(results: dict, peak: float) -> str:
   header = ('| model | implementation | step s: median (min-max) | tokens/s (median step) '
-            '| tokens/s (best step) | TFLOP/s | MFU vs f32 peak | vs torch f32 | CPU util |')
-  lines = [header, '|' + '---|' * 9]
+            '| tokens/s (best step) | TFLOP/s | MFU vs f32 peak | vs torch f32 '
+            '| tokens per CPU-s | CPU util | load |')
+  lines = [header, '|' + '---|' * 11]
   for model, rows in results.items():
     ref = rows.get('torch f32', {}).get('tokens_per_sec')
     for impl, r in rows.items():
       if 'error' in r:
-        lines.append(f'| {model} | {impl} | error: {r["error"][-120:]!r} | | | | | | |')
+        lines.append(f'| {model} | {impl} | error: {r["error"][-120:]!r} | | | | | | | | |')
         continue
       ratio = f"{r['tokens_per_sec'] / ref:.2f}x" if ref else '-'
       lines.append(
           f"| {model} | {impl} | {r['step_s_median']:.3f} ({r['step_s_min']:.3f}-"
           f"{r['step_s_max']:.3f}) | {r['tokens_per_sec']:,.0f} | {r['tokens_per_sec_best']:,.0f} "
           f"| {r['tflops']:.4f} | {100 * r['tflops'] / peak:.1f}% | {ratio} "
-          f"| {r['cpu_util']:.2f} |")
+          f"| {r['tokens_per_cpu_sec']:,.0f} | {r['cpu_util']:.2f} "
+          f"| {r.get('loadavg_1m_after', float('nan')):.1f} |")
   return '\n'.join(lines)
 
 
@@ -362,7 +457,18 @@ def main() -> None:
                            f'0: per-model defaults {DEFAULT_STEPS}')
   parser.add_argument('--impls', default='ours_f32,torch_f32,ours_bf16,torch_bf16',
                       help='which of ours_f32, ours_bf16, torch_f32, torch_bf16 to run')
+  parser.add_argument('--threads', type=int, default=0,
+                      help='0 (default): both frameworks use every CPU; N: each worker is pinned '
+                           'to the first N CPUs (sched_setaffinity) and torch uses N threads')
+  parser.add_argument('--max-timed-s', type=float, default=60.0,
+                      help='stop a measurement after this many seconds of timed steps (at least '
+                           '2 steps), so a loaded machine cannot stretch the run without bound')
+  parser.add_argument('--budget-s', type=float, default=540.0,
+                      help='start no further measurement after this many seconds in all')
   parser.add_argument('--json', default='', help='write all results to this file')
+  parser.add_argument('--profile', action='store_true',
+                      help='trace one step of ours f32 with jax.profiler and report where the '
+                           'XLA op time goes')
   parser.add_argument('--breakdown', action='store_true',
                       help='also time forward / fwd+bwd / attention for ours f32')
   parser.add_argument('--_worker', default='', help=argparse.SUPPRESS)
@@ -372,6 +478,8 @@ def main() -> None:
 
   if args._worker:
     args.model, args.dtype = args._model, args._dtype
+    if args.threads:  # Before JAX or torch start their thread pools.
+      os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
     print(MARKER + json.dumps(WORKERS[args._worker](args)), flush=True)
     return
 
@@ -382,28 +490,41 @@ def main() -> None:
   impls = [i for i in args.impls.split(',') if i]
   info = machine_info()
   total_start = time.perf_counter()
-  probes = {**run_worker('jax_probe'), **run_worker('torch_probe')}
-  results: dict[str, dict] = {}
-  for model in models:
-    steps = args.steps or DEFAULT_STEPS[model]
-    rows = results.setdefault(model, {})
-    for impl in impls:
-      kind, dtype = impl.split('_')
-      dtype = {'f32': 'float32', 'bf16': 'bfloat16'}[dtype]
-      name = {'ours': 'ours', 'torch': 'torch'}[kind] + (' f32' if dtype == 'float32' else
-                                                         (' bf16' if kind == 'ours' else
-                                                          ' bf16 autocast'))
-      rows[name] = run_worker('jax' if kind == 'ours' else 'torch', model, dtype, steps,
-                              breakdown=args.breakdown and impl == 'ours_f32')
-      rows[name]['steps'] = steps
+  threads = args.threads
+  probes = {**run_worker('jax_probe', threads=threads),
+            **run_worker('torch_probe', threads=threads)}
+  names = {'ours_f32': 'ours f32', 'ours_bf16': 'ours bf16', 'torch_f32': 'torch f32',
+           'torch_bf16': 'torch bf16 autocast'}
+  bad = set(impls) - set(names)
+  if bad:
+    parser.error(f'unknown implementation(s) {sorted(bad)}; choose from {sorted(names)}')
+  # The f32 pair (the goals) of every model first, then the bf16 ones, so a run cut short by
+  # --budget-s still has what matters most.
+  results = {model: {names[i]: {'error': 'skipped: --budget-s spent'} for i in impls}
+             for model in models}
+  order = sorted(((model, impl) for model in models for impl in impls),
+                 key=lambda mi: ('bf16' in mi[1], models.index(mi[0]), impls.index(mi[1])))
+  for model, impl in order:
+    if time.perf_counter() - total_start > args.budget_s:
+      print(f'# skipping {model} {impl}: --budget-s={args.budget_s:.0f} spent', file=sys.stderr)
+      continue
+    kind, dtype = impl.split('_')
+    dtype = {'f32': 'float32', 'bf16': 'bfloat16'}[dtype]
+    result = run_worker('jax' if kind == 'ours' else 'torch', model, dtype,
+                        args.steps or DEFAULT_STEPS[model], max_timed_s=args.max_timed_s,
+                        breakdown=args.breakdown and impl == 'ours_f32',
+                        profile=args.profile and impl == 'ours_f32', threads=threads)
+    results[model][names[impl]] = result
   # Probe again at the end: on a shared machine the best of both is the fairer peak.
-  probes_end = run_worker('jax_probe')
+  probes_end = run_worker('jax_probe', threads=threads)
   info['loadavg_end'] = os.getloadavg()
   peak = max(v for p in (probes, probes_end) for k, v in p.items()
              if k.startswith('jax_float32_') and k.endswith('tflops'))
   info['total_s'] = time.perf_counter() - total_start
 
-  print(f"\n{info['date']}; {info['nproc']} CPUs: {info['cpu']} ({' '.join(info['cpu_flags'])})")
+  info['threads'] = threads or info['nproc']
+  print(f"\n{info['date']}; {info['nproc']} CPUs: {info['cpu']} ({' '.join(info['cpu_flags'])}); "
+        f"workers use {info['threads']} CPU(s)")
   print(f"load average at start {info['loadavg_start'][0]:.2f}, at end "
         f"{info['loadavg_end'][0]:.2f}; total {info['total_s']:.0f} s")
   print('matmul probes (TFLOP/s): ' + ', '.join(
@@ -421,7 +542,7 @@ def main() -> None:
             f"{cfg.model.num_heads} heads, vocab {cfg.padded_vocab_size}, seq {cfg.train.seq_len}, "
             f"global batch {cfg.train.global_batch_size} in {cfg.num_microbatches} micro-batch(es) "
             f"of {cfg.train.micro_batch_size}; {r['flops_per_iteration'] / 1e9:.1f} GFLOP/iteration; "
-            f"{r['steps']} timed steps after {WARMUP} warm-up")
+            f"{len(r['step_times_s'])} timed steps after {WARMUP} warm-up")
   print()
   print(fmt_table(results, peak))
   print()
@@ -441,6 +562,14 @@ def main() -> None:
           f'{k} {v:.4f}' if isinstance(v, float) else f'{k} {v}' for k, v in b.items()) +
           f'; step - {cfg.num_microbatches} x fwd_bwd (optimizer, clipping, accumulation, '
           f'scan overhead) {rest:.4f}')
+    if 'profile' in ours:
+      prof = ours['profile']
+      print(f"{model} profile (ours f32, one traced step of {prof['step_wall_s']:.2f} s wall, "
+            f"{prof['op_time_s']:.2f} s of XLA op time):")
+      for category, share in prof['share'].items():
+        print(f'  {100 * share:5.1f}%  {category}')
+      print('  top ops: ' + '; '.join(f"{o['op']} {o['s']:.3f} s ({o['op_name'][-60:]})"
+                                      for o in prof['top_ops'][:6]))
     for impl, r in rows.items():
       if 'losses' in r:
         print(f"{model} {impl}: losses {[round(l, 3) for l in r['losses']]}")

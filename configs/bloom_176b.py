@@ -3,8 +3,8 @@
 70 layers, hidden 14336, 112 heads, ALiBi, embedding LayerNorm, vocabulary 250,680 padded to
 250,880; tensor 4 x pipeline 12 x data 8 (384 GPUs), micro-batch 2, global batch 2048;
 Adam(0.9, 0.95, 1e-8), weight decay 0.1, clip 1.0, lr 6e-5 warmed up over 183,105 samples and
-cosine-decayed to 6e-6 at 200M samples; 220M training samples. tr11 also ramped the batch size up
-(`--rampup-batch-size 192 16 9_765_625`); the ramp-up arrives with pipeline parallelism.
+cosine-decayed to 6e-6 at 200M samples; 220M training samples; the batch size ramps up from 192
+by 16 over 9,765,625 samples (`--rampup-batch-size 192 16 9_765_625`).
 """
 
 import ml_collections
@@ -34,6 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
       micro_batch_size=2,
       seq_len=2048,
       seed=42,
+      rampup_batch_size=(192, 16, 9_765_625),  # --rampup-batch-size 192 16 9_765_625
   )
   c.optimizer = dict(
       lr=6e-5,
@@ -48,5 +49,8 @@ def get_config() -> ml_collections.ConfigDict:
       decay_style='cosine',
   )
   c.mesh = dict(data=8, pipeline=12, tensor=4)
-  c.checkpoint = dict(save_interval=100, max_to_keep=3, init_from='')
+  c.checkpoint = dict(save_interval=100, max_to_keep=3, keep_period=0, init_from='',
+                      load_optimizer=True, override_lr_scheduler=False, load_rng=True)
+  # tr11: --exit-duration-in-mins 1190 under SLURM's 20 h limit; set kill_switch_path per run.
+  c.runtime = dict(kill_switch_path='', exit_duration_mins=1190.0)
   return c

@@ -2,8 +2,8 @@
 
 32 layers, hidden 16384, 32 heads, learned positions, GPT-2 vocabulary 50,257, seq 2048; Adam
 (0.9, 0.95 as the run later used, 1e-8), wd 0.1, clip 1.0, lr 6e-5 -> 6e-6 cosine, warm-up 216,320
-samples, decay 126,953,125 samples; tensor 4 x pipeline 32. The run's batch ramp-up
-(`--rampup-batch-size 32 32 6_000_000`) arrives with pipeline parallelism.
+samples, decay 126,953,125 samples; tensor 4 x pipeline 32; batch ramp-up
+`--rampup-batch-size 32 32 6_000_000`.
 """
 
 import ml_collections
@@ -23,7 +23,8 @@ def get_config() -> ml_collections.ConfigDict:
       remat_policy='full',
   )
   c.train = dict(steps=0, train_samples=300_000_000, global_batch_size=2048, micro_batch_size=1,
-                 seq_len=2048, seed=42)
+                 seq_len=2048, seed=42,
+                 rampup_batch_size=(32, 32, 6_000_000))
   c.optimizer = dict(lr=6e-5, min_lr=6e-6, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
                      clip_grad=1.0, warmup_samples=216_320, decay_samples=126_953_125,
                      decay_style='cosine')

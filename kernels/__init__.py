@@ -1,9 +1,23 @@
-"""Fused GPU kernels (installed as `t5x_like.kernels`).
+"""Fused kernels (installed as `t5x_like.kernels`).
 
-`reference.py` holds the plain-JAX attention that the model's `attention_impl='xla'` path uses and
-that every future kernel is tested against.
+* `flash_attention`: causal/ALiBi/segment flash attention, forward and backward, as Pallas kernels
+  (Triton lowering on GPU; `interpret=True` on CPU).
+* `vocab_parallel_cross_entropy`: chunked, vocabulary-parallel softmax cross-entropy from hidden
+  states and the tied embedding, never materialising tokens x vocab fp32 logits.
+* `attention_reference` (`reference.py`): the plain-JAX attention that the model's
+  `attention_impl='xla'` path uses and that every kernel is tested against.
 """
 
+from t5x_like.kernels.cross_entropy import chunked_logsumexp, vocab_parallel_cross_entropy
+from t5x_like.kernels.flash_attention import (BlockSizes, FlashAttentionConstraintError,
+                                              flash_attention)
 from t5x_like.kernels.reference import attention_reference
 
-__all__ = ['attention_reference']
+__all__ = [
+    'BlockSizes',
+    'FlashAttentionConstraintError',
+    'attention_reference',
+    'chunked_logsumexp',
+    'flash_attention',
+    'vocab_parallel_cross_entropy',
+]

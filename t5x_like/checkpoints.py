@@ -5,16 +5,25 @@ A checkpoint root (`WORKDIR/checkpoints`) holds one directory per saved iteratio
   opt_state  the optax state (Adam moments and the Adam step count)
   progress   JSON: iteration, consumed samples/tokens, skipped/nan counters
   config     JSON: the resolved config of the run that saved it
-Orbax writes each step into a temporary directory and renames it when complete, so an interrupted
-save is never picked up by a restore. Restoring passes the *target* shardings (of whatever mesh the
-new run uses), so TensorStore reads each device's slice directly: no conversion step.
+  meta       JSON: RNG state (dropout seed; the key of iteration i is fold_in(PRNGKey(seed), i)),
+             data position (data seed, consumed samples), the learning-rate schedule, and the
+             iteration/skipped counts at which the Adam step count last started from 0
+Orbax writes each step into `N.orbax-checkpoint-tmp` and renames it to `N` when every item is
+complete, so an interrupted save is never picked up by a restore; leftovers are removed when the
+next run opens the root. Steps dropped by the keep policy are first renamed into `.deleted/` (one
+atomic rename) and removed from there, so a crash mid-deletion never leaves a half step either.
+Restoring passes the *target* shardings (of whatever mesh the new run uses), so TensorStore reads
+each device's slice directly: no conversion step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import shutil
+import threading
 from typing import Any
 
 import jax
@@ -25,26 +34,47 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import Progress, StateLayout, TrainState
 
-ITEMS = ('params', 'opt_state', 'progress', 'config')
+ITEMS = ('params', 'opt_state', 'progress', 'config', 'meta')
+# Items every complete step has (weights-only checkpoints have no opt_state).
+REQUIRED_ITEMS = ('params', 'progress', 'config')
+DELETED_SUBDIR = '.deleted'
+TMP_MARKER = '.orbax-checkpoint-tmp'  # in the name of a step directory still being written
 # Model fields that decide parameter shapes; a checkpoint must agree on all of them.
 SHAPE_FIELDS = ('architecture', 'num_layers', 'hidden_size', 'num_heads', 'ffn_size',
                 'vocab_size', 'max_position_embeddings')
+# Megatron's AnnealingLR checks these against the checkpoint's unless --override-lr-scheduler.
+LR_SCHEDULE_FIELDS = ('lr', 'min_lr', 'warmup_samples', 'decay_samples', 'decay_style')
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be used, with the reason and the fix."""
 
 
-def _manager(root: str, *, save_interval: int = 0, max_to_keep: int | None = None,
+def _manager(root: str, *, max_to_keep: int | None = None, keep_period: int = 0,
              read_only: bool = False) -> ocp.CheckpointManager:
+  policy = None
+  if not read_only and max_to_keep:
+    policies = [ocp.checkpoint_managers.LatestN(n=max_to_keep)]
+    if keep_period:
+      policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=keep_period))
+    policy = ocp.checkpoint_managers.AnyPreservationPolicy(policies)
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=max_to_keep,
+      preservation_policy=policy,
+      save_interval_steps=0 if read_only else 1,
       create=not read_only,
       read_only=read_only,
       cleanup_tmp_directories=not read_only,
       enable_async_checkpointing=not read_only,
+      todelete_subdir=None if read_only else DELETED_SUBDIR,
   )
-  return ocp.CheckpointManager(os.path.abspath(root), options=options, item_names=ITEMS)
+  # Orbax warns that a read-only manager is read-only; a restore is no reason for a warning.
+  absl_logger = logging.getLogger('absl')
+  level = absl_logger.level
+  absl_logger.setLevel(logging.ERROR if read_only else level)
+  try:
+    return ocp.CheckpointManager(os.path.abspath(root), options=options, item_names=ITEMS)
+  finally:
+    absl_logger.setLevel(level)
 
 
 def resolve(path: str, step: int | None = None) -> tuple[str, int]:
@@ -53,15 +83,19 @@ def resolve(path: str, step: int | None = None) -> tuple[str, int]:
   if not os.path.isdir(path):
     raise CheckpointError(f'checkpoint path {path} does not exist; pass a run\'s '
                           'WORKDIR/checkpoints directory or one step directory inside it')
-  if os.path.isdir(os.path.join(path, 'params')) and os.path.basename(path).isdigit():
+  if os.path.basename(path).isdigit() and _is_step_dir(path):
     root, own_step = os.path.dirname(path), int(os.path.basename(path))
+    if not _is_complete(path):
+      raise CheckpointError(f'{path} is an incomplete checkpoint (missing '
+                            f'{", ".join(_missing_items(path))}); use another step')
     if step is not None and step != own_step:
       raise CheckpointError(f'{path} is step {own_step}, but step {step} was asked for')
     return root, own_step
   steps = available_steps(path)
   if not steps:
-    raise CheckpointError(f'{path} holds no complete checkpoint (no step directory with params); '
-                          'point at a checkpoint root written by t5x_like or by `ckpt import-hf`')
+    raise CheckpointError(f'{path} holds no complete checkpoint (no step directory with '
+                          f'{", ".join(REQUIRED_ITEMS)}); point at a checkpoint root written by '
+                          't5x_like (WORKDIR/checkpoints) or by `ckpt import-hf`, or one step in it')
   if step is None:
     return path, steps[-1]
   if step not in steps:
@@ -69,22 +103,96 @@ def resolve(path: str, step: int | None = None) -> tuple[str, int]:
   return path, step
 
 
+def _is_step_dir(path: str) -> bool:
+  return any(os.path.isdir(os.path.join(path, item)) for item in ITEMS)
+
+
+def _missing_items(path: str) -> list[str]:
+  return [item for item in REQUIRED_ITEMS if not os.path.isdir(os.path.join(path, item))]
+
+
+def _is_complete(path: str) -> bool:
+  return not _missing_items(path)
+
+
 def available_steps(root: str) -> list[int]:
   """Completed steps only: Orbax's temporary directories of unfinished saves are not digits."""
   if not os.path.isdir(root):
     return []
   return sorted(int(d) for d in os.listdir(root)
-                if d.isdigit() and os.path.isdir(os.path.join(root, d, 'params')))
+                if d.isdigit() and _is_complete(os.path.join(root, d)))
+
+
+def _read_json_item(path: str, step: int | None, item: str) -> tuple[str, dict | None]:
+  """(step directory, the JSON of one item or None when the step has no such item)."""
+  root, step = resolve(path, step)
+  step_dir = os.path.join(root, str(step))
+  item_file = os.path.join(step_dir, item, 'metadata')
+  if not os.path.exists(item_file):
+    return step_dir, None
+  try:
+    with open(item_file) as f:
+      return step_dir, json.load(f)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f'{step_dir} is damaged: its {item} item cannot be read ({e}); use '
+                          'another step') from None
 
 
 def read_config(path: str, step: int | None = None) -> Config:
-  root, step = resolve(path, step)
-  config_file = os.path.join(root, str(step), 'config', 'metadata')
-  if not os.path.exists(config_file):
-    raise CheckpointError(f'{os.path.join(root, str(step))} has no config item; it was not '
-                          'written by t5x_like')
-  with open(config_file) as f:
-    return Config.from_dict(json.load(f))
+  step_dir, raw = _read_json_item(path, step, 'config')
+  if raw is None:
+    raise CheckpointError(f'{step_dir} has no config item; it was not written by t5x_like')
+  return Config.from_dict(raw)
+
+
+def read_progress(path: str, step: int | None = None) -> Progress:
+  step_dir, raw = _read_json_item(path, step, 'progress')
+  if raw is None:
+    raise CheckpointError(f'{step_dir} has no progress item; it was not written by t5x_like')
+  return Progress(**raw)
+
+
+def lr_schedule(cfg: Config) -> dict[str, Any]:
+  return {k: getattr(cfg.optimizer, k) for k in LR_SCHEDULE_FIELDS}
+
+
+def make_meta(cfg: Config, progress: Progress, data_seed: int,
+              adam_count_base: dict[str, int]) -> dict[str, Any]:
+  """The `meta` item: what a restart needs besides the arrays, progress and config."""
+  return {
+      'format': 1,
+      'rng': {'seed': cfg.train.seed, 'iteration': progress.iteration},
+      'data': {'seed': data_seed, 'consumed_samples': progress.consumed_samples},
+      'lr_schedule': lr_schedule(cfg),
+      'adam_count_base': dict(adam_count_base),
+  }
+
+
+def read_meta(path: str, step: int | None = None) -> dict[str, Any]:
+  """The `meta` item; for checkpoints without one (weights-only), what it would say."""
+  _, raw = _read_json_item(path, step, 'meta')
+  if raw is not None:
+    return raw
+  cfg, progress = read_config(path, step), read_progress(path, step)
+  return make_meta(cfg, progress, cfg.train.seed, {'iteration': 0, 'skipped_iterations': 0})
+
+
+def expected_adam_count(progress: Progress, meta: dict[str, Any]) -> int:
+  """Adam steps taken since the count last started from 0: skipped iterations do not count."""
+  base = meta['adam_count_base']
+  return ((progress.iteration - base['iteration']) -
+          (progress.skipped_iterations - base['skipped_iterations']))
+
+
+def check_lr_schedule(saved_meta: dict[str, Any], cfg: Config, what: str) -> None:
+  """Megatron's AnnealingLR check: a schedule that differs from the checkpoint's is an error."""
+  saved = saved_meta['lr_schedule']
+  diffs = [f'optimizer.{k}: checkpoint {saved[k]!r} vs config {getattr(cfg.optimizer, k)!r}'
+           for k in LR_SCHEDULE_FIELDS if saved.get(k) != getattr(cfg.optimizer, k)]
+  if diffs and not cfg.checkpoint.override_lr_scheduler:
+    raise ConfigError(f'the learning-rate schedule differs from {what}: ' + '; '.join(diffs) +
+                      ". Set checkpoint.override_lr_scheduler=True to train with the config's "
+                      "schedule (Megatron's --override-lr-scheduler), or restore these values.")
 
 
 def check_compatible(saved: Config, wanted: Config, what: str) -> None:
@@ -100,12 +208,20 @@ def check_compatible(saved: Config, wanted: Config, what: str) -> None:
 
 
 class Checkpointer:
-  """Saves a run's state every `save_interval` iterations and restores the latest one."""
+  """Asynchronous saves every `save_interval` iterations under the keep policy (latest
+  `max_to_keep` plus every multiple of `keep_period`); `close()` waits for the last one."""
 
-  def __init__(self, root: str, save_interval: int, max_to_keep: int):
+  def __init__(self, root: str, save_interval: int, max_to_keep: int,
+               layout: StateLayout | None = None, keep_period: int = 0):
     self.root = os.path.abspath(root)
     self.save_interval = save_interval
-    self._mgr = _manager(self.root, max_to_keep=max_to_keep)
+    self.layout = layout  # converts a pipeline's storage order to the canonical [L, ...] order
+    self._purger: threading.Thread | None = None
+    if jax.process_index() == 0:
+      self._discard_interrupted_saves()
+    self._mgr = _manager(self.root, max_to_keep=max_to_keep, keep_period=keep_period)
+    self._saved = set(available_steps(self.root))
+    self._purge_deleted()
 
   def latest_step(self) -> int | None:
     steps = available_steps(self.root)
@@ -114,16 +230,57 @@ class Checkpointer:
   def should_save(self, iteration: int) -> bool:
     return self.save_interval > 0 and iteration % self.save_interval == 0
 
-  def save(self, state: TrainState, progress: Progress, config: Config) -> None:
+  def save(self, state: TrainState, progress: Progress, config: Config,
+           meta: dict[str, Any]) -> bool:
+    """Starts saving `state` as step `progress.iteration`; False if that step is already saved.
+
+    Returns once the arrays are copied off the devices (the step may donate them next); the
+    files are written in the background and the step becomes visible when all of them are.
+    """
     step = progress.iteration
-    if step in available_steps(self.root):
-      return
+    if step in self._saved:
+      return False
+    self._mgr.wait_until_finished()  # the previous save, and the deletions it triggered
+    self._purge_deleted()
+    params, opt_state = state.params, state.opt_state
+    if self.layout is not None:
+      params = self.layout.to_canonical(params, 'params')
+      opt_state = self.layout.to_canonical(opt_state, 'opt_state')
     self._mgr.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(state.params),
-        opt_state=ocp.args.StandardSave(state.opt_state),
+        params=ocp.args.StandardSave(params),
+        opt_state=ocp.args.StandardSave(opt_state),
         progress=ocp.args.JsonSave(dataclasses.asdict(progress)),
         config=ocp.args.JsonSave(config.to_dict()),
+        meta=ocp.args.JsonSave(meta),
     ))
+    self._saved.add(step)
+    return True
+
+  def _discard_interrupted_saves(self) -> None:
+    """Moves the temporary directories of saves a crash interrupted into `.deleted/`.
+
+    (Orbax would remove them too, but only at the next save and synchronously; a rename is
+    instant and the purge runs in the background.)
+    """
+    if not os.path.isdir(self.root):
+      return
+    leftovers = [d for d in os.listdir(self.root) if TMP_MARKER in d]
+    for name in leftovers:
+      deleted = os.path.join(self.root, DELETED_SUBDIR)
+      os.makedirs(deleted, exist_ok=True)
+      os.replace(os.path.join(self.root, name), os.path.join(deleted, f'{name}.{os.getpid()}'))
+
+  def _purge_deleted(self) -> None:
+    """Removes, in the background, the steps the keep policy renamed into `.deleted/`."""
+    if jax.process_index() != 0 or (self._purger is not None and self._purger.is_alive()):
+      return
+    deleted = os.path.join(self.root, DELETED_SUBDIR)
+    targets = ([os.path.join(deleted, d) for d in os.listdir(deleted)]
+               if os.path.isdir(deleted) else [])
+    if targets:
+      self._purger = threading.Thread(
+          target=lambda: [shutil.rmtree(t, ignore_errors=True) for t in targets], daemon=True)
+      self._purger.start()
 
   def wait(self) -> None:
     self._mgr.wait_until_finished()
@@ -131,31 +288,65 @@ class Checkpointer:
   def close(self) -> None:
     self._mgr.wait_until_finished()
     self._mgr.close()
+    if self._purger is not None:
+      self._purger.join()
+    self._purge_deleted()
+    if self._purger is not None:
+      self._purger.join()
+
+
+def _error_reason(error: BaseException) -> str:
+  """The most specific line of an Orbax/TensorStore error chain (they nest the useful one)."""
+  chain, seen = [], set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    chain.append(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+    error = error.__cause__ or error.__context__
+  statuses = ('NOT_FOUND', 'OUT_OF_RANGE', 'DATA_LOSS', 'INVALID_ARGUMENT', 'FAILED_PRECONDITION')
+  specific = [line for line in chain if line.startswith(statuses)]
+  reason = specific[-1] if specific else chain[0]
+  reason = reason.split(' See full TensorStore details')[0]
+  return reason if len(reason) <= 400 else reason[:400] + '...'
+
+
+def _orbax_restore(root: str, step: int, items: dict[str, Any]) -> dict[str, Any]:
+  """All requested items or a CheckpointError: never a partially restored state."""
+  step_dir = os.path.join(root, str(step))
+  mgr = _manager(root, read_only=True)
+  try:
+    return mgr.restore(step, args=ocp.args.Composite(**items))
+  except Exception as e:  # TensorStore raises bare Exceptions for missing or truncated files.
+    others = [s for s in available_steps(root) if s != step]
+    raise CheckpointError(f'{step_dir} is damaged or incomplete and cannot be restored: '
+                          f'{_error_reason(e)}. Restore another step (available: {others}) or '
+                          'move this one away') from None
+  finally:
+    mgr.close()
 
 
 def restore(path: str, layout: StateLayout, config: Config, step: int | None = None,
             load_optimizer: bool = True) -> tuple[TrainState, Progress]:
-  """Restores params (and optimizer state) straight into `layout`'s shardings."""
+  """Restores params (and optimizer state) straight into `layout`'s shardings.
+
+  With `load_optimizer=False` the Adam moments and step count start fresh (--no-load-optim).
+  """
   root, step = resolve(path, step)
   saved = read_config(root, step)
   check_compatible(saved, config, f'checkpoint {os.path.join(root, str(step))}')
   has_opt = os.path.isdir(os.path.join(root, str(step), 'opt_state'))
   if load_optimizer and not has_opt:
     raise CheckpointError(f'{os.path.join(root, str(step))} has no optimizer state (e.g. made by '
-                          '`ckpt import-hf`); start from it with checkpoint.init_from instead')
-  items = {'params': _restore_arg(layout.abstract.params, saved, config),
+                          '`ckpt import-hf`); start from it with checkpoint.init_from, or resume '
+                          'with checkpoint.load_optimizer=False')
+  canonical = layout.canonical
+  items = {'params': _restore_arg(canonical.params, saved, config),
            'progress': ocp.args.JsonRestore()}
   if load_optimizer:
-    items['opt_state'] = _restore_arg(layout.abstract.opt_state, saved, config)
-  mgr = _manager(root, read_only=True)
-  try:
-    restored = mgr.restore(step, args=ocp.args.Composite(**items))
-  except (ValueError, FileNotFoundError, KeyError) as e:
-    raise CheckpointError(f'cannot restore {os.path.join(root, str(step))}: {e}') from None
-  finally:
-    mgr.close()
-  params = _fit_vocab(restored['params'], layout.abstract.params)
-  opt_state = (_fit_vocab(restored['opt_state'], layout.abstract.opt_state) if load_optimizer
+    items['opt_state'] = _restore_arg(canonical.opt_state, saved, config)
+  restored = _orbax_restore(root, step, items)
+  params = layout.from_canonical(_fit_vocab(restored['params'], canonical.params), 'params')
+  opt_state = (layout.from_canonical(_fit_vocab(restored['opt_state'], canonical.opt_state),
+                                     'opt_state') if load_optimizer
                else layout.fresh_opt_state(params))
   progress = Progress(**restored['progress'])
   return TrainState(params, opt_state), progress
@@ -166,26 +357,23 @@ def restore_params(path: str, layout: StateLayout, config: Config, step: int | N
   root, step = resolve(path, step)
   saved = read_config(root, step)
   check_compatible(saved, config, f'checkpoint {os.path.join(root, str(step))}')
-  mgr = _manager(root, read_only=True)
-  try:
-    restored = mgr.restore(step, args=ocp.args.Composite(
-        params=_restore_arg(layout.abstract.params, saved, config)))
-  except (ValueError, FileNotFoundError, KeyError) as e:
-    raise CheckpointError(f'cannot restore {os.path.join(root, str(step))}: {e}') from None
-  finally:
-    mgr.close()
-  return _fit_vocab(restored['params'], layout.abstract.params)
+  canonical = layout.canonical.params
+  restored = _orbax_restore(root, step, {'params': _restore_arg(canonical, saved, config)})
+  return layout.from_canonical(_fit_vocab(restored['params'], canonical), 'params')
 
 
 def save_params(root: str, params, config: Config, step: int = 0) -> None:
   """A weights-only checkpoint (no optimizer state), e.g. from `ckpt import-hf`."""
   if available_steps(root):
     raise CheckpointError(f'{root} already holds checkpoints; choose an empty output directory')
+  progress = Progress(iteration=step)
   mgr = _manager(root)
   mgr.save(step, args=ocp.args.Composite(
       params=ocp.args.StandardSave(params),
-      progress=ocp.args.JsonSave(dataclasses.asdict(Progress())),
+      progress=ocp.args.JsonSave(dataclasses.asdict(progress)),
       config=ocp.args.JsonSave(config.to_dict()),
+      meta=ocp.args.JsonSave(make_meta(config, progress, config.train.seed,
+                                       {'iteration': step, 'skipped_iterations': 0})),
   ))
   mgr.wait_until_finished()
   mgr.close()

@@ -1,15 +1,25 @@
 """`python -m t5x_like.ckpt`: checkpoint tools.
 
-  python -m t5x_like.ckpt import-hf HF_DIR OUT_DIR    BloomForCausalLM (safetensors) -> checkpoint
-  python -m t5x_like.ckpt export-hf CKPT_DIR HF_DIR   checkpoint -> BloomForCausalLM directory
+  python -m t5x_like.ckpt inspect CKPT [--step N] [--json]   step, config, tensors, sizes (metadata)
+  python -m t5x_like.ckpt diff A B [--atol X]                per-tensor max |a-b| and relative norm
+  python -m t5x_like.ckpt verify CKPT [--step N]             finite, Adam step count, restorable,
+                                                             replicas identical on the saved mesh
+  python -m t5x_like.ckpt stats CKPT [--step N]              norm/mean/std/min/max/zeros per tensor
+  python -m t5x_like.ckpt import-hf HF_DIR OUT_DIR           BloomForCausalLM (safetensors) -> ckpt
+  python -m t5x_like.ckpt export-hf CKPT HF_DIR              checkpoint -> BloomForCausalLM directory
 
-CKPT_DIR is a run's checkpoint root (`WORKDIR/checkpoints`, meaning its latest step unless
-`--step N` says otherwise) or one step's directory inside it.
+CKPT (and A, B) is a run's checkpoint root (`WORKDIR/checkpoints`, meaning its latest step unless
+`--step N` says otherwise; `--step-a` / `--step-b` for diff) or one step's directory inside it.
+Exit codes: 0 ok; 1 `diff` found a difference beyond --atol or `verify` a failed check (the reason
+is printed); 2 bad input (no such directory or step, no checkpoint, a damaged checkpoint).
+The tools run on the CPU (virtual devices where a mesh needs them), never on a GPU a job may hold.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 
@@ -39,10 +49,77 @@ def export_hf(ckpt_dir: str, hf_dir: str, step: int | None = None) -> None:
   hf.save_hf_dir(hf_dir, hf.hf_config_from_model_config(cfg.model), state)
 
 
+def _finite_json(value):
+  """JSON has no inf/NaN: they become null (the text output shows them)."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, dict):
+    return {k: _finite_json(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_finite_json(v) for v in value]
+  return value
+
+
+def run_tool(args) -> int:
+  """inspect / diff / verify / stats; returns the exit code."""
+  from t5x_like import ckpt_tools
+  emit = lambda obj: print(json.dumps(_finite_json(obj), indent=2))
+  if args.command == 'inspect':
+    info = ckpt_tools.inspect(ckpt_tools.CheckpointReader(args.ckpt_dir, args.step))
+    emit(info) if args.json else print(ckpt_tools.format_inspect(info))
+    return 0
+  if args.command == 'stats':
+    rows = ckpt_tools.stats(ckpt_tools.CheckpointReader(args.ckpt_dir, args.step))
+    emit(rows) if args.json else print(ckpt_tools.format_stats(rows))
+    return 0
+  if args.command == 'diff':
+    a = ckpt_tools.CheckpointReader(args.a, args.step_a)
+    b = ckpt_tools.CheckpointReader(args.b, args.step_b)
+    result = ckpt_tools.diff(a, b, args.atol)
+    emit(result) if args.json else print(ckpt_tools.format_diff(result))
+    return 0 if result['same'] else 1
+  reader = ckpt_tools.CheckpointReader(args.ckpt_dir, args.step)
+  results = ckpt_tools.verify(reader)
+  if args.json:
+    emit(results)
+  else:
+    for r in results:
+      print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['check']}: {r['detail']}")
+  failed = [r['check'] for r in results if not r['ok']]
+  print(f'{reader.dir}: ' + (f'FAILED ({", ".join(failed)})' if failed else 'verified'),
+        file=sys.stderr if failed else sys.stdout)
+  return 1 if failed else 0
+
+
+def _use_cpu() -> None:
+  """Unless JAX_PLATFORMS says otherwise, the tools never take a GPU (a job may be using it)."""
+  from t5x_like import partitioning
+  if not os.environ.get('JAX_PLATFORMS') and not partitioning._backends_started():
+    import jax
+    jax.config.update('jax_platforms', 'cpu')
+  import absl.logging
+  absl.logging.set_verbosity(absl.logging.ERROR)  # Orbax's info lines are not for this output
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog='python -m t5x_like.ckpt', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest='command', required=True)
+  for name, text in (('inspect', 'step, config, tensors with shapes/dtypes/bytes/sharding'),
+                     ('verify', 'finite tensors, Adam step count, restorable, replicas equal'),
+                     ('stats', 'per-tensor norm, mean, std, min, max, zeros (params, Adam)')):
+    p = sub.add_parser(name, help=text)
+    p.add_argument('ckpt_dir', help="a run's WORKDIR/checkpoints (latest step) or a step dir")
+    p.add_argument('--step', type=int, default=None)
+    p.add_argument('--json', action='store_true', help='print JSON instead of a table')
+  p = sub.add_parser('diff', help='per-tensor differences between two checkpoints')
+  p.add_argument('a')
+  p.add_argument('b')
+  p.add_argument('--step-a', type=int, default=None)
+  p.add_argument('--step-b', type=int, default=None)
+  p.add_argument('--atol', type=float, default=0.0,
+                 help='largest |a-b| that counts as equal (default 0: bitwise)')
+  p.add_argument('--json', action='store_true')
   p = sub.add_parser('import-hf', help='HF BloomForCausalLM directory -> checkpoint')
   p.add_argument('hf_dir')
   p.add_argument('out_dir')
@@ -51,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument('hf_dir')
   p.add_argument('--step', type=int, default=None)
   args = parser.parse_args(argv)
+  _use_cpu()
   from t5x_like.checkpoints import CheckpointError
   try:
+    if args.command in ('inspect', 'diff', 'verify', 'stats'):
+      return run_tool(args)
     if args.command == 'import-hf':
       cfg = import_hf(args.hf_dir, args.out_dir)
       print(f'wrote {args.out_dir}/0: {cfg.model.architecture} {cfg.model.num_layers} layers, '

@@ -41,10 +41,23 @@ class ModelConfig:
   # Std of all weights; output projections use init_std / sqrt(2 * num_layers). 0: sqrt(1/(3h)).
   init_std: float = 0.0
   dtype: str = 'float32'  # Compute dtype; params stay fp32.
-  attention_impl: Literal['xla'] = 'xla'
+  # 'xla': plain JAX (the reference); 'pallas': the fused flash-attention kernels of
+  # t5x_like.kernels (Triton on GPU, interpret mode on CPU); 'cudnn': jax.nn.dot_product_attention
+  # on cuDNN (GPU only, materialised ALiBi bias). The fused ones have no attention dropout.
+  attention_impl: Literal['xla', 'pallas', 'cudnn'] = 'xla'
+  # False: a fused attention_impl that cannot run this shape/dtype/platform is an error naming the
+  # constraint (Megatron's --abort-on-unmet-fused-kernel-constraints). True: warn and run 'xla'.
+  attention_fallback: bool = False
+  # 'dense': full fp32 logits then the loss. 'chunked': the loss from the final hidden states and
+  # the tied embedding, cross_entropy_chunk vocabulary rows at a time (never tokens x vocab fp32).
+  cross_entropy_impl: Literal['dense', 'chunked'] = 'dense'
+  cross_entropy_chunk: int = 4096
   # 'none': keep every activation; 'full': recompute each block in backward;
   # 'save_dots': keep matmul outputs, recompute the rest.
   remat_policy: Literal['none', 'full', 'save_dots'] = 'none'
+  # Unroll the layer, micro-batch and pipeline scans. Compile time then grows with depth; XLA's
+  # cost analysis counts a loop body once, so `plan --unroll` uses this to count every FLOP.
+  scan_unroll: bool = False
 
   @property
   def ffn_size(self) -> int:
@@ -85,6 +98,27 @@ class TrainConfig:
   micro_batch_size: int = 4
   seq_len: int = 64
   seed: int = 1234
+  # Megatron's --rampup-batch-size START INCREMENT SAMPLES; () means no ramp-up.
+  rampup_batch_size: tuple = ()
+
+  def global_batch_size_at(self, consumed_samples: int) -> int:
+    """Megatron's ramp-up: start + inc * floor(consumed / samples_per_increment), then GBS."""
+    if not self.rampup_batch_size:
+      return self.global_batch_size
+    start, increment, ramp_samples = self.rampup_batch_size
+    if consumed_samples > ramp_samples:
+      return self.global_batch_size
+    steps = (self.global_batch_size - start) // increment
+    per_increment = ramp_samples / steps
+    return min(self.global_batch_size,
+               start + increment * int(consumed_samples // per_increment))
+
+  def ramp_batch_sizes(self) -> list[int]:
+    """Every global batch size the run will use."""
+    if not self.rampup_batch_size:
+      return [self.global_batch_size]
+    start, increment, _ = self.rampup_batch_size
+    return list(range(start, self.global_batch_size, increment)) + [self.global_batch_size]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +153,30 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  # Circular (interleaved) schedule: each stage holds `repeats` groups of layers and micro-batches
+  # loop `repeats` times, shrinking the bubble to (P-1)/(M*repeats + P-1).
+  repeats: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   save_interval: int = 0  # Iterations between saves; 0 saves only at the end.
-  max_to_keep: int = 3
+  max_to_keep: int = 3  # The latest K checkpoints are kept...
+  keep_period: int = 0  # ...plus, for good, every step that is a multiple of this (0: none).
   init_from: str = ''  # A checkpoint whose weights start a new run (optimizer starts fresh).
+  # Restart controls, applied when a run resumes from its workdir (README, "Restart controls").
+  load_optimizer: bool = True  # False: fresh Adam moments and step count 0 (--no-load-optim).
+  override_lr_scheduler: bool = False  # True: the config's schedule wins (--override-lr-scheduler).
+  load_rng: bool = True  # False: dropout follows the config's train.seed (--no-load-rng).
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+  # A file whose presence stops the run: at start-up without work, during training after a save.
+  kill_switch_path: str = ''
+  # Save and exit before this many minutes of wall clock (--exit-duration-in-mins); 0: no limit.
+  exit_duration_mins: float = 0.0
 
 
 SECTIONS = {
@@ -131,7 +185,9 @@ SECTIONS = {
     'optimizer': OptimizerConfig,
     'data': DataConfig,
     'mesh': MeshConfig,
+    'pipeline': PipelineConfig,
     'checkpoint': CheckpointConfig,
+    'runtime': RuntimeConfig,
 }
 
 
@@ -142,11 +198,16 @@ class Config:
   optimizer: OptimizerConfig = OptimizerConfig()
   data: DataConfig = DataConfig()
   mesh: MeshConfig = MeshConfig()
+  pipeline: PipelineConfig = PipelineConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
+  runtime: RuntimeConfig = RuntimeConfig()
 
   @property
   def num_microbatches(self) -> int:
-    return self.train.global_batch_size // (self.train.micro_batch_size * self.mesh.data)
+    return self.microbatches_for(self.train.global_batch_size)
+
+  def microbatches_for(self, global_batch_size: int) -> int:
+    return global_batch_size // (self.train.micro_batch_size * self.mesh.data)
 
   @property
   def padded_vocab_size(self) -> int:
@@ -196,8 +257,10 @@ class Config:
     for section in (m, t, mesh):
       for f in dataclasses.fields(section):
         value = getattr(section, f.name)
-        if isinstance(value, int) and f.name not in ('steps', 'train_samples', 'ffn_hidden_size',
-                                                     'pad_vocab_size_to', 'init_std', 'seed'):
+        # bool is an int subclass; switches such as attention_fallback are not counts.
+        if (isinstance(value, int) and not isinstance(value, bool) and
+            f.name not in ('steps', 'train_samples', 'ffn_hidden_size', 'pad_vocab_size_to',
+                           'init_std', 'seed')):
           need(value > 0, f'{type(section).__name__}.{f.name} must be > 0, got {value}')
     need(m.architecture in ('bloom', 'gpt2'),
          f"model.architecture must be 'bloom' or 'gpt2', got {m.architecture!r}")
@@ -218,8 +281,20 @@ class Config:
          'set model.pad_vocab_size_to to a multiple of it')
     need(m.dtype in ('float32', 'bfloat16', 'float16'),
          f"model.dtype must be 'float32', 'bfloat16' or 'float16', got {m.dtype!r}")
-    need(m.attention_impl == 'xla',
-         f"model.attention_impl={m.attention_impl!r} is not available; use 'xla'")
+    need(m.attention_impl in ('xla', 'pallas', 'cudnn'),
+         f"model.attention_impl must be 'xla', 'pallas' or 'cudnn', got {m.attention_impl!r}")
+    if m.attention_impl != 'xla':
+      need(m.attention_dropout == 0.0,
+           f'model.attention_dropout={m.attention_dropout} needs model.attention_impl=\'xla\': the '
+           f'fused {m.attention_impl!r} attention has no dropout; set model.attention_dropout=0')
+      # Imported here: the kernels pull in JAX, which nothing else in this module needs.
+      from t5x_like import attention
+      attention.check_config(m)
+    need(m.cross_entropy_impl in ('dense', 'chunked'),
+         f"model.cross_entropy_impl must be 'dense' or 'chunked', got {m.cross_entropy_impl!r}")
+    need(m.cross_entropy_impl == 'dense' or mesh.pipeline == 1,
+         f"model.cross_entropy_impl='chunked' is not wired into the pipelined loss "
+         f"(mesh.pipeline={mesh.pipeline}); use model.cross_entropy_impl='dense' with a pipeline")
     need(m.remat_policy in ('none', 'full', 'save_dots'),
          f"model.remat_policy must be 'none', 'full' or 'save_dots', got {m.remat_policy!r}")
     need(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
@@ -234,9 +309,37 @@ class Config:
     need(t.global_batch_size % per_step == 0,
          f'train.global_batch_size ({t.global_batch_size}) must be divisible by '
          f'train.micro_batch_size x mesh.data ({t.micro_batch_size} x {mesh.data} = {per_step})')
-    need(mesh.pipeline == 1,
-         f'mesh.pipeline={mesh.pipeline}: pipeline parallelism is not implemented yet; '
-         'use mesh.pipeline=1 and spread the devices over mesh.data and mesh.tensor')
+    if t.rampup_batch_size:
+      need(len(t.rampup_batch_size) == 3 and all(isinstance(v, int) and v > 0
+                                                 for v in t.rampup_batch_size),
+           f'train.rampup_batch_size must be (start, increment, samples) of positive ints, got '
+           f'{t.rampup_batch_size}')
+      start, increment, _ = t.rampup_batch_size
+      need(start < t.global_batch_size and (t.global_batch_size - start) % increment == 0,
+           f'train.rampup_batch_size: global_batch_size - start ({t.global_batch_size} - {start}) '
+           f'must be a positive multiple of the increment ({increment})')
+      for gbs in t.ramp_batch_sizes():
+        need(gbs % per_step == 0,
+             f'train.rampup_batch_size reaches a global batch of {gbs}, which train.'
+             f'micro_batch_size x mesh.data ({per_step}) does not divide; pick a start and '
+             f'increment that are multiples of {per_step}')
+    p, r = mesh.pipeline, self.pipeline.repeats
+    need(r >= 1, f'pipeline.repeats must be >= 1, got {r}')
+    need(p * r <= m.num_layers,
+         f'mesh.pipeline x pipeline.repeats ({p} x {r}) exceeds model.num_layers '
+         f'({m.num_layers}): every stage needs at least one layer per repeat')
+    if r > 1:
+      fits = [k for k in range(1, m.num_layers // p + 1)
+              if k * -(-m.num_layers // (p * k)) == -(-m.num_layers // p)]
+      need(r in fits,
+           f'pipeline.repeats={r} does not fit {m.num_layers} layers on {p} stages: every stage '
+           f'would hold more than one padding slot; repeats that fit: {fits}')
+    if p > 1:
+      fewest = min(self.microbatches_for(g) for g in t.ramp_batch_sizes())
+      need(fewest >= p,
+           f'{fewest} micro-batch(es) per step is fewer than the {p} pipeline stages (global '
+           f'batch / (micro_batch_size x mesh.data)); raise train.global_batch_size (or the '
+           'ramp-up start) or lower train.micro_batch_size')
     need(o.decay_style in ('cosine', 'linear', 'constant'),
          f"optimizer.decay_style must be 'cosine', 'linear' or 'constant', got {o.decay_style!r}")
     need(o.lr >= 0 and 0 <= o.min_lr <= max(o.lr, o.min_lr),
@@ -246,6 +349,14 @@ class Config:
          f'optimizer.decay_samples ({o.decay_samples}) must exceed optimizer.warmup_samples '
          f'({o.warmup_samples}), or be 0 for no decay')
     need(self.checkpoint.save_interval >= 0, 'checkpoint.save_interval must be >= 0')
+    need(self.checkpoint.max_to_keep >= 1,
+         f'checkpoint.max_to_keep must be >= 1, got {self.checkpoint.max_to_keep}')
+    need(self.checkpoint.keep_period >= 0,
+         f'checkpoint.keep_period must be >= 0 (0 keeps no extra steps), got '
+         f'{self.checkpoint.keep_period}')
+    need(self.runtime.exit_duration_mins >= 0,
+         f'runtime.exit_duration_mins must be >= 0 (0: no limit), got '
+         f'{self.runtime.exit_duration_mins}')
     if self.checkpoint.init_from:
       need(os.path.isdir(self.checkpoint.init_from),
            f'checkpoint.init_from={self.checkpoint.init_from!r} is not a directory; point it at a '
@@ -255,6 +366,8 @@ class Config:
 
 def _coerce(key: str, value: Any, want: type) -> Any:
   """Converts ints to floats where a float is wanted; rejects other type mismatches."""
+  if want is tuple and isinstance(value, (list, tuple)):
+    return tuple(value)
   if want is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
   if want is int and isinstance(value, float) and value.is_integer():

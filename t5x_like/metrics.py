@@ -80,7 +80,8 @@ def log_line(r: dict, total_iterations: int) -> str:
           f" number of skipped iterations: {r['skipped_iterations']:3d} |"
           f" number of nan iterations: {r['nan_iterations']:3d} |"
           f" samples per second: {r['samples_per_sec']:.3f} |"
-          f" TFLOPs: {r['tflops']:.2f} |")
+          f" TFLOPs: {r['tflops']:.2f} |" +
+          (f" pipeline bubble: {r['pipeline_bubble']:.3f} |" if 'pipeline_bubble' in r else ''))
 
 
 class MetricsWriter:
@@ -98,7 +99,7 @@ class MetricsWriter:
     if not self.enabled or not os.path.exists(self.jsonl_path):
       return
     with open(self.jsonl_path) as f:
-      keep = [line for line in f if line.strip() and json.loads(line)['iteration'] <= iteration]
+      keep = [line for line in f if _iteration_of(line) <= iteration]
     tmp = self.jsonl_path + '.tmp'
     with open(tmp, 'w') as f:
       f.writelines(keep)
@@ -117,3 +118,11 @@ class MetricsWriter:
     if self.enabled:
       with open(self.jsonl_path, 'a') as f:
         f.write(json.dumps(record) + '\n')
+
+
+def _iteration_of(line: str) -> float:
+  """A record's iteration; a line torn by a kill mid-write counts as past every checkpoint."""
+  try:
+    return json.loads(line)['iteration']
+  except (ValueError, KeyError, TypeError):
+    return float('inf')

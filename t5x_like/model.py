@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from t5x_like import attention as attention_lib
 from t5x_like import partitioning
 from t5x_like.config import ModelConfig
-from t5x_like.kernels.reference import attention_reference
+from t5x_like.kernels.reference import attention_reference  # noqa: F401 (benchmarks use it)
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -55,7 +56,7 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
   return 0.5 * x * (1.0 + jnp.tanh(0.79788456 * x * (1.0 + 0.044715 * x * x)))
 
 
-class _Context:
+class Context:
   """What every module needs besides the config: compute dtype and an activation constraint."""
 
   def __init__(self, cfg: ModelConfig, mesh: Mesh | None):
@@ -66,7 +67,7 @@ class _Context:
   def constrain(self, x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     if self.mesh is None:
       return x
-    spec = partitioning.logical_to_mesh(names)
+    spec = partitioning.spec_for(names, x.shape, self.mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
@@ -92,7 +93,7 @@ class LayerNorm(nn.Module):
 
 
 class Attention(nn.Module):
-  ctx: _Context
+  ctx: Context
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
@@ -115,16 +116,17 @@ class Attention(nn.Module):
     if not deterministic and cfg.attention_dropout > 0:
       dropout_rng = self.make_rng('dropout')
     slopes = alibi_slopes(n) if cfg.architecture == 'bloom' else None
-    # The heads dim may be split over `tensor`; the partitioner slices the slopes with it.
-    ctx = attention_reference(q, k, v, alibi_slopes=slopes, causal=True,
-                              dropout_rate=cfg.attention_dropout, dropout_rng=dropout_rng)
+    # The heads dim may be split over `tensor`; the partitioner (xla) or the per-shard kernel
+    # call (pallas, cudnn) slices the slopes with it.
+    ctx = attention_lib.attention(q, k, v, cfg=cfg, mesh=self.ctx.mesh, alibi_slopes=slopes,
+                                  dropout_rng=dropout_rng)
     ctx = self.ctx.constrain(ctx, ('batch', 'length', 'act_heads', None))
     out = jnp.einsum('bsnd,nde->bse', ctx, wout.astype(dtype)) + bout.astype(dtype)
     return self.ctx.constrain(out, ('batch', 'length', 'act_embed'))
 
 
 class Mlp(nn.Module):
-  ctx: _Context
+  ctx: Context
 
   @nn.compact
   def __call__(self, x):
@@ -146,7 +148,7 @@ class Mlp(nn.Module):
 
 class Block(nn.Module):
   """Pre-LN block: x + drop(attn(LN1(x))), then x + drop(mlp(LN2(x)))."""
-  ctx: _Context
+  ctx: Context
   deterministic: bool
 
   @nn.compact
@@ -172,13 +174,16 @@ class Transformer(nn.Module):
   mesh: Mesh | None = None
 
   @nn.compact
-  def __call__(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
-    cfg, ctx = self.cfg, _Context(self.cfg, self.mesh)
+  def __call__(self, tokens: jax.Array, deterministic: bool = True,
+               return_hidden: bool = False) -> jax.Array:
+    """return_hidden: the final-LN hidden states [B, S, h] instead of the logits, for a loss
+    that applies the tied embedding itself (the chunked cross-entropy, t5x_like/losses.py)."""
+    cfg, ctx = self.cfg, Context(self.cfg, self.mesh)
     std = cfg.weight_init_std
     emb = _param(self, 'word_embeddings', nn.initializers.normal(std),
                  (self.padded_vocab, cfg.hidden_size), ('vocab', 'embed'))
     emb = emb.astype(ctx.dtype)
-    x = jnp.take(emb, tokens, axis=0)
+    x = jnp.take(emb, tokens, axis=0)  # vocab-split table: masked local lookup + all-reduce
     if cfg.architecture == 'gpt2':
       pos = _param(self, 'position_embeddings', nn.initializers.normal(std),
                    (cfg.max_position_embeddings, cfg.hidden_size), ('positions', 'embed'))
@@ -196,17 +201,51 @@ class Transformer(nn.Module):
         variable_axes={'params': 0},
         split_rngs={'params': True, 'dropout': True},
         length=cfg.num_layers,
+        unroll=cfg.num_layers if cfg.scan_unroll else 1,
         metadata_params={nn.PARTITION_NAME: 'layers'},
     )(ctx, deterministic, name='layers')
     x, _ = layers(x, None)
     x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype, name='final_ln')(x)
+    if return_hidden:
+      return x
+    return tied_logits(x, emb, cfg.vocab_size, ctx)
 
-    # Tied output projection; the logits stay split over `tensor` on the vocabulary dim.
-    logits = jnp.einsum('bse,ve->bsv', x, emb, preferred_element_type=jnp.float32)
-    logits = ctx.constrain(logits, ('batch', 'length', 'act_vocab'))
-    # Padded rows can never be predicted, so an imported HF model keeps its exact softmax.
-    valid = jnp.arange(self.padded_vocab) < cfg.vocab_size
-    return jnp.where(valid, logits, jnp.finfo(jnp.float32).min)
+
+def tied_logits(x, emb, vocab_size: int, ctx: Context):
+  """fp32 logits from the tied embeddings, split over the vocabulary; padded rows masked."""
+  logits = jnp.einsum('bse,ve->bsv', x, emb.astype(ctx.dtype), preferred_element_type=jnp.float32)
+  logits = ctx.constrain(logits, ('batch', 'length', 'act_vocab'))
+  # Padded rows can never be predicted, so an imported HF model keeps its exact softmax.
+  valid = jnp.arange(emb.shape[0]) < vocab_size
+  return jnp.where(valid, logits, jnp.finfo(jnp.float32).min)
+
+
+def embed_tokens(params, tokens, cfg: ModelConfig, ctx: Context):
+  """The Transformer's input side (token lookup, positions or embedding LN) on a param tree."""
+  x = jnp.take(params['word_embeddings'].astype(ctx.dtype), tokens, axis=0)
+  if cfg.architecture == 'gpt2':
+    x = x + params['position_embeddings'][:tokens.shape[1]].astype(ctx.dtype)[None]
+  else:
+    x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply({'params': params['embed_ln']}, x)
+  return ctx.constrain(x, ('batch', 'length', 'act_embed'))
+
+
+def output_logits(params, x, cfg: ModelConfig, ctx: Context):
+  """The Transformer's output side (final LN, tied logits) on a param tree."""
+  x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply({'params': params['final_ln']}, x)
+  return tied_logits(x, params['word_embeddings'], cfg.vocab_size, ctx)
+
+
+def apply_block(layer_params, x, ctx: Context, deterministic: bool = True, dropout_rng=None):
+  """One transformer block (params of a single layer, unstacked) on x."""
+  rngs = {'dropout': dropout_rng} if dropout_rng is not None else {}
+  y, _ = Block(ctx, deterministic).apply({'params': layer_params}, x, None, rngs=rngs)
+  return y
+
+
+def remat_policy(name: str):
+  """The jax.checkpoint policy of `model.remat_policy`, or None for no recomputation."""
+  return _REMAT_POLICIES.get(name)
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:

@@ -28,8 +28,8 @@ MESH_AXES = ('data', 'pipeline', 'tensor')
 # Logical axis -> mesh axis (None: replicated). Parameter axes first, then activation axes.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     # parameters
-    ('layers', None),  # The stacked-layer dim; the pipeline issue maps it to stages.
-    ('vocab', 'tensor'),
+    ('layers', 'pipeline'),  # Stage-major layer slots: each stage holds its own (pipeline.py).
+    ('vocab', ('tensor', 'pipeline')),  # Spread over every stage, not whole on the first/last.
     ('embed', None),
     ('positions', None),
     ('heads', 'tensor'),
@@ -38,11 +38,12 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ('mlp', 'tensor'),
     # activations
     ('batch', 'data'),
+    ('stages', 'pipeline'),
     ('length', None),
     ('act_embed', None),
     ('act_heads', 'tensor'),
     ('act_mlp', 'tensor'),
-    ('act_vocab', 'tensor'),
+    ('act_vocab', ('tensor', 'pipeline')),
 )
 _RULES = dict(LOGICAL_AXIS_RULES)
 
@@ -57,6 +58,31 @@ def logical_to_mesh(names: Sequence[str | None]) -> P:
   return P(*mesh_axes)
 
 
+def _axis_size(mesh: Mesh, axes) -> int:
+  if axes is None:
+    return 1
+  axes = axes if isinstance(axes, tuple) else (axes,)
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
+  """Drops trailing mesh axes from a dim until they divide it (e.g. a 250,880-row vocabulary
+  over tensor 4 x pipeline 12 stays split over `tensor` only)."""
+  fitted = []
+  for axes, size in zip(tuple(spec) + (None,) * (len(shape) - len(spec)), shape):
+    axes = axes if isinstance(axes, tuple) or axes is None else (axes,)
+    axes = tuple(a for a in axes or () if mesh.shape[a] > 1)  # size-1 axes split nothing
+    while axes and size % _axis_size(mesh, axes):
+      axes = axes[:-1]
+    fitted.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+  return P(*fitted)
+
+
+def spec_for(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
+  """The rule spec of a tensor of this shape, fitted to what the mesh divides."""
+  return fit_spec(logical_to_mesh(names), shape, mesh)
+
+
 def zero_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
   """Rule spec plus a `data` split (ZeRO-1) on one dim that `data` divides.
 
@@ -64,7 +90,7 @@ def zero_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> 
   further (`('tensor', 'data')`). Never the stacked `layers` dim. Tiny tensors that nothing
   divides stay replicated over `data`.
   """
-  spec = list(logical_to_mesh(names))
+  spec = list(spec_for(names, shape, mesh))
   data = mesh.shape['data']
   if data == 1:
     return P(*spec)
@@ -74,10 +100,11 @@ def zero_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> 
     spec[max(free, key=lambda i: shape[i])] = 'data'
     return P(*spec)
   split = [i for i in dims if spec[i] is not None and
-           shape[i] % (mesh.shape[spec[i]] * data) == 0]
+           shape[i] % (_axis_size(mesh, spec[i]) * data) == 0]
   if split:
     best = max(split, key=lambda i: shape[i])
-    spec[best] = (spec[best], 'data')
+    axes = spec[best] if isinstance(spec[best], tuple) else (spec[best],)
+    spec[best] = axes + ('data',)
   return P(*spec)
 
 
@@ -134,7 +161,7 @@ def tree_shardings(mesh: Mesh, logical_names, shapes, zero: bool):
   is_names = lambda x: isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
 
   def one(names, shape):
-    spec = zero_spec(names, shape, mesh) if zero else logical_to_mesh(names)
+    spec = zero_spec(names, shape, mesh) if zero else spec_for(names, shape, mesh)
     return NamedSharding(mesh, spec)
 
   return jax.tree.map(one, logical_names, shapes, is_leaf=is_names)

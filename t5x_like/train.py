@@ -3,7 +3,9 @@
   python -m t5x_like.train --config configs/tiny.py --workdir DIR [--config.train.steps=N ...]
   python -m t5x_like.train --gin_file configs/tiny.gin --workdir DIR [--gin_bindings 'train.steps=N']
 
-A workdir that already holds checkpoints resumes from the latest one.
+A workdir that already holds checkpoints resumes from the latest one. Exit codes (runtime.py):
+0 finished (or stopped by the kill switch), 2 bad config or checkpoint, 3 saved before a time
+limit or on SIGTERM/SIGUSR1: requeue to continue.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+# First, so that runtime.exit_duration_mins counts from process start.
+from t5x_like import runtime  # isort: skip
 from t5x_like.config import (Config, ConfigError, load_config_file, load_gin,
                              parse_override_value)
 
@@ -61,16 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     cfg, workdir = parse_args(sys.argv[1:] if argv is None else argv)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
-    return 2
+    return runtime.ExitCode.BAD_INPUT
+  if runtime.kill_switch_present(cfg.runtime.kill_switch_path):
+    # Every job of an array that starts after the switch was set leaves at once, untouched.
+    print(f'> kill switch {cfg.runtime.kill_switch_path} exists: exiting without training '
+          '(remove the file to train)', flush=True)
+    return runtime.ExitCode.FINISHED
   # JAX starts only once the config is known to be good.
   from t5x_like.checkpoints import CheckpointError
   from t5x_like.trainer import Trainer
   try:
-    Trainer(cfg, workdir).run()
+    trainer = Trainer(cfg, workdir)
+    trainer.run()
   except (ConfigError, CheckpointError) as e:
     print(f'error: {e}', file=sys.stderr)
-    return 2
-  return 0
+    return runtime.ExitCode.BAD_INPUT
+  return runtime.exit_code(trainer.stop_reason)
 
 
 if __name__ == '__main__':

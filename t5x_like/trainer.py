@@ -21,7 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from t5x_like import checkpoints, metrics, model as model_lib, optim, partitioning
+from t5x_like import checkpoints, metrics, model as model_lib, optim, partitioning, pipeline
+from t5x_like import losses
+from t5x_like import runtime
 from t5x_like.config import Config, ConfigError
 from t5x_like.data import SampleSource, load_default
 from t5x_like.train_state import Progress, StateLayout, TrainState, make_layout
@@ -35,17 +37,17 @@ def make_train_step(cfg: Config, layout: StateLayout):
   dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
 
   def loss_fn(compute_params, tokens, rng):
-    logits = model.apply({'params': compute_params}, tokens[:, :-1], deterministic=not dropout,
-                         rngs={'dropout': rng})
-    return model_lib.cross_entropy(logits, tokens[:, 1:]).mean()
+    # 'dense' or 'chunked' cross-entropy (model.cross_entropy_impl), see losses.py.
+    return losses.token_losses(model, compute_params, tokens, deterministic=not dropout,
+                               rngs={'dropout': rng}).mean()
 
-  def step(state: TrainState, batch, consumed_samples, iteration):
+  def accumulated_loss_and_grads(params, batch, rng):
+    """No pipeline: micro-batches one after another, fp32 accumulation in the ZeRO layout."""
     # Cast once per step and constrain to the rule sharding: this all-gathers the compute-dtype
     # copy of the ZeRO-split master params (DeepSpeed's bf16 weights), not the fp32 ones.
     compute_params = jax.tree.map(
-        lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s), state.params,
+        lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s), params,
         layout.compute_param_shardings)
-    rng = jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), iteration)
     num_micro = batch.shape[0]
 
     def accumulate(carry, xs):
@@ -58,11 +60,29 @@ def make_train_step(cfg: Config, layout: StateLayout):
           grads_acc, grads, zero_shardings)
       return (grads_acc, loss_acc + loss), None
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     (grads, loss_sum), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0.0)),
-                                        (batch, jnp.arange(num_micro)))
-    grads = jax.tree.map(lambda g: g / num_micro, grads)
-    loss = loss_sum / num_micro
+                                        (batch, jnp.arange(num_micro)),
+                                        unroll=cfg.model.scan_unroll)
+    return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grads)
+
+  def pipelined_loss_and_grads(params, batch, rng):
+    """Pipeline: one differentiated schedule over all micro-batches (pipeline.py)."""
+    # The gathered copy stays fp32 and each stage casts at use, so that the scan's transpose
+    # accumulates the gradients of all micro-batches in fp32.
+    compute_params = jax.tree.map(jax.lax.with_sharding_constraint, params,
+                                  layout.compute_param_shardings)
+    ctx = model_lib.Context(cfg.model, layout.mesh)
+    loss, grads = jax.value_and_grad(pipeline.pipeline_loss)(
+        compute_params, batch, rng, cfg, layout.plan, ctx, not dropout)
+    return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, zero_shardings)
+
+  loss_and_grads = (pipelined_loss_and_grads if cfg.mesh.pipeline > 1
+                    else accumulated_loss_and_grads)
+
+  def step(state: TrainState, batch, consumed_samples, iteration):
+    rng = jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), iteration)
+    loss, grads = loss_and_grads(state.params, batch, rng)
     grads, grad_norm = optim.clip_by_global_norm(grads, cfg.optimizer.clip_grad)
     num_zeros = sum(jnp.sum(g == 0) for g in jax.tree.leaves(grads))
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -79,6 +99,20 @@ def make_train_step(cfg: Config, layout: StateLayout):
   return step
 
 
+def lower_train_step(cfg: Config, layout: StateLayout, num_microbatches: int):
+  """The jitted step with explicit shardings and donated state, lowered for abstract inputs."""
+  batch_sharding = NamedSharding(layout.mesh, P(None, 'data', None))
+  step = jax.jit(make_train_step(cfg, layout),
+                 in_shardings=(layout.shardings, batch_sharding, None, None),
+                 out_shardings=(layout.shardings, None),
+                 donate_argnums=(0,))
+  rows = cfg.train.micro_batch_size * cfg.mesh.data
+  batch = jax.ShapeDtypeStruct((num_microbatches, rows, cfg.train.seq_len + 1), jnp.int32,
+                               sharding=batch_sharding)
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  return step.lower(layout.abstract, batch, scalar, scalar)
+
+
 class Trainer:
   """Owns a run: mesh, state layout, data, checkpoints, metrics; `run()` trains to the end."""
 
@@ -88,9 +122,14 @@ class Trainer:
     prepare_workdir(self.workdir)
     self.ckpt_root = os.path.join(self.workdir, 'checkpoints')
     self.resume_step = checkpoints.available_steps(self.ckpt_root)
+    self.restart_notes: list[str] = []  # logged once the writer exists
+    self.data_seed = cfg.train.seed
     if self.resume_step:
-      checkpoints.check_compatible(checkpoints.read_config(self.ckpt_root), cfg,
-                                   f'the checkpoint in {self.ckpt_root} (this workdir resumes it)')
+      what = f'the checkpoint in {self.ckpt_root} (this workdir resumes it)'
+      checkpoints.check_compatible(checkpoints.read_config(self.ckpt_root), cfg, what)
+      self.resume_meta = checkpoints.read_meta(self.ckpt_root)
+      checkpoints.check_lr_schedule(self.resume_meta, cfg, what)
+      cfg = self.cfg = self._resumed_config(cfg, self.resume_meta)
     elif cfg.checkpoint.init_from:
       checkpoints.check_compatible(checkpoints.read_config(cfg.checkpoint.init_from), cfg,
                                    f'checkpoint.init_from={cfg.checkpoint.init_from}')
@@ -101,26 +140,67 @@ class Trainer:
     if self.is_writer:
       _atomic_write(os.path.join(self.workdir, 'config.json'), cfg.to_json() + '\n')
     self.layout = make_layout(cfg, self.mesh)
-    self.tokenizer, self.source = load_default(cfg.train.seq_len, cfg.train.seed)
+    self.tokenizer, self.source = load_default(cfg.train.seq_len, self.data_seed)
     if self.tokenizer.vocab_size > cfg.model.vocab_size:
       raise ConfigError(f'the tokenizer has {self.tokenizer.vocab_size} tokens but '
                         f'model.vocab_size is {cfg.model.vocab_size}; set model.vocab_size >= '
                         f'{self.tokenizer.vocab_size}')
-    rows = cfg.train.micro_batch_size * cfg.mesh.data
     self.batch_sharding = NamedSharding(self.mesh, P(None, 'data', None))
-    self.batch_shape = (cfg.num_microbatches, rows, cfg.train.seq_len + 1)
+    self._compiled = {}  # one compiled step per number of micro-batches (batch-size ramp-up)
     self.checkpointer = checkpoints.Checkpointer(self.ckpt_root, cfg.checkpoint.save_interval,
-                                                 cfg.checkpoint.max_to_keep)
+                                                 cfg.checkpoint.max_to_keep, self.layout,
+                                                 keep_period=cfg.checkpoint.keep_period)
 
   # ---------------------------------------------------------------------------------- set-up
 
+  def _resumed_config(self, cfg: Config, meta: dict[str, Any]) -> Config:
+    """The config a resumed run trains with: the checkpoint's data order and (with load_rng) its
+    dropout seed; notes for the log say where the config's values were not used."""
+    self.data_seed = meta['data']['seed']
+    if self.data_seed != cfg.train.seed:
+      self.restart_notes.append(f'> data order: seed {self.data_seed} of the checkpoint (the data '
+                                'position is always resumed; train.seed does not change it)')
+    if cfg.checkpoint.override_lr_scheduler and (checkpoints.lr_schedule(cfg) !=
+                                                 meta['lr_schedule']):
+      self.restart_notes.append(f'> checkpoint.override_lr_scheduler: the config\'s schedule '
+                                f'{checkpoints.lr_schedule(cfg)} replaces the checkpoint\'s '
+                                f'{meta["lr_schedule"]}')
+    saved_seed = meta['rng']['seed']
+    if not cfg.checkpoint.load_rng:
+      note = ('the same stream as the checkpoint\'s: set another train.seed for new masks'
+              if saved_seed == cfg.train.seed else f'not the checkpoint\'s seed {saved_seed}')
+      self.restart_notes.append(f'> checkpoint.load_rng=False: dropout seed {cfg.train.seed} from '
+                                f'the config ({note})')
+      return cfg
+    if saved_seed != cfg.train.seed:
+      self.restart_notes.append(f'> dropout seed {saved_seed} from the checkpoint (config: '
+                                f'{cfg.train.seed}; checkpoint.load_rng=False would use it)')
+      return cfg.replace(train={'seed': saved_seed})
+    return cfg
+
+  def save_checkpoint(self, state: TrainState, progress: Progress) -> bool:
+    meta = checkpoints.make_meta(self.cfg, progress, self.data_seed, self.adam_count_base)
+    return self.checkpointer.save(state, progress, self.cfg, meta)
+
   def initial_state(self) -> tuple[TrainState, Progress]:
     cfg = self.cfg
+    # Iteration and skipped count at which the Adam step count was 0 (`ckpt verify` checks it).
+    self.adam_count_base = {'iteration': 0, 'skipped_iterations': 0}
     if self.resume_step:
-      state, progress = checkpoints.restore(self.ckpt_root, self.layout, cfg)
+      load_optimizer = cfg.checkpoint.load_optimizer
+      state, progress = checkpoints.restore(self.ckpt_root, self.layout, cfg,
+                                            load_optimizer=load_optimizer)
       self.writer.truncate_after(progress.iteration)
       self.writer.info(f'> resumed from {self.ckpt_root}/{progress.iteration}: '
                        f'{progress.consumed_samples} samples consumed')
+      self.adam_count_base = dict(self.resume_meta['adam_count_base'])
+      if not load_optimizer:
+        self.adam_count_base = {'iteration': progress.iteration,
+                                'skipped_iterations': progress.skipped_iterations}
+        self.writer.info('> checkpoint.load_optimizer=False: fresh Adam moments, Adam step count 0 '
+                         '(drop the key once this job has saved, or every restart resets them)')
+      for note in self.restart_notes:
+        self.writer.info(note)
       return state, progress
     if cfg.checkpoint.init_from:
       params = checkpoints.restore_params(cfg.checkpoint.init_from, self.layout, cfg)
@@ -128,43 +208,93 @@ class Trainer:
       return TrainState(params, self.layout.fresh_opt_state(params)), Progress()
     return self.layout.init(cfg.train.seed), Progress()
 
-  def global_batch(self, consumed_samples: int) -> jax.Array:
+  def batch_shape(self, global_batch_size: int) -> tuple[int, int, int]:
+    rows = self.cfg.train.micro_batch_size * self.cfg.mesh.data
+    return (global_batch_size // rows, rows, self.cfg.train.seq_len + 1)
+
+  def global_batch(self, consumed_samples: int, global_batch_size: int) -> jax.Array:
     """The global batch as a sharded array; each device reads only the rows it holds."""
-    rows_per_micro = self.batch_shape[1]
+    shape = self.batch_shape(global_batch_size)
+    rows_per_micro = shape[1]
 
     def rows_for(index) -> np.ndarray:
       micro_slice, row_slice = index[0], index[1]
-      micro = range(*micro_slice.indices(self.batch_shape[0]))
+      micro = range(*micro_slice.indices(shape[0]))
       start, stop, _ = row_slice.indices(rows_per_micro)
       return np.stack([self.source.rows(consumed_samples + m * rows_per_micro + start,
                                         consumed_samples + m * rows_per_micro + stop)
                        for m in micro])[..., index[2]]
 
-    return jax.make_array_from_callback(self.batch_shape, self.batch_sharding, rows_for)
+    return jax.make_array_from_callback(shape, self.batch_sharding, rows_for)
 
-  def compile(self, state: TrainState):
-    step = jax.jit(make_train_step(self.cfg, self.layout),
-                   in_shardings=(self.layout.shardings, self.batch_sharding, None, None),
-                   out_shardings=(self.layout.shardings, None),
-                   donate_argnums=(0,))
+  def step_for(self, global_batch_size: int):
+    """The compiled step for this global batch size (compiled once per micro-batch count)."""
+    shape = self.batch_shape(global_batch_size)
+    if shape[0] not in self._compiled:
+      self._compiled[shape[0]] = self.compile(shape)
+    return self._compiled[shape[0]]
+
+  def compile(self, batch_shape: tuple[int, int, int]):
     start = time.perf_counter()
-    batch = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    compiled = step.lower(self.layout.abstract, batch, scalar, scalar).compile()
-    self.writer.info(f'> compiled the train step {self.batch_shape} in '
-                     f'{time.perf_counter() - start:.1f} s')
+    compiled = lower_train_step(self.cfg, self.layout, batch_shape[0]).compile()
+    bubble = ''
+    if self.cfg.mesh.pipeline > 1:
+      bubble = f', pipeline bubble {self.layout.plan.bubble_fraction(batch_shape[0]):.3f}'
+    self.writer.info(f'> compiled the train step for {batch_shape[0]} micro-batch(es) of '
+                     f'{batch_shape[1]}x{batch_shape[2]} tokens in '
+                     f'{time.perf_counter() - start:.1f} s{bubble}')
     return compiled
 
   def total_iterations(self) -> int:
+    """Iterations until train.steps or train.train_samples, following the batch ramp-up."""
     t = self.cfg.train
-    by_samples = math.ceil(t.train_samples / t.global_batch_size) if t.train_samples else None
-    if t.steps and by_samples:
-      return min(t.steps, by_samples)
-    return t.steps or by_samples
+    if not t.rampup_batch_size:
+      by_samples = math.ceil(t.train_samples / t.global_batch_size) if t.train_samples else None
+      return min(t.steps, by_samples) if t.steps and by_samples else t.steps or by_samples
+    iterations, consumed = 0, 0
+    while (not t.steps or iterations < t.steps) and (not t.train_samples or
+                                                     consumed < t.train_samples):
+      consumed += t.global_batch_size_at(consumed)
+      iterations += 1
+    return iterations
+
+  def describe_pipeline(self) -> str:
+    """Stage plan, and parameters held per stage (all of a stage's tensor ranks together)."""
+    plan, sizes = self.layout.plan, []
+    per_slot, shared = 0, 0
+    for path, a in jax.tree_util.tree_flatten_with_path(self.layout.abstract.params)[0]:
+      if pipeline._is_layer_leaf(path):
+        per_slot += a.size // plan.num_slots
+      else:
+        axes = [x for ax in a.sharding.spec if ax
+                for x in (ax if isinstance(ax, tuple) else (ax,))]
+        shared += a.size // (self.mesh.shape['pipeline'] if 'pipeline' in axes else 1)
+    for s in range(plan.stages):
+      sizes.append((plan.layers_per_stage()[s] * per_slot + shared) / 1e6)
+    return (f'> pipeline: {plan.describe()}; parameters per stage (M): '
+            f'{[round(x, 2) for x in sizes]} (embedding spread over stages: '
+            f'{self.cfg.padded_vocab_size % (self.cfg.mesh.tensor * plan.stages) == 0})')
 
   # ------------------------------------------------------------------------------------ loop
 
   def run(self) -> Progress:
+    """Trains to the end or until a stop condition; `stop_reason` says which (None: the end).
+
+    A kill switch present at start-up stops the run before any work. SIGTERM and SIGUSR1 are
+    caught for the whole run, so one arriving during compilation stops it cleanly too.
+    """
+    rt = self.cfg.runtime
+    self.stop_reason = None
+    if runtime.kill_switch_present(rt.kill_switch_path):
+      self.stop_reason = runtime.StopReason.KILL_SWITCH
+      self.writer.info(f'> kill switch {rt.kill_switch_path} exists: exiting without training '
+                       '(remove the file to train)')
+      return (checkpoints.read_progress(self.ckpt_root) if self.resume_step else Progress())
+    with runtime.StopConditions(rt.kill_switch_path, rt.exit_duration_mins,
+                                num_processes=jax.process_count()) as stop:
+      return self._train(stop)
+
+  def _train(self, stop: runtime.StopConditions) -> Progress:
     cfg = self.cfg
     num_params = cfg.model.num_params(cfg.mesh.tensor)
     self.writer.info(f'> t5x_like: {cfg.model.architecture} with {num_params / 1e6:.2f}M params '
@@ -174,15 +304,24 @@ class Trainer:
                      f'{cfg.train.micro_batch_size} per data rank')
     peak, peak_source = metrics.device_peak_tflops(cfg.model.dtype)
     self.writer.info(f'> MFU reference: {peak:.4f} TFLOP/s per device ({peak_source})')
+    if cfg.mesh.pipeline > 1:
+      self.writer.info(self.describe_pipeline())
     state, progress = self.initial_state()
-    compiled = self.compile(state)
+    start_iteration = progress.iteration
     total = self.total_iterations()
-    gbs, seq = cfg.train.global_batch_size, cfg.train.seq_len
-    flops = metrics.megatron_flops_per_iteration(cfg, gbs, seq)
+    seq = cfg.train.seq_len
     n_devices = cfg.mesh.num_devices
     while progress.iteration < total:
+      self.stop_reason = stop.poll()
+      if self.stop_reason is not None:
+        self.writer.info(f'> stopping at iteration {progress.iteration}: '
+                         f'{stop.describe(self.stop_reason)}')
+        break
+      gbs = cfg.train.global_batch_size_at(progress.consumed_samples)
+      compiled = self.step_for(gbs)
+      flops = metrics.megatron_flops_per_iteration(cfg, gbs, seq)
       start = time.perf_counter()
-      batch = self.global_batch(progress.consumed_samples)
+      batch = self.global_batch(progress.consumed_samples, gbs)
       state, stats = compiled(state, batch, jnp.int32(progress.consumed_samples),
                               jnp.int32(progress.iteration))
       stats = jax.device_get(stats)
@@ -210,13 +349,19 @@ class Trainer:
           'skipped_iterations': progress.skipped_iterations,
           'nan_iterations': progress.nan_iterations,
       }
+      if cfg.mesh.pipeline > 1:
+        record['pipeline_bubble'] = self.layout.plan.bubble_fraction(
+            self.batch_shape(gbs)[0])
       self.writer.record(record, total)
       if self.checkpointer.should_save(progress.iteration):
-        self.checkpointer.save(state, progress, cfg)
-    self.checkpointer.save(state, progress, cfg)
+        self.save_checkpoint(state, progress)
+    if progress.iteration > start_iteration:  # at the end, or before leaving early
+      self.save_checkpoint(state, progress)
     self.checkpointer.close()
-    self.writer.info(f'> done: {progress.iteration} iterations, '
-                     f'{progress.consumed_samples} samples')
+    code = runtime.exit_code(self.stop_reason)
+    self.writer.info(f'> {"done" if self.stop_reason is None else "stopped"}: '
+                     f'{progress.iteration} iterations, {progress.consumed_samples} samples; '
+                     f'exit code {int(code)} ({code.name})')
     self.final_state = state
     return progress
 

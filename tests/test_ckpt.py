@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -80,3 +81,193 @@ def test_cli_subprocesses_and_bad_inputs(tmp_path):
   np.save(data, np.full((2, 4), 999))
   assert evaluate.main(['--checkpoint', out, '--data', data]) == 2
   assert evaluate.main(['--checkpoint', str(tmp_path / 'none'), '--data', data]) == 2
+
+
+# ------------------------------------------------- inspect / diff / verify / stats, bad input
+
+
+def save_fake_run(root, steps, mesh=(2, 1, 2), seed=0, edit=None, count=None, model=None):
+  """Checkpoints of a small BLOOM on `mesh` (initial weights of `seed`, Adam moments filled
+  with non-zero values), one per step, whose Adam count is consistent unless `count` says."""
+  import jax
+  import jax.numpy as jnp
+  from conftest import small_config
+  from t5x_like import checkpoints, partitioning
+  from t5x_like.train_state import Progress, TrainState, make_layout
+  cfg = small_config(mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh)),
+                     model=model or {}).validate()
+  layout = make_layout(cfg, partitioning.make_mesh(*mesh))
+  state = layout.init(seed)
+  adam = state.opt_state[0]
+  checkpointer = checkpoints.Checkpointer(root, 1, 10, layout)
+  for step in steps:
+    params = edit(state.params) if edit else state.params
+    moments = jax.tree.map(lambda p: jnp.abs(p) + 1e-3, state.params)
+    opt = (adam._replace(count=jnp.int32(step if count is None else count), mu=moments,
+                         nu=jax.tree.map(jnp.square, moments)), *state.opt_state[1:])
+    progress = Progress(iteration=step, consumed_samples=8 * step,
+                        consumed_tokens=8 * step * cfg.train.seq_len)
+    meta = checkpoints.make_meta(cfg, progress, cfg.train.seed,
+                                 {'iteration': 0, 'skipped_iterations': 0})
+    checkpointer.save(TrainState(params, opt), progress, cfg, meta)
+  checkpointer.close()
+  return cfg, layout
+
+
+@pytest.fixture(scope='module')
+def fake_run(tmp_path_factory):
+  root = str(tmp_path_factory.mktemp('fake') / 'checkpoints')
+  save_fake_run(root, steps=(1, 2))
+  return root
+
+
+def run_ckpt(capsys, *argv):
+  code = ckpt.main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def test_inspect_shows_step_config_and_tensors_from_metadata_only(fake_run, capsys, monkeypatch):
+  from t5x_like import ckpt_tools
+
+  def no_data(*_):
+    raise AssertionError('inspect read tensor data')
+
+  monkeypatch.setattr(ckpt_tools.CheckpointReader, 'chunks', no_data)
+  code, out, _ = run_ckpt(capsys, 'inspect', fake_run, '--step', '1', '--json')
+  assert code == 0
+  info = json.loads(out)
+  assert (info['step'], info['steps_in_root'], info['progress']['iteration']) == (1, [1, 2], 1)
+  assert info['saved_mesh'] == {'data': 2, 'pipeline': 1, 'tensor': 2}
+  assert info['model']['num_layers'] == 2 and info['meta']['lr_schedule']['lr'] == 1e-3
+  tensors = {t['name']: t for t in info['tensors']}
+  emb = tensors['params/word_embeddings']
+  assert (emb['shape'], emb['dtype'], emb['bytes']) == ([1024, 64], 'float32', 1024 * 64 * 4)
+  assert emb['sharding'] == "P('tensor', 'data') on data=2 pipeline=1 tensor=2"
+  assert tensors['opt_state/0.count']['dtype'] == 'int32'
+  assert {'opt_state/0.mu.word_embeddings', 'opt_state/0.nu.word_embeddings'} <= set(tensors)
+  assert info['total_bytes']['opt_state'] == 2 * info['total_bytes']['params'] + 4
+  assert 0 < info['disk_bytes']
+  code, out, _ = run_ckpt(capsys, 'inspect', os.path.join(fake_run, '2'))  # a step directory
+  assert code == 0
+  assert 'step 2' in out and 'params/layers.attn.qkv_kernel' in out and 'total: params' in out
+
+
+def test_diff_reports_each_tensor_and_fails_beyond_atol(fake_run, tmp_path, capsys):
+  code, out, _ = run_ckpt(capsys, 'diff', fake_run, os.path.join(fake_run, '1'))
+  assert code == 1  # steps 2 and 1 differ in the Adam step count only
+  assert 'opt_state/0.count' in out.splitlines()[-1] and 'params/' not in out.splitlines()[-1]
+  code, out, _ = run_ckpt(capsys, 'diff', fake_run, fake_run, '--step-b', '2')
+  assert code == 0 and 'every tensor is equal within atol=0' in out
+  other = str(tmp_path / 'other')
+  save_fake_run(other, steps=(2,), mesh=(1, 1, 1), edit=lambda p: {
+      **p, 'final_ln': {**p['final_ln'], 'scale': p['final_ln']['scale'] + 1e-3}})
+  code, out, _ = run_ckpt(capsys, 'diff', fake_run, other, '--json')
+  result = json.loads(out)
+  assert code == 1 and result['differ'] == ['params/final_ln.scale']  # saved on another mesh
+  row = next(r for r in result['tensors'] if r['name'] == 'params/final_ln.scale')
+  assert row['max_abs_diff'] == pytest.approx(1e-3, rel=1e-3)
+  assert row['rel_norm_diff'] == pytest.approx(1e-3, rel=1e-3)  # the scale is all ones
+  code, _, _ = run_ckpt(capsys, 'diff', fake_run, other, '--atol', '2e-3')
+  assert code == 0
+
+
+def test_verify_passes_a_sound_checkpoint_and_names_each_failure(fake_run, tmp_path, capsys):
+  code, out, _ = run_ckpt(capsys, 'verify', fake_run)
+  assert code == 0, out
+  for check in ('finite', 'adam step count', 'progress', 'shapes match the config',
+                'restorable', 'replicas identical'):
+    assert f'ok   {check}:' in out
+  assert 'identical on all 4 devices of the saved mesh' in out
+  # The chronicles' step-count bug: a checkpoint whose Adam count restarted at 0.
+  lost = str(tmp_path / 'lost_count')
+  save_fake_run(lost, steps=(3,), count=0)
+  code, out, err = run_ckpt(capsys, 'verify', lost)
+  assert code == 1 and 'FAIL adam step count: Adam step count 0, expected 3' in out
+  assert 'FAILED (adam step count)' in err
+  nan = str(tmp_path / 'nan')
+  import jax.numpy as jnp
+  save_fake_run(nan, steps=(1,), edit=lambda p: {**p, 'word_embeddings':
+                                                  p['word_embeddings'].at[3, 5].set(jnp.nan)})
+  code, out, _ = run_ckpt(capsys, 'verify', nan)
+  assert code == 1
+  assert 'FAIL finite: 1 tensor(s) hold NaN or inf: params/word_embeddings' in out
+
+
+def test_replica_check_finds_a_drifted_layernorm():
+  """What tensor-parallel drift looks like: the copies of a replicated array differ."""
+  import jax
+  from t5x_like import ckpt_tools, partitioning
+  mesh = partitioning.make_mesh(1, 1, 4)
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  copies = [jax.device_put(np.full(8, 1.0 + (i == 3) * 1e-3, np.float32), d)
+            for i, d in enumerate(mesh.devices.flat)]
+  drifted = jax.make_array_from_single_device_arrays((8,), sharding, copies)
+  same = jax.device_put(np.ones(8, np.float32), sharding)
+  assert ckpt_tools.replica_mismatches({'ln': {'scale': drifted, 'bias': same}}) == [
+      "['ln']['scale']"]
+
+
+def test_stats_streams_params_and_both_adam_moments(fake_run, capsys, monkeypatch):
+  from t5x_like import checkpoints, ckpt_tools
+  monkeypatch.setattr(ckpt_tools, 'CHUNK_BYTES', 4096)  # many slices per tensor
+  code, out, _ = run_ckpt(capsys, 'stats', fake_run, '--json')
+  assert code == 0
+  rows = {r['name']: r for r in json.loads(out)}
+  assert {r['group'] for r in rows.values()} == {'params', 'adam_mu', 'adam_nu'}
+  reader = ckpt_tools.CheckpointReader(fake_run)
+  for name in ('params/word_embeddings', 'opt_state/0.nu.layers.mlp.wi_kernel',
+               'params/final_ln.bias'):
+    info = next(t for t in reader.tensors() if t.key == name)
+    x = np.concatenate([c.reshape(-1) for c in reader.chunks(info)]).astype(np.float64)
+    r = rows[name]
+    assert r['norm'] == pytest.approx(np.linalg.norm(x), rel=1e-9)
+    assert r['mean'] == pytest.approx(x.mean(), rel=1e-9, abs=1e-15)
+    assert r['std'] == pytest.approx(x.std(), rel=1e-9, abs=1e-15)
+    assert (r['min'], r['max']) == (x.min(), x.max())
+    assert r['zero_fraction'] == pytest.approx(np.mean(x == 0))
+  assert rows['params/final_ln.bias']['zero_fraction'] == 1.0  # biases start at 0
+  code, out, _ = run_ckpt(capsys, 'stats', fake_run)
+  assert code == 0 and 'opt_state/0.mu.word_embeddings' in out
+
+
+def test_bad_checkpoints_are_one_message_and_a_nonzero_exit(fake_run, tmp_path, capsys):
+  def fails(code_wanted, message, *argv):
+    code, out, err = run_ckpt(capsys, *argv)
+    assert code == code_wanted and message in err, (argv, code, out, err)
+    assert len(err.strip().splitlines()) == 1 and 'Traceback' not in err
+
+  fails(2, 'does not exist', 'inspect', str(tmp_path / 'nope'))
+  os.makedirs(tmp_path / 'empty')
+  fails(2, 'holds no complete checkpoint', 'verify', str(tmp_path / 'empty'))
+  fails(2, 'step 7 is not in', 'stats', fake_run, '--step', '7')
+  fails(2, 'is step 2, but step 1 was asked for', 'inspect', os.path.join(fake_run, '2'),
+        '--step', '1')
+  truncated, removed = str(tmp_path / 'truncated'), str(tmp_path / 'removed')
+  for copy in (truncated, removed):
+    shutil.copytree(fake_run, copy)
+  data = os.path.join(truncated, '2', 'params', 'ocdbt.process_0', 'd')
+  os.truncate(max((os.path.join(data, f) for f in os.listdir(data)), key=os.path.getsize), 10)
+  fails(2, 'is damaged', 'stats', truncated)
+  fails(2, 'is damaged', 'verify', truncated)
+  fails(2, 'is damaged', 'diff', fake_run, truncated)
+  os.remove(os.path.join(removed, '2', 'params', '_METADATA'))
+  fails(2, 'is damaged: the metadata of its params item cannot be read', 'inspect', removed)
+  # Another model shape: diff lists it; a config that does not match the arrays fails verify.
+  wide = str(tmp_path / 'wide')
+  save_fake_run(wide, steps=(2,), mesh=(1, 1, 1), model=dict(hidden_size=32, num_heads=4))
+  code, out, _ = run_ckpt(capsys, 'diff', fake_run, wide)
+  assert code == 1 and 'shapes differ: (1024, 64) vs (1024, 32)' in out
+  shutil.rmtree(os.path.join(wide, '2', 'config'))
+  shutil.copytree(os.path.join(fake_run, '2', 'config'), os.path.join(wide, '2', 'config'))
+  code, out, _ = run_ckpt(capsys, 'verify', wide)
+  assert code == 1 and 'FAIL shapes match the config: params/embed_ln.bias (32,)' in out
+  assert 'FAIL restorable:' in out
+
+
+def test_ckpt_tools_from_the_command_line(fake_run):
+  r = run_cli(['-m', 't5x_like.ckpt', 'verify', fake_run])
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.strip().endswith('/2: verified') and 'Traceback' not in r.stderr
+  r = run_cli(['-m', 't5x_like.ckpt', 'inspect', '/no/such/checkpoints'])
+  assert r.returncode == 2 and r.stderr.startswith('error: checkpoint path /no/such')

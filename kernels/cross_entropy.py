@@ -1,0 +1,149 @@
+"""Vocabulary-parallel, chunked softmax cross-entropy that never holds the full fp32 logits.
+
+    from t5x_like.kernels import vocab_parallel_cross_entropy
+    losses = vocab_parallel_cross_entropy(hidden, embedding, labels, vocab_size=V)
+
+`hidden` [..., E] are the final hidden states and `embedding` [V_pad, E] the (tied) output
+projection; the loss of each token is logsumexp(hidden . embedding^T) - the label's logit, with
+rows >= `vocab_size` (vocabulary padding) excluded from the softmax. The logits exist one
+[tokens, chunk] fp32 tile at a time, in the forward pass and again (recomputed) in the backward
+pass of a `custom_vjp`, so the loss needs memory for one chunk instead of tokens x vocab; the
+gradient of the embedding is written chunk by chunk.
+
+Vocabulary parallelism (Megatron's): inside a `shard_map` whose `axis_name` splits the vocabulary,
+`embedding` is the local [V_pad / n, E] shard; each shard reduces its own rows and the shards
+combine their log-sum-exps and label logits with [tokens]-sized collectives.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Finite, so a chunk (or a whole shard) of padding rows contributes exp(-huge) = 0 without the
+# NaNs of -inf - -inf.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def pick_chunk(num_rows: int, chunk_size: int) -> int:
+  """The largest chunk <= chunk_size that divides num_rows (no padded copy of the embedding)."""
+  for num_chunks in range(-(-num_rows // max(1, chunk_size)), num_rows + 1):
+    if num_rows % num_chunks == 0:
+      return num_rows // num_chunks
+  return num_rows
+
+
+def _chunk_logits(hidden, embedding_chunk, chunk_index, chunk: int, valid_rows):
+  logits = jnp.einsum('ne,ce->nc', hidden, embedding_chunk, preferred_element_type=jnp.float32)
+  rows = chunk_index * chunk + jnp.arange(chunk)
+  return jnp.where(rows[None, :] < valid_rows, logits, _MASK_VALUE)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def chunked_logsumexp(hidden, embedding, valid_rows, chunk: int):
+  """log sum_v exp(hidden . embedding[v]) over rows v < valid_rows, in fp32: [N].
+
+  hidden [N, E], embedding [V, E] with chunk dividing V; valid_rows an int32 scalar (traced is
+  fine). Only one [N, chunk] fp32 tile of logits is live at a time.
+  """
+  return _logsumexp_forward(hidden, embedding, valid_rows, chunk)
+
+
+def _logsumexp_forward(hidden, embedding, valid_rows, chunk: int):
+  num_rows, width = embedding.shape
+  chunks = embedding.reshape(num_rows // chunk, chunk, width)
+
+  def combine(running_max, running_sum, logits):
+    new_max = jnp.maximum(running_max, logits.max(-1))
+    new_sum = (running_sum * jnp.exp(running_max - new_max) +
+               jnp.exp(logits - new_max[:, None]).sum(-1))
+    return new_max, new_sum
+
+  def visit(carry, xs):
+    embedding_chunk, index = xs
+    return combine(*carry, _chunk_logits(hidden, embedding_chunk, index, chunk, valid_rows)), None
+
+  # The carry starts from the first chunk rather than from constants, so inside a shard_map it
+  # has the inputs' varying-axes type without naming any mesh axis here.
+  first = _chunk_logits(hidden, chunks[0], 0, chunk, valid_rows)
+  init = (first.max(-1), jnp.exp(first - first.max(-1)[:, None]).sum(-1))
+  (top, total), _ = jax.lax.scan(visit, init, (chunks[1:], jnp.arange(1, num_rows // chunk)))
+  return top + jnp.log(total)
+
+
+def _logsumexp_fwd(hidden, embedding, valid_rows, chunk: int):
+  lse = _logsumexp_forward(hidden, embedding, valid_rows, chunk)
+  return lse, (hidden, embedding, valid_rows, lse)
+
+
+def _logsumexp_bwd(chunk: int, residuals, grad):
+  """d lse_n / d logit_nv = softmax_nv: recompute each tile, never the whole [N, V]."""
+  hidden, embedding, valid_rows, lse = residuals
+  num_rows, width = embedding.shape
+  chunks = embedding.reshape(num_rows // chunk, chunk, width)
+
+  def tile(embedding_chunk, index):
+    logits = _chunk_logits(hidden, embedding_chunk, index, chunk, valid_rows)
+    d_logits = (jnp.exp(logits - lse[:, None]) * grad[:, None]).astype(hidden.dtype)
+    d_hidden = jnp.einsum('nc,ce->ne', d_logits, embedding_chunk,
+                          preferred_element_type=jnp.float32)
+    d_chunk = jnp.einsum('nc,ne->ce', d_logits, hidden, preferred_element_type=jnp.float32)
+    return d_hidden, d_chunk.astype(embedding.dtype)
+
+  def visit(d_hidden, xs):
+    d_hidden_tile, d_chunk = tile(*xs)
+    return d_hidden + d_hidden_tile, d_chunk
+
+  d_hidden, d_first = tile(chunks[0], 0)
+  d_hidden, d_rest = jax.lax.scan(visit, d_hidden, (chunks[1:], jnp.arange(1, num_rows // chunk)))
+  d_embedding = jnp.concatenate([d_first, d_rest.reshape(-1, width)])
+  return d_hidden.astype(hidden.dtype), d_embedding, None
+
+
+chunked_logsumexp.defvjp(_logsumexp_fwd, _logsumexp_bwd)
+
+
+def vocab_parallel_cross_entropy(hidden, embedding, labels, *, vocab_size: int,
+                                 chunk_size: int = 4096, axis_name: str | None = None,
+                                 token_axis_names: tuple[str, ...] = ()):
+  """Per-token fp32 cross-entropy [...] of logits hidden . embedding^T, chunked over the vocabulary.
+
+  hidden [..., E]; labels [...] (ids < vocab_size); embedding [V_local, E], the whole padded
+  vocabulary, or, with axis_name, this shard's rows (shard i holds rows i * V_local onwards).
+  Rows >= vocab_size are padding and never predicted. Differentiable in hidden and embedding.
+  Inside a shard_map, token_axis_names are the mesh axes that split the tokens (the embedding is
+  replicated over them, so its gradient is summed over them).
+  """
+  batch_shape = labels.shape
+  hidden = hidden.reshape(-1, hidden.shape[-1])
+  labels = labels.reshape(-1)
+  local_rows = embedding.shape[0]
+  offset = 0
+  if axis_name is not None:
+    offset = jax.lax.axis_index(axis_name) * local_rows
+    # Every vocabulary shard sees the same tokens; marking them varying makes the transpose sum
+    # the shards' partial d_hidden (a psum over axis_name).
+    hidden = jax.lax.pcast(hidden, axis_name, to='varying')
+  if token_axis_names:
+    embedding = jax.lax.pcast(embedding, tuple(token_axis_names), to='varying')
+  valid_rows = jnp.clip(vocab_size - offset, 0, local_rows).astype(jnp.int32)
+  local_lse = chunked_logsumexp(hidden, embedding, valid_rows, pick_chunk(local_rows, chunk_size))
+
+  # The label's logit from its own embedding row: a gather, not a [tokens, vocab] one-hot.
+  local_label = labels - offset
+  here = (local_label >= 0) & (local_label < valid_rows)
+  rows = jnp.take(embedding, jnp.clip(local_label, 0, local_rows - 1), axis=0)
+  label_logit = jnp.einsum('ne,ne->n', hidden, rows, preferred_element_type=jnp.float32)
+  label_logit = jnp.where(here, label_logit, 0.0)
+
+  if axis_name is None:
+    lse = local_lse
+  else:
+    # log sum_shards exp(lse_shard), stabilised by the largest shard; [tokens]-sized collectives.
+    top = jax.lax.pmax(jax.lax.stop_gradient(local_lse), axis_name)
+    lse = top + jnp.log(jax.lax.psum(jnp.exp(local_lse - top), axis_name))
+    label_logit = jax.lax.psum(label_logit, axis_name)
+  return (lse - label_logit).reshape(batch_shape)

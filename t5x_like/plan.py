@@ -1,0 +1,90 @@
+"""`python -m t5x_like.plan`: compile a config's train step ahead of time and report its cost.
+
+  python -m t5x_like.plan --config configs/bloom_176b.py [--config.key=value ...] [--unroll] [--json]
+
+Nothing is allocated: the step is lowered for abstract (shape-only) state and batch on the
+config's mesh (virtual CPU devices when no accelerator is present) and compiled by XLA. The report
+gives XLA's FLOPs and memory per device against the ideal: the Megatron model FLOPs split evenly
+over the devices, so the pipeline bubble's and recomputation's costs are numbers. XLA's cost
+analysis counts a loop body once, not once per trip: pass --unroll for FLOP counts (the rolled
+compile is what training runs and what the memory figures describe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from t5x_like.config import Config, ConfigError, load_config_file
+from t5x_like.train import parse_overrides
+
+
+def plan(cfg: Config) -> dict:
+  from t5x_like import metrics, partitioning
+  from t5x_like.train_state import make_layout
+  from t5x_like.trainer import lower_train_step
+  mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
+  layout = make_layout(cfg, mesh)
+  start = time.perf_counter()
+  lowered = lower_train_step(cfg, layout, cfg.num_microbatches)
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - start
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  memory = compiled.memory_analysis()
+  devices = cfg.mesh.num_devices
+  model_flops = metrics.megatron_flops_per_iteration(cfg, cfg.train.global_batch_size,
+                                                     cfg.train.seq_len)
+  xla_flops = float(cost.get('flops', 0.0))
+  gib = 1024**3
+  report = {
+      'mesh': [cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor],
+      'pipeline_repeats': cfg.pipeline.repeats,
+      'num_microbatches': cfg.num_microbatches,
+      'params': cfg.model.num_params(cfg.mesh.tensor),
+      'remat_policy': cfg.model.remat_policy,
+      'compile_s': round(compile_s, 1),
+      'xla_flops_per_device': xla_flops,
+      'ideal_flops_per_device': model_flops / devices,
+      'xla_over_ideal': xla_flops / (model_flops / devices) if model_flops else None,
+      'argument_gib': memory.argument_size_in_bytes / gib,
+      'output_gib': memory.output_size_in_bytes / gib,
+      'temp_gib': memory.temp_size_in_bytes / gib,
+      'peak_gib': (memory.argument_size_in_bytes + memory.output_size_in_bytes +
+                   memory.temp_size_in_bytes - memory.alias_size_in_bytes) / gib,
+  }
+  if cfg.mesh.pipeline > 1:
+    report['pipeline_bubble'] = layout.plan.bubble_fraction(cfg.num_microbatches)
+    report['stage_plan'] = layout.plan.describe()
+  return report
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog='python -m t5x_like.plan', description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--config', required=True)
+  parser.add_argument('--json', action='store_true', help='print one JSON object')
+  parser.add_argument('--unroll', action='store_true',
+                      help='unroll every scan so XLA counts each FLOP (slower compile)')
+  args, rest = parser.parse_known_args(argv)
+  try:
+    overrides = parse_overrides(rest)
+    if args.unroll:
+      overrides['model.scan_unroll'] = True
+    cfg = load_config_file(args.config, overrides).validate()
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  report = plan(cfg)
+  if args.json:
+    print(json.dumps(report))
+  else:
+    for key, value in report.items():
+      print(f'{key:>24}: {value:.4g}' if isinstance(value, float) else f'{key:>24}: {value}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,110 @@
+"""Chunked, vocabulary-parallel cross-entropy against the dense logits + model.cross_entropy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from t5x_like.kernels import vocab_parallel_cross_entropy
+from t5x_like.kernels.cross_entropy import pick_chunk
+from t5x_like.model import cross_entropy
+
+PADDED_VOCAB, VOCAB, WIDTH = 512, 450, 16
+
+
+def problem(dtype=jnp.float32, vocab=PADDED_VOCAB, real_vocab=VOCAB, tokens=(2, 12), width=WIDTH):
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  hidden = jax.random.normal(keys[0], (*tokens, width)).astype(dtype)
+  embedding = (jax.random.normal(keys[1], (vocab, width)) * 0.5).astype(dtype)
+  labels = jax.random.randint(keys[2], tokens, 0, real_vocab)
+  return hidden, embedding, labels
+
+
+def dense_losses(hidden, embedding, labels, real_vocab=VOCAB):
+  """What the model's 'dense' path computes: full fp32 logits, padded rows masked."""
+  logits = jnp.einsum('...e,ve->...v', hidden, embedding, preferred_element_type=jnp.float32)
+  logits = jnp.where(jnp.arange(embedding.shape[0]) < real_vocab, logits,
+                     jnp.finfo(jnp.float32).min)
+  return cross_entropy(logits, labels)
+
+
+def value_and_grads(losses_fn, hidden, embedding):
+  return jax.jit(jax.value_and_grad(lambda h, e: losses_fn(h, e).mean(), (0, 1)))(hidden, embedding)
+
+
+def test_pick_chunk_divides_the_vocabulary():
+  assert pick_chunk(512, 100) == 64  # 512 = 8 x 64: the largest divisor <= 100
+  assert pick_chunk(62720, 4096) == 3920  # BLOOM's 250,880 rows over tensor=4: 16 chunks
+  assert pick_chunk(128, 4096) == 128
+  assert pick_chunk(97, 10) == 1  # a prime: one row per chunk, still correct
+
+
+@pytest.mark.parametrize('chunk', [100, 512])
+def test_values_and_gradients_match_dense(chunk):
+  hidden, embedding, labels = problem()
+  chunked = lambda h, e: vocab_parallel_cross_entropy(h, e, labels, vocab_size=VOCAB,
+                                                      chunk_size=chunk)
+  np.testing.assert_allclose(chunked(hidden, embedding), dense_losses(hidden, embedding, labels),
+                             rtol=2e-6, atol=2e-6)
+  (loss, grads), (want_loss, want_grads) = (
+      value_and_grads(chunked, hidden, embedding),
+      value_and_grads(lambda h, e: dense_losses(h, e, labels), hidden, embedding))
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  # Padded vocabulary rows are never predicted, so they get no gradient.
+  assert float(jnp.abs(grads[1][VOCAB:]).max()) == 0.0
+
+
+def test_bfloat16_inputs_keep_an_fp32_loss():
+  hidden, embedding, labels = problem(jnp.bfloat16)
+  got = vocab_parallel_cross_entropy(hidden, embedding, labels, vocab_size=VOCAB, chunk_size=128)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, dense_losses(hidden, embedding, labels), rtol=1e-5, atol=1e-5)
+
+
+def test_vocab_parallel_under_shard_map_matches_dense():
+  """Tokens split over `data`, vocabulary rows over `tensor` (Megatron's vocab-parallel CE)."""
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ('data', 'tensor'))
+  hidden, embedding, labels = problem()
+
+  def sharded(h, e):
+    local = lambda h, e, l: vocab_parallel_cross_entropy(
+        h, e, l, vocab_size=VOCAB, chunk_size=64, axis_name='tensor', token_axis_names=('data',))
+    return jax.shard_map(local, mesh=mesh, in_specs=(P('data'), P('tensor'), P('data')),
+                         out_specs=P('data'))(h, e, labels)
+
+  (loss, grads), (want_loss, want_grads) = (
+      value_and_grads(sharded, hidden, embedding),
+      value_and_grads(lambda h, e: dense_losses(h, e, labels), hidden, embedding))
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def temp_bytes(losses_fn, tokens: int, vocab: int) -> int:
+  """Scratch memory XLA plans for the loss and both gradients (compiled, not run)."""
+  hidden = jax.ShapeDtypeStruct((tokens, 32), jnp.float32)
+  embedding = jax.ShapeDtypeStruct((vocab, 32), jnp.float32)
+  labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+  step = jax.jit(jax.value_and_grad(lambda h, e, l: losses_fn(h, e, l, vocab).mean(), (0, 1)))
+  return step.lower(hidden, embedding, labels).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_peak_memory_grows_with_the_chunk_not_with_tokens_x_vocab():
+  tokens, chunk = 512, 512
+  chunked = lambda h, e, l, v: vocab_parallel_cross_entropy(h, e, l, vocab_size=v - 3,
+                                                            chunk_size=chunk)
+  dense = lambda h, e, l, v: dense_losses(h, e, l, real_vocab=v - 3)
+  small, large = 2048, 32768
+  chunked_small, chunked_large = temp_bytes(chunked, tokens, small), temp_bytes(chunked, tokens,
+                                                                                 large)
+  logits_bytes = tokens * large * 4  # one fp32 [tokens, vocab] buffer
+  # The dense loss holds (at least) the fp32 logits; the chunked one never does.
+  assert temp_bytes(dense, tokens, large) >= logits_bytes
+  assert chunked_large < logits_bytes / 8
+  # Growing the vocabulary 16x adds at most a few embedding-sized buffers (the gradient of the
+  # embedding is itself [vocab, width]), far less than tokens x vocab fp32.
+  per_row = (chunked_large - chunked_small) / (large - small)
+  assert per_row <= 4 * 32 * 2, per_row

@@ -1,0 +1,158 @@
+"""model.attention_impl / model.cross_entropy_impl in the model and the train step, and their
+fail-fast configuration rules."""
+
+import os
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from t5x_like import losses, partitioning
+from t5x_like import model as model_lib
+from t5x_like.config import ConfigError, ModelConfig, load_config_file
+from t5x_like.train_state import make_layout
+from t5x_like.trainer import make_train_step
+
+from conftest import REPO, small_config
+
+
+def loss_and_grads(cfg: ModelConfig, tokens, params=None):
+  model = model_lib.Transformer(cfg, padded_vocab=256)
+  if params is None:
+    params = nn.unbox(model.init(jax.random.PRNGKey(0), tokens[:, :8])['params'])
+  fn = jax.jit(jax.value_and_grad(lambda p: losses.token_losses(model, p, tokens).mean()))
+  return params, *fn(params)
+
+
+def test_pallas_attention_gives_the_xla_loss_and_gradients():
+  """No mesh; seq 20 is not a multiple of the kernel's 32-row tiles (the tail is masked)."""
+  base = dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=200, init_std=0.02)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 21), 0, 200)
+  params, xla_loss, xla_grads = loss_and_grads(ModelConfig(**base), tokens)
+  _, loss, grads = loss_and_grads(ModelConfig(**base, attention_impl='pallas'), tokens, params)
+  np.testing.assert_allclose(loss, xla_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads,
+               xla_grads)
+
+
+def run_steps(cfg, num_steps=2):
+  """Losses, grad norms and final params of the real train step on one repeated random batch."""
+  m = cfg.mesh
+  mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor)
+  layout = make_layout(cfg, mesh)
+  batch_sharding = NamedSharding(mesh, P(None, 'data', None))
+  step = jax.jit(make_train_step(cfg, layout),
+                 in_shardings=(layout.shardings, batch_sharding, None, None),
+                 out_shardings=(layout.shardings, None), donate_argnums=(0,))
+  state = layout.init(cfg.train.seed)
+  rows = cfg.train.micro_batch_size * m.data
+  shape = (cfg.train.global_batch_size, cfg.train.seq_len + 1)
+  tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, shape).astype(np.int32)
+  batch = jax.device_put(tokens.reshape(cfg.num_microbatches, rows, -1), batch_sharding)
+  losses_, norms = [], []
+  for i in range(num_steps):
+    state, stats = step(state, batch, jnp.int32(i * cfg.train.global_batch_size), jnp.int32(i))
+    losses_.append(float(stats['lm_loss']))
+    norms.append(float(stats['grad_norm']))
+  return np.array(losses_), np.array(norms), jax.device_get(state.params)
+
+
+def test_tiny_config_trains_the_same_with_pallas_attention_and_chunked_cross_entropy():
+  """configs/tiny.py's model (8 heads of 32, vocab 8192) on its data=2 x tensor=2 mesh, shortened
+  to 2 layers and 32 tokens: the kernels run per shard (4 heads, 4096 vocabulary rows each)."""
+  overrides = {'model.num_layers': 2, 'train.seq_len': 32, 'train.global_batch_size': 4,
+               'train.micro_batch_size': 1, 'train.steps': 2, 'optimizer.warmup_samples': 0}
+  tiny = load_config_file(os.path.join(REPO, 'configs', 'tiny.py'), overrides)
+  fused = tiny.replace(model={'attention_impl': 'pallas', 'cross_entropy_impl': 'chunked',
+                              'cross_entropy_chunk': 1024})
+  ref_losses, ref_norms, ref_params = run_steps(tiny.validate())
+  losses_, norms, params = run_steps(fused.validate())
+  assert losses_[-1] < losses_[0]
+  np.testing.assert_allclose(losses_, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+  # Adam divides by sqrt(v): for near-zero gradients fp32 reduction-order noise moves a weight by
+  # up to a few percent of the learning rate (2e-3 here).
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), params,
+               ref_params)
+
+
+def loss_temp_bytes(cfg) -> int:
+  """Scratch memory of the sharded loss and its gradients (compiled, not run)."""
+  mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
+  layout = make_layout(cfg, mesh)
+  tokens_sharding = NamedSharding(mesh, P('data', None))
+  loss = jax.jit(jax.value_and_grad(
+      lambda params, tokens: losses.token_losses(layout.model, params, tokens).mean()),
+      in_shardings=(layout.compute_param_shardings, tokens_sharding))
+  tokens = jax.ShapeDtypeStruct((cfg.mesh.data, cfg.train.seq_len + 1), jnp.int32,
+                                sharding=tokens_sharding)
+  compiled = loss.lower(layout.abstract.params, tokens).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_cross_entropy_removes_the_fp32_logits_from_the_loss():
+  """On a tensor=2 mesh each device has 128 tokens x 8192 vocabulary rows: 4 MiB of fp32 logits
+  (and as much again for their gradient) that the chunked loss never allocates."""
+  cfg = small_config(model=dict(num_layers=1, num_heads=4, vocab_size=16384),
+                     train=dict(seq_len=128, global_batch_size=1), mesh=dict(tensor=2))
+  dense = loss_temp_bytes(cfg)
+  chunked = loss_temp_bytes(cfg.replace(model={'cross_entropy_impl': 'chunked',
+                                               'cross_entropy_chunk': 1024}))
+  logits_bytes = 128 * (16384 // 2) * 4
+  assert dense - chunked >= logits_bytes, (dense, chunked)
+
+
+# ------------------------------------------------------------------------------ fail fast
+
+
+def test_pallas_with_an_unsupported_head_dim_is_a_config_error_naming_the_constraint():
+  cfg = small_config(model=dict(attention_impl='pallas'))  # hidden 64 / 8 heads: head_dim 8
+  with pytest.raises(ConfigError, match=r"attention_impl='pallas'.*head_dim must be one of"):
+    cfg.validate()
+
+
+def test_fallback_warns_and_runs_xla():
+  cfg = ModelConfig(num_layers=1, hidden_size=48, num_heads=6, vocab_size=200, init_std=0.02,
+                    attention_impl='pallas', attention_fallback=True)  # head_dim 8
+  small_config(model=dict(attention_impl='pallas', attention_fallback=True)).validate()
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 9), 0, 200)
+  xla = model_lib.Transformer(ModelConfig(**{**cfg.__dict__, 'attention_impl': 'xla'}), 256)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    params = xla.init(jax.random.PRNGKey(0), tokens)
+    want = xla.apply(params, tokens)
+  with pytest.warns(RuntimeWarning, match=r"head_dim must be one of.*running "
+                                          r"model.attention_impl='xla' instead"):
+    got = model_lib.Transformer(cfg, 256).apply(params, tokens)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_cudnn_needs_a_gpu():
+  cfg = small_config(model=dict(attention_impl='cudnn', num_heads=4, dtype='bfloat16'))
+  with pytest.raises(ConfigError, match='cuDNN attention needs a GPU'):
+    cfg.validate()
+  small_config(model=dict(attention_impl='cudnn', attention_fallback=True)).validate()
+
+
+def test_fused_attention_has_no_dropout():
+  cfg = small_config(model=dict(attention_impl='pallas', num_heads=4, attention_dropout=0.1))
+  with pytest.raises(ConfigError, match='attention_dropout=0.1 needs model.attention_impl'):
+    cfg.validate()
+
+
+def test_unknown_implementations_are_rejected():
+  with pytest.raises(ConfigError, match="attention_impl must be 'xla', 'pallas' or 'cudnn'"):
+    small_config(model=dict(attention_impl='triton')).validate()
+  with pytest.raises(ConfigError, match="cross_entropy_impl must be 'dense' or 'chunked'"):
+    small_config(model=dict(cross_entropy_impl='sparse')).validate()
+
+
+def test_chunked_cross_entropy_is_refused_with_a_pipeline():
+  cfg = small_config(model=dict(cross_entropy_impl='chunked'), mesh=dict(pipeline=2))
+  with pytest.raises(ConfigError, match="cross_entropy_impl='chunked' is not wired into the "
+                                        'pipelined loss'):
+    cfg.validate()

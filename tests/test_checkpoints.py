@@ -1,0 +1,490 @@
+"""Checkpoints: what is saved, keep policy, atomic saves, exact resume after SIGKILL/SIGTERM, restore
+onto any mesh, restart controls, leaving cleanly (kill switch, time limit, signals), bad input."""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5x_like import checkpoints, losses, optim, partitioning, runtime, train
+from t5x_like.checkpoints import CheckpointError
+from t5x_like.config import Config, ConfigError
+from t5x_like.train_state import Progress, TrainState, make_layout
+from t5x_like.trainer import Trainer, read_metrics
+
+from conftest import REPO, run_cli, small_config
+
+
+@pytest.fixture(scope='module', autouse=True)
+def compilation_cache(tmp_path_factory):
+  """Trainers whose step is the same program share one compilation (the machine is slow)."""
+  from jax._src import compilation_cache as cache
+  keys = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs',
+          'jax_persistent_cache_min_entry_size_bytes')
+  before = {k: getattr(jax.config, k) for k in keys}
+  jax.config.update(keys[0], str(tmp_path_factory.mktemp('jax_cache')))
+  jax.config.update(keys[1], 0)
+  jax.config.update(keys[2], 0)
+  yield
+  for k, v in before.items():
+    jax.config.update(k, v)
+  cache.reset_cache()
+
+
+def corpus_config(**sections) -> Config:
+  """A one-layer BLOOM with dropout (so the RNG matters) on the embedded corpus, one device."""
+  base = {
+      'model': dict(num_layers=1, hidden_size=32, num_heads=4, vocab_size=8192, init_std=0.02,
+                    hidden_dropout=0.1),
+      'train': dict(steps=4, global_batch_size=4, micro_batch_size=2, seq_len=16, seed=3),
+      'optimizer': dict(lr=2e-3, min_lr=2e-4, warmup_samples=4, decay_samples=400),
+      'mesh': dict(data=1, pipeline=1, tensor=1),
+      'checkpoint': dict(save_interval=2),
+  }
+  for name, values in sections.items():
+    base.setdefault(name, {}).update(values)
+  return Config.from_dict(base)
+
+
+@pytest.fixture(scope='module')
+def base_run(tmp_path_factory):
+  """4 iterations, checkpoints at 2 and 4."""
+  workdir = str(tmp_path_factory.mktemp('base'))
+  trainer = Trainer(corpus_config(), workdir)
+  trainer.run()
+  return workdir, trainer
+
+
+def resumable_copy(base_workdir: str, dest, keep_step: int = 2) -> str:
+  """A copy of the base workdir that resumes from `keep_step`."""
+  dest = str(dest)
+  shutil.copytree(base_workdir, dest)
+  for step in checkpoints.available_steps(os.path.join(dest, 'checkpoints')):
+    if step > keep_step:
+      shutil.rmtree(os.path.join(dest, 'checkpoints', str(step)))
+  return dest
+
+
+def losses_of(workdir):
+  return [(r['iteration'], r['lm_loss'], r['grad_norm']) for r in read_metrics(workdir)]
+
+
+# ------------------------------------------------------------------------------ what is saved
+
+
+def test_a_checkpoint_holds_everything_a_restart_needs(base_run):
+  workdir, trainer = base_run
+  root = os.path.join(workdir, 'checkpoints')
+  assert checkpoints.available_steps(root) == [2, 4]
+  step_dir = os.path.join(root, '4')
+  assert set(checkpoints.ITEMS) <= set(os.listdir(step_dir))
+  state, progress = checkpoints.restore(root, trainer.layout, trainer.cfg)
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype('float32')}
+  assert int(optim.adam_count(state.opt_state)) == 4
+  assert progress == Progress(iteration=4, consumed_samples=16, consumed_tokens=256)
+  meta = checkpoints.read_meta(root)
+  assert meta['rng'] == {'seed': 3, 'iteration': 4}
+  assert meta['data'] == {'seed': 3, 'consumed_samples': 16}
+  assert meta['lr_schedule'] == checkpoints.lr_schedule(trainer.cfg)
+  assert meta['adam_count_base'] == {'iteration': 0, 'skipped_iterations': 0}
+  assert checkpoints.read_config(root) == trainer.cfg
+  saved = jax.device_get(trainer.final_state)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), saved)
+
+
+def tiny_state(cfg=None):
+  cfg = (cfg or small_config()).validate()
+  layout = make_layout(cfg, partitioning.make_mesh(1, 1, 1))
+  return cfg, layout, layout.init(0)
+
+
+def save_step(checkpointer, cfg, state, step):
+  progress = Progress(iteration=step)
+  meta = checkpoints.make_meta(cfg, progress, cfg.train.seed,
+                               {'iteration': 0, 'skipped_iterations': 0})
+  return checkpointer.save(state, progress, cfg, meta)
+
+
+def test_keep_policy_keeps_the_latest_k_and_every_nth(tmp_path):
+  cfg, layout, state = tiny_state()
+  root = str(tmp_path / 'ckpt')
+  checkpointer = checkpoints.Checkpointer(root, 1, max_to_keep=1, layout=layout, keep_period=2)
+  for step in range(1, 6):
+    assert save_step(checkpointer, cfg, state, step)
+  assert not save_step(checkpointer, cfg, state, 5)  # the final save of a step saved already
+  checkpointer.close()
+  assert checkpoints.available_steps(root) == [2, 4, 5]
+  # Dropped steps went through `.deleted/` (one atomic rename each) and are gone from it.
+  assert not os.listdir(os.path.join(root, checkpoints.DELETED_SUBDIR))
+
+
+INTERRUPTED_SAVE = '''
+import os, sys
+sys.path.insert(0, {tests!r})
+from conftest import small_config
+from t5x_like import checkpoints, partitioning
+from t5x_like.train_state import Progress, make_layout
+cfg = small_config(model=dict(num_layers=4, hidden_size=256)).validate()
+layout = make_layout(cfg, partitioning.make_mesh(1, 1, 1))
+state = layout.init(0)
+checkpointer = checkpoints.Checkpointer({root!r}, 1, 5, layout)
+for step in (1, 2):
+  progress = Progress(iteration=step)
+  checkpointer.save(state, progress, cfg, checkpoints.make_meta(
+      cfg, progress, 7, {{'iteration': 0, 'skipped_iterations': 0}}))
+  if step == 1:
+    checkpointer.wait()
+os._exit(9)  # dies while step 2 is being written
+'''
+
+
+def test_an_interrupted_save_is_never_restored_and_is_cleaned_up(tmp_path):
+  root = str(tmp_path / 'ckpt')
+  script = INTERRUPTED_SAVE.format(tests=os.path.join(REPO, 'tests'), root=root)
+  r = run_cli(['-c', script])
+  assert r.returncode == 9, r.stderr[-2000:]
+  leftovers = [d for d in os.listdir(root) if not d.isdigit()]
+  assert leftovers and all(d.startswith('2.') for d in leftovers), os.listdir(root)
+  assert checkpoints.available_steps(root) == [1]
+  assert checkpoints.resolve(root) == (root, 1)
+  cfg = small_config(model=dict(num_layers=4, hidden_size=256)).validate()
+  layout = make_layout(cfg, partitioning.make_mesh(1, 1, 1))
+  _, progress = checkpoints.restore(root, layout, cfg)
+  assert progress.iteration == 1
+  checkpoints.Checkpointer(root, 1, 5, layout).close()  # the next run opens the root
+  assert sorted(os.listdir(root)) == [checkpoints.DELETED_SUBDIR, '1']
+  assert not os.listdir(os.path.join(root, checkpoints.DELETED_SUBDIR))
+
+
+# ------------------------------------------------------------------------------- exact resume
+
+TINY = ['--config', 'configs/tiny.py', '--config.model.num_layers=2',
+        '--config.model.hidden_size=64', '--config.model.num_heads=4',
+        '--config.model.hidden_dropout=0.1', '--config.train.seq_len=32',
+        '--config.train.global_batch_size=8', '--config.train.micro_batch_size=2',
+        '--config.train.steps=8', '--config.checkpoint.save_interval=2',
+        '--config.optimizer.warmup_samples=16']
+
+
+def _cache_env(tmp_path):
+  # Later processes load the step the first one compiled: the same executable, minutes saved.
+  return {'JAX_COMPILATION_CACHE_DIR': str(tmp_path / 'jax_cache'),
+          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+
+
+def _records_written(workdir) -> int:
+  try:
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      return sum(1 for line in f if line.endswith('\n'))
+  except FileNotFoundError:
+    return 0
+
+
+def _start_and_signal(workdir, env, after_records: int, sig) -> subprocess.Popen:
+  """Starts training; sends `sig` once `after_records` iterations are in metrics.jsonl."""
+  log_path = str(workdir) + '.log'
+  with open(log_path, 'w') as log:
+    process = subprocess.Popen([sys.executable, '-m', 't5x_like.train', *TINY, '--workdir',
+                                str(workdir)], cwd=REPO, env={**os.environ, **env}, stdout=log,
+                               stderr=subprocess.STDOUT)
+    deadline = time.time() + 400
+    while _records_written(workdir) < after_records:
+      assert process.poll() is None, f'training ended early: {open(log_path).read()[-3000:]}'
+      assert time.time() < deadline
+      time.sleep(0.02)
+    process.send_signal(sig)
+    process.wait(timeout=300)
+  return process
+
+
+def test_kill_9_then_restart_reproduces_the_uninterrupted_run(tmp_path):
+  """SIGKILL after iteration 5 (checkpoint 4 may still be in flight), then the same command."""
+  env = _cache_env(tmp_path)
+  straight = tmp_path / 'straight'
+  r = run_cli(['-m', 't5x_like.train', *TINY, '--workdir', str(straight)], env=env)
+  assert r.returncode == 0, r.stderr[-3000:]
+  interrupted = tmp_path / 'interrupted'
+  killed = _start_and_signal(interrupted, env, after_records=5, sig=signal.SIGKILL)
+  assert killed.returncode == -signal.SIGKILL
+  r = run_cli(['-m', 't5x_like.train', *TINY, '--workdir', str(interrupted)], env=env)
+  assert r.returncode == runtime.ExitCode.FINISHED, r.stderr[-3000:]
+  assert 'resumed from' in r.stdout
+  assert [x[0] for x in losses_of(interrupted)] == list(range(1, 9))
+  assert losses_of(interrupted) == losses_of(straight)  # bitwise: lm_loss and grad_norm
+
+
+# ---------------------------------------------------------------------------- any-mesh restore
+
+# (data, pipeline, tensor); a pipeline size can join either list once mesh.pipeline > 1 exists.
+SAVE_MESHES = [(1, 1, 1), (2, 1, 2), (4, 1, 2)]
+RESTORE_MESHES = [(1, 1, 1), (8, 1, 1), (1, 1, 4), (2, 1, 4)]
+
+
+def mesh_config(mesh) -> Config:
+  data, pipe, tensor = mesh
+  return small_config(mesh=dict(data=data, pipeline=pipe, tensor=tensor),
+                      train=dict(global_batch_size=8, micro_batch_size=1)).validate()
+
+
+def layout_on(mesh):
+  return make_layout(mesh_config(mesh), partitioning.make_mesh(*mesh))
+
+
+@pytest.fixture(scope='module')
+def saved_on_each_mesh(tmp_path_factory):
+  """The same non-trivial state (random params and Adam moments) saved from each save mesh."""
+  rng = np.random.default_rng(0)
+  reference = layout_on((1, 1, 1)).canonical
+
+  def random_like(a):
+    if jnp.issubdtype(a.dtype, jnp.integer):
+      return np.full(a.shape, 5, a.dtype)  # the Adam step count
+    return np.abs(rng.standard_normal(a.shape)).astype(a.dtype) * 0.02
+
+  canonical = jax.tree.map(random_like, reference)
+  roots = {}
+  for mesh in SAVE_MESHES:
+    cfg, layout = mesh_config(mesh), layout_on(mesh)
+    placed = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), canonical, layout.canonical)
+    state = TrainState(layout.from_canonical(placed.params, 'params'),
+                       layout.from_canonical(placed.opt_state, 'opt_state'))
+    roots[mesh] = str(tmp_path_factory.mktemp('mesh') / 'ckpt')
+    checkpointer = checkpoints.Checkpointer(roots[mesh], 1, 1, layout)
+    save_step(checkpointer, cfg, state, 5)
+    checkpointer.close()
+  return canonical, roots
+
+
+_loss_fns, _losses = {}, {}
+
+
+def next_step_loss(mesh, layout, state) -> float:
+  """The loss the next step would compute (a fixed batch of 8 rows) on the restore mesh."""
+  if mesh not in _loss_fns:
+    batch = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec('data', None))
+    params = jax.tree.map(lambda a: a.sharding, layout.canonical.params)
+    _loss_fns[mesh] = jax.jit(
+        lambda p, tokens: losses.token_losses(layout.model, p, tokens).mean(),
+        in_shardings=(params, batch))
+  tokens = np.random.default_rng(1).integers(0, 1000, (8, 17)).astype(np.int32)
+  return float(_loss_fns[mesh](layout.to_canonical(state.params, 'params'), tokens))
+
+
+@pytest.mark.parametrize('restore_mesh', RESTORE_MESHES, ids=lambda m: 'to%dx%dx%d' % m)
+@pytest.mark.parametrize('save_mesh', SAVE_MESHES, ids=lambda m: 'from%dx%dx%d' % m)
+def test_restore_onto_any_mesh(saved_on_each_mesh, save_mesh, restore_mesh):
+  canonical, roots = saved_on_each_mesh
+  cfg, layout = mesh_config(restore_mesh), layout_on(restore_mesh)
+  state, progress = checkpoints.restore(roots[save_mesh], layout, cfg)
+  assert progress.iteration == 5
+  placed = jax.tree.map(lambda x, want: x.sharding == want, state, layout.shardings)
+  assert all(jax.tree.leaves(placed))  # restored straight into the target shardings
+  for which in ('params', 'opt_state'):
+    restored = layout.to_canonical(getattr(state, which), which)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored),
+                 getattr(canonical, which))  # bitwise
+  loss = next_step_loss(restore_mesh, layout, state)
+  reference = _losses.setdefault('loss', loss)
+  assert abs(loss - reference) <= 1e-5 * abs(reference)
+
+
+# ----------------------------------------------------------------------------- restart controls
+
+
+def test_load_optimizer_false_starts_fresh_moments_and_count(base_run, tmp_path):
+  workdir = resumable_copy(base_run[0], tmp_path / 'w')
+  cfg = corpus_config(checkpoint=dict(save_interval=2, load_optimizer=False))
+  trainer = Trainer(cfg, workdir)
+  state, progress = trainer.initial_state()
+  assert progress.iteration == 2 and int(optim.adam_count(state.opt_state)) == 0
+  assert all(not np.any(x) for x in jax.tree.leaves(state.opt_state[0].mu))
+  trainer.run()
+  root = os.path.join(workdir, 'checkpoints')
+  restored, _ = checkpoints.restore(root, trainer.layout, trainer.cfg)
+  assert int(optim.adam_count(restored.opt_state)) == 2  # iterations 3 and 4
+  meta = checkpoints.read_meta(root)
+  assert meta['adam_count_base'] == {'iteration': 2, 'skipped_iterations': 0}
+  assert 'load_optimizer=False: fresh Adam moments' in open(
+      os.path.join(workdir, 'logs', 'main_log.txt')).read()
+
+
+def test_a_changed_lr_schedule_needs_override_lr_scheduler(base_run, tmp_path):
+  """Without the override, one clear error before any work (the recipe below trains with it)."""
+  workdir = resumable_copy(base_run[0], tmp_path / 'w')
+  metrics_before = read_metrics(workdir)
+  changed = dict(lr=1e-3, min_lr=1e-4, warmup_samples=4, decay_samples=400)
+  with pytest.raises(ConfigError, match=r'optimizer.lr: checkpoint 0.002 vs config 0.001; '
+                                        r'optimizer.min_lr: .*override_lr_scheduler=True'):
+    Trainer(corpus_config(optimizer=changed), workdir)
+  assert read_metrics(workdir) == metrics_before
+  overridden = corpus_config(optimizer=changed, checkpoint=dict(override_lr_scheduler=True))
+  assert Trainer(overridden, workdir).cfg.optimizer.lr == 1e-3
+
+
+def test_load_rng_keeps_the_checkpoints_stream_and_false_takes_the_configs(base_run, tmp_path):
+  other_seed = corpus_config(train=dict(seed=99))
+  kept = resumable_copy(base_run[0], tmp_path / 'kept')
+  trainer = Trainer(other_seed, kept)  # load_rng=True (default): seed 3 of the checkpoint
+  assert (trainer.cfg.train.seed, trainer.data_seed) == (3, 3)
+  trainer.run()
+  assert losses_of(kept) == losses_of(base_run[0])  # the same masks and data: bitwise
+  fresh = resumable_copy(base_run[0], tmp_path / 'fresh')
+  trainer = Trainer(other_seed.replace(checkpoint={'load_rng': False}), fresh)
+  assert (trainer.cfg.train.seed, trainer.data_seed) == (99, 3)  # new masks, same data order
+  trainer.run()
+  assert losses_of(fresh)[:2] == losses_of(base_run[0])[:2]
+  assert losses_of(fresh)[2][1] != losses_of(base_run[0])[2][1]
+  assert checkpoints.read_meta(os.path.join(fresh, 'checkpoints'))['rng']['seed'] == 99
+
+
+def test_optimizer_reset_recipe(base_run, tmp_path):
+  """The chronicles' recipe (README): fresh Adam state, lr 0 while the moments warm up, then the
+  normal schedule again. Here: 2 warm-up iterations after iteration 2, then back to normal."""
+  workdir = resumable_copy(base_run[0], tmp_path / 'w')
+  root = os.path.join(workdir, 'checkpoints')
+  before, _ = checkpoints.restore(root, base_run[1].layout, base_run[1].cfg)
+  before = jax.device_get(before.params)
+  warmup = corpus_config(optimizer=dict(lr=0.0, min_lr=0.0),
+                         checkpoint=dict(save_interval=2, load_optimizer=False,
+                                         override_lr_scheduler=True))
+  trainer = Trainer(warmup, workdir)
+  trainer.run()
+  state = jax.device_get(trainer.final_state)
+  jax.tree.map(np.testing.assert_array_equal, state.params, before)  # lr 0: weights untouched
+  assert int(optim.adam_count(state.opt_state)) == 2
+  assert all(np.any(x) for x in jax.tree.leaves(state.opt_state[0].nu))  # moments warmed up
+  # Back to the normal schedule; the checkpoint holds lr 0, so override once more.
+  normal = corpus_config(train=dict(steps=6), checkpoint=dict(save_interval=2,
+                                                              override_lr_scheduler=True))
+  Trainer(normal, workdir).run()
+  records = read_metrics(workdir)
+  assert [r['learning_rate'] for r in records[2:4]] == [0.0, 0.0]
+  assert records[4]['learning_rate'] == pytest.approx(
+      float(optim.learning_rate(normal.optimizer, 16)))
+  assert all(np.isfinite(r['lm_loss']) for r in records)
+  restored, _ = checkpoints.restore(root, trainer.layout, trainer.cfg)
+  assert int(optim.adam_count(restored.opt_state)) == 4  # counted since the reset
+  assert checkpoints.read_meta(root)['adam_count_base']['iteration'] == 2
+
+
+# ------------------------------------------------------------------------------ leaving cleanly
+
+
+def _on_iteration(trainer, iteration, action):
+  """Runs `action` right after the trainer logs `iteration`."""
+  record = trainer.writer.record
+
+  def wrapped(r, total):
+    record(r, total)
+    if r['iteration'] == iteration:
+      action()
+
+  trainer.writer.record = wrapped
+
+
+def test_kill_switch_saves_and_exits_0_then_blocks_new_starts(tmp_path):
+  switch = str(tmp_path / 'STOP')
+  cfg = corpus_config(runtime=dict(kill_switch_path=switch))
+  workdir = str(tmp_path / 'w')
+  trainer = Trainer(cfg, workdir)
+  _on_iteration(trainer, 1, lambda: open(switch, 'w').close())
+  progress = trainer.run()
+  assert progress.iteration == 1 and trainer.stop_reason is runtime.StopReason.KILL_SWITCH
+  assert runtime.exit_code(trainer.stop_reason) == runtime.ExitCode.FINISHED == 0
+  assert checkpoints.available_steps(os.path.join(workdir, 'checkpoints')) == [1]
+  log_before = open(os.path.join(workdir, 'logs', 'main_log.txt')).read()
+  # At start-up: no work at all, from the command line (before JAX) and from the library.
+  assert train.main(['--config', os.path.join(REPO, 'configs', 'tiny.py'), '--workdir', workdir,
+                     f'--config.runtime.kill_switch_path={switch}']) == 0
+  again = Trainer(cfg, workdir)
+  assert again.run().iteration == 1 and again.stop_reason is runtime.StopReason.KILL_SWITCH
+  log_after = open(os.path.join(workdir, 'logs', 'main_log.txt')).read()
+  assert 'compiled' not in log_after[len(log_before):]
+  assert 'exiting without training' in log_after[len(log_before):]
+
+
+def test_time_limit_saves_and_asks_for_a_requeue(tmp_path, monkeypatch):
+  clock = [0.0]
+  monkeypatch.setattr(runtime, 'PROCESS_START', 0.0)
+  monkeypatch.setattr(runtime, '_now', lambda: clock[0])
+  trainer = Trainer(corpus_config(runtime=dict(exit_duration_mins=2.5)), str(tmp_path / 'w'))
+  record = trainer.writer.record
+
+  def a_minute_per_iteration(r, total):
+    record(r, total)
+    clock[0] += 60.0
+
+  trainer.writer.record = a_minute_per_iteration
+  progress = trainer.run()
+  # After 2 iterations 120 s are used; a third ends at ~180 s > 150 s: stop and save first.
+  assert progress.iteration == 2 and trainer.stop_reason is runtime.StopReason.TIME_LIMIT
+  assert runtime.exit_code(trainer.stop_reason) == runtime.ExitCode.REQUEUE == 3
+  assert checkpoints.available_steps(str(tmp_path / 'w' / 'checkpoints')) == [2]
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGUSR1], ids=['SIGTERM', 'SIGUSR1'])
+def test_sigterm_and_sigusr1_save_and_ask_for_a_requeue(tmp_path, sig):
+  handler_before = signal.getsignal(sig)
+  trainer = Trainer(corpus_config(), str(tmp_path / 'w'))
+  _on_iteration(trainer, 1, lambda: os.kill(os.getpid(), sig))
+  progress = trainer.run()
+  assert progress.iteration == 1 and trainer.stop_reason is runtime.StopReason.SIGNAL
+  assert checkpoints.available_steps(str(tmp_path / 'w' / 'checkpoints')) == [1]
+  assert f'received {signal.Signals(sig).name}' in open(
+      str(tmp_path / 'w' / 'logs' / 'main_log.txt')).read()
+  assert signal.getsignal(sig) == handler_before  # the handler is put back
+
+
+def test_the_command_line_exits_3_to_be_requeued(tmp_path):
+  """A limit already used up at start: no iteration is begun, nothing is saved, exit code 3."""
+  workdir = str(tmp_path / 'w')
+  code = train.main(['--config', os.path.join(REPO, 'configs', 'tiny.py'), '--workdir', workdir,
+                     '--config.model.num_layers=1', '--config.runtime.exit_duration_mins=1e-9'])
+  assert code == runtime.ExitCode.REQUEUE == 3
+  assert checkpoints.available_steps(os.path.join(workdir, 'checkpoints')) == []
+  assert 'exit code 3 (REQUEUE)' in open(os.path.join(workdir, 'logs', 'main_log.txt')).read()
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+def test_damaged_or_missing_checkpoints_are_one_clear_error(base_run, tmp_path):
+  workdir, trainer = base_run
+  layout, cfg = trainer.layout, trainer.cfg
+  with pytest.raises(CheckpointError, match='does not exist'):
+    checkpoints.restore(str(tmp_path / 'nope'), layout, cfg)
+  os.makedirs(tmp_path / 'empty')
+  with pytest.raises(CheckpointError, match='holds no complete checkpoint'):
+    checkpoints.restore(str(tmp_path / 'empty'), layout, cfg)
+  root = os.path.join(workdir, 'checkpoints')
+  with pytest.raises(CheckpointError, match=r'step 3 is not in .*available steps: \[2, 4\]'):
+    checkpoints.restore(root, layout, cfg, step=3)
+  for damage in ('truncate', 'remove'):
+    copy = str(tmp_path / damage)
+    shutil.copytree(root, copy)
+    data = os.path.join(copy, '4', 'params', 'ocdbt.process_0', 'd')
+    biggest = max((os.path.join(data, f) for f in os.listdir(data)), key=os.path.getsize)
+    if damage == 'truncate':
+      os.truncate(biggest, 100)
+    else:
+      os.remove(biggest)
+    with pytest.raises(CheckpointError, match=r'4 is damaged or incomplete and cannot be '
+                                              r'restored: .*available: \[2\]'):
+      checkpoints.restore(copy, layout, cfg)
+    state, progress = checkpoints.restore(copy, layout, cfg, step=2)  # an older step still works
+    assert progress.iteration == 2
+  incomplete = str(tmp_path / 'incomplete')
+  shutil.copytree(root, incomplete)
+  shutil.rmtree(os.path.join(incomplete, '4', 'progress'))
+  assert checkpoints.available_steps(incomplete) == [2]
+  with pytest.raises(CheckpointError, match='incomplete checkpoint'):
+    checkpoints.resolve(os.path.join(incomplete, '4'))

@@ -1,0 +1,138 @@
+"""Pipeline parallelism: stage plans, layout conversion, parity with one device, ramp-up."""
+
+import jax
+import numpy as np
+import pytest
+
+from t5x_like import checkpoints, partitioning, pipeline
+from t5x_like.config import ConfigError, TrainConfig
+from t5x_like.train_state import make_layout
+from t5x_like.trainer import Trainer
+
+from conftest import small_config
+from test_partitioning import run_steps
+from test_trainer import corpus_config
+
+
+def test_bloom_176b_plan_puts_five_layers_on_the_end_stages():
+  plan = pipeline.make_plan(70, 12)
+  assert plan.chunk == 6 and plan.num_slots == 72
+  assert plan.layers_per_stage() == [5] + [6] * 10 + [5]  # as the original run balanced it
+  assert 'costing 2.8%' in plan.describe()
+  assert sorted(plan.storage_slots[plan.storage_slots >= 0]) == list(range(70))
+
+
+def test_circular_plan_interleaves_chunks_over_stages():
+  plan = pipeline.make_plan(8, 2, repeats=2)
+  # Chunk c = r * P + s runs on stage s: stage 0 holds layers 0-1 and 4-5.
+  assert plan.slot_layer[0].tolist() == [[0, 1], [4, 5]]
+  assert plan.slot_layer[1].tolist() == [[2, 3], [6, 7]]
+  assert plan.bubble_fraction(4) == pytest.approx(1 / 9)
+  assert pipeline.make_plan(8, 2).bubble_fraction(4) == pytest.approx(1 / 5)
+
+
+def test_storage_layout_round_trips():
+  plan = pipeline.make_plan(5, 2)
+  tree = {'layers': {'w': np.arange(5 * 3, dtype=np.float32).reshape(5, 3)},
+          'word_embeddings': np.ones((4, 3), np.float32)}
+  stored = pipeline.to_storage(plan, tree)
+  assert stored['layers']['w'].shape == (6, 3)
+  padding = plan.storage_slots < 0
+  assert padding.sum() == 1 and float(np.abs(stored['layers']['w'][padding]).max()) == 0.0
+  back = pipeline.to_canonical(plan, stored)
+  np.testing.assert_array_equal(back['layers']['w'], tree['layers']['w'])
+  np.testing.assert_array_equal(back['word_embeddings'], tree['word_embeddings'])
+
+
+@pytest.mark.parametrize('changes, message', [
+    (dict(train=dict(global_batch_size=2)), 'fewer than the 4 pipeline stages'),
+    (dict(pipeline=dict(repeats=3)), 'exceeds model.num_layers'),
+    (dict(model=dict(num_layers=10), pipeline=dict(repeats=2)), 'does not fit 10 layers'),
+    (dict(mesh=dict(pipeline=8)), 'exceeds model.num_layers'),
+    (dict(train=dict(rampup_batch_size=(4, 3, 100))), 'multiple of the increment'),
+    (dict(train=dict(rampup_batch_size=(2, 2, 100))), 'fewer than the 4 pipeline stages'),
+])
+def test_bad_pipeline_settings_are_clear_errors(changes, message):
+  base = dict(mesh=dict(pipeline=4), model=dict(num_layers=4), train=dict(global_batch_size=8))
+  for section, values in changes.items():
+    base.setdefault(section, {}).update(values)
+  with pytest.raises(ConfigError) as info:
+    small_config(**base).validate()
+  assert message in str(info.value)
+
+
+def test_megatron_batch_size_rampup():
+  t = TrainConfig(global_batch_size=2048, rampup_batch_size=(192, 16, 9_765_625))
+  per_increment = 9_765_625 / 116
+  assert t.global_batch_size_at(0) == 192
+  assert t.global_batch_size_at(int(per_increment) - 1) == 192
+  assert t.global_batch_size_at(int(per_increment) + 1) == 208
+  assert t.global_batch_size_at(9_765_625) == 2048
+  assert t.global_batch_size_at(9_765_626) == 2048
+  assert t.ramp_batch_sizes()[:3] == [192, 208, 224] and t.ramp_batch_sizes()[-1] == 2048
+
+
+@pytest.fixture(scope='module')
+def references():
+  """Single-device runs the pipelined runs must equal (4 and 5 layers, global batch 4)."""
+  return {layers: run_steps(small_config(model=dict(num_layers=layers),
+                                         train=dict(global_batch_size=4)), num_steps=3)
+          for layers in (4, 5)}
+
+
+@pytest.mark.parametrize('data, stages, tensor, repeats, layers, remat', [
+    (1, 2, 1, 1, 4, 'none'),  # M = 2P
+    (1, 4, 1, 1, 4, 'save_dots'),  # M = P
+    (2, 2, 2, 1, 4, 'full'),  # M = P, composed with data and tensor
+    (1, 2, 1, 2, 4, 'none'),  # circular, M = 2P
+    (1, 2, 4, 2, 4, 'full'),  # circular with tensor parallelism
+    (1, 2, 1, 1, 5, 'none'),  # uneven depth: one padding slot
+])
+def test_pipelined_run_matches_single_device(references, data, stages, tensor, repeats, layers,
+                                             remat):
+  cfg = small_config(model=dict(num_layers=layers, remat_policy=remat),
+                     train=dict(global_batch_size=4),
+                     mesh=dict(data=data, pipeline=stages, tensor=tensor),
+                     pipeline=dict(repeats=repeats))
+  losses, norms, params = run_steps(cfg, num_steps=3)
+  ref_losses, ref_norms, ref_params = references[layers]
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
+  canonical = pipeline.to_canonical(pipeline.plan_for(cfg), params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), canonical,
+               ref_params)
+
+
+def test_checkpoint_saved_with_two_stages_restores_with_four_one_and_two_repeats(tmp_path):
+  saved_cfg = corpus_config(model=dict(num_layers=4), mesh=dict(data=1, pipeline=2, tensor=1),
+                            train=dict(steps=2, global_batch_size=8, micro_batch_size=2))
+  trainer = Trainer(saved_cfg, str(tmp_path / 'run'))
+  trainer.run()
+  root = str(tmp_path / 'run' / 'checkpoints')
+  want = jax.device_get(trainer.layout.to_canonical(trainer.final_state.params, 'params'))
+  assert want['layers']['mlp']['wi_kernel'].shape[0] == 4
+  for mesh, repeats in [((1, 4, 1), 1), ((1, 1, 1), 1), ((1, 2, 1), 2), ((2, 1, 2), 1)]:
+    cfg = saved_cfg.replace(mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh)),
+                            pipeline={'repeats': repeats})
+    layout = make_layout(cfg, partitioning.make_mesh(*mesh))
+    state, progress = checkpoints.restore(root, layout, cfg)
+    got = jax.device_get(layout.to_canonical(state.params, 'params'))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    assert progress.iteration == 2
+
+
+def test_rampup_changes_the_micro_batch_count_and_compiles_once_per_shape(tmp_path):
+  cfg = corpus_config(model=dict(num_layers=2), mesh=dict(data=1, pipeline=2, tensor=1),
+                      train=dict(steps=4, global_batch_size=8, micro_batch_size=2,
+                                 rampup_batch_size=(4, 4, 8)))
+  trainer = Trainer(cfg, str(tmp_path / 'ramp'))
+  trainer.run()
+  from t5x_like.trainer import read_metrics
+  records = read_metrics(str(tmp_path / 'ramp'))
+  assert [r['global_batch_size'] for r in records] == [4, 4, 8, 8]
+  assert [r['consumed_samples'] for r in records] == [4, 8, 16, 24]
+  assert [round(r['pipeline_bubble'], 3) for r in records] == [0.333, 0.333, 0.2, 0.2]
+  assert sorted(trainer._compiled) == [2, 4]
+  log = open(tmp_path / 'ramp' / 'logs' / 'main_log.txt').read()
+  assert log.count('compiled the train step') == 2 and 'pipeline bubble: 0.200' in log
+  assert 'parameters per stage' in log

@@ -1,0 +1,28 @@
+"""`python -m t5x_like.plan`: ahead-of-time compilation of whole configs on virtual devices."""
+
+import json
+
+from conftest import run_cli
+
+
+def test_bloom_176b_lowers_and_compiles_on_384_virtual_devices():
+  r = run_cli(['-m', 't5x_like.plan', '--config', 'configs/bloom_176b.py', '--json'])
+  assert r.returncode == 0, r.stderr[-3000:]
+  report = json.loads(r.stdout.strip().splitlines()[-1])
+  assert report['mesh'] == [8, 12, 4] and report['num_microbatches'] == 128
+  assert abs(report['params'] / 1e9 - 176.25) < 0.01
+  assert abs(report['pipeline_bubble'] - 11 / 139) < 1e-9
+  assert 'layers per stage [5, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 5]' in report['stage_plan']
+  # The state (fp32 master params + both Adam moments: 12 bytes/param) per device: 72 layer slots
+  # (2 of them padding) split over all 384 devices, and the 250,880-row embedding, which 48 does
+  # not divide, split over tensor x data only.
+  h = 14336
+  layers = 72 * (12 * h * h + 13 * h) * 12 / 384
+  embedding = 250880 * h * 12 / (4 * 8)
+  assert abs(report['argument_gib'] - (layers + embedding) / 2**30) < 0.01
+
+
+def test_bad_config_is_refused_before_compiling():
+  r = run_cli(['-m', 't5x_like.plan', '--config', 'configs/bloom_176b.py',
+               '--config.pipeline.repeats=4'])
+  assert r.returncode == 2 and 'does not fit 70 layers' in r.stderr
