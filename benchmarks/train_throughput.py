@@ -33,7 +33,8 @@ cpu_util (this process's CPU seconds / (wall seconds x CPUs it may use), over th
 the load average after each worker are recorded: on a shared machine they say how much of the
 machine each number actually had. tokens per CPU-s (tokens / CPU seconds of the process) is, with
 `--threads 1`, close to what an idle core would give whatever else runs (with more threads it
-also counts spin-waiting).
+also counts spin-waiting); "MFU per CPU-s" divides the model FLOPs per CPU-second by an f32
+matmul probe also measured per CPU-second.
 """
 
 from __future__ import annotations
@@ -122,6 +123,17 @@ def worker_jax_probe(_: argparse.Namespace) -> dict:
   for dtype in ('float32', 'bfloat16'):
     for n, repeats in ((1024, 8), (2048, 4)):
       out[f'jax_{dtype}_n{n}_tflops'] = metrics.measure_matmul_tflops(dtype, n=n, repeats=repeats)
+  # The same f32 matmul per CPU-second of this process: with --threads 1, an idle core's peak
+  # even while other work shares the machine.
+  import jax.numpy as jnp
+  n = 2048
+  a = jnp.ones((n, n), jnp.float32)
+  matmul = jax.jit(lambda x, y: x @ y)
+  matmul(a, a).block_until_ready()
+  cpu_start = _cpu_time()
+  for _ in range(4):
+    matmul(a, a).block_until_ready()
+  out[f'jax_float32_n{n}_per_cpu_s_tflops'] = 4 * 2 * n**3 / (_cpu_time() - cpu_start) / 1e12
   return out
 
 
@@ -427,23 +439,26 @@ def machine_info() -> dict:
   }
 
 
-def fmt_table(results: dict, peak: float) -> str:
+def fmt_table(results: dict, peak: float, cpu_peak: float) -> str:
   header = ('| model | implementation | step s: median (min-max) | tokens/s (median step) '
             '| tokens/s (best step) | TFLOP/s | MFU vs f32 peak | vs torch f32 '
-            '| tokens per CPU-s | CPU util | load |')
-  lines = [header, '|' + '---|' * 11]
+            '| tokens per CPU-s | MFU per CPU-s | CPU util | load |')
+  lines = [header, '|' + '---|' * 12]
   for model, rows in results.items():
     ref = rows.get('torch f32', {}).get('tokens_per_sec')
     for impl, r in rows.items():
       if 'error' in r:
-        lines.append(f'| {model} | {impl} | error: {r["error"][-120:]!r} | | | | | | | | |')
+        lines.append(f'| {model} | {impl} | error: {r["error"][-120:]!r} | | | | | | | | | |')
         continue
       ratio = f"{r['tokens_per_sec'] / ref:.2f}x" if ref else '-'
+      tokens = r['tokens_per_sec'] * r['step_s_median']  # per iteration
       lines.append(
           f"| {model} | {impl} | {r['step_s_median']:.3f} ({r['step_s_min']:.3f}-"
           f"{r['step_s_max']:.3f}) | {r['tokens_per_sec']:,.0f} | {r['tokens_per_sec_best']:,.0f} "
           f"| {r['tflops']:.4f} | {100 * r['tflops'] / peak:.1f}% | {ratio} "
-          f"| {r['tokens_per_cpu_sec']:,.0f} | {r['cpu_util']:.2f} "
+          f"| {r['tokens_per_cpu_sec']:,.0f} "
+          f"| {100 * r['flops_per_iteration'] * r['tokens_per_cpu_sec'] / tokens / 1e12 / cpu_peak:.1f}% "
+          f"| {r['cpu_util']:.2f} "
           f"| {r.get('loadavg_1m_after', float('nan')):.1f} |")
   return '\n'.join(lines)
 
@@ -519,7 +534,8 @@ def main() -> None:
   probes_end = run_worker('jax_probe', threads=threads)
   info['loadavg_end'] = os.getloadavg()
   peak = max(v for p in (probes, probes_end) for k, v in p.items()
-             if k.startswith('jax_float32_') and k.endswith('tflops'))
+             if k.startswith('jax_float32_') and k.endswith('tflops') and 'per_cpu' not in k)
+  cpu_peak = max(p.get('jax_float32_n2048_per_cpu_s_tflops', 0) for p in (probes, probes_end))
   info['total_s'] = time.perf_counter() - total_start
 
   info['threads'] = threads or info['nproc']
@@ -532,7 +548,8 @@ def main() -> None:
   print('matmul probes at the end (TFLOP/s): ' + ', '.join(
       f'{k.removesuffix("_tflops")} {v:.4f}' for k, v in probes_end.items()
       if k.endswith('tflops')))
-  print(f'MFU reference (best JAX f32 probe): {peak:.4f} TFLOP/s\n')
+  print(f'MFU reference (best JAX f32 probe): {peak:.4f} TFLOP/s; per CPU-second: '
+        f'{cpu_peak:.4f} TFLOP/CPU-s\n')
   for model, rows in results.items():
     r = rows.get('ours f32') or rows.get('ours bf16') or {}
     if 'num_params' in r:
@@ -544,7 +561,7 @@ def main() -> None:
             f"of {cfg.train.micro_batch_size}; {r['flops_per_iteration'] / 1e9:.1f} GFLOP/iteration; "
             f"{len(r['step_times_s'])} timed steps after {WARMUP} warm-up")
   print()
-  print(fmt_table(results, peak))
+  print(fmt_table(results, peak, cpu_peak))
   print()
   for model, rows in results.items():
     ours, ref = rows.get('ours f32', {}), rows.get('torch f32', {})
@@ -554,6 +571,11 @@ def main() -> None:
       print(f'{model}: ours f32 / torch f32 = {speedup:.2f}x (goal >= 1.20: '
             f"{'met' if speedup >= 1.2 else 'NOT met'}); MFU {100 * mfu:.1f}% (goal >= 60%: "
             f"{'met' if mfu >= 0.6 else 'NOT met'})")
+      cpu_speedup = ours['tokens_per_cpu_sec'] / ref['tokens_per_cpu_sec']
+      cpu_mfu = ours['flops_per_iteration'] / (ours['step_s_median'] * ours['tokens_per_sec'])
+      cpu_mfu *= ours['tokens_per_cpu_sec'] / 1e12 / cpu_peak if cpu_peak else float('nan')
+      print(f'{model} per CPU-second (meaningful with --threads 1): ours / torch = '
+            f'{cpu_speedup:.2f}x, MFU {100 * cpu_mfu:.1f}%')
     if 'breakdown' in ours:
       b = ours['breakdown']
       cfg = build_config(model)
@@ -576,7 +598,7 @@ def main() -> None:
   if args.json:
     with open(args.json, 'w') as f:
       json.dump({'machine': info, 'probes': probes, 'probes_end': probes_end,
-                 'peak_f32_tflops': peak,
+                 'peak_f32_tflops': peak, 'peak_f32_tflops_per_cpu_s': cpu_peak,
                  'results': results}, f, indent=2)
     print(f'\nwrote {args.json}')
 

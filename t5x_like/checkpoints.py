@@ -95,7 +95,8 @@ def resolve(path: str, step: int | None = None) -> tuple[str, int]:
   if not steps:
     raise CheckpointError(f'{path} holds no complete checkpoint (no step directory with '
                           f'{", ".join(REQUIRED_ITEMS)}); point at a checkpoint root written by '
-                          't5x_like (WORKDIR/checkpoints) or by `ckpt import-hf`, or one step in it')
+                          't5x_like (WORKDIR/checkpoints) or by `ckpt import-hf`, or at one '
+                          'step in it')
   if step is None:
     return path, steps[-1]
   if step not in steps:

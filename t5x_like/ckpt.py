@@ -6,7 +6,7 @@
                                                              replicas identical on the saved mesh
   python -m t5x_like.ckpt stats CKPT [--step N]              norm/mean/std/min/max/zeros per tensor
   python -m t5x_like.ckpt import-hf HF_DIR OUT_DIR           BloomForCausalLM (safetensors) -> ckpt
-  python -m t5x_like.ckpt export-hf CKPT HF_DIR              checkpoint -> BloomForCausalLM directory
+  python -m t5x_like.ckpt export-hf CKPT HF_DIR              checkpoint -> BloomForCausalLM dir
 
 CKPT (and A, B) is a run's checkpoint root (`WORKDIR/checkpoints`, meaning its latest step unless
 `--step N` says otherwise; `--step-a` / `--step-b` for diff) or one step's directory inside it.

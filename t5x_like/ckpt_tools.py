@@ -27,7 +27,7 @@ ARRAY_ITEMS = ('params', 'opt_state')
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
   item: str  # 'params' or 'opt_state'
-  name: str  # Orbax's dotted name inside the item, e.g. 'layers.attn.qkv_kernel', '0.mu.final_ln.bias'
+  name: str  # Orbax's dotted name in the item: 'layers.attn.qkv_kernel', '0.mu.final_ln.bias'
   shape: tuple[int, ...]
   dtype: str
   spec: tuple  # the PartitionSpec it was saved with

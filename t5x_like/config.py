@@ -292,9 +292,6 @@ class Config:
       attention.check_config(m)
     need(m.cross_entropy_impl in ('dense', 'chunked'),
          f"model.cross_entropy_impl must be 'dense' or 'chunked', got {m.cross_entropy_impl!r}")
-    need(m.cross_entropy_impl == 'dense' or mesh.pipeline == 1,
-         f"model.cross_entropy_impl='chunked' is not wired into the pipelined loss "
-         f"(mesh.pipeline={mesh.pipeline}); use model.cross_entropy_impl='dense' with a pipeline")
     need(m.remat_policy in ('none', 'full', 'save_dots'),
          f"model.remat_policy must be 'none', 'full' or 'save_dots', got {m.remat_policy!r}")
     need(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,

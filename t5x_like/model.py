@@ -230,10 +230,15 @@ def embed_tokens(params, tokens, cfg: ModelConfig, ctx: Context):
   return ctx.constrain(x, ('batch', 'length', 'act_embed'))
 
 
+def final_norm(params, x, cfg: ModelConfig, ctx: Context):
+  """The final LayerNorm on a param tree."""
+  return LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply({'params': params['final_ln']}, x)
+
+
 def output_logits(params, x, cfg: ModelConfig, ctx: Context):
   """The Transformer's output side (final LN, tied logits) on a param tree."""
-  x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply({'params': params['final_ln']}, x)
-  return tied_logits(x, params['word_embeddings'], cfg.vocab_size, ctx)
+  return tied_logits(final_norm(params, x, cfg, ctx), params['word_embeddings'], cfg.vocab_size,
+                     ctx)
 
 
 def apply_block(layer_params, x, ctx: Context, deterministic: bool = True, dropout_rng=None):

@@ -34,7 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_like import model as model_lib
+from t5x_like import losses, model as model_lib
 from t5x_like.config import Config
 
 
@@ -235,6 +235,10 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
   @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable,
                      prevent_cse=False)
   def head_loss(x, labels):
+    if cfg.model.cross_entropy_impl == 'chunked':
+      hidden = model_lib.final_norm(params, x, cfg.model, ctx)
+      embedding = params['word_embeddings'].astype(hidden.dtype)
+      return losses.chunked_token_losses(hidden, embedding, labels, cfg.model, ctx.mesh).mean()
     logits = model_lib.output_logits(params, x, cfg.model, ctx)
     return model_lib.cross_entropy(logits, labels).mean()
 
@@ -262,5 +266,6 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
                                unroll=cfg.model.scan_unroll)
   # Micro-batch m leaves the last stage, in its last repeat, at tick (R - 1) * M + m + P - 1.
   leaving = last_stage[(R - 1) * M + P - 1:]
-  losses = jax.lax.map(lambda xs: head_loss(*xs), (leaving, batch[:, :, 1:]))
-  return losses.mean()
+  _, microbatch_losses = jax.lax.scan(lambda _, xs: (None, head_loss(*xs)), None,
+                                      (leaving, batch[:, :, 1:]), unroll=cfg.model.scan_unroll)
+  return microbatch_losses.mean()

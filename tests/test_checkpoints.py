@@ -1,8 +1,6 @@
-"""Checkpoints: what is saved, keep policy, atomic saves, exact resume after SIGKILL/SIGTERM, restore
-onto any mesh, restart controls, leaving cleanly (kill switch, time limit, signals), bad input."""
+"""Checkpoints: what is saved, keep policy, atomic saves, exact resume after SIGKILL, restore onto
+any mesh, restart controls, leaving cleanly (kill switch, time limit, signals), bad input."""
 
-import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -24,20 +22,7 @@ from t5x_like.trainer import Trainer, read_metrics
 from conftest import REPO, run_cli, small_config
 
 
-@pytest.fixture(scope='module', autouse=True)
-def compilation_cache(tmp_path_factory):
-  """Trainers whose step is the same program share one compilation (the machine is slow)."""
-  from jax._src import compilation_cache as cache
-  keys = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs',
-          'jax_persistent_cache_min_entry_size_bytes')
-  before = {k: getattr(jax.config, k) for k in keys}
-  jax.config.update(keys[0], str(tmp_path_factory.mktemp('jax_cache')))
-  jax.config.update(keys[1], 0)
-  jax.config.update(keys[2], 0)
-  yield
-  for k, v in before.items():
-    jax.config.update(k, v)
-  cache.reset_cache()
+pytestmark = pytest.mark.usefixtures('persistent_compilation_cache')
 
 
 def corpus_config(**sections) -> Config:

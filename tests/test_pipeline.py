@@ -87,10 +87,14 @@ def references():
     (1, 2, 1, 2, 4, 'none'),  # circular, M = 2P
     (1, 2, 4, 2, 4, 'full'),  # circular with tensor parallelism
     (1, 2, 1, 1, 5, 'none'),  # uneven depth: one padding slot
+    (1, 2, 2, 1, 4, 'chunked'),  # the chunked vocabulary-parallel cross-entropy as the head
 ])
 def test_pipelined_run_matches_single_device(references, data, stages, tensor, repeats, layers,
                                              remat):
-  cfg = small_config(model=dict(num_layers=layers, remat_policy=remat),
+  model = dict(num_layers=layers, remat_policy=remat)
+  if remat == 'chunked':
+    model.update(remat_policy='none', cross_entropy_impl='chunked', cross_entropy_chunk=256)
+  cfg = small_config(model=model,
                      train=dict(global_batch_size=4),
                      mesh=dict(data=data, pipeline=stages, tensor=tensor),
                      pipeline=dict(repeats=repeats))
