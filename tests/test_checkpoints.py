@@ -86,8 +86,8 @@ def test_a_checkpoint_holds_everything_a_restart_needs(base_run):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), saved)
 
 
-def tiny_state(cfg=None):
-  cfg = (cfg or small_config()).validate()
+def tiny_state():
+  cfg = small_config().validate()
   layout = make_layout(cfg, partitioning.make_mesh(1, 1, 1))
   return cfg, layout, layout.init(0)
 
@@ -161,7 +161,7 @@ TINY = ['--config', 'configs/tiny.py', '--config.model.num_layers=2',
 
 
 def _cache_env(tmp_path):
-  # Later processes load the step the first one compiled: the same executable, minutes saved.
+  # Later processes load the step the first one compiled: the same executable, seconds saved.
   return {'JAX_COMPILATION_CACHE_DIR': str(tmp_path / 'jax_cache'),
           'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
 
@@ -209,9 +209,10 @@ def test_kill_9_then_restart_reproduces_the_uninterrupted_run(tmp_path):
 
 # ---------------------------------------------------------------------------- any-mesh restore
 
-# (data, pipeline, tensor); a pipeline size can join either list once mesh.pipeline > 1 exists.
-SAVE_MESHES = [(1, 1, 1), (2, 1, 2), (4, 1, 2)]
-RESTORE_MESHES = [(1, 1, 1), (8, 1, 1), (1, 1, 4), (2, 1, 4)]
+# (data, pipeline, tensor). A pipeline stores its layers in stage order; checkpoints hold the
+# canonical [L, ...] order, so pipeline meshes are just more rows and columns of the matrix.
+SAVE_MESHES = [(1, 1, 1), (2, 1, 2), (4, 1, 2), (1, 2, 2)]
+RESTORE_MESHES = [(1, 1, 1), (8, 1, 1), (1, 1, 4), (2, 1, 4), (2, 2, 2)]
 
 
 def mesh_config(mesh) -> Config:

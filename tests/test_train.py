@@ -3,7 +3,7 @@
 import json
 import os
 
-from t5x_like.config import load_gin
+from t5x_like.config import Config, load_gin
 
 from conftest import REPO, run_cli
 
@@ -31,7 +31,8 @@ def test_gin_front_end_trains_and_records_the_same_config(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   with open(os.path.join(workdir, 'config.json')) as f:
     recorded = json.load(f)
-  assert recorded == load_gin([os.path.join(REPO, 'configs', 'tiny.gin')], bindings).to_dict()
+  assert Config.from_dict(recorded) == load_gin([os.path.join(REPO, 'configs', 'tiny.gin')],
+                                                bindings)
 
 
 def test_bad_command_lines_exit_2_with_one_message_and_no_workdir(tmp_path):
