@@ -11,14 +11,14 @@ from conftest import REPO, run_cli
 def test_tiny_config_trains_with_a_falling_loss(tmp_path):
   workdir = str(tmp_path / 'tiny')
   r = run_cli(['-m', 't5x_like.train', '--config', 'configs/tiny.py', '--workdir', workdir,
-               '--config.train.steps=30', '--config.checkpoint.save_interval=15'])
+               '--config.train.steps=20', '--config.checkpoint.save_interval=10'])
   assert r.returncode == 0, r.stderr[-3000:]
-  assert 'iteration       30/      30' in r.stdout
+  assert 'iteration       20/      20' in r.stdout
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     losses = [json.loads(line)['lm_loss'] for line in f]
-  assert len(losses) == 30
+  assert len(losses) == 20
   assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
-  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['15', '30']
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['10', '20']
 
 
 def test_gin_front_end_trains_and_records_the_same_config(tmp_path):
