@@ -6,8 +6,8 @@
 For each model it measures, each in its own subprocess (so neither framework's thread pool competes
 with the other's):
 
-* ours (JAX), model.dtype float32 and bfloat16: the real train step (`trainer.make_train_step`,
-  jitted and compiled ahead of time exactly as `Trainer.compile` does, donated state) on a
+* ours (JAX), model.dtype float32 and bfloat16: the real train step (`trainer.lower_train_step`,
+  what `Trainer.compile` compiles: explicit shardings, donated state) on a
   1 x 1 x 1 mesh; 2 warm-up steps, then N timed steps, each ended by `jax.device_get(stats)` as
   the trainer's loop does. The batch is a fixed random token array already on the device, so the
   numbers exclude the host data pipeline (`--breakdown` times that separately);
@@ -19,15 +19,18 @@ with the other's):
 Throughput: tokens/s = global_batch x seq_len / median step time; model TFLOP/s from
 `metrics.megatron_flops_per_iteration` (the same FLOP count for every implementation); MFU against
 the best f32 matmul probe (`metrics.measure_matmul_tflops('float32')`, n = 1024 and 2048) measured
-at the start and at the end of the same run (the best of both: on a shared machine a probe that
-ran while another process held a core would flatter the MFU). bf16 matmul probes (JAX and torch) are reported alongside.
+at the start and at the end of the same run (the best of both: on a shared machine a probe that ran
+while another process held a core would flatter the MFU). bf16 matmul probes (JAX and torch) are
+reported alongside.
 
 `--profile` traces one step of ours f32 with `jax.profiler` and splits the XLA ops' time by what
 they compute (layer matmuls, LM head, attention, layernorms, the layer scan's stacking, the
-optimizer...). `--breakdown` also times, for JAX float32, the forward pass, forward + backward, and the
-attention core alone, so the optimizer/clipping share of a step is the remainder. `--threads 1`
-pins every worker to one CPU (torch with one thread): on a shared machine that comparison suffers
-far less from other processes than the default (OpenMP barriers stall when a core is taken).
+optimizer...). `--breakdown` also times, for ours f32, the forward pass, forward + backward and the
+attention core as separate jitted functions (indicative only: they are not the fused step, and on a
+shared machine they run under a different load), and the host data pipeline's cost per global
+batch. `--threads 1` pins every worker to one CPU (torch with one thread): on a shared machine that
+comparison suffers far less from other processes than the default (OpenMP barriers stall when a
+core is taken).
 
 cpu_util (this process's CPU seconds / (wall seconds x CPUs it may use), over the timed steps) and
 the load average after each worker are recorded: on a shared machine they say how much of the
@@ -158,24 +161,26 @@ def worker_jax(args: argparse.Namespace) -> dict:
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from t5x_like import partitioning
+  from t5x_like import partitioning, trainer
   from t5x_like.train_state import make_layout
-  from t5x_like.trainer import make_train_step
 
   cfg = build_config(args.model, args.dtype)
   mesh = partitioning.make_mesh(1, 1, 1)
   layout = make_layout(cfg, mesh)
   batch_sharding = NamedSharding(mesh, P(None, 'data', None))
-  # Exactly Trainer.compile.
-  step = jax.jit(make_train_step(cfg, layout),
-                 in_shardings=(layout.shardings, batch_sharding, None, None),
-                 out_shardings=(layout.shardings, None),
-                 donate_argnums=(0,))
   host_batch = random_batch(cfg)
   start = time.perf_counter()
-  abstract_batch = jax.ShapeDtypeStruct(host_batch.shape, jnp.int32, sharding=batch_sharding)
-  scalar = jax.ShapeDtypeStruct((), jnp.int32)
-  compiled = step.lower(layout.abstract, abstract_batch, scalar, scalar).compile()
+  if hasattr(trainer, 'lower_train_step'):  # What Trainer.compile compiles.
+    lowered = trainer.lower_train_step(cfg, layout, cfg.num_microbatches)
+  else:  # Older trainers: the same jit, written out.
+    step = jax.jit(trainer.make_train_step(cfg, layout),
+                   in_shardings=(layout.shardings, batch_sharding, None, None),
+                   out_shardings=(layout.shardings, None),
+                   donate_argnums=(0,))
+    abstract_batch = jax.ShapeDtypeStruct(host_batch.shape, jnp.int32, sharding=batch_sharding)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    lowered = step.lower(layout.abstract, abstract_batch, scalar, scalar)
+  compiled = lowered.compile()
   compile_s = time.perf_counter() - start
   state = layout.init(cfg.train.seed)
   batch = jax.device_put(host_batch, batch_sharding)
@@ -452,12 +457,13 @@ def fmt_table(results: dict, peak: float, cpu_peak: float) -> str:
         continue
       ratio = f"{r['tokens_per_sec'] / ref:.2f}x" if ref else '-'
       tokens = r['tokens_per_sec'] * r['step_s_median']  # per iteration
+      cpu_mfu = r['flops_per_iteration'] * r['tokens_per_cpu_sec'] / tokens / 1e12 / cpu_peak
       lines.append(
           f"| {model} | {impl} | {r['step_s_median']:.3f} ({r['step_s_min']:.3f}-"
           f"{r['step_s_max']:.3f}) | {r['tokens_per_sec']:,.0f} | {r['tokens_per_sec_best']:,.0f} "
           f"| {r['tflops']:.4f} | {100 * r['tflops'] / peak:.1f}% | {ratio} "
           f"| {r['tokens_per_cpu_sec']:,.0f} "
-          f"| {100 * r['flops_per_iteration'] * r['tokens_per_cpu_sec'] / tokens / 1e12 / cpu_peak:.1f}% "
+          f"| {100 * cpu_mfu:.1f}% "
           f"| {r['cpu_util']:.2f} "
           f"| {r.get('loadavg_1m_after', float('nan')):.1f} |")
   return '\n'.join(lines)
@@ -558,7 +564,8 @@ def main() -> None:
             f"{cfg.model.num_layers} layers x hidden {cfg.model.hidden_size} x "
             f"{cfg.model.num_heads} heads, vocab {cfg.padded_vocab_size}, seq {cfg.train.seq_len}, "
             f"global batch {cfg.train.global_batch_size} in {cfg.num_microbatches} micro-batch(es) "
-            f"of {cfg.train.micro_batch_size}; {r['flops_per_iteration'] / 1e9:.1f} GFLOP/iteration; "
+            f"of {cfg.train.micro_batch_size}; "
+            f"{r['flops_per_iteration'] / 1e9:.1f} GFLOP/iteration; "
             f"{len(r['step_times_s'])} timed steps after {WARMUP} warm-up")
   print()
   print(fmt_table(results, peak, cpu_peak))
@@ -578,12 +585,9 @@ def main() -> None:
             f'{cpu_speedup:.2f}x, MFU {100 * cpu_mfu:.1f}%')
     if 'breakdown' in ours:
       b = ours['breakdown']
-      cfg = build_config(model)
-      rest = ours['step_s_median'] - cfg.num_microbatches * b['fwd_bwd_per_micro']
-      print(f'{model} breakdown (ours f32, s): ' + ', '.join(
-          f'{k} {v:.4f}' if isinstance(v, float) else f'{k} {v}' for k, v in b.items()) +
-          f'; step - {cfg.num_microbatches} x fwd_bwd (optimizer, clipping, accumulation, '
-          f'scan overhead) {rest:.4f}')
+      print(f'{model} breakdown (ours f32, separate jitted functions, unsharded, timed after '
+            f'the steps; s): ' + ', '.join(
+                f'{k} {v:.4f}' if isinstance(v, float) else f'{k} {v}' for k, v in b.items()))
     if 'profile' in ours:
       prof = ours['profile']
       print(f"{model} profile (ours f32, one traced step of {prof['step_wall_s']:.2f} s wall, "
