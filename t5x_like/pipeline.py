@@ -116,14 +116,14 @@ def plan_for(cfg: Config) -> StagePlan:
 # ----------------------------------------------------------------------------- layout conversion
 
 
-def _is_layer_leaf(path) -> bool:
+def is_layer_leaf(path) -> bool:
   return any(getattr(k, 'key', None) == 'layers' for k in path)
 
 
 def map_layer_leaves(fn, tree):
   """Applies fn to every array under a `layers` key (params and the Adam moments alike)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: fn(x) if _is_layer_leaf(path) and getattr(x, 'ndim', 0) else x, tree)
+      lambda path, x: fn(x) if is_layer_leaf(path) and getattr(x, 'ndim', 0) else x, tree)
 
 
 def to_storage(plan: StagePlan, tree):
@@ -149,7 +149,7 @@ def to_canonical(plan: StagePlan, tree):
 
 
 def storage_shape(plan: StagePlan, path, shape: tuple[int, ...]) -> tuple[int, ...]:
-  if _is_layer_leaf(path) and len(shape) and not plan.is_identity:
+  if is_layer_leaf(path) and len(shape) and not plan.is_identity:
     return (plan.num_slots,) + tuple(shape[1:])
   return tuple(shape)
 

@@ -99,16 +99,25 @@ def make_train_step(cfg: Config, layout: StateLayout):
   return step
 
 
-def lower_train_step(cfg: Config, layout: StateLayout, num_microbatches: int):
-  """The jitted step with explicit shardings and donated state, lowered for abstract inputs."""
-  batch_sharding = NamedSharding(layout.mesh, P(None, 'data', None))
-  step = jax.jit(make_train_step(cfg, layout),
-                 in_shardings=(layout.shardings, batch_sharding, None, None),
+def batch_sharding(layout: StateLayout) -> NamedSharding:
+  """Batches [micro-batches, rows, S + 1] are split over `data` on their rows."""
+  return NamedSharding(layout.mesh, P(None, 'data', None))
+
+
+def jit_train_step(cfg: Config, layout: StateLayout):
+  """The train step, jitted with explicit input/output shardings and donated state."""
+  return jax.jit(make_train_step(cfg, layout),
+                 in_shardings=(layout.shardings, batch_sharding(layout), None, None),
                  out_shardings=(layout.shardings, None),
                  donate_argnums=(0,))
+
+
+def lower_train_step(cfg: Config, layout: StateLayout, num_microbatches: int):
+  """The jitted step lowered for abstract (shape-only) state and batch."""
+  step = jit_train_step(cfg, layout)
   rows = cfg.train.micro_batch_size * cfg.mesh.data
   batch = jax.ShapeDtypeStruct((num_microbatches, rows, cfg.train.seq_len + 1), jnp.int32,
-                               sharding=batch_sharding)
+                               sharding=batch_sharding(layout))
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
   return step.lower(layout.abstract, batch, scalar, scalar)
 
@@ -145,7 +154,7 @@ class Trainer:
       raise ConfigError(f'the tokenizer has {self.tokenizer.vocab_size} tokens but '
                         f'model.vocab_size is {cfg.model.vocab_size}; set model.vocab_size >= '
                         f'{self.tokenizer.vocab_size}')
-    self.batch_sharding = NamedSharding(self.mesh, P(None, 'data', None))
+    self.batch_sharding = batch_sharding(self.layout)
     self._compiled = {}  # one compiled step per number of micro-batches (batch-size ramp-up)
     self.checkpointer = checkpoints.Checkpointer(self.ckpt_root, cfg.checkpoint.save_interval,
                                                  cfg.checkpoint.max_to_keep, self.layout,
@@ -263,7 +272,7 @@ class Trainer:
     plan, sizes = self.layout.plan, []
     per_slot, shared = 0, 0
     for path, a in jax.tree_util.tree_flatten_with_path(self.layout.abstract.params)[0]:
-      if pipeline._is_layer_leaf(path):
+      if pipeline.is_layer_leaf(path):
         per_slot += a.size // plan.num_slots
       else:
         axes = [x for ax in a.sharding.spec if ax

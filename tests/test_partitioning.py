@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from t5x_like import partitioning
+from t5x_like import trainer as trainer_lib
 from t5x_like.trainer import make_train_step
 from t5x_like.train_state import make_layout
 
@@ -52,10 +53,8 @@ def run_steps(cfg, num_steps=4):
   m = cfg.mesh
   mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor)
   layout = make_layout(cfg, mesh)
-  batch_sharding = NamedSharding(mesh, P(None, 'data', None))
-  step = jax.jit(make_train_step(cfg, layout),
-                 in_shardings=(layout.shardings, batch_sharding, None, None),
-                 out_shardings=(layout.shardings, None), donate_argnums=(0,))
+  batch_sharding = trainer_lib.batch_sharding(layout)
+  step = trainer_lib.jit_train_step(cfg, layout)
   state = layout.init(cfg.train.seed)
   rows = cfg.train.micro_batch_size * m.data
   tokens = np.random.default_rng(0).integers(

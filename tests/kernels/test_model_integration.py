@@ -15,7 +15,7 @@ from t5x_like import losses, partitioning
 from t5x_like import model as model_lib
 from t5x_like.config import ConfigError, ModelConfig, load_config_file
 from t5x_like.train_state import make_layout
-from t5x_like.trainer import make_train_step
+from t5x_like import trainer as trainer_lib
 
 from conftest import REPO, small_config
 
@@ -44,10 +44,8 @@ def run_steps(cfg, num_steps=2):
   m = cfg.mesh
   mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor)
   layout = make_layout(cfg, mesh)
-  batch_sharding = NamedSharding(mesh, P(None, 'data', None))
-  step = jax.jit(make_train_step(cfg, layout),
-                 in_shardings=(layout.shardings, batch_sharding, None, None),
-                 out_shardings=(layout.shardings, None), donate_argnums=(0,))
+  batch_sharding = trainer_lib.batch_sharding(layout)
+  step = trainer_lib.jit_train_step(cfg, layout)
   state = layout.init(cfg.train.seed)
   rows = cfg.train.micro_batch_size * m.data
   shape = (cfg.train.global_batch_size, cfg.train.seq_len + 1)
