@@ -4,11 +4,15 @@
   (Triton lowering on GPU; `interpret=True` on CPU).
 * `vocab_parallel_cross_entropy`: chunked, vocabulary-parallel softmax cross-entropy from hidden
   states and the tied embedding, never materialising tokens x vocab fp32 logits.
+* `fused_cross_entropy_mean`: the same loss's mean with its gradient computed in the forward pass,
+  a token chunk at a time (no recomputation in the backward pass).
+* `triton_lowering`: lowers the Pallas kernels for CUDA on any machine and verifies the Triton IR.
 * `attention_reference` (`reference.py`): the plain-JAX attention that the model's
   `attention_impl='xla'` path uses and that every kernel is tested against.
 """
 
-from t5x_like.kernels.cross_entropy import chunked_logsumexp, vocab_parallel_cross_entropy
+from t5x_like.kernels.cross_entropy import (chunked_logsumexp, fused_cross_entropy_mean,
+                                            vocab_parallel_cross_entropy)
 from t5x_like.kernels.flash_attention import (BlockSizes, FlashAttentionConstraintError,
                                               flash_attention)
 from t5x_like.kernels.reference import attention_reference
@@ -19,5 +23,6 @@ __all__ = [
     'attention_reference',
     'chunked_logsumexp',
     'flash_attention',
+    'fused_cross_entropy_mean',
     'vocab_parallel_cross_entropy',
 ]

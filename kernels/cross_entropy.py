@@ -106,6 +106,26 @@ def _logsumexp_bwd(chunk: int, residuals, grad):
 chunked_logsumexp.defvjp(_logsumexp_fwd, _logsumexp_bwd)
 
 
+def _local_problem(hidden, embedding, labels, vocab_size: int, axis_name, token_axis_names):
+  """Flattened tokens, and this vocabulary shard's row offset and count of real (unpadded) rows.
+
+  Every vocabulary shard sees the same tokens; marking them varying over axis_name makes the
+  transpose sum the shards' partial d_hidden (a psum). The embedding is replicated over the token
+  axes; marking it varying there sums its gradient over them.
+  """
+  hidden = hidden.reshape(-1, hidden.shape[-1])
+  labels = labels.reshape(-1)
+  local_rows = embedding.shape[0]
+  offset = 0
+  if axis_name is not None:
+    offset = jax.lax.axis_index(axis_name) * local_rows
+    hidden = jax.lax.pcast(hidden, axis_name, to='varying')
+  if token_axis_names:
+    embedding = jax.lax.pcast(embedding, tuple(token_axis_names), to='varying')
+  valid_rows = jnp.clip(vocab_size - offset, 0, local_rows).astype(jnp.int32)
+  return hidden, embedding, labels, offset, valid_rows
+
+
 def vocab_parallel_cross_entropy(hidden, embedding, labels, *, vocab_size: int,
                                  chunk_size: int = 4096, axis_name: str | None = None,
                                  token_axis_names: tuple[str, ...] = ()):
@@ -118,18 +138,9 @@ def vocab_parallel_cross_entropy(hidden, embedding, labels, *, vocab_size: int,
   replicated over them, so its gradient is summed over them).
   """
   batch_shape = labels.shape
-  hidden = hidden.reshape(-1, hidden.shape[-1])
-  labels = labels.reshape(-1)
+  hidden, embedding, labels, offset, valid_rows = _local_problem(
+      hidden, embedding, labels, vocab_size, axis_name, token_axis_names)
   local_rows = embedding.shape[0]
-  offset = 0
-  if axis_name is not None:
-    offset = jax.lax.axis_index(axis_name) * local_rows
-    # Every vocabulary shard sees the same tokens; marking them varying makes the transpose sum
-    # the shards' partial d_hidden (a psum over axis_name).
-    hidden = jax.lax.pcast(hidden, axis_name, to='varying')
-  if token_axis_names:
-    embedding = jax.lax.pcast(embedding, tuple(token_axis_names), to='varying')
-  valid_rows = jnp.clip(vocab_size - offset, 0, local_rows).astype(jnp.int32)
   local_lse = chunked_logsumexp(hidden, embedding, valid_rows, pick_chunk(local_rows, chunk_size))
 
   # The label's logit from its own embedding row: a gather, not a [tokens, vocab] one-hot.
@@ -147,3 +158,85 @@ def vocab_parallel_cross_entropy(hidden, embedding, labels, *, vocab_size: int,
     lse = top + jnp.log(jax.lax.psum(jnp.exp(local_lse - top), axis_name))
     label_logit = jax.lax.psum(label_logit, axis_name)
   return (lse - label_logit).reshape(batch_shape)
+
+
+# ------------------------------------------------------------------- gradient in the forward pass
+
+
+def fused_cross_entropy_mean(hidden, embedding, labels, *, vocab_size: int,
+                             token_chunk: int = 4096, axis_name: str | None = None,
+                             token_axis_names: tuple[str, ...] = ()):
+  """Mean fp32 cross-entropy of logits hidden . embedding^T, its gradient computed in the forward.
+
+  The same loss as `vocab_parallel_cross_entropy(...).mean()`, for speed rather than memory: each
+  chunk of `token_chunk` tokens gets its [chunk, V_local] fp32 logits, softmax and logits
+  gradient (softmax - one_hot) / tokens once, and from them d_hidden and d_embedding, so the
+  backward pass only scales two stored gradients by the incoming cotangent. That is three
+  matmuls over the vocabulary instead of the four of a recomputing backward, and no [tokens, V]
+  residual and no transposed copy of one. Memory: one [chunk, V_local] fp32 tile plus a
+  d_embedding of the embedding's size, held from the forward to the backward pass, which is
+  why this loss refuses the pipeline (one per micro-batch in flight; config.py).
+
+  Arguments as `vocab_parallel_cross_entropy`; the mean is over this shard's tokens (under a
+  token-splitting shard_map, average the shards' means).
+  """
+  hidden, embedding, labels, offset, valid_rows = _local_problem(
+      hidden, embedding, labels, vocab_size, axis_name, token_axis_names)
+  chunk = pick_chunk(hidden.shape[0], token_chunk)
+  return _fused_mean(hidden, embedding, labels - offset, valid_rows, chunk, axis_name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_mean(hidden, embedding, local_labels, valid_rows, chunk: int, axis_name):
+  return _fused_forward(hidden, embedding, local_labels, valid_rows, chunk, axis_name)[0]
+
+
+def _fused_forward(hidden, embedding, local_labels, valid_rows, chunk: int, axis_name):
+  num_tokens, width = hidden.shape
+  local_rows = embedding.shape[0]
+  rows = jnp.arange(local_rows)
+
+  def tile(hidden_chunk, labels_chunk):
+    logits = jnp.einsum('ne,ve->nv', hidden_chunk, embedding, preferred_element_type=jnp.float32)
+    logits = jnp.where(rows[None, :] < valid_rows, logits, _MASK_VALUE)
+    top = logits.max(-1)
+    if axis_name is not None:
+      top = jax.lax.pmax(top, axis_name)
+    exp = jnp.exp(logits - top[:, None])
+    total = exp.sum(-1)
+    label_hit = rows[None, :] == labels_chunk[:, None]  # all False on shards without the label
+    label_logit = jnp.where(label_hit, logits, 0.0).sum(-1)
+    if axis_name is not None:
+      total = jax.lax.psum(total, axis_name)
+      label_logit = jax.lax.psum(label_logit, axis_name)
+    loss_sum = (top + jnp.log(total) - label_logit).sum()
+    d_logits = (exp / total[:, None] - label_hit) * (1.0 / num_tokens)
+    d_logits = d_logits.astype(hidden.dtype)
+    d_hidden = jnp.einsum('nv,ve->ne', d_logits, embedding, preferred_element_type=jnp.float32)
+    d_embedding = jnp.einsum('nv,ne->ve', d_logits, hidden_chunk,
+                             preferred_element_type=jnp.float32)
+    return loss_sum, d_hidden.astype(hidden.dtype), d_embedding
+
+  hidden_chunks = hidden.reshape(num_tokens // chunk, chunk, width)
+  label_chunks = local_labels.reshape(num_tokens // chunk, chunk)
+  # The first chunk outside the scan seeds the carries with the inputs' varying-axes types.
+  loss_sum, d_first, d_embedding = tile(hidden_chunks[0], label_chunks[0])
+
+  def visit(carry, xs):
+    loss_sum, d_embedding = carry
+    chunk_loss, d_hidden, chunk_d_embedding = tile(*xs)
+    return (loss_sum + chunk_loss, d_embedding + chunk_d_embedding), d_hidden
+
+  (loss_sum, d_embedding), d_rest = jax.lax.scan(visit, (loss_sum, d_embedding),
+                                                 (hidden_chunks[1:], label_chunks[1:]))
+  d_hidden = jnp.concatenate([d_first[None], d_rest]).reshape(num_tokens, width)
+  return loss_sum / num_tokens, (d_hidden, d_embedding.astype(embedding.dtype))
+
+
+def _fused_bwd(chunk: int, axis_name, residuals, grad):
+  d_hidden, d_embedding = residuals
+  return ((d_hidden * grad).astype(d_hidden.dtype), (d_embedding * grad).astype(d_embedding.dtype),
+          None, None)
+
+
+_fused_mean.defvjp(_fused_forward, _fused_bwd)

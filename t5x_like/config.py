@@ -50,7 +50,9 @@ class ModelConfig:
   attention_fallback: bool = False
   # 'dense': full fp32 logits then the loss. 'chunked': the loss from the final hidden states and
   # the tied embedding, cross_entropy_chunk vocabulary rows at a time (never tokens x vocab fp32).
-  cross_entropy_impl: Literal['dense', 'chunked'] = 'dense'
+  # 'fused': the loss and its gradient in one forward pass, cross_entropy_chunk tokens at a time
+  # (no recomputation; fastest on CPU; not with mesh.pipeline > 1).
+  cross_entropy_impl: Literal['dense', 'chunked', 'fused'] = 'dense'
   cross_entropy_chunk: int = 4096
   # 'none': keep every activation; 'full': recompute each block in backward;
   # 'save_dots': keep matmul outputs, recompute the rest.
@@ -290,8 +292,11 @@ class Config:
       # Imported here: the kernels pull in JAX, which nothing else in this module needs.
       from t5x_like import attention
       attention.check_config(m)
-    need(m.cross_entropy_impl in ('dense', 'chunked'),
-         f"model.cross_entropy_impl must be 'dense' or 'chunked', got {m.cross_entropy_impl!r}")
+    need(m.cross_entropy_impl in ('dense', 'chunked', 'fused'),
+         "model.cross_entropy_impl must be 'dense', 'chunked' or 'fused', got "
+         f'{m.cross_entropy_impl!r}')
+    need(m.cross_entropy_chunk >= 1,
+         f'model.cross_entropy_chunk must be >= 1, got {m.cross_entropy_chunk}')
     need(m.remat_policy in ('none', 'full', 'save_dots'),
          f"model.remat_policy must be 'none', 'full' or 'save_dots', got {m.remat_policy!r}")
     need(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
@@ -332,6 +337,10 @@ class Config:
            f'pipeline.repeats={r} does not fit {m.num_layers} layers on {p} stages: every stage '
            f'would hold more than one padding slot; repeats that fit: {fits}')
     if p > 1:
+      need(m.cross_entropy_impl != 'fused',
+           "model.cross_entropy_impl='fused' keeps an embedding-sized gradient from each "
+           'micro-batch\'s forward to its backward pass, one per micro-batch in flight in the '
+           "pipeline; use 'chunked' (or 'dense') with mesh.pipeline > 1")
       fewest = min(self.microbatches_for(g) for g in t.ramp_batch_sizes())
       need(fewest >= p,
            f'{fewest} micro-batch(es) per step is fewer than the {p} pipeline stages (global '

@@ -6,22 +6,46 @@
   chunked cross-entropy (`t5x_like.kernels.vocab_parallel_cross_entropy`): under the mesh a
   `shard_map` gives each device its tokens (`data`) and vocabulary rows (`tensor`), and no device
   ever holds more than [its tokens, cross_entropy_chunk] fp32 logits.
+* 'fused': the same shard_map around `fused_cross_entropy_mean`, which computes the loss's
+  gradient in the forward pass, cross_entropy_chunk tokens at a time (the fastest on CPU; no
+  [tokens, vocab] residual, but a d_embedding held until the backward pass).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from t5x_like import model as model_lib
 from t5x_like import partitioning
 from t5x_like.config import ModelConfig
-from t5x_like.kernels.cross_entropy import vocab_parallel_cross_entropy
+from t5x_like.kernels.cross_entropy import (fused_cross_entropy_mean,
+                                            vocab_parallel_cross_entropy)
+
+
+def mean_loss(model: model_lib.Transformer, params, tokens, *, deterministic: bool = True,
+              rngs=None):
+  """The mean fp32 loss of predicting tokens[:, 1:] from tokens[:, :-1] (what training minimises)."""
+  if model.cfg.cross_entropy_impl != 'fused':
+    return token_losses(model, params, tokens, deterministic=deterministic, rngs=rngs).mean()
+  hidden = model.apply({'params': params}, tokens[:, :-1], deterministic=deterministic, rngs=rngs,
+                       return_hidden=True)
+  embedding = params['word_embeddings'].astype(hidden.dtype)
+  cfg = model.cfg
+  loss_fn = functools.partial(fused_cross_entropy_mean, vocab_size=cfg.vocab_size,
+                              token_chunk=cfg.cross_entropy_chunk)
+  return _per_shard(loss_fn, hidden, embedding, tokens[:, 1:], model.mesh,
+                    one_per_shard=True).mean()
 
 
 def token_losses(model: model_lib.Transformer, params, tokens, *, deterministic: bool = True,
                  rngs=None):
-  """Per-token fp32 losses [B, S] of predicting tokens[:, 1:] from tokens[:, :-1]."""
+  """Per-token fp32 losses [B, S] of predicting tokens[:, 1:] from tokens[:, :-1].
+
+  'fused' has no per-token losses (it returns their mean); it gets the 'chunked' ones, which are
+  the same numbers."""
   cfg = model.cfg
   inputs, labels = tokens[:, :-1], tokens[:, 1:]
   if cfg.cross_entropy_impl == 'dense':
@@ -35,11 +59,19 @@ def token_losses(model: model_lib.Transformer, params, tokens, *, deterministic:
 
 def chunked_token_losses(hidden, embedding, labels, cfg: ModelConfig, mesh: Mesh | None):
   """The chunked cross-entropy of hidden [B, S, h] against embedding [V_pad, h], per shard."""
+  loss_fn = functools.partial(vocab_parallel_cross_entropy, vocab_size=cfg.vocab_size,
+                              chunk_size=cfg.cross_entropy_chunk)
+  return _per_shard(loss_fn, hidden, embedding, labels, mesh)
+
+
+def _per_shard(loss_fn, hidden, embedding, labels, mesh: Mesh | None,
+               one_per_shard: bool = False):
+  """loss_fn on each device's tokens and vocabulary rows: one loss per token (the labels' shape),
+  or with one_per_shard a scalar per token shard, returned as [token shards]."""
 
   def local(hidden, embedding, labels, vocab_axes=None, token_axes=()):
-    return vocab_parallel_cross_entropy(hidden, embedding, labels, vocab_size=cfg.vocab_size,
-                                        chunk_size=cfg.cross_entropy_chunk, axis_name=vocab_axes,
-                                        token_axis_names=token_axes)
+    loss = loss_fn(hidden, embedding, labels, axis_name=vocab_axes, token_axis_names=token_axes)
+    return loss[None] if one_per_shard else loss
 
   if mesh is None:
     return local(hidden, embedding, labels)
@@ -50,7 +82,10 @@ def chunked_token_losses(hidden, embedding, labels, cfg: ModelConfig, mesh: Mesh
   vocab_axes, token_axes = embedding_spec[0], hidden_spec[0]
   token_axes = () if token_axes is None else (
       token_axes if isinstance(token_axes, tuple) else (token_axes,))
+  # One mean per token shard: [shards], split over the token axes (equal shards, so the mean of
+  # the means is the mean).
+  out_specs = PartitionSpec(hidden_spec[0]) if one_per_shard else labels_spec
   return jax.shard_map(
       lambda h, e, l: local(h, e, l, vocab_axes, token_axes), mesh=mesh,
-      in_specs=(hidden_spec, embedding_spec, labels_spec), out_specs=labels_spec,
+      in_specs=(hidden_spec, embedding_spec, labels_spec), out_specs=out_specs,
   )(hidden, embedding, labels)

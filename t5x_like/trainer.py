@@ -37,9 +37,9 @@ def make_train_step(cfg: Config, layout: StateLayout):
   dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
 
   def loss_fn(compute_params, tokens, rng):
-    # 'dense' or 'chunked' cross-entropy (model.cross_entropy_impl), see losses.py.
-    return losses.token_losses(model, compute_params, tokens, deterministic=not dropout,
-                               rngs={'dropout': rng}).mean()
+    # 'dense', 'chunked' or 'fused' cross-entropy (model.cross_entropy_impl), see losses.py.
+    return losses.mean_loss(model, compute_params, tokens, deterministic=not dropout,
+                            rngs={'dropout': rng})
 
   def accumulated_loss_and_grads(params, batch, rng):
     """No pipeline: micro-batches one after another, fp32 accumulation in the ZeRO layout."""

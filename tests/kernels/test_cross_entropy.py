@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from t5x_like.kernels import vocab_parallel_cross_entropy
-from t5x_like.kernels.cross_entropy import pick_chunk
+from t5x_like.kernels.cross_entropy import fused_cross_entropy_mean, pick_chunk
 from t5x_like.model import cross_entropy
 
 PADDED_VOCAB, VOCAB, WIDTH = 512, 450, 16
@@ -108,3 +108,59 @@ def test_peak_memory_grows_with_the_chunk_not_with_tokens_x_vocab():
   # embedding is itself [vocab, width]), far less than tokens x vocab fp32.
   per_row = (chunked_large - chunked_small) / (large - small)
   assert per_row <= 4 * 32 * 2, per_row
+
+
+# ------------------------------------------------------- fused: the gradient in the forward pass
+
+
+@pytest.mark.parametrize('token_chunk', [8, 24])  # three chunks of 8 tokens, or one of 24
+def test_fused_mean_and_gradients_match_dense(token_chunk):
+  hidden, embedding, labels = problem()
+  # 3 x the loss: the backward pass must scale the gradients stored by the forward pass.
+  fused = lambda h, e: 3.0 * fused_cross_entropy_mean(h, e, labels, vocab_size=VOCAB,
+                                                      token_chunk=token_chunk)
+  dense = lambda h, e: 3.0 * dense_losses(h, e, labels).mean()
+  (loss, grads), (want_loss, want_grads) = (
+      jax.jit(jax.value_and_grad(fused, (0, 1)))(hidden, embedding),
+      jax.jit(jax.value_and_grad(dense, (0, 1)))(hidden, embedding))
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  assert float(jnp.abs(grads[1][VOCAB:]).max()) == 0.0
+
+
+def test_fused_vocab_parallel_under_shard_map_matches_dense():
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ('data', 'tensor'))
+  hidden, embedding, labels = problem()
+
+  def sharded(h, e):
+    local = lambda h, e, l: fused_cross_entropy_mean(
+        h, e, l, vocab_size=VOCAB, token_chunk=4, axis_name='tensor',
+        token_axis_names=('data',))[None]
+    return jax.shard_map(local, mesh=mesh, in_specs=(P('data'), P('tensor'), P('data')),
+                         out_specs=P('data'))(h, e, labels).mean()
+
+  (loss, grads), (want_loss, want_grads) = (
+      jax.jit(jax.value_and_grad(sharded, (0, 1)))(hidden, embedding),
+      jax.jit(jax.value_and_grad(lambda h, e: dense_losses(h, e, labels).mean(), (0, 1)))(
+          hidden, embedding))
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_fused_backward_does_no_matmul_over_the_vocabulary():
+  """The point of 'fused': three vocabulary matmuls in all (logits, d_hidden, d_embedding), all in
+  the forward pass; the recomputing 'chunked' backward does four."""
+  hidden, embedding, labels = problem(vocab=512, tokens=(4, 32))
+
+  def vocab_dots(loss_fn):
+    step = jax.jit(jax.value_and_grad(lambda h, e: loss_fn(h, e), (0, 1)))
+    hlo = step.lower(hidden, embedding).as_text()
+    return sum(1 for line in hlo.splitlines() if 'dot_general' in line and '512' in line
+               and 'stablehlo.dot_general' in line)
+
+  fused = vocab_dots(lambda h, e: fused_cross_entropy_mean(h, e, labels, vocab_size=VOCAB))
+  chunked = vocab_dots(lambda h, e: vocab_parallel_cross_entropy(
+      h, e, labels, vocab_size=VOCAB, chunk_size=512).mean())
+  assert (fused, chunked) == (3, 4)

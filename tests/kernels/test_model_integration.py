@@ -1,6 +1,7 @@
 """model.attention_impl / model.cross_entropy_impl in the model and the train step, and their
 fail-fast configuration rules."""
 
+import functools
 import os
 import warnings
 
@@ -59,16 +60,30 @@ def run_steps(cfg, num_steps=2):
   return np.array(losses_), np.array(norms), jax.device_get(state.params)
 
 
-def test_tiny_config_trains_the_same_with_pallas_attention_and_chunked_cross_entropy():
+def shortened_tiny():
   """configs/tiny.py's model (8 heads of 32, vocab 8192) on its data=2 x tensor=2 mesh, shortened
   to 2 layers and 32 tokens: the kernels run per shard (4 heads, 4096 vocabulary rows each)."""
   overrides = {'model.num_layers': 2, 'train.seq_len': 32, 'train.global_batch_size': 4,
                'train.micro_batch_size': 1, 'train.steps': 2, 'optimizer.warmup_samples': 0}
-  tiny = load_config_file(os.path.join(REPO, 'configs', 'tiny.py'), overrides)
-  fused = tiny.replace(model={'attention_impl': 'pallas', 'cross_entropy_impl': 'chunked',
-                              'cross_entropy_chunk': 1024})
-  ref_losses, ref_norms, ref_params = run_steps(tiny.validate())
-  losses_, norms, params = run_steps(fused.validate())
+  return load_config_file(os.path.join(REPO, 'configs', 'tiny.py'), overrides)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_reference_run():
+  """xla attention + dense cross-entropy: what every other implementation must reproduce."""
+  return run_steps(shortened_tiny().replace(model={'attention_impl': 'xla',
+                                                   'cross_entropy_impl': 'dense'}).validate())
+
+
+@pytest.mark.parametrize('model', [
+    pytest.param({'attention_impl': 'pallas', 'cross_entropy_impl': 'chunked',
+                  'cross_entropy_chunk': 1024}, id='pallas-attention-chunked-ce'),
+    # 16 tokens per chunk: each data shard's 32 tokens take two chunks.
+    pytest.param({'cross_entropy_impl': 'fused', 'cross_entropy_chunk': 16}, id='fused-ce'),
+])
+def test_tiny_config_trains_the_same_as_xla_attention_and_dense_cross_entropy(model):
+  ref_losses, ref_norms, ref_params = tiny_reference_run()
+  losses_, norms, params = run_steps(shortened_tiny().replace(model=model).validate())
   assert losses_[-1] < losses_[0]
   np.testing.assert_allclose(losses_, ref_losses, rtol=2e-6)
   np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
@@ -146,5 +161,13 @@ def test_fused_attention_has_no_dropout():
 def test_unknown_implementations_are_rejected():
   with pytest.raises(ConfigError, match="attention_impl must be 'xla', 'pallas' or 'cudnn'"):
     small_config(model=dict(attention_impl='triton')).validate()
-  with pytest.raises(ConfigError, match="cross_entropy_impl must be 'dense' or 'chunked'"):
+  with pytest.raises(ConfigError,
+                     match="cross_entropy_impl must be 'dense', 'chunked' or 'fused'"):
     small_config(model=dict(cross_entropy_impl='sparse')).validate()
+
+
+def test_fused_cross_entropy_is_refused_with_a_pipeline():
+  cfg = small_config(model=dict(cross_entropy_impl='fused'), mesh=dict(pipeline=2),
+                     train=dict(global_batch_size=4, micro_batch_size=1))
+  with pytest.raises(ConfigError, match="cross_entropy_impl='fused'.*use 'chunked'"):
+    cfg.validate()
