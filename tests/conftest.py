@@ -15,18 +15,51 @@ from t5x_like.config import Config  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def config_with(base: dict, sections: dict) -> Config:
+  """A Config from `base` sections, each updated by the same-named dict in `sections`."""
+  merged = {name: dict(values) for name, values in base.items()}
+  for name, values in sections.items():
+    merged.setdefault(name, {}).update(values)
+  return Config.from_dict(merged)
+
+
 def small_config(**sections) -> Config:
   """A BLOOM small enough to compile in seconds; heads and vocab divisible by 8-way tensor."""
-  base = {
+  return config_with({
       'model': dict(architecture='bloom', num_layers=2, hidden_size=64, num_heads=8,
                     vocab_size=1000, init_std=0.02, dtype='float32'),
       'train': dict(steps=3, global_batch_size=8, micro_batch_size=1, seq_len=16, seed=7),
       'optimizer': dict(lr=1e-3, min_lr=1e-4, warmup_samples=8, decay_samples=800),
       'mesh': dict(data=1, pipeline=1, tensor=1),
-  }
-  for name, values in sections.items():
-    base.setdefault(name, {}).update(values)
-  return Config.from_dict(base)
+  }, sections)
+
+
+def run_steps(cfg, num_steps=4):
+  """Losses, grad norms and final params of the real jitted train step, `num_steps` times on one
+  repeated random batch; what every parallel or kernel path is compared on."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from t5x_like import partitioning
+  from t5x_like import trainer as trainer_lib
+  from t5x_like.train_state import make_layout
+
+  m = cfg.mesh
+  mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor)
+  layout = make_layout(cfg, mesh)
+  step = trainer_lib.jit_train_step(cfg, layout)
+  state = layout.init(cfg.train.seed)
+  rows = cfg.train.micro_batch_size * m.data
+  tokens = np.random.default_rng(0).integers(
+      0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1)).astype(np.int32)
+  batch = jax.device_put(tokens.reshape(cfg.num_microbatches, rows, -1),
+                         trainer_lib.batch_sharding(layout))
+  losses, norms = [], []
+  for i in range(num_steps):
+    state, stats = step(state, batch, jnp.int32(i * cfg.train.global_batch_size), jnp.int32(i))
+    losses.append(float(stats['lm_loss']))
+    norms.append(float(stats['grad_norm']))
+  return np.array(losses), np.array(norms), jax.device_get(state.params)
 
 
 def run_cli(args, cwd=REPO, timeout=600, env=None):

@@ -19,7 +19,7 @@ from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import Progress, TrainState, make_layout
 from t5x_like.trainer import Trainer, read_metrics
 
-from conftest import REPO, run_cli, small_config
+from conftest import REPO, config_with, run_cli, small_config
 
 
 pytestmark = pytest.mark.usefixtures('persistent_compilation_cache')
@@ -27,17 +27,14 @@ pytestmark = pytest.mark.usefixtures('persistent_compilation_cache')
 
 def corpus_config(**sections) -> Config:
   """A one-layer BLOOM with dropout (so the RNG matters) on the embedded corpus, one device."""
-  base = {
+  return config_with({
       'model': dict(num_layers=1, hidden_size=32, num_heads=4, vocab_size=8192, init_std=0.02,
                     hidden_dropout=0.1),
       'train': dict(steps=4, global_batch_size=4, micro_batch_size=2, seq_len=16, seed=3),
       'optimizer': dict(lr=2e-3, min_lr=2e-4, warmup_samples=4, decay_samples=400),
       'mesh': dict(data=1, pipeline=1, tensor=1),
       'checkpoint': dict(save_interval=2),
-  }
-  for name, values in sections.items():
-    base.setdefault(name, {}).update(values)
-  return Config.from_dict(base)
+  }, sections)
 
 
 @pytest.fixture(scope='module')

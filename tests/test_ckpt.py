@@ -209,7 +209,7 @@ def test_replica_check_finds_a_drifted_layernorm():
 
 
 def test_stats_streams_params_and_both_adam_moments(fake_run, capsys, monkeypatch):
-  from t5x_like import checkpoints, ckpt_tools
+  from t5x_like import ckpt_tools
   monkeypatch.setattr(ckpt_tools, 'CHUNK_BYTES', 4096)  # many slices per tensor
   code, out, _ = run_ckpt(capsys, 'stats', fake_run, '--json')
   assert code == 0

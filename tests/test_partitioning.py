@@ -9,11 +9,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from t5x_like import partitioning
-from t5x_like import trainer as trainer_lib
 from t5x_like.trainer import make_train_step
 from t5x_like.train_state import make_layout
 
-from conftest import small_config
+from conftest import run_steps, small_config
 
 
 def test_megatron_tensor_parallel_rules():
@@ -46,26 +45,6 @@ def test_zero1_splits_master_params_and_adam_moments_over_data():
   assert layout.abstract.opt_state[0].count.sharding.spec == P()
   # The compute copy drops the data split (it is all-gathered in bf16 for the forward pass).
   assert 'data' not in tuple(layout.compute_param_shardings['word_embeddings'].spec)
-
-
-def run_steps(cfg, num_steps=4):
-  """Losses, grad norms and final params of `num_steps` steps on one repeated batch."""
-  m = cfg.mesh
-  mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor)
-  layout = make_layout(cfg, mesh)
-  batch_sharding = trainer_lib.batch_sharding(layout)
-  step = trainer_lib.jit_train_step(cfg, layout)
-  state = layout.init(cfg.train.seed)
-  rows = cfg.train.micro_batch_size * m.data
-  tokens = np.random.default_rng(0).integers(
-      0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1)).astype(np.int32)
-  losses, norms = [], []
-  for i in range(num_steps):
-    batch = jax.device_put(tokens.reshape(cfg.num_microbatches, rows, -1), batch_sharding)
-    state, stats = step(state, batch, jnp.int32(i * cfg.train.global_batch_size), jnp.int32(i))
-    losses.append(float(stats['lm_loss']))
-    norms.append(float(stats['grad_norm']))
-  return np.array(losses), np.array(norms), jax.device_get(state.params)
 
 
 @pytest.fixture(scope='module')

@@ -9,8 +9,7 @@ from t5x_like.config import ConfigError, TrainConfig
 from t5x_like.train_state import make_layout
 from t5x_like.trainer import Trainer
 
-from conftest import small_config
-from test_partitioning import run_steps
+from conftest import run_steps, small_config
 from test_trainer import corpus_config
 
 

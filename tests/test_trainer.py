@@ -14,6 +14,8 @@ from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import TrainState, make_layout
 from t5x_like.trainer import Trainer, make_train_step, read_metrics
 
+from conftest import config_with
+
 REQUIRED = {'iteration', 'consumed_samples', 'consumed_tokens', 'learning_rate',
             'global_batch_size', 'lm_loss', 'grad_norm', 'step_time_s', 'samples_per_sec',
             'tokens_per_sec', 'tflops', 'mfu', 'skipped_iterations', 'nan_iterations'}
@@ -27,16 +29,13 @@ LOG_LINE = re.compile(
 
 def corpus_config(**sections) -> Config:
   """A small BLOOM on the embedded corpus (its tokenizer has 8192 tokens) on a 2x2 mesh."""
-  base = {
+  return config_with({
       'model': dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=8192, init_std=0.02),
       'train': dict(steps=6, global_batch_size=8, micro_batch_size=2, seq_len=32, seed=3),
       'optimizer': dict(lr=2e-3, min_lr=2e-4, warmup_samples=16, decay_samples=400),
       'mesh': dict(data=2, pipeline=1, tensor=2),
       'checkpoint': dict(save_interval=3),
-  }
-  for name, values in sections.items():
-    base.setdefault(name, {}).update(values)
-  return Config.from_dict(base)
+  }, sections)
 
 
 @pytest.fixture(scope='module')

@@ -29,8 +29,16 @@ def dense_losses(hidden, embedding, labels, real_vocab=VOCAB):
   return cross_entropy(logits, labels)
 
 
-def value_and_grads(losses_fn, hidden, embedding):
-  return jax.jit(jax.value_and_grad(lambda h, e: losses_fn(h, e).mean(), (0, 1)))(hidden, embedding)
+def assert_mean_matches_dense(mean_loss_fn, hidden, embedding, labels):
+  """mean_loss_fn(hidden, embedding) -> scalar: its value and gradients equal the dense mean's.
+  Returns its gradients."""
+  value_and_grads = lambda fn: jax.jit(jax.value_and_grad(fn, (0, 1)))(hidden, embedding)
+  loss, grads = value_and_grads(mean_loss_fn)
+  want_loss, want_grads = value_and_grads(lambda h, e: dense_losses(h, e, labels).mean())
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  return grads
 
 
 def test_pick_chunk_divides_the_vocabulary():
@@ -47,12 +55,7 @@ def test_values_and_gradients_match_dense(chunk):
                                                       chunk_size=chunk)
   np.testing.assert_allclose(chunked(hidden, embedding), dense_losses(hidden, embedding, labels),
                              rtol=2e-6, atol=2e-6)
-  (loss, grads), (want_loss, want_grads) = (
-      value_and_grads(chunked, hidden, embedding),
-      value_and_grads(lambda h, e: dense_losses(h, e, labels), hidden, embedding))
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-  for got, want in zip(grads, want_grads):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  grads = assert_mean_matches_dense(lambda h, e: chunked(h, e).mean(), hidden, embedding, labels)
   # Padded vocabulary rows are never predicted, so they get no gradient.
   assert float(jnp.abs(grads[1][VOCAB:]).max()) == 0.0
 
@@ -73,14 +76,9 @@ def test_vocab_parallel_under_shard_map_matches_dense():
     local = lambda h, e, l: vocab_parallel_cross_entropy(
         h, e, l, vocab_size=VOCAB, chunk_size=64, axis_name='tensor', token_axis_names=('data',))
     return jax.shard_map(local, mesh=mesh, in_specs=(P('data'), P('tensor'), P('data')),
-                         out_specs=P('data'))(h, e, labels)
+                         out_specs=P('data'))(h, e, labels).mean()
 
-  (loss, grads), (want_loss, want_grads) = (
-      value_and_grads(sharded, hidden, embedding),
-      value_and_grads(lambda h, e: dense_losses(h, e, labels), hidden, embedding))
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-  for got, want in zip(grads, want_grads):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  assert_mean_matches_dense(sharded, hidden, embedding, labels)
 
 
 def temp_bytes(losses_fn, tokens: int, vocab: int) -> int:
@@ -116,17 +114,14 @@ def test_peak_memory_grows_with_the_chunk_not_with_tokens_x_vocab():
 @pytest.mark.parametrize('token_chunk', [8, 24])  # three chunks of 8 tokens, or one of 24
 def test_fused_mean_and_gradients_match_dense(token_chunk):
   hidden, embedding, labels = problem()
-  # 3 x the loss: the backward pass must scale the gradients stored by the forward pass.
-  fused = lambda h, e: 3.0 * fused_cross_entropy_mean(h, e, labels, vocab_size=VOCAB,
-                                                      token_chunk=token_chunk)
-  dense = lambda h, e: 3.0 * dense_losses(h, e, labels).mean()
-  (loss, grads), (want_loss, want_grads) = (
-      jax.jit(jax.value_and_grad(fused, (0, 1)))(hidden, embedding),
-      jax.jit(jax.value_and_grad(dense, (0, 1)))(hidden, embedding))
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-  for got, want in zip(grads, want_grads):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  fused = lambda h, e: fused_cross_entropy_mean(h, e, labels, vocab_size=VOCAB,
+                                               token_chunk=token_chunk)
+  grads = assert_mean_matches_dense(fused, hidden, embedding, labels)
   assert float(jnp.abs(grads[1][VOCAB:]).max()) == 0.0
+  # The backward pass scales the gradients the forward pass stored by the incoming cotangent.
+  tripled = jax.grad(lambda h, e: 3.0 * fused(h, e), (0, 1))(hidden, embedding)
+  for got, want in zip(tripled, grads):
+    np.testing.assert_allclose(got, 3.0 * want, rtol=1e-6, atol=1e-8)
 
 
 def test_fused_vocab_parallel_under_shard_map_matches_dense():
@@ -140,13 +135,7 @@ def test_fused_vocab_parallel_under_shard_map_matches_dense():
     return jax.shard_map(local, mesh=mesh, in_specs=(P('data'), P('tensor'), P('data')),
                          out_specs=P('data'))(h, e, labels).mean()
 
-  (loss, grads), (want_loss, want_grads) = (
-      jax.jit(jax.value_and_grad(sharded, (0, 1)))(hidden, embedding),
-      jax.jit(jax.value_and_grad(lambda h, e: dense_losses(h, e, labels).mean(), (0, 1)))(
-          hidden, embedding))
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-  for got, want in zip(grads, want_grads):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  assert_mean_matches_dense(sharded, hidden, embedding, labels)
 
 
 def test_fused_backward_does_no_matmul_over_the_vocabulary():

@@ -16,9 +16,8 @@ from t5x_like import losses, partitioning
 from t5x_like import model as model_lib
 from t5x_like.config import ConfigError, ModelConfig, load_config_file
 from t5x_like.train_state import make_layout
-from t5x_like import trainer as trainer_lib
 
-from conftest import REPO, small_config
+from conftest import REPO, run_steps, small_config
 
 
 def loss_and_grads(cfg: ModelConfig, tokens, params=None):
@@ -40,26 +39,6 @@ def test_pallas_attention_gives_the_xla_loss_and_gradients():
                xla_grads)
 
 
-def run_steps(cfg, num_steps=2):
-  """Losses, grad norms and final params of the real train step on one repeated random batch."""
-  m = cfg.mesh
-  mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor)
-  layout = make_layout(cfg, mesh)
-  batch_sharding = trainer_lib.batch_sharding(layout)
-  step = trainer_lib.jit_train_step(cfg, layout)
-  state = layout.init(cfg.train.seed)
-  rows = cfg.train.micro_batch_size * m.data
-  shape = (cfg.train.global_batch_size, cfg.train.seq_len + 1)
-  tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, shape).astype(np.int32)
-  batch = jax.device_put(tokens.reshape(cfg.num_microbatches, rows, -1), batch_sharding)
-  losses_, norms = [], []
-  for i in range(num_steps):
-    state, stats = step(state, batch, jnp.int32(i * cfg.train.global_batch_size), jnp.int32(i))
-    losses_.append(float(stats['lm_loss']))
-    norms.append(float(stats['grad_norm']))
-  return np.array(losses_), np.array(norms), jax.device_get(state.params)
-
-
 def shortened_tiny():
   """configs/tiny.py's model (8 heads of 32, vocab 8192) on its data=2 x tensor=2 mesh, shortened
   to 2 layers and 32 tokens: the kernels run per shard (4 heads, 4096 vocabulary rows each)."""
@@ -72,7 +51,8 @@ def shortened_tiny():
 def tiny_reference_run():
   """xla attention + dense cross-entropy: what every other implementation must reproduce."""
   return run_steps(shortened_tiny().replace(model={'attention_impl': 'xla',
-                                                   'cross_entropy_impl': 'dense'}).validate())
+                                                   'cross_entropy_impl': 'dense'}).validate(),
+                   num_steps=2)
 
 
 @pytest.mark.parametrize('model', [
@@ -83,7 +63,8 @@ def tiny_reference_run():
 ])
 def test_tiny_config_trains_the_same_as_xla_attention_and_dense_cross_entropy(model):
   ref_losses, ref_norms, ref_params = tiny_reference_run()
-  losses_, norms, params = run_steps(shortened_tiny().replace(model=model).validate())
+  losses_, norms, params = run_steps(shortened_tiny().replace(model=model).validate(),
+                                     num_steps=2)
   assert losses_[-1] < losses_[0]
   np.testing.assert_allclose(losses_, ref_losses, rtol=2e-6)
   np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
