@@ -4,11 +4,16 @@
 
 TOKENS.npy is an integer array [N, L]; the loss is the mean next-token cross-entropy over all
 N x (L-1) predictions. The last line printed is a JSON object with `loss`, `ppl` and `tokens`.
+
+The loss is the chunked, vocabulary-parallel cross-entropy by default (`--cross_entropy chunked`):
+it never holds [batch, L, vocabulary] fp32 logits, which for BLOOM's 250,880-token vocabulary is
+2 GB per 2048-token sequence. `--cross_entropy dense` computes the full logits instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -37,18 +42,14 @@ def load_tokens(path: str, vocab_size: int) -> np.ndarray:
   return tokens.astype(np.int32)
 
 
-def evaluate(cfg: Config, params, tokens: np.ndarray, batch_size: int = 8) -> dict:
-  """Mean next-token loss over every prediction; one compile (the last batch is padded)."""
-  import jax
-  import jax.numpy as jnp
-  from t5x_like import model as model_lib
-  model = model_lib.Transformer(cfg.model, cfg.padded_vocab_size)
+def evaluate(cfg: Config, params, tokens: np.ndarray, batch_size: int = 8,
+             cross_entropy: str = 'chunked') -> dict:
+  """Mean next-token loss over every prediction; one compile (the last batch is padded).
 
-  @jax.jit
-  def batch_loss_sum(params, batch, valid):
-    logits = model.apply({'params': params}, batch[:, :-1])
-    losses = model_lib.cross_entropy(logits, batch[:, 1:])
-    return jnp.sum(losses * valid[:, None])
+  cross_entropy: 'chunked' (never the full fp32 logits; `model.cross_entropy_chunk` vocabulary
+  rows at a time) or 'dense' (full logits), the same numbers to fp32 rounding.
+  """
+  batch_loss_sum = batch_loss_sum_fn(cfg, cross_entropy)
 
   total = 0.0
   for start in range(0, len(tokens), batch_size):
@@ -62,6 +63,22 @@ def evaluate(cfg: Config, params, tokens: np.ndarray, batch_size: int = 8) -> di
   count = tokens.shape[0] * (tokens.shape[1] - 1)
   loss = total / count
   return {'loss': loss, 'ppl': math.exp(min(20.0, loss)), 'tokens': count}
+
+
+def batch_loss_sum_fn(cfg: Config, cross_entropy: str):
+  """The jitted (params, tokens [B, L], valid [B]) -> summed loss of the valid rows."""
+  import jax
+  import jax.numpy as jnp
+  from t5x_like import losses
+  from t5x_like import model as model_lib
+  model_cfg = dataclasses.replace(cfg.model, cross_entropy_impl=cross_entropy)
+  model = model_lib.Transformer(model_cfg, cfg.padded_vocab_size)
+
+  @jax.jit
+  def batch_loss_sum(params, batch, valid):
+    return jnp.sum(losses.token_losses(model, params, batch) * valid[:, None])
+
+  return batch_loss_sum
 
 
 def load_for_inference(checkpoint: str, dtype: str | None = None, step: int | None = None):
@@ -88,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                       help='compute dtype (default: the checkpoint config\'s)')
   parser.add_argument('--step', type=int, default=None)
   parser.add_argument('--batch_size', type=int, default=8)
+  parser.add_argument('--cross_entropy', default='chunked', choices=['chunked', 'dense'],
+                      help='chunked (default): never the full [batch, L, vocab] fp32 logits; '
+                           'dense: the full logits')
   args = parser.parse_args(argv)
   from t5x_like.checkpoints import CheckpointError, read_config
   try:
@@ -97,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
   except (ConfigError, CheckpointError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  print(json.dumps(evaluate(cfg, params, tokens, args.batch_size)))
+  print(json.dumps(evaluate(cfg, params, tokens, args.batch_size, args.cross_entropy)))
   return 0
 
 

@@ -43,9 +43,27 @@ def test_import_hf_then_evaluate_gives_hf_loss(tmp_path, n_head, vocab):
   data = str(tmp_path / 'tokens.npy')
   np.save(data, tokens)
   cfg, params = evaluate.load_for_inference(out, 'float32')
-  result = evaluate.evaluate(cfg, params, tokens, batch_size=2)  # a padded last batch too
-  assert result['tokens'] == 5 * 16
-  assert abs(result['loss'] - hf_loss(model, tokens)) < 1e-5
+  want = hf_loss(model, tokens)
+  # The default chunked loss (here 100 vocabulary rows at a time: several chunks, the padded rows
+  # in the last) and the dense one; a padded last batch too.
+  chunked = cfg.replace(model={'cross_entropy_chunk': 100})
+  for cfg, cross_entropy in ((chunked, 'chunked'), (cfg, 'dense')):
+    result = evaluate.evaluate(cfg, params, tokens, batch_size=2, cross_entropy=cross_entropy)
+    assert result['tokens'] == 5 * 16
+    assert abs(result['loss'] - want) < 1e-5, cross_entropy
+
+
+def test_evaluate_chunked_never_holds_full_logits(tmp_path):
+  _, hf_dir = random_bloom(tmp_path, 4, 1000, hidden=32)
+  out = str(tmp_path / 'ckpt')
+  assert ckpt.main(['import-hf', hf_dir, out]) == 0
+  cfg, params = evaluate.load_for_inference(out, 'float32')
+  cfg = cfg.replace(model={'cross_entropy_chunk': 256})
+  batch, valid = np.zeros((2, 17), np.int32), np.ones(2, np.float32)
+  full_logits = f'tensor<2x16x{cfg.padded_vocab_size}xf32>'
+  for cross_entropy, has_full_logits in (('dense', True), ('chunked', False)):
+    hlo = evaluate.batch_loss_sum_fn(cfg, cross_entropy).lower(params, batch, valid).as_text()
+    assert (full_logits in hlo) == has_full_logits, cross_entropy
 
 
 def test_export_hf_gives_back_the_original_logits(tmp_path):
