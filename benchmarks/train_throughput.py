@@ -64,13 +64,14 @@ MARKER = '@@RESULT@@ '
 WARMUP = 2
 
 # Each model is configs/tiny.py on a single-device mesh plus these overrides. The loss is the
-# 'fused' cross-entropy (gradient in the forward pass), the fastest of the three on this CPU.
+# 'fused' cross-entropy (gradient in the forward pass), the fastest of the three on this CPU, and
+# activation recomputation keeps only the matmul outputs ('save_dots'): the layer scan's stacked
+# [L, ...] residuals cost more than recomputing the softmax, LayerNorms and GeLU (tiny: 0.76-0.82
+# vs 0.87-0.94 s per step in three interleaved pairs, 2026-11-22 07:12 UTC).
 MODELS = {
     # The tiny config's own shapes: global batch 16 in 4 micro-batches of 4, seq 128.
-    'tiny': {'model.cross_entropy_impl': 'fused'},
-    # BLOOM with GPT-2-small shapes (12 layers, hidden 768, 12 heads, vocab 8192). Keeping only
-    # the matmul outputs ('save_dots') beats keeping every activation here: the layer scan's
-    # stacked [L, ...] residuals cost more than recomputing the softmax and GeLU.
+    'tiny': {'model.cross_entropy_impl': 'fused', 'model.remat_policy': 'save_dots'},
+    # BLOOM with GPT-2-small shapes (12 layers, hidden 768, 12 heads, vocab 8192).
     'bloom_100m': {
         'model.cross_entropy_impl': 'fused',
         'model.remat_policy': 'save_dots',
