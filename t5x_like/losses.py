@@ -30,9 +30,7 @@ def mean_loss(model: model_lib.Transformer, params, tokens, *, deterministic: bo
   """The mean fp32 loss of predicting tokens[:, 1:] from tokens[:, :-1] (what training minimises)."""
   if model.cfg.cross_entropy_impl != 'fused':
     return token_losses(model, params, tokens, deterministic=deterministic, rngs=rngs).mean()
-  hidden = model.apply({'params': params}, tokens[:, :-1], deterministic=deterministic, rngs=rngs,
-                       return_hidden=True)
-  embedding = params['word_embeddings'].astype(hidden.dtype)
+  hidden, embedding = _final_hidden(model, params, tokens[:, :-1], deterministic, rngs)
   cfg = model.cfg
   loss_fn = functools.partial(fused_cross_entropy_mean, vocab_size=cfg.vocab_size,
                               token_chunk=cfg.cross_entropy_chunk)
@@ -51,10 +49,16 @@ def token_losses(model: model_lib.Transformer, params, tokens, *, deterministic:
   if cfg.cross_entropy_impl == 'dense':
     logits = model.apply({'params': params}, inputs, deterministic=deterministic, rngs=rngs)
     return model_lib.cross_entropy(logits, labels)
+  hidden, embedding = _final_hidden(model, params, inputs, deterministic, rngs)
+  return chunked_token_losses(hidden, embedding, labels, cfg, model.mesh)
+
+
+def _final_hidden(model: model_lib.Transformer, params, inputs, deterministic: bool, rngs):
+  """The final-LN hidden states [B, S, h] and the tied embedding in their compute dtype, for the
+  losses that apply the embedding themselves."""
   hidden = model.apply({'params': params}, inputs, deterministic=deterministic, rngs=rngs,
                        return_hidden=True)
-  embedding = params['word_embeddings'].astype(hidden.dtype)
-  return chunked_token_losses(hidden, embedding, labels, cfg, model.mesh)
+  return hidden, params['word_embeddings'].astype(hidden.dtype)
 
 
 def chunked_token_losses(hidden, embedding, labels, cfg: ModelConfig, mesh: Mesh | None):
