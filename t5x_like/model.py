@@ -23,6 +23,7 @@ reshape. Layers are one scanned block: compile time does not grow with depth.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -85,11 +86,40 @@ class LayerNorm(nn.Module):
     h = x.shape[-1]
     scale = _param(self, 'scale', nn.initializers.ones, (h,), ('embed',))
     bias = _param(self, 'bias', nn.initializers.zeros, (h,), ('embed',))
-    x32 = x.astype(jnp.float32)
-    mean = x32.mean(-1, keepdims=True)
-    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-    return (y * scale + bias).astype(self.dtype)
+    return layer_norm(x, scale, bias, self.eps).astype(self.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def layer_norm(x, scale, bias, eps: float):
+  """(x - mean) / std * scale + bias over the last dim, statistics in fp32, in x's dtype.
+
+  The backward is written out (two row reductions, one elementwise pass) and keeps only x and the
+  fp32 row statistics; autodiff of the forward keeps fp32 intermediates and makes more passes
+  (a bloom_100m step on CPU ran 2-5% faster with this).
+  """
+  return _layer_norm_fwd(x, scale, bias, eps)[0]
+
+
+def _layer_norm_fwd(x, scale, bias, eps):
+  x32 = x.astype(jnp.float32)
+  mean = x32.mean(-1, keepdims=True)
+  rstd = jax.lax.rsqrt(jnp.square(x32 - mean).mean(-1, keepdims=True) + eps)
+  y = ((x32 - mean) * rstd * scale + bias).astype(x.dtype)
+  return y, (x, mean, rstd, scale)
+
+
+def _layer_norm_bwd(eps, residuals, dy):
+  del eps
+  x, mean, rstd, scale = residuals
+  x_hat = (x.astype(jnp.float32) - mean) * rstd
+  dy = dy.astype(jnp.float32)
+  g = dy * scale  # the gradient with respect to x_hat
+  dx = rstd * (g - g.mean(-1, keepdims=True) - x_hat * (g * x_hat).mean(-1, keepdims=True))
+  rows = tuple(range(dy.ndim - 1))
+  return dx.astype(x.dtype), (dy * x_hat).sum(rows), dy.sum(rows)
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
 class Attention(nn.Module):

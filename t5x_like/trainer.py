@@ -85,12 +85,18 @@ def make_train_step(cfg: Config, layout: StateLayout):
     loss, grads = loss_and_grads(state.params, batch, rng)
     grads, grad_norm = optim.clip_by_global_norm(grads, cfg.optimizer.clip_grad)
     num_zeros = sum(jnp.sum(g == 0) for g in jax.tree.leaves(grads))
-    updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
     lr = optim.learning_rate(cfg.optimizer, consumed_samples)
-    new_params = jax.tree.map(lambda p, u: p - lr * u, state.params, updates)
+
+    def apply_update(state, grads):
+      updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+      new_params = jax.tree.map(lambda p, u: p - lr * u, state.params, updates)
+      return TrainState(new_params, new_opt_state)
+
+    # A non-finite loss or gradient skips the update (params, moments and Adam's count unchanged).
+    # A cond, not a select of new against old: the update then runs in place in one pass over
+    # each tensor, with no copies of the old moments (4-8% of a bloom_100m step on CPU).
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                             TrainState(new_params, new_opt_state), state)
+    new_state = jax.lax.cond(finite, apply_update, lambda state, grads: state, state, grads)
     stats = {'lm_loss': loss, 'grad_norm': grad_norm, 'learning_rate': lr,
              'num_zeros': num_zeros.astype(jnp.float32), 'finite': finite,
              'loss_finite': jnp.isfinite(loss)}

@@ -36,6 +36,31 @@ def test_gelu_is_the_tanh_approximation():
   np.testing.assert_allclose(model_lib.gelu_tanh(x), jax.nn.gelu(x, approximate=True), atol=1e-6)
 
 
+@pytest.mark.parametrize('dtype, tol', [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_layer_norm_values_and_gradients_equal_autodiff_of_the_formula(dtype, tol):
+  """The hand-written LayerNorm backward against autodiff of the plain fp32-statistics formula."""
+  kx, ks, kb, kd = jax.random.split(jax.random.PRNGKey(3), 4)
+  x = (3.0 * jax.random.normal(kx, (2, 5, 64)) + 1.5).astype(dtype)
+  scale = 1.0 + 0.1 * jax.random.normal(ks, (64,))
+  bias = 0.1 * jax.random.normal(kb, (64,))
+  dy = jax.random.normal(kd, (2, 5, 64)).astype(dtype)
+
+  def formula(x, scale, bias):
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(jnp.square(x32 - mean).mean(-1, keepdims=True) + 1e-5)
+    return (y * scale + bias).astype(x.dtype)
+
+  ours = lambda x, scale, bias: model_lib.layer_norm(x, scale, bias, 1e-5)
+  want, want_vjp = jax.vjp(formula, x, scale, bias)
+  got, got_vjp = jax.vjp(ours, x, scale, bias)
+  assert got.dtype == dtype
+  np.testing.assert_allclose(np.float32(got), np.float32(want), atol=tol, rtol=tol)
+  for g, w in zip(got_vjp(dy), want_vjp(dy)):
+    assert g.dtype == w.dtype
+    np.testing.assert_allclose(np.float32(g), np.float32(w), atol=tol, rtol=tol)
+
+
 def test_parameter_layout_is_stacked_and_named():
   cfg, _, params, names, _ = build()
   L, h, n, d = 3, 48, 6, 8

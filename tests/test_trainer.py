@@ -117,6 +117,9 @@ def test_non_finite_step_is_skipped_and_counted():
   assert not bool(stats['finite']) and not bool(stats['loss_finite'])
   assert int(optim.adam_count(new_state.opt_state)) == 0
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), new_state.params, bad)
+  # The Adam moments too (the update is skipped whole, not only the params).
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), new_state.opt_state,
+               state.opt_state)
 
 
 def test_bad_inputs_fail_before_compiling_and_touch_nothing(six_steps, tmp_path):
