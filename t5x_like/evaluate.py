@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     # Before anything starts JAX: on CPU the mesh's virtual devices are created here.
     partitioning.ensure_devices(data * tensor)
     saved = read_config(args.checkpoint, args.step)
-    inference_config(saved, args.dtype, data, tensor)  # mesh errors before the restore
     tokens = load_tokens(args.data_path, saved.model.vocab_size)
+    # A mesh the model cannot use fails in inference_config, before anything is restored.
     cfg, params = load_for_inference(args.checkpoint, args.dtype, args.step, data, tensor)
   except (ConfigError, CheckpointError) as e:
     print(f'error: {e}', file=sys.stderr)

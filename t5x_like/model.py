@@ -95,7 +95,7 @@ def layer_norm(x, scale, bias, eps: float):
 
   The backward is written out (two row reductions, one elementwise pass) and keeps only x and the
   fp32 row statistics; autodiff of the forward keeps fp32 intermediates and makes more passes
-  (a bloom_100m step on CPU ran 2-5% faster with this).
+  (bloom_100m steps on CPU ran up to 5% faster with this in A/B runs, docs/benchmarks.md).
   """
   return _layer_norm_fwd(x, scale, bias, eps)[0]
 

@@ -94,7 +94,8 @@ def make_train_step(cfg: Config, layout: StateLayout):
 
     # A non-finite loss or gradient skips the update (params, moments and Adam's count unchanged).
     # A cond, not a select of new against old: the update then runs in place in one pass over
-    # each tensor, with no copies of the old moments (4-8% of a bloom_100m step on CPU).
+    # each tensor, with no copies of the old moments (1-8% faster bloom_100m steps on CPU in A/B
+    # runs, docs/benchmarks.md).
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_state = jax.lax.cond(finite, apply_update, lambda state, grads: state, state, grads)
     stats = {'lm_loss': loss, 'grad_norm': grad_norm, 'learning_rate': lr,
