@@ -66,23 +66,23 @@ def test_evaluate_chunked_never_holds_full_logits(tmp_path):
     assert (full_logits in hlo) == has_full_logits, cross_entropy
 
 
-@pytest.mark.parametrize('n_head, vocab', [(4, 333)])
-def test_evaluate_on_data_and_tensor_meshes_gives_hf_loss(tmp_path, n_head, vocab):
-  """One checkpoint evaluated on 1x1, 2x2 (data x tensor) and 1x4: the weights are really split
-  over `tensor` (the 333-row vocabulary padded up to what the mesh divides) and every mesh gives
-  HF's loss, through the command line too."""
+def test_evaluate_on_data_and_tensor_meshes_gives_hf_loss(tmp_path):
+  """One checkpoint evaluated on 1x1, 2x2, 1x3 and 2x3 (data x tensor): the weights are really
+  split over `tensor`, the saved 256-row padded vocabulary is rounded up to 258 where 3 does not
+  divide it, and every mesh gives HF's loss, through the command line too."""
   import jax
-  model, hf_dir = random_bloom(tmp_path, n_head, vocab, hidden=32)
+  n_head, vocab = 6, 200
+  model, hf_dir = random_bloom(tmp_path, n_head, vocab, hidden=48)
   out = str(tmp_path / 'ckpt')
   assert ckpt.main(['import-hf', hf_dir, out]) == 0
   tokens = np.random.default_rng(2).integers(0, vocab, (5, 13)).astype(np.int32)
   want = hf_loss(model, tokens)
-  for data, tensor in ((1, 1), (2, 2), (1, 4)):
+  for data, tensor in ((1, 1), (2, 2), (1, 3), (2, 3)):
     cfg, params = evaluate.load_for_inference(out, 'float32', data=data, tensor=tensor)
     qkv = params['layers']['attn']['qkv_kernel']
     assert qkv.sharding.shard_shape(qkv.shape)[2] == n_head // tensor, (data, tensor)
     emb = params['word_embeddings']
-    assert emb.shape[0] % tensor == 0 and emb.shape[0] >= vocab
+    assert emb.shape[0] == (258 if tensor == 3 else 256)
     assert emb.sharding.shard_shape(emb.shape)[0] == emb.shape[0] // tensor
     assert len(jax.tree.leaves(params)[0].sharding.device_set) == data * tensor
     for cross_entropy in ('chunked', 'dense'):
@@ -92,11 +92,11 @@ def test_evaluate_on_data_and_tensor_meshes_gives_hf_loss(tmp_path, n_head, voca
   data_file = str(tmp_path / 'tokens.npy')
   np.save(data_file, tokens)
   r = run_cli(['-m', 't5x_like.evaluate', '--checkpoint', out, '--data', data_file,
-               '--mesh.data', '2', '--mesh.tensor', '2', '--batch_size', '4'])
+               '--mesh.data', '2', '--mesh.tensor', '3', '--batch_size', '4'])
   assert r.returncode == 0, r.stderr
   assert abs(json.loads(r.stdout.strip().splitlines()[-1])['loss'] - want) < 1e-5
   # A mesh the model or the batch cannot use: one message naming the flag, before any restore.
-  for flags, message in ((['--mesh.tensor', '3'], 'mesh.tensor'),
+  for flags, message in ((['--mesh.tensor', '4'], 'mesh.tensor'),
                          (['--mesh.data', '2', '--batch_size', '3'], '--batch_size'),
                          (['--mesh.data', '0'], '--mesh.data')):
     r = run_cli(['-m', 't5x_like.evaluate', '--checkpoint', out, '--data', data_file] + flags)
