@@ -19,8 +19,15 @@ bubble is (P - 1) / (M * R + P - 1). The backward pass is the transpose of the s
 Embedding and head. The vocabulary is split over `tensor` x `pipeline` when they divide it (see
 partitioning), so the 250k-row embedding is spread over every stage instead of sitting on the first
 and last. The lookup of the micro-batch entering stage 0 runs at every tick (kept only while
-micro-batches enter); the last stage's outputs are collected and the head + loss run after
-the schedule, one micro-batch at a time, computed by all stages together (vocab-parallel).
+micro-batches enter). The head + loss of the micro-batch leaving the last stage run in the same
+tick, computed by all stages together (vocab-parallel), so the last stage's outputs are never
+stacked over the T ticks. In the first P - 1 ticks no micro-batch leaves: under 'full' the head
+is skipped; otherwise it runs on placeholder activations and its result is dropped ((P - 1) / M
+more head work, against [T, rows, S, h] activations kept).
+
+Memory under remat_policy='full'. Only each tick's stage inputs are kept (as raw bits, see
+`_recompute_in_backward`); the backward pass recomputes the tick, and inside that recomputation
+each layer keeps only its matmul outputs, not all `chunk` layers' attention probabilities.
 """
 
 from __future__ import annotations
@@ -166,6 +173,44 @@ def _never_save_weights(policy):
                                         policy(prim, *args, **params))
 
 
+def _recompute_in_backward(fn, dtype):
+  """`jax.checkpoint(fn, policy=nothing_saveable)` written as a custom VJP: fn's inputs are kept,
+  and the backward pass runs fn again from them. fn must take every traced value it uses as an
+  argument (a custom VJP cannot close over them). Inputs in a 16-bit compute dtype are kept as
+  their raw bits (uint16): the same bytes, but XLA's CPU backend, which has no bf16 data movement,
+  would otherwise widen the whole [ticks, ...] bf16 stack of kept stage inputs to f32, and
+  `python -m t5x_like.plan` on a CPU would report twice the activation memory a GPU needs."""
+  narrow = jnp.dtype(dtype).itemsize == 2
+
+  def call(*args):
+    leaves, treedef = jax.tree.flatten(args)
+    as_bits = [narrow and leaf.dtype == dtype for leaf in leaves]
+
+    def keep(args):
+      return [jax.lax.bitcast_convert_type(leaf, jnp.uint16) if bits else leaf
+              for leaf, bits in zip(jax.tree.leaves(args), as_bits)]
+
+    def restore(kept):
+      return treedef.unflatten([jax.lax.bitcast_convert_type(leaf, dtype) if bits else leaf
+                                for leaf, bits in zip(kept, as_bits)])
+
+    @jax.custom_vjp
+    def recomputed(*args):
+      return fn(*args)
+
+    def forward(*args):
+      return fn(*args), keep(args)
+
+    def backward(kept, cotangents):
+      _, fn_vjp = jax.vjp(fn, *restore(kept))
+      return fn_vjp(cotangents)
+
+    recomputed.defvjp(forward, backward)
+    return recomputed(*args)
+
+  return call
+
+
 _EMBED_DROPOUT_ID = 1 << 20  # rng stream of the embedding dropout, apart from the layers' ids
 
 
@@ -191,12 +236,16 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
   layers = jax.tree.map(lambda w: w.reshape((P, R, chunk) + w.shape[1:]), params['layers'])
   slot_is_real = jnp.asarray(plan.slot_layer >= 0)
   slot_layer = jnp.asarray(plan.slot_layer)
-  policy = model_lib.remat_policy(cfg.model.remat_policy)
+  full = cfg.model.remat_policy == 'full'
+  # Under 'full' the whole tick is recomputed in the backward pass (below); inside that recompute
+  # each layer still keeps only its matmul outputs for its own backward, not the attention
+  # probabilities and dropout bits of all `chunk` layers at once.
+  policy = model_lib.remat_policy('save_dots' if full else cfg.model.remat_policy)
   hidden_dropout = 0.0 if deterministic else cfg.model.hidden_dropout
-  keyed = lambda *ids: None if deterministic else jax.random.fold_in(
+  keyed = lambda rng, *ids: None if deterministic else jax.random.fold_in(
       jax.random.fold_in(rng, ids[0]), ids[1])
 
-  def run_stage(stage_layers, x, repeat, injection, stage_real, stage_ids):
+  def run_stage(stage_layers, x, repeat, injection, stage_real, stage_ids, rng):
     real = jax.lax.dynamic_index_in_dim(stage_real, repeat, 0, False)
     ids = jax.lax.dynamic_index_in_dim(stage_ids, repeat, 0, False)
 
@@ -205,20 +254,15 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
       # Named so that no remat policy saves it: a per-tick copy of the weights would make the
       # scan keep T copies of the stage for the backward pass.
       weights = checkpoint_name(cast(weights), 'stage_weights')
-      y = model_lib.apply_block(weights, x, ctx, deterministic, keyed(injection, ids[i]))
+      y = model_lib.apply_block(weights, x, ctx, deterministic, keyed(rng, injection, ids[i]))
       return jnp.where(real[i], y, x), None
 
-    if cfg.model.remat_policy != 'full':
+    if cfg.model.remat_policy != 'none':
       one_layer = jax.checkpoint(one_layer, policy=_never_save_weights(policy), prevent_cse=False)
     x, _ = jax.lax.scan(one_layer, x, jnp.arange(chunk), unroll=cfg.model.scan_unroll)
     return x
 
-  if cfg.model.remat_policy == 'full':
-    # Megatron's full recomputation: keep only each stage's input per tick and recompute the
-    # stage's forward once in the backward pass.
-    run_stage = jax.checkpoint(run_stage, policy=jax.checkpoint_policies.nothing_saveable,
-                               prevent_cse=False)
-  stages = jax.vmap(run_stage, spmd_axis_name='pipeline')
+  stages = jax.vmap(run_stage, in_axes=(0, 0, 0, 0, 0, 0, None), spmd_axis_name='pipeline')
   buffer_names = ('stages', 'batch', 'length', 'act_embed')
 
   # Computed at every tick (a lookup and a LayerNorm, cheap next to a stage) and recomputed in
@@ -229,18 +273,47 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
   def embed(m):
     tokens = jax.lax.dynamic_index_in_dim(batch, m, 0, False)[:, :-1]
     x = model_lib.embed_tokens(params, tokens, cfg.model, ctx)
-    return _dropout(x, hidden_dropout, keyed(m, _EMBED_DROPOUT_ID))
+    return _dropout(x, hidden_dropout, keyed(rng, m, _EMBED_DROPOUT_ID))
 
-  # Keep only the head's input per micro-batch and recompute [rows, S, V] logits in backward.
-  @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable,
-                     prevent_cse=False)
-  def head_loss(x, labels):
+  def head_loss(head_params, x, labels):
     if cfg.model.cross_entropy_impl == 'chunked':
-      hidden = model_lib.final_norm(params, x, cfg.model, ctx)
-      embedding = params['word_embeddings'].astype(hidden.dtype)
+      hidden = model_lib.final_norm(head_params, x, cfg.model, ctx)
+      embedding = head_params['word_embeddings'].astype(hidden.dtype)
       return losses.chunked_token_losses(hidden, embedding, labels, cfg.model, ctx.mesh).mean()
-    logits = model_lib.output_logits(params, x, cfg.model, ctx)
+    logits = model_lib.output_logits(head_params, x, cfg.model, ctx)
     return model_lib.cross_entropy(logits, labels).mean()
+
+  if not full:
+    # Keep only the head's input per tick and recompute [rows, S, V] logits in backward.
+    head_loss = jax.checkpoint(head_loss, policy=jax.checkpoint_policies.nothing_saveable,
+                               prevent_cse=False)
+
+  def stage_tick(layers, head_params, inputs, repeat, injection, t, batch, rng, slot_is_real,
+                 slot_layer):
+    """All stages' work at tick t, and the loss of the micro-batch that leaves the last stage in
+    its last repeat (micro-batch m at tick (R - 1) * M + m + P - 1; 0 while none does)."""
+    outputs = stages(layers, inputs, repeat, injection, slot_is_real, slot_layer, rng)
+    outputs = ctx.constrain(outputs, buffer_names)
+    m_out = t - (P - 1) - (R - 1) * M
+    labels = jax.lax.dynamic_index_in_dim(batch, jnp.clip(m_out, 0, M - 1), 0, False)[:, 1:]
+    # The head runs in the tick on the last stage's outputs, so nothing [T, rows, S, h] is ever
+    # stacked: under 'full' the backward pass recomputes them from the stage inputs it keeps
+    # anyway. In the P - 1 ticks before the first micro-batch leaves there is no loss: under
+    # 'full' a cond skips the head (the tick keeps only its inputs whatever it contains); without
+    # the tick-level recomputation a cond would keep its branch's residuals, the head's weights
+    # among them, once per tick, so the head runs on placeholder activations and `where` drops
+    # its value and gradient.
+    if full:
+      return outputs, jax.lax.cond(m_out >= 0, head_loss, lambda *_: jnp.float32(0.0),
+                                   head_params, outputs[P - 1], labels)
+    loss = head_loss(head_params, outputs[P - 1], labels)
+    return outputs, jnp.where(m_out >= 0, loss, 0.0)
+
+  if full:
+    # Megatron's full recomputation: keep only each stage's input per tick and recompute the
+    # stage's forward (and the head's) once in the backward pass.
+    stage_tick = _recompute_in_backward(stage_tick, dtype)
+  head_params = {k: params[k] for k in ('word_embeddings', 'final_ln')}
 
   def tick(carry, t):
     buffer, waiting = carry
@@ -251,21 +324,17 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
     later = jax.lax.dynamic_index_in_dim(waiting, m_in, 0, False) if R > 1 else zeros
     entering = jnp.where(t < M, embed(m_in), later)
     inputs = ctx.constrain(buffer.at[0].set(entering), buffer_names)
-    outputs = ctx.constrain(stages(layers, inputs, repeat, injection, slot_is_real, slot_layer),
-                            buffer_names)
-    last, done = outputs[P - 1], t - (P - 1)
+    outputs, loss = stage_tick(layers, head_params, inputs, repeat, injection, t, batch, rng,
+                               slot_is_real, slot_layer)
     if R > 1:
+      last, done = outputs[P - 1], t - (P - 1)
       m_out = jnp.mod(done, M)
       waiting = jax.lax.dynamic_update_index_in_dim(
           waiting, jnp.where(done >= 0, last, waiting[m_out]), m_out, 0)
-    return (jnp.roll(outputs, 1, axis=0), waiting), last
+    return (jnp.roll(outputs, 1, axis=0), waiting), loss
 
   buffer = ctx.constrain(jnp.zeros((P, rows, seq, hidden), dtype), buffer_names)
   waiting = jnp.zeros((M if R > 1 else 1, rows, seq, hidden), dtype)
-  _, last_stage = jax.lax.scan(tick, (buffer, waiting), jnp.arange(M * R + P - 1),
-                               unroll=cfg.model.scan_unroll)
-  # Micro-batch m leaves the last stage, in its last repeat, at tick (R - 1) * M + m + P - 1.
-  leaving = last_stage[(R - 1) * M + P - 1:]
-  _, microbatch_losses = jax.lax.scan(lambda _, xs: (None, head_loss(*xs)), None,
-                                      (leaving, batch[:, :, 1:]), unroll=cfg.model.scan_unroll)
-  return microbatch_losses.mean()
+  _, tick_losses = jax.lax.scan(tick, (buffer, waiting), jnp.arange(M * R + P - 1),
+                                unroll=cfg.model.scan_unroll)
+  return tick_losses.sum() / M
