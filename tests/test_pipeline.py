@@ -139,7 +139,7 @@ def test_full_recomputation_with_dropout_matches_keeping_every_activation():
   forward pass: 'full' then trains exactly like 'none' (same rng streams, nothing recomputed)."""
   runs = {}
   for remat in ('none', 'full'):
-    cfg = small_config(model=dict(num_layers=3, remat_policy=remat, hidden_dropout=0.1,
+    cfg = small_config(model=dict(num_layers=2, remat_policy=remat, hidden_dropout=0.1,
                                   attention_dropout=0.1),
                        train=dict(global_batch_size=4), mesh=dict(pipeline=2))
     runs[remat] = run_steps(cfg, num_steps=2)
