@@ -127,4 +127,4 @@ def _platform_if_known() -> str | None:
   """The device platform without starting a backend (which would fix the CPU device count)."""
   if partitioning._backends_started():
     return jax.devices()[0].platform
-  return 'cpu' if partitioning._cpu_only() else None
+  return 'cpu' if partitioning.cpu_only() else None

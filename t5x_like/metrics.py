@@ -36,9 +36,9 @@ def device_peak_tflops(dtype: str = 'float32') -> tuple[float, str]:
   """Peak TFLOP/s of ONE device and where the number comes from.
 
   GPUs: the bf16 data-sheet table. CPU: a matmul probe in the compute dtype measured now on the
-  whole machine, divided by the number of (virtual) devices that share it.
+  whole machine, divided by the number of this process's (virtual) devices that share it.
   """
-  device = jax.devices()[0]
+  device = jax.local_devices()[0]
   if device.platform == 'gpu':
     for name, peak in BF16_PEAK_TFLOPS.items():
       if name in device.device_kind:
@@ -46,14 +46,14 @@ def device_peak_tflops(dtype: str = 'float32') -> tuple[float, str]:
     raise RuntimeError(f'no bf16 peak known for GPU {device.device_kind!r}; add it to '
                        'metrics.BF16_PEAK_TFLOPS')
   machine = measure_matmul_tflops(dtype)
-  share = machine / jax.device_count()
+  share = machine / jax.local_device_count()
   return share, (f'CPU peak measured by a {dtype} matmul probe: {machine * 1e3:.1f} GFLOP/s for '
-                 f'the machine, shared by {jax.device_count()} virtual device(s)')
+                 f'the machine, shared by {jax.local_device_count()} virtual device(s)')
 
 
 def measure_matmul_tflops(dtype: str = 'float32', n: int = 1024, repeats: int = 8) -> float:
-  """Best-of-N TFLOP/s of an n x n x n matmul on the first device."""
-  device = jax.devices()[0]
+  """Best-of-N TFLOP/s of an n x n x n matmul on this process's first device."""
+  device = jax.local_devices()[0]
   a = jax.device_put(jnp.ones((n, n), dtype), device)
   b = jax.device_put(jnp.ones((n, n), dtype), device)
   matmul = jax.jit(lambda x, y: x @ y)

@@ -115,8 +115,9 @@ def ensure_devices(num_devices: int) -> None:
   --xla_force_host_platform_device_count would give); this must happen before the backend starts.
   On GPU a mesh larger than the GPUs present is an error.
   """
+  # In a multi-process run (distributed.py) each process already has its share of the devices.
   backends_started = _backends_started()
-  if not backends_started and _cpu_only():
+  if not backends_started and cpu_only() and not jax.distributed.is_initialized():
     current = jax.config.jax_num_cpu_devices
     if current is None or current < num_devices:
       jax.config.update('jax_num_cpu_devices', max(num_devices, 1))
@@ -134,7 +135,7 @@ def _backends_started() -> bool:
   return bool(xla_bridge._backends)
 
 
-def _cpu_only() -> bool:
+def cpu_only() -> bool:
   platforms = (os.environ.get('JAX_PLATFORMS') or jax.config.jax_platforms or '').lower()
   if platforms:
     return platforms.split(',')[0] == 'cpu'

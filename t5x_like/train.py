@@ -3,6 +3,10 @@
   python -m t5x_like.train --config configs/tiny.py --workdir DIR [--config.train.steps=N ...]
   python -m t5x_like.train --gin_file configs/tiny.gin --workdir DIR [--gin_bindings 'train.steps=N']
 
+Several processes (multi-host): under SLURM (`srun`, one task per GPU) they find each other by
+themselves; any other launcher passes `--coordinator_address HOST:PORT --num_processes N
+--process_id I` to every process (distributed.py).
+
 A workdir that already holds checkpoints resumes from the latest one. Exit codes (runtime.py):
 0 finished (or stopped by the kill switch), 2 bad config or checkpoint, 3 saved before a time
 limit or on SIGTERM/SIGUSR1: requeue to continue.
@@ -15,12 +19,19 @@ import sys
 
 # First, so that runtime.exit_duration_mins counts from process start.
 from t5x_like import runtime  # isort: skip
+from t5x_like import distributed
 from t5x_like.config import (Config, ConfigError, load_config_file, load_gin,
                              parse_override_value)
 
 
 def parse_args(argv: list[str]) -> tuple[Config, str]:
   """Parses the command line into a validated Config and the workdir (no JAX involved)."""
+  cfg, workdir, _ = parse_command_line(argv)
+  return cfg, workdir
+
+
+def parse_command_line(argv: list[str]) -> tuple[Config, str, distributed.ProcessGroup]:
+  """The validated Config, the workdir and this process's process group (no JAX involved)."""
   parser = argparse.ArgumentParser(prog='python -m t5x_like.train', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--config', help='ml_collections config file (configs/*.py)')
@@ -28,6 +39,10 @@ def parse_args(argv: list[str]) -> tuple[Config, str]:
   parser.add_argument('--gin_bindings', action='append', default=[],
                       help="gin binding such as 'train.steps = 10' (repeatable)")
   parser.add_argument('--workdir', required=True, help='where checkpoints and logs go')
+  parser.add_argument('--coordinator_address', help='HOST:PORT of process 0 (multi-process '
+                      'runs outside SLURM; with --num_processes and --process_id)')
+  parser.add_argument('--num_processes', type=int, help='processes in the run')
+  parser.add_argument('--process_id', type=int, help='this process, 0 to num_processes - 1')
   args, rest = parser.parse_known_args(argv)
   overrides = parse_overrides(rest)
   if bool(args.config) == bool(args.gin_file):
@@ -38,7 +53,9 @@ def parse_args(argv: list[str]) -> tuple[Config, str]:
     cfg = load_gin(args.gin_file, args.gin_bindings)
   else:
     cfg = load_config_file(args.config, overrides)
-  return cfg.validate(), args.workdir
+  group = distributed.from_flags_or_environment(args.coordinator_address, args.num_processes,
+                                                args.process_id)
+  return cfg.validate(), args.workdir, group
 
 
 def parse_overrides(rest: list[str]) -> dict:
@@ -62,7 +79,7 @@ def parse_overrides(rest: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
   try:
-    cfg, workdir = parse_args(sys.argv[1:] if argv is None else argv)
+    cfg, workdir, group = parse_command_line(sys.argv[1:] if argv is None else argv)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return runtime.ExitCode.BAD_INPUT
@@ -75,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
   from t5x_like.checkpoints import CheckpointError
   from t5x_like.trainer import Trainer
   try:
+    # Before the Trainer: joining the other processes must precede any JAX backend.
+    distributed.initialize(group, cfg.mesh.num_devices)
     trainer = Trainer(cfg, workdir)
     trainer.run()
   except (ConfigError, CheckpointError) as e:

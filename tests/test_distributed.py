@@ -1,0 +1,174 @@
+"""Multi-process runs: two JAX processes on this CPU (gloo collectives) train exactly like one, find
+each other from flags or from SLURM's environment, and stop together."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+from t5x_like import distributed
+from t5x_like.config import ConfigError
+
+# configs/tiny.py made small enough to compile in seconds, on a data=2 x tensor=2 mesh: 2 virtual
+# CPU devices in each of two processes.
+SMALL_TINY = ['--config', os.path.join(REPO, 'configs', 'tiny.py'),
+              '--config.model.num_layers=2', '--config.model.hidden_size=64',
+              '--config.train.seq_len=32', '--config.mesh.data=2', '--config.mesh.tensor=2']
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope='module', autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+  """The runs of this module compile the same few programs: later processes load them from disk."""
+  CACHE_ENV.update({'JAX_COMPILATION_CACHE_DIR': str(tmp_path_factory.mktemp('jax_cache')),
+                    'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+                    'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0'})
+  yield
+  CACHE_ENV.clear()
+
+
+CACHE_ENV = {}
+
+
+def start(args, env=None):
+  full_env = {**os.environ, **CACHE_ENV, **(env or {})}
+  return subprocess.Popen([sys.executable, '-m', 't5x_like.train', *SMALL_TINY, *args], cwd=REPO,
+                          env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(procs, timeout=300):
+  """(returncode, stdout, stderr) of each process; a hang fails the test instead of blocking it."""
+  out = []
+  try:
+    for p in procs:
+      stdout, stderr = p.communicate(timeout=timeout)
+      out.append((p.returncode, stdout, stderr))
+  finally:
+    for p in procs:
+      p.kill()
+  return out
+
+
+def metrics(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def two_processes_by_flags(args):
+  port = free_port()
+  return [start([*args, '--coordinator_address', f'localhost:{port}', '--num_processes', '2',
+                 '--process_id', str(i)]) for i in range(2)]
+
+
+def two_processes_under_slurm(args, job_id):
+  """Two tasks as `srun --ntasks=2` on one node would start them: JAX's SLURM detection runs."""
+  port = free_port()
+  return [start(args, env={'SLURM_JOB_ID': str(job_id), 'SLURM_STEP_NODELIST': 'localhost',
+                           'SLURM_NTASKS': '2', 'SLURM_PROCID': str(i), 'SLURM_LOCALID': str(i),
+                           'JAX_COORDINATOR_PORT': str(port)}) for i in range(2)]
+
+
+def test_two_processes_train_exactly_like_one_and_one_process_resumes_their_checkpoint(tmp_path):
+  multi, single = str(tmp_path / 'multi'), str(tmp_path / 'single')
+  saves = '--config.checkpoint.save_interval=2'
+  results = finish(two_processes_by_flags(['--config.train.steps=4', saves, '--workdir', multi]))
+  results += finish([start(['--config.train.steps=6', saves, '--workdir', single])])
+  for code, _, stderr in results:
+    assert code == 0, stderr[-3000:]
+  # Only process 0 logs and writes metrics: one line per iteration, not one per process.
+  assert 'iteration        4/       4' in results[0][1] and 'iteration' not in results[1][1]
+  assert [r['iteration'] for r in metrics(multi)] == [1, 2, 3, 4]
+  assert sorted(os.listdir(os.path.join(multi, 'checkpoints'))) == ['2', '4']
+
+  # The two processes' checkpoint restores in one process (each reads the slices it holds).
+  code, stdout, stderr = finish([start(['--config.train.steps=6', saves, '--workdir', multi])])[0]
+  assert code == 0 and f'resumed from {multi}/checkpoints/4' in stdout, stderr[-3000:]
+  a, b = metrics(multi), metrics(single)
+  assert [r['iteration'] for r in a] == [r['iteration'] for r in b] == [1, 2, 3, 4, 5, 6]
+  for x, y in zip(a, b):
+    for key in ('lm_loss', 'grad_norm', 'learning_rate', 'consumed_samples'):
+      assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-7), (x['iteration'], key)
+
+
+def test_a_signal_to_one_slurm_task_stops_both_at_the_same_iteration_and_they_resume(tmp_path):
+  """SLURM's pre-timeout signal may reach one task first; if only that one stopped, the other
+  would wait in the next step's collectives forever (a hang). Both stop at one iteration, save
+  it, exit 3 (requeue), and a resubmitted pair resumes from it."""
+  workdir = str(tmp_path / 'run')
+  procs = two_processes_under_slurm(['--config.train.steps=100000', '--workdir', workdir],
+                                    job_id=4242)
+  deadline = time.monotonic() + 240
+  path = os.path.join(workdir, 'metrics.jsonl')
+  while not (os.path.exists(path) and len(metrics(workdir)) >= 2):
+    assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].stderr.read()[-3000:]
+    time.sleep(0.2)
+  procs[1].send_signal(signal.SIGUSR1)  # the task that writes no log
+  results = finish(procs)
+  assert [code for code, _, _ in results] == [3, 3], results[0][2][-3000:]
+  last = metrics(workdir)[-1]['iteration']
+  assert 'received a signal on another process' in results[0][1]
+  assert max(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints'))) == last
+
+  resumed = finish(two_processes_under_slurm(
+      [f'--config.train.steps={last + 2}', '--workdir', workdir], job_id=4243))
+  assert [code for code, _, _ in resumed] == [0, 0], resumed[0][2][-3000:]
+  assert f'resumed from {os.path.join(workdir, "checkpoints")}/{last}' in resumed[0][1]
+  assert [r['iteration'] for r in metrics(workdir)][-3:] == [last, last + 1, last + 2]
+
+
+SLURM_TASK = {'SLURM_JOB_ID': '77', 'SLURM_STEP_NODELIST': 'gpu[003-004]', 'SLURM_NTASKS': '16',
+              'SLURM_PROCID': '9', 'SLURM_LOCALID': '1'}
+
+
+def test_process_group_comes_from_flags_then_slurm_then_is_a_single_process():
+  group = distributed.from_flags_or_environment('node7:1234', 4, 3, environ=SLURM_TASK)
+  assert (group.num_processes, group.process_id, group.coordinator_address) == (4, 3, 'node7:1234')
+  group = distributed.from_flags_or_environment(None, None, None, environ=SLURM_TASK)
+  assert (group.num_processes, group.process_id, group.coordinator_address) == (16, 9, None)
+  assert group.source == 'SLURM job 77'
+  one_task = {**SLURM_TASK, 'SLURM_NTASKS': '1', 'SLURM_PROCID': '0'}
+  for environ in (one_task, {}):
+    assert not distributed.from_flags_or_environment(None, None, None, environ).is_multi_process
+
+
+@pytest.mark.parametrize('flags, message', [
+    (('node7:1234', 4, None), '--coordinator_address, --num_processes given without '
+                              '--process_id'),
+    (('node7:1234', 4, 4), '--process_id 4 is not in [0, --num_processes 4)'),
+    (('node7', 2, 0), "--coordinator_address 'node7' is not HOST:PORT"),
+])
+def test_incomplete_or_wrong_process_flags_are_one_clear_error(flags, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    distributed.from_flags_or_environment(*flags, environ={})
+
+
+def test_a_mesh_that_cpu_processes_cannot_share_evenly_fails_before_joining():
+  group = distributed.ProcessGroup(3, 0, 'localhost:1', 'command-line flags')
+  with pytest.raises(ConfigError, match='the mesh has 4 devices, which 3 CPU processes cannot '
+                                        'share evenly'):
+    distributed.initialize(group, 4)
+  assert not distributed.joined().is_multi_process
+
+
+def test_bad_process_flags_exit_2_before_jax_starts(tmp_path):
+  result = subprocess.run(
+      [sys.executable, '-m', 't5x_like.train', *SMALL_TINY, '--workdir', str(tmp_path / 'w'),
+       '--num_processes', '2', '--process_id', '0'],
+      cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2
+  assert result.stderr.strip() == ('error: --num_processes, --process_id given without '
+                                   '--coordinator_address: a multi-process run needs all three '
+                                   '(or none, under SLURM or for one process)')
+  assert not os.path.exists(tmp_path / 'w')
