@@ -18,9 +18,11 @@ cross-process collectives use gloo, so a multi-process run can be tested on one 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 
 import jax
+import numpy as np
 
 from t5x_like import partitioning
 from t5x_like.config import ConfigError
@@ -90,6 +92,26 @@ def initialize(group: ProcessGroup, mesh_devices: int) -> None:
   else:
     jax.distributed.initialize(group.coordinator_address, group.num_processes, group.process_id)
   _joined = group
+
+
+def check_same_run(config_json: str, workdir: str) -> None:
+  """One clear error on every process when the processes were not given the same run.
+
+  A process with another config or workdir would compile another program, or write elsewhere,
+  and the collectives of the first step would hang or mix unrelated arrays. Each process's
+  fingerprint of (config, workdir) is all-gathered; any difference stops all of them.
+  """
+  if not _joined.is_multi_process:
+    return
+  from jax.experimental import multihost_utils
+  digest = hashlib.sha256(f'{config_json}\n{os.path.abspath(workdir)}'.encode()).digest()
+  mine = np.frombuffer(digest[:4], np.int32)  # 32 bits: JAX's default integer width
+  everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1)
+  differ = [i for i, fingerprint in enumerate(everyone) if fingerprint != everyone[0]]
+  if differ:
+    raise ConfigError(f'process(es) {differ} were started with another config or workdir than '
+                      f'process 0 ({_joined.num_processes} processes, {_joined.source}); start '
+                      'every process with the same command line')
 
 
 def joined() -> ProcessGroup:

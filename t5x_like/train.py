@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     # Before the Trainer: joining the other processes must precede any JAX backend.
     distributed.initialize(group, cfg.mesh.num_devices)
+    distributed.check_same_run(cfg.to_json(), workdir)
     trainer = Trainer(cfg, workdir)
     trainer.run()
   except (ConfigError, CheckpointError) as e:

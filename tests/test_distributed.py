@@ -128,6 +128,19 @@ def test_a_signal_to_one_slurm_task_stops_both_at_the_same_iteration_and_they_re
   assert [r['iteration'] for r in metrics(workdir)][-3:] == [last, last + 1, last + 2]
 
 
+def test_processes_given_different_runs_all_stop_with_one_clear_error(tmp_path):
+  port = free_port()
+  procs = [start(['--workdir', str(tmp_path / 'w'), f'--config.train.seed={seed}',
+                  '--coordinator_address', f'localhost:{port}', '--num_processes', '2',
+                  '--process_id', str(i)]) for i, seed in enumerate((1, 2))]
+  for code, _, stderr in finish(procs):
+    assert code == 2
+    assert ('error: process(es) [1] were started with another config or workdir than process 0 '
+            '(2 processes, command-line flags); start every process with the same command line'
+            in stderr)
+  assert not os.path.exists(tmp_path / 'w')
+
+
 SLURM_TASK = {'SLURM_JOB_ID': '77', 'SLURM_STEP_NODELIST': 'gpu[003-004]', 'SLURM_NTASKS': '16',
               'SLURM_PROCID': '9', 'SLURM_LOCALID': '1'}
 
