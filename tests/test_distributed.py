@@ -105,10 +105,11 @@ def test_two_processes_train_exactly_like_one_and_one_process_resumes_their_chec
 def test_a_signal_to_one_slurm_task_stops_both_at_the_same_iteration_and_they_resume(tmp_path):
   """SLURM's pre-timeout signal may reach one task first; if only that one stopped, the other
   would wait in the next step's collectives forever (a hang). Both stop at one iteration, save
-  it, exit 3 (requeue), and a resubmitted pair resumes from it."""
+  it, exit 3 (requeue), and a resubmitted pair resumes from it. The mesh puts one pipeline stage
+  in each process, as stages on different nodes are."""
   workdir = str(tmp_path / 'run')
-  procs = two_processes_under_slurm(['--config.train.steps=100000', '--workdir', workdir],
-                                    job_id=4242)
+  pipeline = ['--config.mesh.data=1', '--config.mesh.pipeline=2', '--workdir', workdir]
+  procs = two_processes_under_slurm(['--config.train.steps=100000', *pipeline], job_id=4242)
   deadline = time.monotonic() + 240
   path = os.path.join(workdir, 'metrics.jsonl')
   while not (os.path.exists(path) and len(metrics(workdir)) >= 2):
@@ -122,7 +123,7 @@ def test_a_signal_to_one_slurm_task_stops_both_at_the_same_iteration_and_they_re
   assert max(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints'))) == last
 
   resumed = finish(two_processes_under_slurm(
-      [f'--config.train.steps={last + 2}', '--workdir', workdir], job_id=4243))
+      [f'--config.train.steps={last + 2}', *pipeline], job_id=4243))
   assert [code for code, _, _ in resumed] == [0, 0], resumed[0][2][-3000:]
   assert f'resumed from {os.path.join(workdir, "checkpoints")}/{last}' in resumed[0][1]
   assert [r['iteration'] for r in metrics(workdir)][-3:] == [last, last + 1, last + 2]
