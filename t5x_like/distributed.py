@@ -21,11 +21,12 @@ import dataclasses
 import hashlib
 import os
 
-import jax
 import numpy as np
 
-from t5x_like import partitioning
 from t5x_like.config import ConfigError
+
+# jax is imported where it is used: `python -m t5x_like.train` parses and validates its command
+# line (this module included) before JAX is loaded, so bad input fails at once.
 
 _SLURM_VARS = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID',
                'SLURM_LOCALID')
@@ -80,6 +81,8 @@ def initialize(group: ProcessGroup, mesh_devices: int) -> None:
   global _joined
   if not group.is_multi_process:
     return
+  import jax
+  from t5x_like import partitioning
   if partitioning.cpu_only():
     if mesh_devices % group.num_processes:
       raise ConfigError(f'the mesh has {mesh_devices} devices, which {group.num_processes} CPU '
