@@ -64,8 +64,8 @@ def from_flags_or_environment(coordinator_address: str | None, num_processes: in
     if num_processes < 1 or not 0 <= process_id < num_processes:
       raise ConfigError(f'--process_id {process_id} is not in [0, --num_processes '
                         f'{num_processes}); number the processes 0 to N - 1')
-    if coordinator_address.rpartition(':')[0] == '' or not coordinator_address.rpartition(
-        ':')[2].isdigit():
+    host, _, port = coordinator_address.rpartition(':')
+    if not host or not port.isdigit():
       raise ConfigError(f'--coordinator_address {coordinator_address!r} is not HOST:PORT; pass '
                         'the address of process 0, e.g. node001:12345')
     return ProcessGroup(num_processes, process_id, coordinator_address, 'command-line flags')
