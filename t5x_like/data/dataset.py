@@ -105,21 +105,29 @@ class SampleSource:
   Window k is tokens[k * seq_len : k * seq_len + seq_len + 1]; consecutive windows share one
   token, so every token is a target exactly once per epoch.  Global sample g is window
   perm(seed, e)[g % num_samples] of epoch e = g // num_samples, where perm(seed, e) is a numpy
-  permutation from default_rng([seed, e]): a pure function of (seed, g).
+  permutation from default_rng([seed, *stream, e]): a pure function of (seed, stream, g).
+  `stream` tells apart sources that share a seed (the datasets of a blend, their splits).
+
+  `tokens` may be any 1-D integer array, a memory map of a Megatron .bin included: it is never
+  copied whole, and each call reads only the windows it returns.
   """
 
-  def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
-    tokens = np.asarray(tokens)
+  def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, stream: tuple[int, ...] = ()):
+    if not isinstance(tokens, np.ndarray):
+      tokens = np.asarray(tokens)
     if tokens.ndim != 1:
       raise ValueError(f'tokens must be a 1-D stream, got shape {tokens.shape}')
     if seq_len < 1:
       raise ValueError(f'seq_len must be positive, got {seq_len}')
     if seed < 0:
       raise ValueError(f'seed must be non-negative (numpy seeds are), got {seed}')
-    self.tokens = tokens.astype(np.int32, copy=False)
+    if tokens.dtype.kind not in 'iu':
+      raise ValueError(f'tokens must be integer ids, got dtype {tokens.dtype}')
+    self.tokens = tokens
     self.seq_len = int(seq_len)
     self.seed = int(seed)
-    self.num_samples = (self.tokens.size - 1) // self.seq_len
+    self.stream = tuple(int(s) for s in stream)
+    self.num_samples = max(self.tokens.size - 1, 0) // self.seq_len
     if self.num_samples < 1:
       raise ValueError(
           f'The corpus has {self.tokens.size} tokens, too few for one sample of seq_len + 1 = '
@@ -131,7 +139,8 @@ class SampleSource:
     """The window order of one epoch."""
     permutation = self._permutations.get(epoch)
     if permutation is None:
-      permutation = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+      permutation = np.random.default_rng([self.seed, *self.stream, epoch]).permutation(
+          self.num_samples)
       if len(self._permutations) >= _CACHED_EPOCHS:
         # Training moves forward through epochs, so the oldest entry is the one to drop.
         del self._permutations[min(self._permutations)]
@@ -153,7 +162,11 @@ class SampleSource:
   def rows(self, start: int, stop: int) -> np.ndarray:
     """Global samples start..stop-1 as int32 [stop - start, seq_len + 1]."""
     offsets = self.windows(start, stop) * self.seq_len
-    return self.tokens[offsets[:, None] + np.arange(self.seq_len + 1)]
+    # Sorted reads touch a memory-mapped file in order; the rows go back to sample order.
+    order = np.argsort(offsets, kind='stable')
+    rows = np.empty((stop - start, self.seq_len + 1), np.int32)
+    rows[order] = self.tokens[offsets[order][:, None] + np.arange(self.seq_len + 1)]
+    return rows
 
   def sample(self, index: int) -> np.ndarray:
     """Global sample `index` as int32 [seq_len + 1]."""
