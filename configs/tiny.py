@@ -41,8 +41,12 @@ def get_config() -> ml_collections.ConfigDict:
       decay_samples=1920,
       decay_style='cosine',
   )
+  # The embedded corpus (data.train_path = ''), its documents split as Megatron's default.
+  c.data = dict(train_path='', split='969,30,1', valid_path={}, skip_train_iteration_range=())
+  # The validation split's loss and perplexity every 20 iterations (and at the end).
+  c.eval = dict(interval=20, iters=1)
   c.mesh = dict(data=2, pipeline=1, tensor=2)
   c.checkpoint = dict(save_interval=60, max_to_keep=2, keep_period=0, init_from='',
                       load_optimizer=True, override_lr_scheduler=False, load_rng=True)
-  c.runtime = dict(kill_switch_path='', exit_duration_mins=0.0)
+  c.runtime = dict(kill_switch_path='', exit_duration_mins=0.0, hang_timeout_mins=0.0)
   return c

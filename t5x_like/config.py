@@ -139,8 +139,29 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  # 'embedded': the default corpus built from the Python documentation on this machine.
-  corpus: Literal['embedded'] = 'embedded'
+  # Megatron's --data-path: 'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...', each PREFIX naming a
+  # PREFIX.bin + PREFIX.idx pair (Megatron's mmap format). '': the embedded default corpus.
+  train_path: str = ''
+  # Megatron's --split: train,valid,test shares of each dataset's documents, in file order.
+  split: str = '969,30,1'
+  # Further validation sets, each read whole: {name: data path}, stored as ((name, path), ...).
+  valid_path: tuple = ()
+  # Megatron's --skip-train-iteration-range: ('A-B', ...), iterations (1-based, inclusive) whose
+  # data is consumed but not trained on.
+  skip_train_iteration_range: tuple = ()
+
+  def skip_ranges(self) -> list[tuple[int, int]]:
+    """skip_train_iteration_range as [(first, last)]; validate() has checked the syntax."""
+    return [tuple(int(x) for x in str(r).split('-')) for r in self.skip_train_iteration_range]
+
+  def skips(self, iteration: int) -> bool:
+    return any(a <= iteration <= b for a, b in self.skip_ranges())
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  interval: int = 0  # Iterations between evaluations of the validation sets; 0: none.
+  iters: int = 1  # Batches (of the current global batch size) per validation set and evaluation.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +200,9 @@ class RuntimeConfig:
   kill_switch_path: str = ''
   # Save and exit before this many minutes of wall clock (--exit-duration-in-mins); 0: no limit.
   exit_duration_mins: float = 0.0
+  # Exit with code 4 and every thread's stack when training makes no progress (an iteration, an
+  # evaluation, a save) for this many minutes; compilation is not counted. 0: never.
+  hang_timeout_mins: float = 0.0
 
 
 SECTIONS = {
@@ -186,6 +210,7 @@ SECTIONS = {
     'train': TrainConfig,
     'optimizer': OptimizerConfig,
     'data': DataConfig,
+    'eval': EvalConfig,
     'mesh': MeshConfig,
     'pipeline': PipelineConfig,
     'checkpoint': CheckpointConfig,
@@ -199,6 +224,7 @@ class Config:
   train: TrainConfig = TrainConfig()
   optimizer: OptimizerConfig = OptimizerConfig()
   data: DataConfig = DataConfig()
+  eval: EvalConfig = EvalConfig()
   mesh: MeshConfig = MeshConfig()
   pipeline: PipelineConfig = PipelineConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
@@ -224,6 +250,7 @@ class Config:
   @classmethod
   def from_dict(cls, raw: dict[str, Any]) -> Config:
     """Builds a Config from nested dicts; unknown sections or keys are errors."""
+    raw = _without_retired_keys(raw)
     unknown = set(raw) - set(SECTIONS)
     if unknown:
       raise ConfigError(f'unknown config section(s) {sorted(unknown)}; '
@@ -360,9 +387,13 @@ class Config:
     need(self.checkpoint.keep_period >= 0,
          f'checkpoint.keep_period must be >= 0 (0 keeps no extra steps), got '
          f'{self.checkpoint.keep_period}')
+    need(self.runtime.hang_timeout_mins >= 0,
+         f'runtime.hang_timeout_mins must be >= 0 (0: no watchdog), got '
+         f'{self.runtime.hang_timeout_mins}')
     need(self.runtime.exit_duration_mins >= 0,
          f'runtime.exit_duration_mins must be >= 0 (0: no limit), got '
          f'{self.runtime.exit_duration_mins}')
+    _validate_data(self)
     if self.checkpoint.init_from:
       need(os.path.isdir(self.checkpoint.init_from),
            f'checkpoint.init_from={self.checkpoint.init_from!r} is not a directory; point it at a '
@@ -370,10 +401,68 @@ class Config:
     return self
 
 
+# Keys that earlier versions wrote into config.json (so into checkpoints), with the one value
+# they could hold; a saved config that has them still loads.
+_RETIRED_KEYS = {('data', 'corpus'): 'embedded'}
+
+
+def _without_retired_keys(raw: dict[str, Any]) -> dict[str, Any]:
+  raw = dict(raw)
+  for (section, key), only_value in _RETIRED_KEYS.items():
+    values = raw.get(section)
+    if isinstance(values, dict) and key in values and values[key] == only_value:
+      raw[section] = {k: v for k, v in values.items() if k != key}
+  return raw
+
+
+def _validate_data(cfg: Config) -> None:
+  """data.* and eval.* syntax (the files themselves are opened by the trainer, still before any
+  compilation)."""
+  # Imported here: the data package is only needed once a config is validated.
+  from t5x_like.data import sources
+  from t5x_like.data.indexed import DataError
+  d, e = cfg.data, cfg.eval
+  try:
+    if d.train_path:
+      sources.parse_data_path(d.train_path)
+    shares = sources.parse_split(d.split)
+    names = set()
+    for entry in d.valid_path:
+      if not (isinstance(entry, tuple) and len(entry) == 2 and all(
+          isinstance(x, str) and x for x in entry)):
+        raise ConfigError(f'data.valid_path must map set names to data paths, e.g. '
+                          f'{{"en": "/data/en_text_document"}}; got the entry {entry!r}')
+      name, spec = entry
+      if name in names or (name == 'valid' and shares[1] > 0) or name == 'test':
+        raise ConfigError(f'data.valid_path names a set {name!r} twice, or a name the '
+                          f'data.split already uses ("valid" for its validation share, '
+                          f'"test"); rename it')
+      names.add(name)
+      sources.parse_data_path(spec, key=f'data.valid_path[{name!r}]')
+  except DataError as error:
+    raise ConfigError(str(error)) from None
+  for r in d.skip_train_iteration_range:
+    parts = str(r).split('-')
+    if (len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or
+        not 1 <= int(parts[0]) <= int(parts[1])):
+      raise ConfigError(f'data.skip_train_iteration_range: {r!r} is not a range of iterations '
+                        'FIRST-LAST with 1 <= FIRST <= LAST, e.g. ("13251-14000",)')
+  if e.interval < 0 or e.iters < 1:
+    raise ConfigError(f'eval.interval must be >= 0 (0: no evaluation) and eval.iters >= 1, got '
+                      f'{e.interval} and {e.iters}')
+  if e.interval and shares[1] == 0 and not d.valid_path:
+    raise ConfigError(f'eval.interval={e.interval} but there is no validation set: give '
+                      f'data.split a validation share (e.g. "969,30,1") or set data.valid_path')
+
+
 def _coerce(key: str, value: Any, want: type) -> Any:
   """Converts ints to floats where a float is wanted; rejects other type mismatches."""
+  if want is tuple and isinstance(value, dict):
+    # A mapping (data.valid_path) is kept as its (key, value) pairs: hashable, and in order.
+    return tuple((k, v) for k, v in value.items())
   if want is tuple and isinstance(value, (list, tuple)):
-    return tuple(value)
+    # Nested lists come back from config.json; tuples keep the config hashable.
+    return tuple(tuple(v) if isinstance(v, list) else v for v in value)
   if want is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
   if want is int and isinstance(value, float) and value.is_integer():
@@ -404,13 +493,21 @@ def load_config_file(path: str, overrides: dict[str, Any] | None = None) -> Conf
   return Config.from_dict(raw)
 
 
+class CommandLineValue(str):
+  """The text of a `--config.a.b=VALUE` override, parsed once the key's type is known."""
+
+
 def apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
   section, _, key = dotted.partition('.')
   if section not in SECTIONS or not key:
     raise ConfigError(f'unknown config key {dotted!r}; keys look like model.num_layers')
-  known = {f.name for f in dataclasses.fields(SECTIONS[section])}
+  known = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
   if key not in known:
     raise ConfigError(f'unknown config key {dotted!r}; known keys of {section!r}: {sorted(known)}')
+  if isinstance(value, CommandLineValue):
+    # A string key takes the text as it is ('969,30,1' is a split, not a tuple).
+    want_str = isinstance(getattr(SECTIONS[section](), key), str)
+    value = str(value) if want_str else parse_override_value(value)
   raw.setdefault(section, {})[key] = value
 
 
@@ -423,7 +520,7 @@ def parse_override_value(text: str) -> Any:
   try:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
-    return text
+    return str(text)
 
 
 _GIN_MAKERS: dict[str, Any] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -84,26 +85,45 @@ def log_line(r: dict, total_iterations: int) -> str:
           (f" pipeline bubble: {r['pipeline_bubble']:.3f} |" if 'pipeline_bubble' in r else ''))
 
 
+def perplexity(loss: float) -> float:
+  """Megatron's logged PPL: exp(min(20, loss)), so a diverged loss still prints a number."""
+  return math.exp(min(20.0, loss))
+
+
+def eval_lines(r: dict, at: str) -> list[str]:
+  """Megatron's evaluation lines: a rule, '<set> loss at <at> | lm loss value | lm loss PPL', a
+  rule (the chronicles' 'valid loss at iteration 45000 | lm loss value: 2.327091E+00 | ...')."""
+  line = (f" {r['set']} loss at {at} | lm loss value: {r['lm_loss']:.6E} |"
+          f" lm loss PPL: {r['ppl']:.6E} |")
+  rule = '-' * len(line)
+  return [rule, line, rule]
+
+
 class MetricsWriter:
-  """Appends to WORKDIR/logs/main_log.txt and WORKDIR/metrics.jsonl (only process 0 writes)."""
+  """Appends to WORKDIR/logs/main_log.txt, WORKDIR/metrics.jsonl (one record per trained
+  iteration) and WORKDIR/eval_metrics.jsonl (one per evaluated set); only process 0 writes."""
 
   def __init__(self, workdir: str, enabled: bool = True):
     self.enabled = enabled
     self.log_path = os.path.join(workdir, 'logs', 'main_log.txt')
     self.jsonl_path = os.path.join(workdir, 'metrics.jsonl')
+    self.eval_jsonl_path = os.path.join(workdir, 'eval_metrics.jsonl')
     if enabled:
       os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
 
   def truncate_after(self, iteration: int) -> None:
     """Drops records past `iteration` (written after the checkpoint a restart resumes from)."""
-    if not self.enabled or not os.path.exists(self.jsonl_path):
+    if not self.enabled:
       return
-    with open(self.jsonl_path) as f:
-      keep = [line for line in f if _iteration_of(line) <= iteration]
-    tmp = self.jsonl_path + '.tmp'
-    with open(tmp, 'w') as f:
-      f.writelines(keep)
-    os.replace(tmp, self.jsonl_path)
+    for path in (self.jsonl_path, self.eval_jsonl_path):
+      if not os.path.exists(path):
+        continue
+      with open(path) as f:
+        keep = [line for line in f if _iteration_of(line) <= iteration]
+      tmp = path + '.tmp'
+      with open(tmp, 'w') as f:
+        f.writelines(keep)
+      os.replace(tmp, path)
 
   def info(self, message: str) -> None:
     """A line for stdout and main_log.txt."""
@@ -115,8 +135,16 @@ class MetricsWriter:
 
   def record(self, record: dict, total_iterations: int) -> None:
     self.info(log_line(record, total_iterations))
+    self._append(self.jsonl_path, record)
+
+  def eval_record(self, record: dict, at: str) -> None:
+    for line in eval_lines(record, at):
+      self.info(line)
+    self._append(self.eval_jsonl_path, record)
+
+  def _append(self, path: str, record: dict) -> None:
     if self.enabled:
-      with open(self.jsonl_path, 'a') as f:
+      with open(path, 'a') as f:
         f.write(json.dumps(record) + '\n')
 
 

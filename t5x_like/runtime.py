@@ -8,6 +8,13 @@ A job array resubmits a job until the run is done; the exit code tells it which 
   2  BAD_INPUT    a bad config, command line or checkpoint; one message on stderr. Fix, then rerun.
   3  REQUEUE      saved before runtime.exit_duration_mins, or on SIGTERM / SIGUSR1 (SLURM's time
                   limit and `--signal=USR1@SECONDS` pre-timeout warning): requeue me to continue.
+  4  HUNG         no progress for runtime.hang_timeout_mins (a collective that never completes,
+                  a stuck save): every thread's Python stack was printed, then the process left
+                  without saving. Requeue to resume from the last checkpoint.
+
+SIGUSR2 prints every thread's Python stack to stderr and training goes on: with `scancel
+--signal=USR2 JOBID` every task of a job says where it is, the diagnosis the chronicles made by
+hand with py-spy when one rank hung in a collective.
 
 Every condition is checked at an iteration boundary, and in a multi-process run all processes stop
 at the same iteration: each process's reason is all-gathered and the strongest one wins, so no
@@ -16,9 +23,13 @@ process enters the save while another enters the next step (a hang).
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import faulthandler
 import os
 import signal
+import sys
+import threading
 import time
 
 import numpy as np
@@ -36,6 +47,7 @@ class ExitCode(enum.IntEnum):
   FINISHED = 0
   BAD_INPUT = 2
   REQUEUE = 3
+  HUNG = 4
 
 
 class StopReason(enum.IntEnum):
@@ -127,3 +139,77 @@ class StopConditions:
       return f'received {name}'
     return (f'{self.elapsed_s() / 60:.2f} of runtime.exit_duration_mins={self.limit_s / 60:g} '
             'minutes used')
+
+
+class Watchdog:
+  """Turns a hang into an exit that says where every thread was.
+
+  The training loop calls `beat(what)` as it makes progress (each iteration, each evaluated
+  set, each save). If no beat comes for `timeout_s`, a daemon thread writes a message and every
+  thread's Python stack (faulthandler: it needs neither the GIL's cooperation nor the stuck
+  thread's) to stderr and to `log_path`, then ends the process with exit code 4 (HUNG) without
+  running any cleanup that could block too. Under `srun --kill-on-bad-exit=1` that ends the job
+  step, so a job array requeues instead of idling for hours (the chronicles' NCCL hang that
+  never timed out). Compilation can take long and cannot hang on another process, so it runs
+  inside `suspended()`. timeout_s <= 0: no watchdog, only the SIGUSR2 stack dump.
+  """
+
+  CHECK_EVERY_S = 1.0
+
+  def __init__(self, timeout_s: float, log_path: str | None = None):
+    self.timeout_s = timeout_s
+    self.log_path = log_path
+    self._last_beat = _now()
+    self._what = 'starting'
+    self._armed = False
+    self._suspended = 0
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def __enter__(self) -> Watchdog:
+    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
+    if self.timeout_s > 0:
+      self._thread = threading.Thread(target=self._watch, name='t5x_like-watchdog', daemon=True)
+      self._thread.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._stop.set()
+    faulthandler.unregister(signal.SIGUSR2)
+
+  def beat(self, what: str) -> None:
+    """Progress was made; the next step is `what` (named in the message if it hangs)."""
+    self._what = what
+    self._last_beat = _now()
+    self._armed = True
+
+  @contextlib.contextmanager
+  def suspended(self):
+    self._suspended += 1
+    try:
+      yield
+    finally:
+      self._suspended -= 1
+      self._last_beat = _now()
+
+  def _watch(self) -> None:
+    while not self._stop.wait(min(self.CHECK_EVERY_S, self.timeout_s / 4)):
+      if self._armed and not self._suspended and _now() - self._last_beat > self.timeout_s:
+        self._report_and_exit()
+
+  def _report_and_exit(self) -> None:
+    message = (f'> hang: no progress for {(_now() - self._last_beat) / 60:.2f} minutes '
+               f'(runtime.hang_timeout_mins={self.timeout_s / 60:g}) while {self._what}; the '
+               f'Python stack of every thread follows; exit code {int(ExitCode.HUNG)} '
+               f'(HUNG): resubmit to resume from the last checkpoint\n')
+    outputs = [sys.stderr]
+    log = None
+    if self.log_path and os.path.isdir(os.path.dirname(self.log_path)):
+      log = open(self.log_path, 'a')  # pylint: disable=consider-using-with
+      outputs.append(log)
+    for out in outputs:
+      out.write(message)
+      out.flush()
+      faulthandler.dump_traceback(file=out, all_threads=True)
+      out.flush()
+    os._exit(int(ExitCode.HUNG))  # no atexit or finalizers: they may wait on the hung thread

@@ -8,8 +8,9 @@ themselves; any other launcher passes `--coordinator_address HOST:PORT --num_pro
 --process_id I` to every process (distributed.py).
 
 A workdir that already holds checkpoints resumes from the latest one. Exit codes (runtime.py):
-0 finished (or stopped by the kill switch), 2 bad config or checkpoint, 3 saved before a time
-limit or on SIGTERM/SIGUSR1: requeue to continue.
+0 finished (or stopped by the kill switch), 2 bad config, checkpoint or data, 3 saved before a
+time limit or on SIGTERM/SIGUSR1: requeue to continue, 4 no progress for
+runtime.hang_timeout_mins (stacks printed): requeue to resume from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ import sys
 # First, so that runtime.exit_duration_mins counts from process start.
 from t5x_like import runtime  # isort: skip
 from t5x_like import distributed
-from t5x_like.config import (Config, ConfigError, load_config_file, load_gin,
-                             parse_override_value)
+from t5x_like.config import CommandLineValue, Config, ConfigError, load_config_file, load_gin
 
 
 def parse_args(argv: list[str]) -> tuple[Config, str]:
@@ -72,7 +72,7 @@ def parse_overrides(rest: list[str]) -> dict:
         raise ConfigError(f'{arg} needs a value')
       i += 1
       value = rest[i]
-    overrides[key] = parse_override_value(value)
+    overrides[key] = CommandLineValue(value)
     i += 1
   return overrides
 
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     return runtime.ExitCode.FINISHED
   # JAX starts only once the config is known to be good.
   from t5x_like.checkpoints import CheckpointError
+  from t5x_like.data.indexed import DataError
   from t5x_like.trainer import Trainer
   try:
     # Before the Trainer: joining the other processes must precede any JAX backend.
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     distributed.check_same_run(cfg.to_json(), workdir)
     trainer = Trainer(cfg, workdir)
     trainer.run()
-  except (ConfigError, CheckpointError) as e:
+  except (ConfigError, CheckpointError, DataError) as e:
     print(f'error: {e}', file=sys.stderr)
     return runtime.ExitCode.BAD_INPUT
   return runtime.exit_code(trainer.stop_reason)

@@ -25,8 +25,24 @@ from t5x_like import checkpoints, metrics, model as model_lib, optim, partitioni
 from t5x_like import losses
 from t5x_like import runtime
 from t5x_like.config import Config, ConfigError
-from t5x_like.data import SampleSource, load_default
+from t5x_like.data import sources
+from t5x_like.data.indexed import DataError
+from t5x_like.data.tokenizer import Tokenizer
 from t5x_like.train_state import Progress, StateLayout, TrainState, make_layout
+
+
+def _compute_params(params, layout: StateLayout, dtype):
+  """The master params cast to the compute dtype and constrained to the rule sharding: this
+  all-gathers the compute-dtype copy of the ZeRO-split fp32 params (DeepSpeed's bf16 weights),
+  not the fp32 ones."""
+  return jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s), params,
+                      layout.compute_param_shardings)
+
+
+def _gathered_params(params, layout: StateLayout):
+  """The fp32 params gathered for the pipeline: each stage casts at use, so that the scan's
+  transpose accumulates the gradients of all micro-batches in fp32."""
+  return jax.tree.map(jax.lax.with_sharding_constraint, params, layout.compute_param_shardings)
 
 
 def make_train_step(cfg: Config, layout: StateLayout):
@@ -43,11 +59,7 @@ def make_train_step(cfg: Config, layout: StateLayout):
 
   def accumulated_loss_and_grads(params, batch, rng):
     """No pipeline: micro-batches one after another, fp32 accumulation in the ZeRO layout."""
-    # Cast once per step and constrain to the rule sharding: this all-gathers the compute-dtype
-    # copy of the ZeRO-split master params (DeepSpeed's bf16 weights), not the fp32 ones.
-    compute_params = jax.tree.map(
-        lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s), params,
-        layout.compute_param_shardings)
+    compute_params = _compute_params(params, layout, dtype)  # cast once per step
     num_micro = batch.shape[0]
 
     def accumulate(carry, xs):
@@ -68,13 +80,9 @@ def make_train_step(cfg: Config, layout: StateLayout):
 
   def pipelined_loss_and_grads(params, batch, rng):
     """Pipeline: one differentiated schedule over all micro-batches (pipeline.py)."""
-    # The gathered copy stays fp32 and each stage casts at use, so that the scan's transpose
-    # accumulates the gradients of all micro-batches in fp32.
-    compute_params = jax.tree.map(jax.lax.with_sharding_constraint, params,
-                                  layout.compute_param_shardings)
     ctx = model_lib.Context(cfg.model, layout.mesh)
     loss, grads = jax.value_and_grad(pipeline.pipeline_loss)(
-        compute_params, batch, rng, cfg, layout.plan, ctx, not dropout)
+        _gathered_params(params, layout), batch, rng, cfg, layout.plan, ctx, not dropout)
     return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, zero_shardings)
 
   loss_and_grads = (pipelined_loss_and_grads if cfg.mesh.pipeline > 1
@@ -102,6 +110,29 @@ def make_train_step(cfg: Config, layout: StateLayout):
              'num_zeros': num_zeros.astype(jnp.float32), 'finite': finite,
              'loss_finite': jnp.isfinite(loss)}
     return new_state, stats
+
+  return step
+
+
+def make_eval_step(cfg: Config, layout: StateLayout):
+  """The pure evaluation step: (params, batch [M, rows, S+1]) -> mean fp32 loss, no dropout.
+
+  The same model, loss, micro-batching and pipeline schedule as training, forward only."""
+  dtype = jnp.dtype(cfg.model.dtype)
+
+  def step(params, batch):
+    if cfg.mesh.pipeline > 1:
+      ctx = model_lib.Context(cfg.model, layout.mesh)
+      return pipeline.pipeline_loss(_gathered_params(params, layout), batch,
+                                    jax.random.PRNGKey(0), cfg, layout.plan, ctx, True)
+    compute_params = _compute_params(params, layout, dtype)
+
+    def add_micro_batch(total, tokens):
+      return total + losses.mean_loss(layout.model, compute_params, tokens), None
+
+    total, _ = jax.lax.scan(add_micro_batch, jnp.float32(0.0), batch,
+                            unroll=cfg.model.scan_unroll)
+    return total / batch.shape[0]  # equal micro-batches: the mean of the means
 
   return step
 
@@ -149,20 +180,22 @@ class Trainer:
     elif cfg.checkpoint.init_from:
       checkpoints.check_compatible(checkpoints.read_config(cfg.checkpoint.init_from), cfg,
                                    f'checkpoint.init_from={cfg.checkpoint.init_from}')
-    # The mesh comes first: it creates virtual CPU devices before anything starts the backend.
+    # The data next: a bad path, file or split is one error before JAX starts a backend.
+    self.data = self._open_data(cfg)
+    self.source = self.data.train
+    # The mesh comes first among JAX objects: it creates virtual CPU devices before anything
+    # starts the backend.
     self.mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
     self.is_writer = jax.process_index() == 0
     self.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_writer)
     if self.is_writer:
       _atomic_write(os.path.join(self.workdir, 'config.json'), cfg.to_json() + '\n')
     self.layout = make_layout(cfg, self.mesh)
-    self.tokenizer, self.source = load_default(cfg.train.seq_len, self.data_seed)
-    if self.tokenizer.vocab_size > cfg.model.vocab_size:
-      raise ConfigError(f'the tokenizer has {self.tokenizer.vocab_size} tokens but '
-                        f'model.vocab_size is {cfg.model.vocab_size}; set model.vocab_size >= '
-                        f'{self.tokenizer.vocab_size}')
     self.batch_sharding = batch_sharding(self.layout)
     self._compiled = {}  # one compiled step per number of micro-batches (batch-size ramp-up)
+    self._compiled_eval = {}
+    self._skipping = False  # inside a run of data.skip_train_iteration_range iterations
+    self.watchdog = runtime.Watchdog(0.0)  # run() installs the configured one
     self.checkpointer = checkpoints.Checkpointer(self.ckpt_root, cfg.checkpoint.save_interval,
                                                  cfg.checkpoint.max_to_keep, self.layout,
                                                  keep_period=cfg.checkpoint.keep_period)
@@ -193,6 +226,19 @@ class Trainer:
                                 f'{cfg.train.seed}; checkpoint.load_rng=False would use it)')
       return cfg.replace(train={'seed': saved_seed})
     return cfg
+
+  def _open_data(self, cfg: Config) -> sources.DataSources:
+    tokenizer = None
+    if not cfg.data.train_path:  # the embedded corpus and its tokenizer
+      tokenizer = Tokenizer.load_default()
+      if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f'the tokenizer has {tokenizer.vocab_size} tokens but '
+                          f'model.vocab_size is {cfg.model.vocab_size}; set model.vocab_size >= '
+                          f'{tokenizer.vocab_size}')
+    try:
+      return sources.build(cfg.data, cfg.train.seq_len, self.data_seed, tokenizer)
+    except DataError as e:
+      raise ConfigError(str(e)) from None
 
   def save_checkpoint(self, state: TrainState, progress: Progress) -> bool:
     meta = checkpoints.make_meta(self.cfg, progress, self.data_seed, self.adam_count_base)
@@ -228,18 +274,26 @@ class Trainer:
     rows = self.cfg.train.micro_batch_size * self.cfg.mesh.data
     return (global_batch_size // rows, rows, self.cfg.train.seq_len + 1)
 
-  def global_batch(self, consumed_samples: int, global_batch_size: int) -> jax.Array:
-    """The global batch as a sharded array; each device reads only the rows it holds."""
+  def global_batch(self, consumed_samples: int, global_batch_size: int,
+                   source=None, what: str = 'training') -> jax.Array:
+    """Samples consumed_samples.. of `source` (default: the training stream) as a sharded
+    [micro-batches, rows, S + 1] array; each device reads only the rows it holds. An id outside
+    the model's vocabulary is a DataError naming the samples."""
+    source = self.source if source is None else source
     shape = self.batch_shape(global_batch_size)
     rows_per_micro = shape[1]
+    vocab_size = self.cfg.model.vocab_size
 
     def rows_for(index) -> np.ndarray:
       micro_slice, row_slice = index[0], index[1]
       micro = range(*micro_slice.indices(shape[0]))
       start, stop, _ = row_slice.indices(rows_per_micro)
-      return np.stack([self.source.rows(consumed_samples + m * rows_per_micro + start,
-                                        consumed_samples + m * rows_per_micro + stop)
-                       for m in micro])[..., index[2]]
+      rows = np.stack([source.rows(consumed_samples + m * rows_per_micro + start,
+                                   consumed_samples + m * rows_per_micro + stop)
+                       for m in micro])
+      sources.check_token_ids(rows, vocab_size, f'{what} samples {consumed_samples}..'
+                              f'{consumed_samples + global_batch_size - 1}')
+      return rows[..., index[2]]
 
     return jax.make_array_from_callback(shape, self.batch_sharding, rows_for)
 
@@ -250,9 +304,46 @@ class Trainer:
       self._compiled[shape[0]] = self.compile(shape)
     return self._compiled[shape[0]]
 
+  def eval_step_for(self, global_batch_size: int):
+    shape = self.batch_shape(global_batch_size)
+    if shape[0] not in self._compiled_eval:
+      start = time.perf_counter()
+      step = jax.jit(make_eval_step(self.cfg, self.layout),
+                     in_shardings=(self.layout.shardings.params, self.batch_sharding))
+      with self.watchdog.suspended():
+        self._compiled_eval[shape[0]] = step.lower(
+            self.layout.abstract.params,
+            jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)).compile()
+      self.writer.info(f'> compiled the evaluation step for {shape[0]} micro-batch(es) in '
+                       f'{time.perf_counter() - start:.1f} s')
+    return self._compiled_eval[shape[0]]
+
+  def evaluate(self, state: TrainState, progress: Progress, sets: dict,
+               at_end: bool = False) -> dict[str, float]:
+    """Mean loss of eval.iters batches (the current global batch size) from the start of each
+    set: the same samples at every evaluation, so evaluations compare. Logged Megatron-style."""
+    gbs = self.cfg.train.global_batch_size_at(progress.consumed_samples)
+    step = self.eval_step_for(gbs)
+    results = {}
+    for name, source in sets.items():
+      self.watchdog.beat(f'evaluating {name!r} at iteration {progress.iteration}')
+      start = time.perf_counter()
+      batch_losses = [step(state.params, self.global_batch(i * gbs, gbs, source, f'{name!r}'))
+                      for i in range(self.cfg.eval.iters)]
+      loss = float(np.mean(jax.device_get(batch_losses)))
+      results[name] = loss
+      self.writer.eval_record({
+          'iteration': progress.iteration, 'consumed_samples': progress.consumed_samples,
+          'set': name, 'lm_loss': loss, 'ppl': metrics.perplexity(loss),
+          'samples': self.cfg.eval.iters * gbs, 'eval_time_s': time.perf_counter() - start,
+      }, (f'the end of training (iteration {progress.iteration})' if at_end
+          else f'iteration {progress.iteration}'))
+    return results
+
   def compile(self, batch_shape: tuple[int, int, int]):
     start = time.perf_counter()
-    compiled = lower_train_step(self.cfg, self.layout, batch_shape[0]).compile()
+    with self.watchdog.suspended():
+      compiled = lower_train_step(self.cfg, self.layout, batch_shape[0]).compile()
     bubble = ''
     if self.cfg.mesh.pipeline > 1:
       bubble = f', pipeline bubble {self.layout.plan.bubble_fraction(batch_shape[0]):.3f}'
@@ -293,6 +384,76 @@ class Trainer:
 
   # ------------------------------------------------------------------------------------ loop
 
+  def check_data(self, progress: Progress) -> None:
+    """Reads the next training batch and the first batch of every evaluation set once, before
+    anything is compiled: ids outside the vocabulary are an error now, not after compiling."""
+    gbs = self.cfg.train.global_batch_size_at(progress.consumed_samples)
+    self.global_batch(progress.consumed_samples, gbs)
+    if self.cfg.eval.interval:
+      for name, source in {**self.data.valid, 'test': self.data.test}.items():
+        if source is not None:
+          self.global_batch(0, gbs, source, f'{name!r}')
+    for note in self.data.notes:
+      self.writer.info(note)
+
+  def skip_iteration(self, progress: Progress, total: int) -> None:
+    """data.skip_train_iteration_range: the iteration's samples are consumed, nothing trains;
+    the optimizer does not step, so it counts as a skipped iteration (Adam's count agrees)."""
+    first = progress.iteration + 1
+    if not self._skipping:  # the first of a run of skipped iterations
+      self._skipping = True
+      last = next(b for a, b in self.cfg.data.skip_ranges() if a <= first <= b)
+      self.writer.info(f'> data.skip_train_iteration_range: iterations {first}-{min(last, total)}'
+                       f' consume their samples without training (from sample '
+                       f'{progress.consumed_samples})')
+    gbs = self.cfg.train.global_batch_size_at(progress.consumed_samples)
+    progress.iteration += 1
+    progress.consumed_samples += gbs
+    progress.consumed_tokens += gbs * self.cfg.train.seq_len
+    progress.skipped_iterations += 1
+
+  def train_iteration(self, state: TrainState, progress: Progress, total: int) -> TrainState:
+    """One train step on the next global batch; logs the Megatron line and a metrics record."""
+    cfg = self.cfg
+    self._skipping = False
+    seq = cfg.train.seq_len
+    gbs = cfg.train.global_batch_size_at(progress.consumed_samples)
+    compiled = self.step_for(gbs)
+    flops = metrics.megatron_flops_per_iteration(cfg, gbs, seq)
+    start = time.perf_counter()
+    batch = self.global_batch(progress.consumed_samples, gbs)
+    state, stats = compiled(state, batch, jnp.int32(progress.consumed_samples),
+                            jnp.int32(progress.iteration))
+    stats = jax.device_get(stats)
+    elapsed = time.perf_counter() - start
+    progress.iteration += 1
+    progress.consumed_samples += gbs
+    progress.consumed_tokens += gbs * seq
+    progress.skipped_iterations += int(not stats['finite'])
+    progress.nan_iterations += int(not stats['loss_finite'])
+    tflops = flops / (elapsed * cfg.mesh.num_devices * 1e12)
+    record = {
+        'iteration': progress.iteration,
+        'consumed_samples': progress.consumed_samples,
+        'consumed_tokens': progress.consumed_tokens,
+        'learning_rate': float(stats['learning_rate']),
+        'global_batch_size': gbs,
+        'lm_loss': float(stats['lm_loss']),
+        'grad_norm': float(stats['grad_norm']),
+        'num_zeros': float(stats['num_zeros']),
+        'step_time_s': elapsed,
+        'samples_per_sec': gbs / elapsed,
+        'tokens_per_sec': gbs * seq / elapsed,
+        'tflops': tflops,
+        'mfu': tflops / self.peak_tflops,
+        'skipped_iterations': progress.skipped_iterations,
+        'nan_iterations': progress.nan_iterations,
+    }
+    if cfg.mesh.pipeline > 1:
+      record['pipeline_bubble'] = self.layout.plan.bubble_fraction(self.batch_shape(gbs)[0])
+    self.writer.record(record, total)
+    return state
+
   def run(self) -> Progress:
     """Trains to the end or until a stop condition; `stop_reason` says which (None: the end).
 
@@ -306,8 +467,12 @@ class Trainer:
       self.writer.info(f'> kill switch {rt.kill_switch_path} exists: exiting without training '
                        '(remove the file to train)')
       return (checkpoints.read_progress(self.ckpt_root) if self.resume_step else Progress())
+    # Only the process that writes the log appends the stacks of a hang to it; every process
+    # prints its own to stderr.
+    log_path = self.writer.log_path if self.is_writer else None
     with runtime.StopConditions(rt.kill_switch_path, rt.exit_duration_mins,
-                                num_processes=jax.process_count()) as stop:
+                                num_processes=jax.process_count()) as stop, \
+        runtime.Watchdog(rt.hang_timeout_mins * 60.0, log_path) as self.watchdog:
       return self._train(stop)
 
   def _train(self, stop: runtime.StopConditions) -> Progress:
@@ -318,61 +483,44 @@ class Trainer:
                      f'tensor={cfg.mesh.tensor} ({jax.device_count()} {jax.devices()[0].platform} '
                      f'devices); {cfg.num_microbatches} micro-batch(es) of '
                      f'{cfg.train.micro_batch_size} per data rank')
-    peak, peak_source = metrics.device_peak_tflops(cfg.model.dtype)
-    self.writer.info(f'> MFU reference: {peak:.4f} TFLOP/s per device ({peak_source})')
+    self.peak_tflops, peak_source = metrics.device_peak_tflops(cfg.model.dtype)
+    self.writer.info(f'> MFU reference: {self.peak_tflops:.4f} TFLOP/s per device '
+                     f'({peak_source})')
     if cfg.mesh.pipeline > 1:
       self.writer.info(self.describe_pipeline())
     state, progress = self.initial_state()
     start_iteration = progress.iteration
     total = self.total_iterations()
-    seq = cfg.train.seq_len
-    n_devices = cfg.mesh.num_devices
+    self.check_data(progress)
+    evaluate_every = cfg.eval.interval
+    last_evaluated = None
     while progress.iteration < total:
+      self.watchdog.beat(f'in iteration {progress.iteration + 1}')
       self.stop_reason = stop.poll()
       if self.stop_reason is not None:
         self.writer.info(f'> stopping at iteration {progress.iteration}: '
                          f'{stop.describe(self.stop_reason)}')
         break
-      gbs = cfg.train.global_batch_size_at(progress.consumed_samples)
-      compiled = self.step_for(gbs)
-      flops = metrics.megatron_flops_per_iteration(cfg, gbs, seq)
-      start = time.perf_counter()
-      batch = self.global_batch(progress.consumed_samples, gbs)
-      state, stats = compiled(state, batch, jnp.int32(progress.consumed_samples),
-                              jnp.int32(progress.iteration))
-      stats = jax.device_get(stats)
-      elapsed = time.perf_counter() - start
-      progress.iteration += 1
-      progress.consumed_samples += gbs
-      progress.consumed_tokens += gbs * seq
-      progress.skipped_iterations += int(not stats['finite'])
-      progress.nan_iterations += int(not stats['loss_finite'])
-      tflops = flops / (elapsed * n_devices * 1e12)
-      record = {
-          'iteration': progress.iteration,
-          'consumed_samples': progress.consumed_samples,
-          'consumed_tokens': progress.consumed_tokens,
-          'learning_rate': float(stats['learning_rate']),
-          'global_batch_size': gbs,
-          'lm_loss': float(stats['lm_loss']),
-          'grad_norm': float(stats['grad_norm']),
-          'num_zeros': float(stats['num_zeros']),
-          'step_time_s': elapsed,
-          'samples_per_sec': gbs / elapsed,
-          'tokens_per_sec': gbs * seq / elapsed,
-          'tflops': tflops,
-          'mfu': tflops / peak,
-          'skipped_iterations': progress.skipped_iterations,
-          'nan_iterations': progress.nan_iterations,
-      }
-      if cfg.mesh.pipeline > 1:
-        record['pipeline_bubble'] = self.layout.plan.bubble_fraction(
-            self.batch_shape(gbs)[0])
-      self.writer.record(record, total)
+      if cfg.data.skips(progress.iteration + 1):
+        self.skip_iteration(progress, total)
+      else:
+        state = self.train_iteration(state, progress, total)
       if self.checkpointer.should_save(progress.iteration):
         self.save_checkpoint(state, progress)
-    if progress.iteration > start_iteration:  # at the end, or before leaving early
+      if evaluate_every and progress.iteration % evaluate_every == 0:
+        self.evaluate(state, progress, self.data.valid)
+        last_evaluated = progress.iteration
+    trained = progress.iteration > start_iteration
+    if trained:  # at the end, or before leaving early
+      self.watchdog.beat(f'saving the checkpoint of iteration {progress.iteration}')
       self.save_checkpoint(state, progress)
+    if evaluate_every and trained and progress.iteration >= total:
+      # The end of training (not an early stop): the validation sets unless just done, and the
+      # test split, as Megatron evaluates after its last iteration.
+      if last_evaluated != progress.iteration:
+        self.evaluate(state, progress, self.data.valid)
+      if self.data.test is not None:
+        self.evaluate(state, progress, {'test': self.data.test}, at_end=True)
     self.checkpointer.close()
     code = runtime.exit_code(self.stop_reason)
     self.writer.info(f'> {"done" if self.stop_reason is None else "stopped"}: '

@@ -41,11 +41,38 @@ def test_overrides_on_both_front_ends_agree():
      'fewer than the 2 pipeline stages'),
     (['--config.train.steps=0'], 'set train.steps'),
     (['--config.checkpoint.init_from=/no/such/ckpt'], 'is not a directory'),
+    (['--config.data.train_path=0.5 /d/a /d/b'], 'weight/prefix pairs'),
+    (['--config.data.split=98,x'], "data.split='98,x'"),
+    (['--config.data.skip_train_iteration_range=("9-3",)'], "'9-3' is not a range"),
+    (['--config.data.valid_path={"valid": "/d/x"}'], "names a set 'valid'"),
+    (['--config.data.split=100,0,0'], 'eval.interval=20 but there is no validation set'),
+    (['--config.eval.iters=0'], 'eval.iters >= 1'),
+    (['--config.runtime.hang_timeout_mins=-1'], 'runtime.hang_timeout_mins must be >= 0'),
 ])
 def test_bad_config_is_one_clear_error(argv, message):
   with pytest.raises(ConfigError, match=None) as info:
     parse_args(['--config', cfg_path('tiny.py'), '--workdir', '/tmp/x', *argv])
   assert message in str(info.value)
+
+
+def test_string_keys_take_the_command_line_text_and_mappings_round_trip():
+  cfg, _ = parse_args(['--config', cfg_path('tiny.py'), '--workdir', '/tmp/x',
+                       '--config.data.split=98,2,0', '--config.data.train_path', '0.5 /a 0.5 /b',
+                       '--config.data.valid_path={"en": "/d/en", "fr": "/d/fr"}',
+                       '--config.data.skip_train_iteration_range=["5-7", "20-20"]'])
+  assert cfg.data.split == '98,2,0' and cfg.data.train_path == '0.5 /a 0.5 /b'
+  assert cfg.data.valid_path == (('en', '/d/en'), ('fr', '/d/fr'))
+  assert cfg.data.skip_ranges() == [(5, 7), (20, 20)]
+  assert [i for i in range(1, 25) if cfg.data.skips(i)] == [5, 6, 7, 20]
+  import json
+  assert Config.from_dict(json.loads(cfg.to_json())) == cfg  # as config.json stores it
+  gin_cfg = load_gin([cfg_path('tiny.gin')], ['data.split = "98,2,0"',
+                                              'data.train_path = "0.5 /a 0.5 /b"',
+                                              'data.valid_path = {"en": "/d/en", "fr": "/d/fr"}',
+                                              'data.skip_train_iteration_range = ["5-7", "20-20"]'])
+  assert gin_cfg == cfg
+  # Checkpoints written before data.corpus was retired still load their config.
+  assert Config.from_dict({'data': {'corpus': 'embedded'}}) == Config()
 
 
 def test_unknown_gin_binding_and_missing_files():

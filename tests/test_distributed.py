@@ -80,6 +80,17 @@ def two_processes_under_slurm(args, job_id):
                            'JAX_COORDINATOR_PORT': str(port)}) for i in range(2)]
 
 
+def wait_for_iterations(workdir, count, procs, timeout=240):
+  deadline = time.monotonic() + timeout
+  path = os.path.join(workdir, 'metrics.jsonl')
+  while not (os.path.exists(path) and len(metrics(workdir)) >= count):
+    if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+      for p in procs:  # killed first, so that reading their output cannot block
+        p.kill()
+      pytest.fail(f'no iteration {count}: {procs[0].communicate()[1][-3000:]}')
+    time.sleep(0.2)
+
+
 def test_two_processes_train_exactly_like_one_and_one_process_resumes_their_checkpoint(tmp_path):
   multi, single = str(tmp_path / 'multi'), str(tmp_path / 'single')
   saves = '--config.checkpoint.save_interval=2'
@@ -111,14 +122,7 @@ def test_a_signal_to_one_slurm_task_stops_both_at_the_same_iteration_and_they_re
   workdir = str(tmp_path / 'run')
   pipeline = ['--config.mesh.data=1', '--config.mesh.pipeline=2', '--workdir', workdir]
   procs = two_processes_under_slurm(['--config.train.steps=100000', *pipeline], job_id=4242)
-  deadline = time.monotonic() + 240
-  path = os.path.join(workdir, 'metrics.jsonl')
-  while not (os.path.exists(path) and len(metrics(workdir)) >= 2):
-    if time.monotonic() > deadline or procs[0].poll() is not None:
-      for p in procs:  # killed first, so that reading their output cannot block
-        p.kill()
-      pytest.fail(f'no second iteration: {procs[0].communicate()[1][-3000:]}')
-    time.sleep(0.2)
+  wait_for_iterations(workdir, 2, procs)
   procs[1].send_signal(signal.SIGUSR1)  # the task that writes no log
   results = finish(procs)
   assert [code for code, _, _ in results] == [3, 3], results[0][2][-3000:]
@@ -131,6 +135,40 @@ def test_a_signal_to_one_slurm_task_stops_both_at_the_same_iteration_and_they_re
   assert [code for code, _, _ in resumed] == [0, 0], resumed[0][2][-3000:]
   assert f'resumed from {os.path.join(workdir, "checkpoints")}/{last}' in resumed[0][1]
   assert [r['iteration'] for r in metrics(workdir)][-3:] == [last, last + 1, last + 2]
+
+
+def test_a_process_stuck_in_a_collective_exits_4_with_every_threads_stack(tmp_path):
+  """The chronicles' hang: one rank stops responding and the others wait in a collective that
+  never times out. SIGUSR2 first makes both print their stacks and go on; then process 1 is
+  frozen (SIGSTOP) and process 0's watchdog ends it after runtime.hang_timeout_mins, with its
+  stacks on stderr and in the log, exit code 4."""
+  workdir = str(tmp_path / 'run')
+  procs = two_processes_by_flags(['--config.train.steps=100000', '--workdir', workdir,
+                                  '--config.runtime.hang_timeout_mins=0.1'])
+  try:
+    wait_for_iterations(workdir, 2, procs)
+    for p in procs:
+      p.send_signal(signal.SIGUSR2)
+    done = len(metrics(workdir))
+    wait_for_iterations(workdir, done + 2, procs)  # the dump did not stop training
+    procs[1].send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    code = procs[0].wait(timeout=120)
+    waited = time.monotonic() - stopped
+    stdout, stderr = procs[0].communicate()
+  finally:
+    for p in procs:
+      p.kill()
+  assert code == 4, stderr[-3000:]
+  assert 6 <= waited < 60  # hang_timeout_mins=0.1 is 6 s
+  # The SIGUSR2 dump: the main thread's stack, and training went on.
+  assert stderr.count('(most recent call first)') >= 2 and 't5x_like/trainer.py' in stderr
+  message = re.search(r'> hang: no progress for [\d.]+ minutes \(runtime.hang_timeout_mins=0.1\) '
+                      r'while in iteration (\d+);', stderr)
+  assert message, stderr[-3000:]
+  with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
+    log = f.read()
+  assert message.group(0) in log and 'in _train' in log.split(message.group(0))[1]
 
 
 def test_processes_given_different_runs_all_stop_with_one_clear_error(tmp_path):

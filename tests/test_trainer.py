@@ -164,3 +164,119 @@ def test_restore_onto_a_mesh_with_another_vocab_padding(tmp_path):
   np.testing.assert_array_equal(state.params['layers']['mlp']['wi_kernel'],
                                 saved.params['layers']['mlp']['wi_kernel'])
   assert progress.iteration == 1
+
+
+# ------------------------------------------------------------- Megatron data, evaluation, skips
+
+
+@pytest.mark.parametrize('mesh', [(1, 1, 1), (2, 1, 2), (1, 2, 1)], ids=str)
+def test_eval_step_is_the_train_steps_loss_on_every_mesh(mesh):
+  """The evaluation step is the training loss without the update: equal to the train step's
+  reported loss on one device, and to the one-device evaluation on data x tensor and on a
+  pipeline (its forward-only schedule)."""
+  from t5x_like.trainer import batch_sharding, make_eval_step
+  from conftest import small_config
+  cfg = small_config(mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh)),
+                     model=dict(cross_entropy_impl='chunked'))
+  tokens = np.random.default_rng(1).integers(0, 1000, (8, 17)).astype(np.int32)
+
+  def evaluate(cfg):
+    layout = make_layout(cfg, partitioning.make_mesh(*(cfg.mesh.data, cfg.mesh.pipeline,
+                                                       cfg.mesh.tensor)))
+    state = layout.init(cfg.train.seed)
+    rows = cfg.train.micro_batch_size * cfg.mesh.data
+    batch = jax.device_put(tokens.reshape(cfg.num_microbatches, rows, -1), batch_sharding(layout))
+    return float(jax.jit(make_eval_step(cfg, layout))(state.params, batch)), layout, state, batch
+
+  loss, layout, state, batch = evaluate(cfg)
+  if mesh == (1, 1, 1):
+    _, stats = jax.jit(make_train_step(cfg, layout))(state, batch, jnp.int32(0), jnp.int32(0))
+    assert loss == pytest.approx(float(stats['lm_loss']), rel=1e-6)
+  else:
+    one_device = cfg.replace(mesh={'data': 1, 'pipeline': 1, 'tensor': 1})
+    assert loss == pytest.approx(evaluate(one_device)[0], rel=2e-6)
+
+
+def write_random_dataset(prefix, num_documents, seed, vocab=8192):
+  """Documents of Zipf-distributed ids (learnable statistics, like text), each ending in EOD."""
+  from t5x_like.data.indexed import IndexedDatasetWriter
+  rng = np.random.default_rng(seed)
+  with IndexedDatasetWriter(prefix, np.uint16) as writer:
+    for _ in range(num_documents):
+      ids = 2 + rng.zipf(1.2, rng.integers(20, 60)) % (vocab - 2)
+      writer.add_document(list(ids) + [1])
+  return prefix
+
+
+@pytest.fixture(scope='module')
+def megatron_data(tmp_path_factory):
+  root = tmp_path_factory.mktemp('megatron_data')
+  return {name: write_random_dataset(str(root / f'{name}_text_document'), n, seed)
+          for name, n, seed in (('en', 60, 1), ('fr', 40, 2), ('held_out', 20, 3))}
+
+
+def data_config(megatron_data, **sections):
+  return corpus_config(**{
+      'data': dict(train_path=f"0.6 {megatron_data['en']} 0.4 {megatron_data['fr']}",
+                   split='80,15,5', valid_path={'held_out': megatron_data['held_out']},
+                   skip_train_iteration_range=('2-3',)),
+      'eval': dict(interval=3, iters=2),
+      **sections})
+
+
+def test_megatron_data_evaluation_and_skipped_ranges(megatron_data, tmp_path,
+                                                     persistent_compilation_cache):
+  workdir = str(tmp_path / 'run')
+  trainer = Trainer(data_config(megatron_data), workdir)
+  trainer.run()
+  records = read_metrics(workdir)
+  # Iterations 2-3 consume their samples without training; the optimizer did not step.
+  assert [r['iteration'] for r in records] == [1, 4, 5, 6]
+  assert [r['consumed_samples'] for r in records] == [8, 32, 40, 48]
+  assert [r['skipped_iterations'] for r in records] == [0, 2, 2, 2]
+  assert int(optim.adam_count(trainer.final_state.opt_state)) == 4
+  # The training batch of iteration 4 is samples 24..31 of the blend.
+  np.testing.assert_array_equal(
+      jax.device_get(trainer.global_batch(24, 8)).reshape(8, -1), trainer.source.rows(24, 32))
+  with open(os.path.join(workdir, 'eval_metrics.jsonl')) as f:
+    evals = [json.loads(line) for line in f]
+  assert [(e['iteration'], e['set']) for e in evals] == [
+      (3, 'valid'), (3, 'held_out'), (6, 'valid'), (6, 'held_out'), (6, 'test')]
+  for e in evals:
+    assert e['samples'] == 16 and e['ppl'] == pytest.approx(np.exp(e['lm_loss']))
+  # Training lowers the validation loss (random tokens: only their unigram statistics to learn).
+  assert evals[2]['lm_loss'] < evals[0]['lm_loss']
+  with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
+    log = f.read()
+  assert 'data.skip_train_iteration_range: iterations 2-3' in log
+  assert re.search(r' valid loss at iteration 3 \| lm loss value: [\d.]+E\+00 \| '
+                   r'lm loss PPL: [\d.]+E\+0\d \|', log)
+  assert ' test loss at the end of training (iteration 6) |' in log
+  assert f"> data: {megatron_data['en']} (weight 0.6000): 60 documents" in log
+
+  # A resumed run drops evaluation records written after its checkpoint, as it does metrics.
+  with open(os.path.join(workdir, 'eval_metrics.jsonl'), 'a') as f:
+    f.write(json.dumps({'iteration': 7, 'set': 'valid', 'lm_loss': 1.0}) + '\n')
+  Trainer(data_config(megatron_data, train=dict(steps=7)), workdir).run()
+  with open(os.path.join(workdir, 'eval_metrics.jsonl')) as f:
+    resumed = [json.loads(line) for line in f]
+  assert [(e['iteration'], e['set']) for e in resumed] == [
+      (3, 'valid'), (3, 'held_out'), (6, 'valid'), (6, 'held_out'), (6, 'test'),
+      (7, 'valid'), (7, 'held_out'), (7, 'test')]
+  assert resumed[-1]['lm_loss'] != 1.0
+
+
+def test_bad_data_fails_before_compiling(megatron_data, tmp_path):
+  from t5x_like.data.indexed import DataError
+  with pytest.raises(ConfigError, match=r'missing_text_document\.idx not found'):
+    Trainer(data_config(megatron_data, data=dict(train_path=str(tmp_path / 'missing_text_document'))),
+            str(tmp_path / 'a'))
+  # Ids the model has no row for (a dataset tokenized for a larger vocabulary).
+  big = write_random_dataset(str(tmp_path / 'big_vocab'), 30, 4, vocab=20000)
+  trainer = Trainer(data_config(megatron_data, data=dict(train_path=big, valid_path={})),
+                    str(tmp_path / 'b'))
+  with pytest.raises(DataError, match=r'training samples 0\.\.7 holds token id \d+, outside'):
+    trainer.run()
+  assert trainer._compiled == {} and not os.path.exists(str(tmp_path / 'b' / 'metrics.jsonl'))
+  with pytest.raises(ConfigError, match='no validation set'):
+    data_config(megatron_data, data=dict(split='100,0,0', valid_path={})).validate()
