@@ -181,7 +181,13 @@ def worker_torch_probe(_: argparse.Namespace) -> dict:
   torch.set_num_threads(len(os.sched_getaffinity(0)))
   out = {'torch_version': torch.__version__, 'torch_threads': torch.get_num_threads()}
   for dtype in (torch.float32, torch.bfloat16):
-    n = 2048
+    # n = 2048 unless one n = 512 product says that would take seconds per call: torch's bf16
+    # on a CPU without bf16 instructions (AMD Zen 3) runs at ~0.3 GFLOP/s, a minute per n = 2048
+    # product. The key names the n measured.
+    small = torch.ones(512, 512, dtype=dtype)
+    start = time.perf_counter()
+    torch.mm(small, small)
+    n = 2048 if (time.perf_counter() - start) * 64 < 4.0 else 512
     a, b = torch.ones(n, n, dtype=dtype), torch.ones(n, n, dtype=dtype)
     best = _best_time(lambda: torch.mm(a, b), repeats=4)
     out[f'torch_{str(dtype).split(".")[-1]}_n{n}_tflops'] = 2 * n**3 / best / 1e12
