@@ -1,10 +1,17 @@
-"""`python -m t5x_like.evaluate`: next-token loss of a checkpoint on a token array.
+"""`python -m t5x_like.evaluate`: next-token loss of a checkpoint on a token array or dataset.
 
   python -m t5x_like.evaluate --checkpoint CKPT_DIR --data TOKENS.npy [--dtype float32]
       [--mesh.data D] [--mesh.tensor T]
+  python -m t5x_like.evaluate --checkpoint CKPT_DIR --data PREFIX [--documents all|train|valid|test]
+      [--split 969,30,1] [--seq_len S] [--max_samples N] ...
 
 TOKENS.npy is an integer array [N, L]; the loss is the mean next-token cross-entropy over all
-N x (L-1) predictions. The last line printed is a JSON object with `loss`, `ppl` and `tokens`.
+N x (L-1) predictions. PREFIX names a Megatron dataset (PREFIX.bin + PREFIX.idx, as
+`data.train_path` does): its documents (all, or one share of `--split`, by default the
+checkpoint's data.split) are read in order as consecutive samples of S + 1 tokens overlapping by
+one (S: `--seq_len`, by default the checkpoint's train.seq_len), so every token after the first
+is predicted exactly once; the tail shorter than a sample is left out. The last line printed is
+a JSON object with `loss`, `ppl` and `tokens`.
 
 The model runs on a data x tensor mesh (default 1 x 1), whatever mesh the checkpoint was saved
 from: the weights are restored straight into their tensor-parallel shardings (replicated over
@@ -48,6 +55,38 @@ def load_tokens(path: str, vocab_size: int) -> np.ndarray:
   return tokens.astype(np.int32)
 
 
+def dataset_samples(prefix: str, vocab_size: int, seq_len: int, split: str = '1',
+                    documents: str = 'all', max_samples: int = 0) -> np.ndarray:
+  """[N, seq_len + 1] samples of a Megatron dataset's documents (all, or one share of `split`)
+  in file order, consecutive samples sharing one token, as a view of the memory map (nothing is
+  copied until a batch is read). Every id is checked against the vocabulary first."""
+  from t5x_like.data import sources
+  from t5x_like.data.indexed import DataError
+  try:
+    stream = sources.open_indexed(prefix)
+    num_documents = len(stream.offsets) - 1
+    if documents == 'all':
+      first, last = 0, num_documents
+    else:
+      first, last = sources.split_ranges(num_documents, split)[sources.SPLIT_NAMES.index(documents)]
+    tokens = stream.documents(first, last)
+    count = (tokens.size - 1) // seq_len
+    if max_samples:
+      count = min(count, max_samples)
+    what = f'--data {prefix} (documents {first}..{last}, --documents {documents})'
+    if count < 1:
+      raise DataError(f'{what} holds {tokens.size} tokens, fewer than one sample of --seq_len + 1 '
+                      f'= {seq_len + 1}; choose other documents or a shorter --seq_len')
+    tokens = tokens[:count * seq_len + 1]
+    for start in range(0, tokens.size, 1 << 26):  # a full scan, in bounded chunks
+      sources.check_token_ids(tokens[start:start + (1 << 26)], vocab_size, what)
+  except DataError as e:
+    raise ConfigError(str(e)) from None
+  step = tokens.strides[0]
+  return np.lib.stride_tricks.as_strided(tokens, (count, seq_len + 1), (seq_len * step, step),
+                                         writeable=False)
+
+
 def evaluate(cfg: Config, params, tokens: np.ndarray, batch_size: int = 8,
              cross_entropy: str = 'chunked') -> dict:
   """Mean next-token loss over every prediction; one compile (the last batch is padded).
@@ -61,7 +100,7 @@ def evaluate(cfg: Config, params, tokens: np.ndarray, batch_size: int = 8,
 
   total = 0.0
   for start in range(0, len(tokens), batch_size):
-    batch = tokens[start:start + batch_size]
+    batch = np.asarray(tokens[start:start + batch_size], np.int32)  # a dataset view: read now
     valid = np.ones(len(batch), np.float32)
     if len(batch) < batch_size:
       pad = batch_size - len(batch)
@@ -137,13 +176,52 @@ def load_for_inference(checkpoint: str, dtype: str | None = None, step: int | No
   return cfg, jax.device_put(params, layout.compute_param_shardings)
 
 
+def load_data(args: argparse.Namespace, saved: Config) -> np.ndarray:
+  """--data as [N, L] token ids: a .npy array, or samples of a Megatron dataset."""
+  from t5x_like.data import indexed, sources
+  from t5x_like.data.indexed import DataError
+  dataset_flags = (args.documents != 'all' or args.split is not None or
+                   args.seq_len is not None or args.max_samples)
+  if args.data_path.endswith('.npy'):
+    if dataset_flags:
+      raise ConfigError('--documents, --split, --seq_len and --max_samples apply to a dataset '
+                        'PREFIX, not to a .npy array')
+    return load_tokens(args.data_path, saved.model.vocab_size)
+  if not indexed.exists(args.data_path):
+    raise ConfigError(f'--data {args.data_path}: neither a .npy file nor a dataset prefix '
+                      f'({args.data_path}.bin and .idx do not exist); pass TOKENS.npy or the '
+                      'PREFIX that python -m t5x_like.data preprocess wrote')
+  seq_len = saved.train.seq_len if args.seq_len is None else args.seq_len
+  split = saved.data.split if args.split is None else args.split
+  if seq_len < 1 or args.max_samples < 0:
+    raise ConfigError(f'--seq_len must be >= 1 and --max_samples >= 0, got {seq_len} and '
+                      f'{args.max_samples}')
+  try:
+    sources.parse_split(split)
+  except DataError as e:
+    raise ConfigError(str(e).replace('data.split', '--split')) from None
+  return dataset_samples(args.data_path, saved.model.vocab_size, seq_len, split,
+                         args.documents, args.max_samples)
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog='python -m t5x_like.evaluate', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--checkpoint', required=True,
                       help="a run's WORKDIR/checkpoints (latest step) or one step directory")
   parser.add_argument('--data', dest='data_path', required=True,
-                      help='.npy integer array [N, L] of token ids')
+                      help='.npy integer array [N, L] of token ids, or a Megatron dataset PREFIX '
+                           '(PREFIX.bin + PREFIX.idx)')
+  parser.add_argument('--documents', default='all', choices=['all', 'train', 'valid', 'test'],
+                      help='with a dataset: all of its documents, or one share of --split')
+  parser.add_argument('--split', default=None,
+                      help="with a dataset: train,valid,test shares (default: the checkpoint's "
+                           'data.split)')
+  parser.add_argument('--seq_len', type=int, default=None,
+                      help="with a dataset: tokens predicted per sample (default: the "
+                           "checkpoint's train.seq_len)")
+  parser.add_argument('--max_samples', type=int, default=0,
+                      help='with a dataset: at most this many samples, from the first (0: all)')
   parser.add_argument('--dtype', default=None, choices=['float32', 'bfloat16'],
                       help='compute dtype (default: the checkpoint config\'s)')
   parser.add_argument('--step', type=int, default=None)
@@ -168,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before anything starts JAX: on CPU the mesh's virtual devices are created here.
     partitioning.ensure_devices(data * tensor)
     saved = read_config(args.checkpoint, args.step)
-    tokens = load_tokens(args.data_path, saved.model.vocab_size)
+    tokens = load_data(args, saved)
     # A mesh the model cannot use fails in inference_config, before anything is restored.
     cfg, params = load_for_inference(args.checkpoint, args.dtype, args.step, data, tensor)
   except (ConfigError, CheckpointError) as e:

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from t5x_like import ckpt, evaluate
+from t5x_like.data.indexed import IndexedDatasetWriter
 
 from conftest import run_cli
 
@@ -113,6 +114,57 @@ def test_export_hf_gives_back_the_original_logits(tmp_path):
   tokens = torch.randint(0, 333, (2, 11))
   with torch.no_grad():
     np.testing.assert_array_equal(again(tokens).logits.numpy(), model(tokens).logits.numpy())
+
+
+def test_evaluate_on_a_megatron_dataset_reads_consecutive_samples_of_its_documents(
+    tmp_path, capsys):
+  model, hf_dir = random_bloom(tmp_path, 4, 300, hidden=32)
+  out = str(tmp_path / 'ckpt')
+  assert ckpt.main(['import-hf', hf_dir, out]) == 0
+  rng = np.random.default_rng(2)
+  documents = [rng.integers(0, 300, n) for n in (30, 7, 41, 12, 25)]
+  prefix = str(tmp_path / 'held_out')
+  with IndexedDatasetWriter(prefix, np.uint16) as writer:
+    for document in documents:
+      writer.add_document(document)
+
+  def run(*flags):
+    code = evaluate.main(['--checkpoint', out, '--data', prefix, '--dtype', 'float32', *flags])
+    captured = capsys.readouterr()
+    return code, (json.loads(captured.out.strip().splitlines()[-1]) if code == 0 else
+                  captured.err)
+
+  def samples(tokens, seq_len):  # what the docstring promises: stride S, S + 1 tokens each
+    count = (len(tokens) - 1) // seq_len
+    return np.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(count)])
+
+  every = np.concatenate(documents).astype(np.int32)
+  want = samples(every, 8)
+  code, result = run('--seq_len', '8', '--batch_size', '4')
+  assert code == 0 and result['tokens'] == want.shape[0] * 8 == 112
+  assert abs(result['loss'] - hf_loss(model, want)) < 1e-5
+  code, result = run('--seq_len', '8', '--max_samples', '3')
+  assert result['tokens'] == 24 and abs(result['loss'] - hf_loss(model, want[:3])) < 1e-5
+  # One share of a split: 60,20,20 of 5 documents gives document 3 (12 tokens) to `valid`.
+  code, result = run('--seq_len', '5', '--documents', 'valid', '--split', '60,20,20')
+  valid = samples(documents[3].astype(np.int32), 5)
+  assert code == 0 and result['tokens'] == 10
+  assert abs(result['loss'] - hf_loss(model, valid)) < 1e-5
+  # Bad input: one message and exit 2 each, before the checkpoint is restored.
+  code, err = run('--seq_len', '20', '--documents', 'valid', '--split', '60,20,20')
+  assert code == 2 and 'fewer than one sample' in err
+  code, err = run('--split', 'a,b')
+  assert code == 2 and '--split' in err
+  assert evaluate.main(['--checkpoint', out, '--data', str(tmp_path / 'missing')]) == 2
+  assert 'neither a .npy file nor a dataset prefix' in capsys.readouterr().err
+  np.save(tmp_path / 't.npy', want)
+  assert evaluate.main(['--checkpoint', out, '--data', str(tmp_path / 't.npy'),
+                        '--seq_len', '8']) == 2
+  with IndexedDatasetWriter(str(tmp_path / 'wide'), np.uint16) as writer:
+    writer.add_document(np.full(20, 300))
+  assert evaluate.main(['--checkpoint', out, '--data', str(tmp_path / 'wide'),
+                        '--seq_len', '8']) == 2
+  assert 'token id 300' in capsys.readouterr().err
 
 
 def test_cli_subprocesses_and_bad_inputs(tmp_path):
