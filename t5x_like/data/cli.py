@@ -1,12 +1,14 @@
 """`python -m t5x_like.data`: make and inspect Megatron mmap datasets.
 
   python -m t5x_like.data preprocess --input docs.jsonl [more ...] --output_prefix DIR/NAME
-      [--json_key text] [--tokenizer_model FILE.model] [--no_eod] [--overwrite]
+      [--json_key text] [--tokenizer_model FILE.model | --tokenizer_json tokenizer.json
+      [--eod_token '</s>']] [--no_eod] [--overwrite]
   python -m t5x_like.data inspect DIR/NAME [--split 969,30,1] [--seq_len 2048] [--scan] [--json]
 
 `preprocess` reads loose JSON (one object per line, the text under --json_key: the input of
 Megatron's tools/preprocess_data.py) or, for any other extension, one document per file; it
-tokenizes with a SentencePiece model (default: the shipped one), appends the end-of-document id
+tokenizes with a SentencePiece model (default: the shipped one) or a Hugging Face tokenizer.json
+(BLOOM's: `hf_tokenizer.py`), appends the end-of-document id
 and writes DIR/NAME.bin and DIR/NAME.idx (`indexed.py`), which `data.train_path` then names.
 `inspect` prints what a dataset holds and how `data.split` cuts it; `--scan` also reads every
 token for the largest id (compare it with model.vocab_size).
@@ -24,6 +26,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from t5x_like.data import indexed, sources
+from t5x_like.data.hf_tokenizer import EOD_CANDIDATES, HFTokenizer
 from t5x_like.data.indexed import DataError
 from t5x_like.data.tokenizer import DEFAULT_MODEL_PATH, Tokenizer
 
@@ -67,7 +70,7 @@ def _batches(documents: Iterator[str], size: int) -> Iterator[list[str]]:
     yield batch
 
 
-def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer,
+def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer | HFTokenizer,
                json_key: str = 'text', append_eod: bool = True,
                overwrite: bool = False) -> dict:
   """Tokenizes `inputs` into output_prefix.bin/.idx; returns counts. Existing outputs are kept
@@ -130,8 +133,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   make.add_argument('--input', nargs='+', required=True, help='.jsonl files or text files')
   make.add_argument('--output_prefix', required=True, help='writes PREFIX.bin and PREFIX.idx')
   make.add_argument('--json_key', default='text', help='the key of the text in JSON lines')
-  make.add_argument('--tokenizer_model', default=DEFAULT_MODEL_PATH,
-                    help='a SentencePiece .model file (default: the shipped tokenizer)')
+  which = make.add_mutually_exclusive_group()
+  which.add_argument('--tokenizer_model', default=DEFAULT_MODEL_PATH,
+                     help='a SentencePiece .model file (default: the shipped tokenizer)')
+  which.add_argument('--tokenizer_json', default=None,
+                     help="a Hugging Face tokenizer.json (BLOOM's, GPT-2's)")
+  make.add_argument('--eod_token', default=None,
+                    help='with --tokenizer_json: the token appended to each document (default: '
+                         'the first of ' + ', '.join(EOD_CANDIDATES) + ' in the vocabulary)')
   make.add_argument('--no_eod', action='store_true', help='do not append the EOD id')
   make.add_argument('--overwrite', action='store_true', help='replace an existing dataset')
   look = commands.add_parser('inspect', help='what a dataset holds and how it splits')
@@ -143,9 +152,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     if args.command == 'preprocess':
-      if not os.path.isfile(args.tokenizer_model):
+      if args.tokenizer_json:
+        tokenizer = HFTokenizer(args.tokenizer_json, args.eod_token)
+      elif args.eod_token:
+        raise DataError('--eod_token applies to --tokenizer_json; a SentencePiece model ends '
+                        'documents with its own </s> id')
+      elif not os.path.isfile(args.tokenizer_model):
         raise DataError(f'--tokenizer_model {args.tokenizer_model!r} not found')
-      tokenizer = Tokenizer.from_file(args.tokenizer_model)
+      else:
+        tokenizer = Tokenizer.from_file(args.tokenizer_model)
       print(json.dumps(preprocess(args.input, args.output_prefix, tokenizer, args.json_key,
                                   not args.no_eod, args.overwrite)))
     else:

@@ -83,3 +83,57 @@ def test_bad_input_is_exit_2_and_writes_nothing(tmp_path):
 
   r = run_cli(['-m', 't5x_like.data', 'inspect', str(tmp_path / 'nothing')])
   assert r.returncode == 2 and 'nothing.idx not found' in r.stderr
+
+
+def byte_level_bpe(path, extra_tokens=0):
+  """A small byte-level BPE in tokenizers' JSON format, the kind BLOOM's tokenizer is."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  tokenizer = tokenizers.Tokenizer(models.BPE(unk_token='<unk>'))
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=['<unk>', '<s>', '</s>', '<pad>'],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tokenizer.train_from_iterator(TEXTS * 20 + ['fox and lines and tabs'] * 20, trainer)
+  if extra_tokens:
+    tokenizer.add_tokens([f'<extra_{i}>' for i in range(extra_tokens)])
+  tokenizer.save(str(path))
+  return str(path)
+
+
+def test_preprocess_with_a_hugging_face_tokenizer_json_matches_transformers(tmp_path):
+  import transformers
+  from t5x_like.data import cli
+  write_jsonl(tmp_path / 'a.jsonl', TEXTS)
+  tokenizer_json = byte_level_bpe(tmp_path / 'tokenizer.json')
+  prefix = str(tmp_path / 'hf_text_document')
+  assert cli.main(['preprocess', '--input', str(tmp_path / 'a.jsonl'), '--output_prefix', prefix,
+                   '--tokenizer_json', tokenizer_json]) == 0
+  # The reference: transformers' fast tokenizer on the same file, as Megatron-DeepSpeed's
+  # PretrainedFromHF tokenizer encodes, plus the EOD id of '</s>'.
+  reference = transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer_json)
+  eod = reference.convert_tokens_to_ids('</s>')
+  dataset = IndexedDataset(prefix)
+  assert dataset.num_documents == len(TEXTS) and dataset.dtype == np.uint16
+  for i, text in enumerate(TEXTS):
+    want = reference(text, add_special_tokens=False)['input_ids'] + [eod]
+    assert dataset.document(i).tolist() == want
+    assert reference.decode(want[:-1]) == text
+
+  # BLOOM's 250,680 tokens do not fit uint16: ids are written as int32, as Megatron writes them.
+  wide_json = byte_level_bpe(tmp_path / 'wide.json', extra_tokens=66_000)
+  wide = str(tmp_path / 'wide_text_document')
+  assert cli.main(['preprocess', '--input', str(tmp_path / 'a.jsonl'), '--output_prefix', wide,
+                   '--tokenizer_json', wide_json, '--eod_token', '<extra_65999>']) == 0
+  dataset = IndexedDataset(wide)
+  assert dataset.dtype == np.int32 and dataset.document(0)[-1] > 65_500
+
+  # Bad input: one message, exit 2, nothing written.
+  bad = str(tmp_path / 'bad_text_document')
+  for flags in (['--tokenizer_json', str(tmp_path / 'missing.json')],
+                ['--tokenizer_json', tokenizer_json, '--eod_token', '<|endoftext|>'],
+                ['--tokenizer_json', str(tmp_path / 'a.jsonl')],
+                ['--eod_token', '</s>']):
+    assert cli.main(['preprocess', '--input', str(tmp_path / 'a.jsonl'), '--output_prefix', bad,
+                     *flags]) == 2
+  assert not any(name.startswith('bad') for name in os.listdir(tmp_path))
