@@ -493,6 +493,9 @@ class Trainer:
     total = self.total_iterations()
     self.check_data(progress)
     evaluate_every = cfg.eval.interval
+    if evaluate_every and progress.iteration < total:
+      # Compiled now rather than at the first evaluation, hours in: a failure shows at once.
+      self.eval_step_for(cfg.train.global_batch_size_at(progress.consumed_samples))
     last_evaluated = None
     while progress.iteration < total:
       self.watchdog.beat(f'in iteration {progress.iteration + 1}')

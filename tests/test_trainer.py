@@ -249,6 +249,9 @@ def test_megatron_data_evaluation_and_skipped_ranges(megatron_data, tmp_path,
   with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
     log = f.read()
   assert 'data.skip_train_iteration_range: iterations 2-3' in log
+  # The evaluation step is compiled before the first iteration, not at the first evaluation.
+  assert log.index('> compiled the evaluation step') < log.index(' iteration        1/')
+  assert log.count('> compiled the evaluation step') == 1
   assert re.search(r' valid loss at iteration 3 \| lm loss value: [\d.]+E\+00 \| '
                    r'lm loss PPL: [\d.]+E\+0\d \|', log)
   assert ' test loss at the end of training (iteration 6) |' in log
@@ -277,6 +280,7 @@ def test_bad_data_fails_before_compiling(megatron_data, tmp_path):
                     str(tmp_path / 'b'))
   with pytest.raises(DataError, match=r'training samples 0\.\.7 holds token id \d+, outside'):
     trainer.run()
-  assert trainer._compiled == {} and not os.path.exists(str(tmp_path / 'b' / 'metrics.jsonl'))
+  assert trainer._compiled == trainer._compiled_eval == {}
+  assert not os.path.exists(str(tmp_path / 'b' / 'metrics.jsonl'))
   with pytest.raises(ConfigError, match='no validation set'):
     data_config(megatron_data, data=dict(split='100,0,0', valid_path={})).validate()
