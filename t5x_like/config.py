@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Any, Literal
 
 
@@ -203,6 +204,9 @@ class RuntimeConfig:
   # Exit with code 4 and every thread's stack when training makes no progress (an iteration, an
   # evaluation, a save) for this many minutes; compilation is not counted. 0: never.
   hang_timeout_mins: float = 0.0
+  # TensorBoard event files of the training and evaluation scalars (--tensorboard-dir), relative
+  # to the workdir unless absolute; '': none.
+  tensorboard_dir: str = 'tensorboard'
 
 
 SECTIONS = {
@@ -433,6 +437,9 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(f'data.valid_path must map set names to data paths, e.g. '
                           f'{{"en": "/data/en_text_document"}}; got the entry {entry!r}')
       name, spec = entry
+      if not re.fullmatch(r'[\w.-]+', name):
+        raise ConfigError(f'data.valid_path: the set name {name!r} goes into log lines and '
+                          'TensorBoard tags; use letters, digits, "_", "-" and "." only')
       if name in names or (name == 'valid' and shares[1] > 0) or name == 'test':
         raise ConfigError(f'data.valid_path names a set {name!r} twice, or a name the '
                           f'data.split already uses ("valid" for its validation share, '

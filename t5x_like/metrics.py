@@ -99,17 +99,67 @@ def eval_lines(r: dict, at: str) -> list[str]:
   return [rule, line, rule]
 
 
+def tensorboard_scalars(record: dict) -> list[tuple[str, float, int]]:
+  """(tag, value, step) of one iteration's record: Megatron-DeepSpeed's tags and its three x axes
+  (iteration, consumed samples, consumed tokens), spelt as tensorboardX stores them (a space or
+  any character other than letters, digits, '-', '_', '.', '/' becomes '_')."""
+  it, samples, tokens = record['iteration'], record['consumed_samples'], record['consumed_tokens']
+  out = [('steps-vs-samples/y_steps_x_samples', it, samples)]
+  for tag, key in (('lm-loss-training/lm_loss', 'lm_loss'),
+                   ('learning-rate/learning-rate', 'learning_rate'),
+                   ('batch-size/batch-size', 'global_batch_size'),
+                   ('grad-norm/grad-norm', 'grad_norm')):
+    out += [(tag, record[key], it), (f'{tag}_vs_samples', record[key], samples),
+            (f'{tag}_vs_tokens', record[key], tokens)]
+  out += [('num-zeros/num-zeros', record['num_zeros'], it),
+          ('iteration-time/iteration-time', record['step_time_s'], it),
+          ('iteration-time/samples_per_second', record['samples_per_sec'], it),
+          ('iteration-time/TFLOPs_per_device', record['tflops'], it),
+          ('iteration-time/MFU', record['mfu'], it),
+          ('skipped/skipped_iterations', record['skipped_iterations'], it),
+          ('skipped/nan_iterations', record['nan_iterations'], it)]
+  return out
+
+
+def tensorboard_eval_scalars(record: dict, seq_len: int) -> list[tuple[str, float, int]]:
+  """(tag, value, step) of one evaluated set: `lm-loss-validation/<set>_lm_loss` and its PPL."""
+  it, samples = record['iteration'], record['consumed_samples']
+  tag = f"lm-loss-validation/{record['set']}_lm_loss"
+  return [(tag, record['lm_loss'], it), (f'{tag}_vs_samples', record['lm_loss'], samples),
+          (f'{tag}_vs_tokens', record['lm_loss'], samples * seq_len),
+          (f'{tag}_PPL', record['ppl'], it)]
+
+
 class MetricsWriter:
   """Appends to WORKDIR/logs/main_log.txt, WORKDIR/metrics.jsonl (one record per trained
-  iteration) and WORKDIR/eval_metrics.jsonl (one per evaluated set); only process 0 writes."""
+  iteration) and WORKDIR/eval_metrics.jsonl (one per evaluated set), and writes the same numbers
+  as TensorBoard scalars under `tensorboard_dir` ('': none); only process 0 writes. Use as a
+  context manager, or call close(), so the last TensorBoard events reach the disk."""
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  def __init__(self, workdir: str, enabled: bool = True, tensorboard_dir: str = '',
+               seq_len: int = 0):
     self.enabled = enabled
     self.log_path = os.path.join(workdir, 'logs', 'main_log.txt')
     self.jsonl_path = os.path.join(workdir, 'metrics.jsonl')
     self.eval_jsonl_path = os.path.join(workdir, 'eval_metrics.jsonl')
+    # Relative to the workdir; an absolute path is kept as it is.
+    self.tensorboard_dir = os.path.join(workdir, tensorboard_dir) if tensorboard_dir else ''
+    self.seq_len = seq_len
+    self._tensorboard = None
+    self._purge_step = None
     if enabled:
       os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def close(self) -> None:
+    if self._tensorboard is not None:
+      self._tensorboard.close()
+      self._tensorboard = None
 
   def truncate_after(self, iteration: int) -> None:
     """Drops records past `iteration` (written after the checkpoint a restart resumes from)."""
@@ -124,6 +174,8 @@ class MetricsWriter:
       with open(tmp, 'w') as f:
         f.writelines(keep)
       os.replace(tmp, path)
+    # TensorBoard hides the events of earlier files past this step (tensorboardX's purge_step).
+    self._purge_step = iteration + 1
 
   def info(self, message: str) -> None:
     """A line for stdout and main_log.txt."""
@@ -136,11 +188,24 @@ class MetricsWriter:
   def record(self, record: dict, total_iterations: int) -> None:
     self.info(log_line(record, total_iterations))
     self._append(self.jsonl_path, record)
+    self._scalars(tensorboard_scalars(record))
 
   def eval_record(self, record: dict, at: str) -> None:
     for line in eval_lines(record, at):
       self.info(line)
     self._append(self.eval_jsonl_path, record)
+    self._scalars(tensorboard_eval_scalars(record, self.seq_len))
+
+  def _scalars(self, scalars: list[tuple[str, float, int]]) -> None:
+    if not (self.enabled and self.tensorboard_dir):
+      return
+    if self._tensorboard is None:
+      # tensorboardX writes event files without TensorFlow (which would also claim the GPUs).
+      from tensorboardX import SummaryWriter
+      self._tensorboard = SummaryWriter(self.tensorboard_dir, purge_step=self._purge_step,
+                                        flush_secs=30)
+    for tag, value, step in scalars:
+      self._tensorboard.add_scalar(tag, float(value), int(step))
 
   def _append(self, path: str, record: dict) -> None:
     if self.enabled:

@@ -187,7 +187,9 @@ class Trainer:
     # starts the backend.
     self.mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
     self.is_writer = jax.process_index() == 0
-    self.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_writer)
+    self.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_writer,
+                                        tensorboard_dir=cfg.runtime.tensorboard_dir,
+                                        seq_len=cfg.train.seq_len)
     if self.is_writer:
       _atomic_write(os.path.join(self.workdir, 'config.json'), cfg.to_json() + '\n')
     self.layout = make_layout(cfg, self.mesh)
@@ -472,7 +474,7 @@ class Trainer:
     log_path = self.writer.log_path if self.is_writer else None
     with runtime.StopConditions(rt.kill_switch_path, rt.exit_duration_mins,
                                 num_processes=jax.process_count()) as stop, \
-        runtime.Watchdog(rt.hang_timeout_mins * 60.0, log_path) as self.watchdog:
+        runtime.Watchdog(rt.hang_timeout_mins * 60.0, log_path) as self.watchdog, self.writer:
       return self._train(stop)
 
   def _train(self, stop: runtime.StopConditions) -> Progress:

@@ -3,13 +3,15 @@
 import json
 import os
 import re
+import shutil
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import checkpoints, optim, partitioning
+from t5x_like import checkpoints, metrics, optim, partitioning
 from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import TrainState, make_layout
 from t5x_like.trainer import Trainer, make_train_step, read_metrics
@@ -66,6 +68,54 @@ def test_run_writes_log_lines_metrics_config_and_checkpoints(six_steps):
   with open(os.path.join(workdir, 'config.json')) as f:
     assert Config.from_dict(json.load(f)) == corpus_config()
   assert checkpoints.available_steps(os.path.join(workdir, 'checkpoints')) == [3, 6]
+
+
+def read_tensorboard(directory: str) -> dict[str, list[tuple[int, float]]]:
+  """{tag: [(step, value)]} of every event file, read as TensorBoard reads them: TFRecord frames
+  of Event protos, and a SessionLog START at step N dropping earlier files' events from N on."""
+  from tensorboardX.proto import event_pb2
+  scalars: dict[str, list[tuple[int, float]]] = {}
+  for name in sorted(os.listdir(directory)):  # event file names start with their time
+    with open(os.path.join(directory, name), 'rb') as f:
+      data = f.read()
+    at = 0
+    while at < len(data):
+      length = int.from_bytes(data[at:at + 8], 'little')
+      event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+      at += 12 + length + 4
+      if event.session_log.status == event_pb2.SessionLog.START:
+        scalars = {tag: [(s, v) for s, v in points if s < event.step]
+                   for tag, points in scalars.items()}
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return scalars
+
+
+def test_tensorboard_has_megatron_tags_and_a_resume_replaces_the_steps_after_its_checkpoint(
+    six_steps, tmp_path):
+  workdir, _ = six_steps
+  want = read_metrics(workdir)
+  scalars = read_tensorboard(os.path.join(workdir, 'tensorboard'))
+  # Stored under exactly the tags written (tensorboardX would rename one it does not accept).
+  assert set(scalars) == {tag for tag, _, _ in metrics.tensorboard_scalars(want[0])}
+  assert scalars['lm-loss-training/lm_loss'] == [
+      (r['iteration'], pytest.approx(r['lm_loss'])) for r in want]
+  assert scalars['lm-loss-training/lm_loss_vs_samples'] == [
+      (r['consumed_samples'], pytest.approx(r['lm_loss'])) for r in want]
+  assert [v for _, v in scalars['learning-rate/learning-rate']] == [
+      pytest.approx(r['learning_rate']) for r in want]
+  assert scalars['grad-norm/grad-norm_vs_tokens'][-1] == (
+      want[-1]['consumed_tokens'], pytest.approx(want[-1]['grad_norm']))
+  # A run that got to iteration 5 but whose checkpoint 5 is lost resumes from 3: TensorBoard
+  # shows iterations 4 and 5 of the resumed run only, not both runs' points.
+  resumed = str(tmp_path / 'resumed')
+  Trainer(corpus_config(train=dict(steps=5)), resumed).run()
+  shutil.rmtree(os.path.join(resumed, 'checkpoints', '5'))
+  time.sleep(1.1)  # event file names carry the second they were created
+  Trainer(corpus_config(), resumed).run()
+  got = read_tensorboard(os.path.join(resumed, 'tensorboard'))['lm-loss-training/lm_loss']
+  assert got == [(r['iteration'], pytest.approx(r['lm_loss'])) for r in read_metrics(resumed)]
+  assert [step for step, _ in got] == [1, 2, 3, 4, 5, 6]
 
 
 def test_resume_reproduces_the_uninterrupted_run(six_steps, tmp_path):
@@ -256,11 +306,18 @@ def test_megatron_data_evaluation_and_skipped_ranges(megatron_data, tmp_path,
                    r'lm loss PPL: [\d.]+E\+0\d \|', log)
   assert ' test loss at the end of training (iteration 6) |' in log
   assert f"> data: {megatron_data['en']} (weight 0.6000): 60 documents" in log
+  scalars = read_tensorboard(os.path.join(workdir, 'tensorboard'))
+  assert scalars['lm-loss-validation/held_out_lm_loss'] == [
+      (e['iteration'], pytest.approx(e['lm_loss'])) for e in evals if e['set'] == 'held_out']
+  assert scalars['lm-loss-validation/test_lm_loss_PPL'] == [(6, pytest.approx(evals[-1]['ppl']))]
+  event_files = os.listdir(os.path.join(workdir, 'tensorboard'))
 
   # A resumed run drops evaluation records written after its checkpoint, as it does metrics.
   with open(os.path.join(workdir, 'eval_metrics.jsonl'), 'a') as f:
     f.write(json.dumps({'iteration': 7, 'set': 'valid', 'lm_loss': 1.0}) + '\n')
-  Trainer(data_config(megatron_data, train=dict(steps=7)), workdir).run()
+  Trainer(data_config(megatron_data, train=dict(steps=7), runtime=dict(tensorboard_dir='')),
+          workdir).run()
+  assert os.listdir(os.path.join(workdir, 'tensorboard')) == event_files  # '': none written
   with open(os.path.join(workdir, 'eval_metrics.jsonl')) as f:
     resumed = [json.loads(line) for line in f]
   assert [(e['iteration'], e['set']) for e in resumed] == [
