@@ -92,7 +92,7 @@ def read_tensorboard(directory: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_has_megatron_tags_and_a_resume_replaces_the_steps_after_its_checkpoint(
-    six_steps, tmp_path):
+    six_steps, tmp_path, persistent_compilation_cache):
   workdir, _ = six_steps
   want = read_metrics(workdir)
   scalars = read_tensorboard(os.path.join(workdir, 'tensorboard'))
