@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 
 import jax
@@ -97,6 +98,50 @@ def eval_lines(r: dict, at: str) -> list[str]:
           f" lm loss PPL: {r['ppl']:.6E} |")
   rule = '-' * len(line)
   return [rule, line, rule]
+
+
+class ThroughputWatch:
+  """Notices a lasting slowdown of the step, as tr11's 5% drop from one slow GPU (149 to 140
+  TFLOPs, found days later on a graph).
+
+  The baseline is the median step time of `window` iterations after `warmup` ones, per global
+  batch size (a ramp-up changes the step). `add` returns a message once the median of the latest
+  `window` iterations exceeds the baseline by more than `threshold`, and again only after the
+  step has recovered (below half the threshold) and slowed down anew. A median of 20 ignores
+  the odd slow iteration (a checkpoint save, a hiccup) and reacts within 20 iterations.
+  """
+
+  def __init__(self, window: int = 20, threshold: float = 0.05, warmup: int = 3):
+    self.window, self.threshold, self.warmup = window, threshold, warmup
+    self._times: dict[int, list[float]] = {}
+    self._baseline: dict[int, tuple[float, int, int]] = {}  # gbs -> (median, first, last)
+    self._warned: set[int] = set()
+
+  def add(self, iteration: int, global_batch_size: int, seconds: float) -> str | None:
+    times = self._times.setdefault(global_batch_size, [])
+    times.append(seconds)
+    if global_batch_size not in self._baseline:
+      if len(times) == self.warmup + self.window:
+        first = iteration - self.window + 1
+        self._baseline[global_batch_size] = (statistics.median(times[self.warmup:]), first,
+                                             iteration)
+        del times[:-self.window]
+      return None
+    del times[:-self.window]
+    if len(times) < self.window:
+      return None
+    base, first, last = self._baseline[global_batch_size]
+    recent = statistics.median(times)
+    slower = recent / base - 1.0
+    if slower > self.threshold and global_batch_size not in self._warned:
+      self._warned.add(global_batch_size)
+      return (f'> throughput: the median step time of iterations {iteration - self.window + 1}-'
+              f'{iteration} is {recent:.3g} s, {slower:.1%} above this run\'s {base:.3g} s '
+              f'(iterations {first}-{last}, global batch size {global_batch_size}). If it stays, '
+              'look for a slow device: python -m t5x_like.devices on the job\'s nodes (README)')
+    if slower < self.threshold / 2:
+      self._warned.discard(global_batch_size)
+    return None
 
 
 def tensorboard_scalars(record: dict) -> list[tuple[str, float, int]]:

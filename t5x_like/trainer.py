@@ -197,6 +197,7 @@ class Trainer:
     self._compiled = {}  # one compiled step per number of micro-batches (batch-size ramp-up)
     self._compiled_eval = {}
     self._skipping = False  # inside a run of data.skip_train_iteration_range iterations
+    self.throughput = metrics.ThroughputWatch()
     self.watchdog = runtime.Watchdog(0.0)  # run() installs the configured one
     self.checkpointer = checkpoints.Checkpointer(self.ckpt_root, cfg.checkpoint.save_interval,
                                                  cfg.checkpoint.max_to_keep, self.layout,
@@ -454,6 +455,9 @@ class Trainer:
     if cfg.mesh.pipeline > 1:
       record['pipeline_bubble'] = self.layout.plan.bubble_fraction(self.batch_shape(gbs)[0])
     self.writer.record(record, total)
+    slowdown = self.throughput.add(progress.iteration, gbs, elapsed)
+    if slowdown:
+      self.writer.info(slowdown)
     return state
 
   def run(self) -> Progress:
