@@ -62,6 +62,14 @@ def run_steps(cfg, num_steps=4):
   return np.array(losses), np.array(norms), jax.device_get(state.params)
 
 
+def free_port() -> int:
+  """A TCP port nobody listens on now: the coordinator of a multi-process test."""
+  import socket
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
 def run_cli(args, cwd=REPO, timeout=600, env=None):
   """Runs a `python -m ...` command of this package in a fresh process."""
   import subprocess

@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from conftest import REPO, run_cli
+from conftest import REPO, free_port, run_cli
 from t5x_like import devices
 
 
@@ -27,11 +27,6 @@ def test_devices_below_the_median_by_more_than_the_tolerance_are_named():
   assert lines[2].split()[:3] == ['1', 'node1', '3'] and lines[2].endswith('<- slow')
   assert sum(line.endswith('<- slow') for line in lines) == 1
 
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    return s.getsockname()[1]
 
 
 def test_every_device_of_every_process_is_measured_and_reported():

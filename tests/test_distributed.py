@@ -5,14 +5,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, free_port, run_cli
 from t5x_like import distributed
 from t5x_like.config import ConfigError
 
@@ -22,11 +21,6 @@ SMALL_TINY = ['--config', os.path.join(REPO, 'configs', 'tiny.py'),
               '--config.model.num_layers=2', '--config.model.hidden_size=64',
               '--config.train.seq_len=32', '--config.mesh.data=2', '--config.mesh.tensor=2']
 
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    return s.getsockname()[1]
 
 
 @pytest.fixture(scope='module', autouse=True)
