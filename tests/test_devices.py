@@ -28,7 +28,6 @@ def test_devices_below_the_median_by_more_than_the_tolerance_are_named():
   assert sum(line.endswith('<- slow') for line in lines) == 1
 
 
-
 def test_every_device_of_every_process_is_measured_and_reported():
   port = free_port()
   common = ['-m', 't5x_like.devices', '--cpu_devices', '4', '--size', '64', '--repeats', '2',
