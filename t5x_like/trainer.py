@@ -368,6 +368,13 @@ class Trainer:
       iterations += 1
     return iterations
 
+  def total_samples(self) -> int:
+    """Samples the whole run consumes, following the batch ramp-up."""
+    consumed = 0
+    for _ in range(self.total_iterations()):
+      consumed += self.cfg.train.global_batch_size_at(consumed)
+    return consumed
+
   def describe_pipeline(self) -> str:
     """Stage plan, and parameters held per stage (all of a stage's tensor ranks together)."""
     plan, sizes = self.layout.plan, []
@@ -398,6 +405,10 @@ class Trainer:
           self.global_batch(0, gbs, source, f'{name!r}')
     for note in self.data.notes:
       self.writer.info(note)
+    total = self.total_samples()
+    for name, drawn, per_epoch in self.data.epochs(total):
+      self.writer.info(f'> data: {name}: {drawn} of the run\'s {total} training samples, '
+                       f'{drawn / per_epoch:.3g} epoch(s) of its {per_epoch} training samples')
 
   def skip_iteration(self, progress: Progress, total: int) -> None:
     """data.skip_train_iteration_range: the iteration's samples are consumed, nothing trains;

@@ -306,6 +306,12 @@ def test_megatron_data_evaluation_and_skipped_ranges(megatron_data, tmp_path,
                    r'lm loss PPL: [\d.]+E\+0\d \|', log)
   assert ' test loss at the end of training (iteration 6) |' in log
   assert f"> data: {megatron_data['en']} (weight 0.6000): 60 documents" in log
+  # How much of each dataset the whole run reads: 6 iterations x 8 samples, blended 0.6 / 0.4.
+  drawn = trainer.data.train.blend.counts(48)
+  assert sorted(drawn) == [19, 29]
+  for name, count, source in zip(('en', 'fr'), drawn, trainer.data.train.sources):
+    assert (f"> data: {megatron_data[name]}: {count} of the run's 48 training samples, "
+            f'{count / source.num_samples:.3g} epoch(s) of its {source.num_samples}') in log
   scalars = read_tensorboard(os.path.join(workdir, 'tensorboard'))
   assert scalars['lm-loss-validation/held_out_lm_loss'] == [
       (e['iteration'], pytest.approx(e['lm_loss'])) for e in evals if e['set'] == 'held_out']

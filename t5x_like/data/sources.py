@@ -107,6 +107,16 @@ class DataSources:
   valid: dict[str, object]
   test: object | None
   notes: list[str]
+  train_names: list[str] = dataclasses.field(default_factory=list)
+
+  def epochs(self, total_samples: int) -> list[tuple[str, int, int]]:
+    """(dataset, samples a run of `total_samples` draws from it, its training samples per epoch),
+    so a run that repeats a small dataset many times is seen before it starts."""
+    if isinstance(self.train, blending.BlendedSource):
+      counts = self.train.blend.counts(total_samples)
+      return [(name, int(count), source.num_samples)
+              for name, count, source in zip(self.train_names, counts, self.train.sources)]
+    return [(self.train_names[0], total_samples, self.train.num_samples)]
 
 
 def _source(stream: DocumentStream, documents: tuple[int, int], seq_len: int, seed: int,
@@ -169,7 +179,7 @@ def build(data_cfg, seq_len: int, seed: int, tokenizer: Tokenizer | None = None)
     valid[name] = _mix(sources, [w for w, _ in named_pairs], [p for _, p in named_pairs])
   test = (_mix(by_split['test'], split_weights['test'], split_names['test'])
           if by_split['test'] else None)
-  return DataSources(train, valid, test, notes)
+  return DataSources(train, valid, test, notes, split_names['train'])
 
 
 def check_token_ids(rows: np.ndarray, vocab_size: int, what: str) -> None:
