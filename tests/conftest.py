@@ -99,3 +99,20 @@ def persistent_compilation_cache(tmp_path_factory):
   for k, v in before.items():
     jax.config.update(k, v)
   compilation_cache.reset_cache()
+
+
+def random_bloom(tmp_path, n_head, vocab, hidden=48, layers=2, seed=0):
+  """A random BloomForCausalLM saved with save_pretrained (safetensors): (model, its directory)."""
+  import torch
+  import transformers
+  torch.manual_seed(seed)
+  cfg = transformers.BloomConfig(vocab_size=vocab, hidden_size=hidden, n_layer=layers,
+                                 n_head=n_head, hidden_dropout=0.0, attention_dropout=0.0)
+  model = transformers.BloomForCausalLM(cfg).eval()
+  with torch.no_grad():  # Non-trivial LayerNorms and biases, so a dropped one shows.
+    for name, p in model.named_parameters():
+      if 'bias' in name or 'layernorm' in name or 'ln_f' in name:
+        p.add_(0.1 * torch.randn_like(p))
+  hf_dir = str(tmp_path / f'hf_{n_head}_{vocab}')
+  model.save_pretrained(hf_dir, safe_serialization=True)
+  return model, hf_dir

@@ -12,21 +12,7 @@ import transformers
 from t5x_like import ckpt, evaluate
 from t5x_like.data.indexed import IndexedDatasetWriter
 
-from conftest import run_cli
-
-
-def random_bloom(tmp_path, n_head, vocab, hidden=48, layers=2, seed=0):
-  torch.manual_seed(seed)
-  cfg = transformers.BloomConfig(vocab_size=vocab, hidden_size=hidden, n_layer=layers,
-                                 n_head=n_head, hidden_dropout=0.0, attention_dropout=0.0)
-  model = transformers.BloomForCausalLM(cfg).eval()
-  with torch.no_grad():  # Non-trivial LayerNorms and biases, so a dropped one shows.
-    for name, p in model.named_parameters():
-      if 'bias' in name or 'layernorm' in name or 'ln_f' in name:
-        p.add_(0.1 * torch.randn_like(p))
-  hf_dir = str(tmp_path / f'hf_{n_head}_{vocab}')
-  model.save_pretrained(hf_dir, safe_serialization=True)
-  return model, hf_dir
+from conftest import random_bloom, run_cli
 
 
 def hf_loss(model, tokens):

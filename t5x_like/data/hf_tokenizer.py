@@ -1,4 +1,4 @@
-"""Hugging Face `tokenizer.json` files (BLOOM's, GPT-2's, ...) for `preprocess`.
+"""Hugging Face `tokenizer.json` files (BLOOM's, GPT-2's, ...) for `preprocess` and `generate`.
 
 BLOOM's tokenizer is a byte-level BPE of 250,680 tokens published as a `tokenizers` JSON file,
 not a SentencePiece model; Megatron-DeepSpeed's `tools/preprocess_data.py --tokenizer-type
@@ -50,6 +50,12 @@ class HFTokenizer:
     self.eod_token = found[0]
     self.eod_id = vocab[self.eod_token]
     self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list[int]:
+    return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     """Encodes many texts in the library's worker threads."""
