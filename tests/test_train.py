@@ -19,6 +19,13 @@ def test_tiny_config_trains_with_a_falling_loss(tmp_path):
   assert len(losses) == 20
   assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['10', '20']
+  # configs/tiny.py evaluates every 20 iterations: held-out documents' loss has fallen too.
+  with open(os.path.join(workdir, 'eval_metrics.jsonl')) as f:
+    evals = [json.loads(line) for line in f]
+  assert [(e['iteration'], e['set']) for e in evals] == [(20, 'valid'), (20, 'test')]
+  assert evals[0]['lm_loss'] < losses[0] - 1.0
+  assert ' valid loss at iteration 20 | lm loss value: ' in r.stdout
+  assert os.listdir(os.path.join(workdir, 'tensorboard'))
 
 
 def test_gin_front_end_trains_and_records_the_same_config(tmp_path):
