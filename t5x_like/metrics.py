@@ -11,6 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from t5x_like import tensorboard
 from t5x_like.config import Config
 
 # Dense bf16 peak TFLOP/s per device, from the vendors' data sheets (SXM parts).
@@ -145,34 +146,36 @@ class ThroughputWatch:
 
 
 def tensorboard_scalars(record: dict) -> list[tuple[str, float, int]]:
-  """(tag, value, step) of one iteration's record: Megatron-DeepSpeed's tags and its three x axes
-  (iteration, consumed samples, consumed tokens), spelt as tensorboardX stores them (a space or
-  any character other than letters, digits, '-', '_', '.', '/' becomes '_')."""
-  it, samples, tokens = record['iteration'], record['consumed_samples'], record['consumed_tokens']
-  out = [('steps-vs-samples/y_steps_x_samples', it, samples)]
-  for tag, key in (('lm-loss-training/lm_loss', 'lm_loss'),
-                   ('learning-rate/learning-rate', 'learning_rate'),
-                   ('batch-size/batch-size', 'global_batch_size'),
-                   ('grad-norm/grad-norm', 'grad_norm')):
-    out += [(tag, record[key], it), (f'{tag}_vs_samples', record[key], samples),
-            (f'{tag}_vs_tokens', record[key], tokens)]
-  out += [('num-zeros/num-zeros', record['num_zeros'], it),
-          ('iteration-time/iteration-time', record['step_time_s'], it),
-          ('iteration-time/samples_per_second', record['samples_per_sec'], it),
-          ('iteration-time/TFLOPs_per_device', record['tflops'], it),
-          ('iteration-time/MFU', record['mfu'], it),
-          ('skipped/skipped_iterations', record['skipped_iterations'], it),
-          ('skipped/nan_iterations', record['nan_iterations'], it)]
-  return out
+  """(tag, value, step) of one iteration's record, all at step = iteration: Megatron-DeepSpeed's
+  tag groups with '_' for their spaces (TensorBoard's own writers replace characters other than
+  letters, digits, '-', '_', '.', '/' the same way).
+
+  Megatron also plots against consumed samples and tokens by using them as the step. Here every
+  event has the iteration as its step (consumed samples and tokens are scalars of their own),
+  because a resumed run tells TensorBoard to drop the events from its first iteration on
+  (tensorboard.py), and that rule compares one step number across all tags."""
+  it = record['iteration']
+  return [(tag, record[key], it) for tag, key in (
+      ('lm-loss-training/lm_loss', 'lm_loss'),
+      ('learning-rate/learning-rate', 'learning_rate'),
+      ('batch-size/batch-size', 'global_batch_size'),
+      ('grad-norm/grad-norm', 'grad_norm'),
+      ('num-zeros/num-zeros', 'num_zeros'),
+      ('consumed/samples', 'consumed_samples'),
+      ('consumed/tokens', 'consumed_tokens'),
+      ('iteration-time/iteration-time', 'step_time_s'),
+      ('iteration-time/samples_per_second', 'samples_per_sec'),
+      ('iteration-time/TFLOPs_per_device', 'tflops'),
+      ('iteration-time/MFU', 'mfu'),
+      ('skipped/skipped_iterations', 'skipped_iterations'),
+      ('skipped/nan_iterations', 'nan_iterations'))]
 
 
-def tensorboard_eval_scalars(record: dict, seq_len: int) -> list[tuple[str, float, int]]:
+def tensorboard_eval_scalars(record: dict) -> list[tuple[str, float, int]]:
   """(tag, value, step) of one evaluated set: `lm-loss-validation/<set>_lm_loss` and its PPL."""
-  it, samples = record['iteration'], record['consumed_samples']
   tag = f"lm-loss-validation/{record['set']}_lm_loss"
-  return [(tag, record['lm_loss'], it), (f'{tag}_vs_samples', record['lm_loss'], samples),
-          (f'{tag}_vs_tokens', record['lm_loss'], samples * seq_len),
-          (f'{tag}_PPL', record['ppl'], it)]
+  return [(tag, record['lm_loss'], record['iteration']),
+          (f'{tag}_PPL', record['ppl'], record['iteration'])]
 
 
 class MetricsWriter:
@@ -181,15 +184,13 @@ class MetricsWriter:
   as TensorBoard scalars under `tensorboard_dir` ('': none); only process 0 writes. Use as a
   context manager, or call close(), so the last TensorBoard events reach the disk."""
 
-  def __init__(self, workdir: str, enabled: bool = True, tensorboard_dir: str = '',
-               seq_len: int = 0):
+  def __init__(self, workdir: str, enabled: bool = True, tensorboard_dir: str = ''):
     self.enabled = enabled
     self.log_path = os.path.join(workdir, 'logs', 'main_log.txt')
     self.jsonl_path = os.path.join(workdir, 'metrics.jsonl')
     self.eval_jsonl_path = os.path.join(workdir, 'eval_metrics.jsonl')
     # Relative to the workdir; an absolute path is kept as it is.
     self.tensorboard_dir = os.path.join(workdir, tensorboard_dir) if tensorboard_dir else ''
-    self.seq_len = seq_len
     self._tensorboard = None
     self._purge_step = None
     if enabled:
@@ -219,7 +220,7 @@ class MetricsWriter:
       with open(tmp, 'w') as f:
         f.writelines(keep)
       os.replace(tmp, path)
-    # TensorBoard hides the events of earlier files past this step (tensorboardX's purge_step).
+    # TensorBoard hides the events of earlier files from this step on (tensorboard.py).
     self._purge_step = iteration + 1
 
   def info(self, message: str) -> None:
@@ -239,18 +240,14 @@ class MetricsWriter:
     for line in eval_lines(record, at):
       self.info(line)
     self._append(self.eval_jsonl_path, record)
-    self._scalars(tensorboard_eval_scalars(record, self.seq_len))
+    self._scalars(tensorboard_eval_scalars(record))
 
   def _scalars(self, scalars: list[tuple[str, float, int]]) -> None:
     if not (self.enabled and self.tensorboard_dir):
       return
     if self._tensorboard is None:
-      # tensorboardX writes event files without TensorFlow (which would also claim the GPUs).
-      from tensorboardX import SummaryWriter
-      self._tensorboard = SummaryWriter(self.tensorboard_dir, purge_step=self._purge_step,
-                                        flush_secs=30)
-    for tag, value, step in scalars:
-      self._tensorboard.add_scalar(tag, float(value), int(step))
+      self._tensorboard = tensorboard.EventWriter(self.tensorboard_dir, self._purge_step)
+    self._tensorboard.add(scalars)
 
   def _append(self, path: str, record: dict) -> None:
     if self.enabled:

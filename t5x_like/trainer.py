@@ -188,8 +188,7 @@ class Trainer:
     self.mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
     self.is_writer = jax.process_index() == 0
     self.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_writer,
-                                        tensorboard_dir=cfg.runtime.tensorboard_dir,
-                                        seq_len=cfg.train.seq_len)
+                                        tensorboard_dir=cfg.runtime.tensorboard_dir)
     if self.is_writer:
       _atomic_write(os.path.join(self.workdir, 'config.json'), cfg.to_json() + '\n')
     self.layout = make_layout(cfg, self.mesh)

@@ -1,5 +1,6 @@
 """Shared test setup: 8 virtual CPU devices (before JAX starts) and small shared configs."""
 
+import json
 import os
 import sys
 
@@ -116,3 +117,32 @@ def random_bloom(tmp_path, n_head, vocab, hidden=48, layers=2, seed=0):
   hf_dir = str(tmp_path / f'hf_{n_head}_{vocab}')
   model.save_pretrained(hf_dir, safe_serialization=True)
   return model, hf_dir
+
+
+_READ_EVENTS = r'''
+import json, os, sys
+os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'
+import tensorflow as tf
+tf.config.set_visible_devices([], 'GPU')
+out = []
+for directory in sys.argv[1:]:
+  scalars = {}
+  for name in sorted(os.listdir(directory)):
+    for event in tf.compat.v1.train.summary_iterator(os.path.join(directory, name)):
+      if event.HasField('session_log') and event.session_log.status == 1:  # START: purge
+        scalars = {tag: [p for p in points if p[0] < event.step] for tag, points in scalars.items()}
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  out.append(scalars)
+print(json.dumps(out))
+'''
+
+
+def read_tensorboard(*directories):
+  """{tag: [(step, value)]} per directory, read by TensorFlow's own event reader (which checks
+  every frame's CRC) with TensorBoard's rule for a SessionLog START: earlier events from its
+  step on are dropped. In a subprocess, so TensorFlow never shares a process with JAX here."""
+  r = run_cli(['-c', _READ_EVENTS, *directories], timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return [{tag: [tuple(p) for p in points] for tag, points in scalars.items()}
+          for scalars in json.loads(r.stdout.strip().splitlines()[-1])]

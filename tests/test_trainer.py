@@ -4,7 +4,6 @@ import json
 import os
 import re
 import shutil
-import time
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import TrainState, make_layout
 from t5x_like.trainer import Trainer, make_train_step, read_metrics
 
-from conftest import config_with
+from conftest import config_with, read_tensorboard
 
 REQUIRED = {'iteration', 'consumed_samples', 'consumed_tokens', 'learning_rate',
             'global_batch_size', 'lm_loss', 'grad_norm', 'step_time_s', 'samples_per_sec',
@@ -70,50 +69,27 @@ def test_run_writes_log_lines_metrics_config_and_checkpoints(six_steps):
   assert checkpoints.available_steps(os.path.join(workdir, 'checkpoints')) == [3, 6]
 
 
-def read_tensorboard(directory: str) -> dict[str, list[tuple[int, float]]]:
-  """{tag: [(step, value)]} of every event file, read as TensorBoard reads them: TFRecord frames
-  of Event protos, and a SessionLog START at step N dropping earlier files' events from N on."""
-  from tensorboardX.proto import event_pb2
-  scalars: dict[str, list[tuple[int, float]]] = {}
-  for name in sorted(os.listdir(directory)):  # event file names start with their time
-    with open(os.path.join(directory, name), 'rb') as f:
-      data = f.read()
-    at = 0
-    while at < len(data):
-      length = int.from_bytes(data[at:at + 8], 'little')
-      event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
-      at += 12 + length + 4
-      if event.session_log.status == event_pb2.SessionLog.START:
-        scalars = {tag: [(s, v) for s, v in points if s < event.step]
-                   for tag, points in scalars.items()}
-      for value in event.summary.value:
-        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-  return scalars
-
-
 def test_tensorboard_has_megatron_tags_and_a_resume_replaces_the_steps_after_its_checkpoint(
     six_steps, tmp_path, persistent_compilation_cache):
   workdir, _ = six_steps
-  want = read_metrics(workdir)
-  scalars = read_tensorboard(os.path.join(workdir, 'tensorboard'))
-  # Stored under exactly the tags written (tensorboardX would rename one it does not accept).
-  assert set(scalars) == {tag for tag, _, _ in metrics.tensorboard_scalars(want[0])}
-  assert scalars['lm-loss-training/lm_loss'] == [
-      (r['iteration'], pytest.approx(r['lm_loss'])) for r in want]
-  assert scalars['lm-loss-training/lm_loss_vs_samples'] == [
-      (r['consumed_samples'], pytest.approx(r['lm_loss'])) for r in want]
-  assert [v for _, v in scalars['learning-rate/learning-rate']] == [
-      pytest.approx(r['learning_rate']) for r in want]
-  assert scalars['grad-norm/grad-norm_vs_tokens'][-1] == (
-      want[-1]['consumed_tokens'], pytest.approx(want[-1]['grad_norm']))
   # A run that got to iteration 5 but whose checkpoint 5 is lost resumes from 3: TensorBoard
   # shows iterations 4 and 5 of the resumed run only, not both runs' points.
   resumed = str(tmp_path / 'resumed')
   Trainer(corpus_config(train=dict(steps=5)), resumed).run()
   shutil.rmtree(os.path.join(resumed, 'checkpoints', '5'))
-  time.sleep(1.1)  # event file names carry the second they were created
   Trainer(corpus_config(), resumed).run()
-  got = read_tensorboard(os.path.join(resumed, 'tensorboard'))['lm-loss-training/lm_loss']
+  scalars, after_resume = read_tensorboard(os.path.join(workdir, 'tensorboard'),
+                                           os.path.join(resumed, 'tensorboard'))
+  want = read_metrics(workdir)
+  # Stored under exactly the tags written.
+  assert set(scalars) == {tag for tag, _, _ in metrics.tensorboard_scalars(want[0])}
+  assert scalars['lm-loss-training/lm_loss'] == [
+      (r['iteration'], pytest.approx(r['lm_loss'])) for r in want]
+  assert scalars['consumed/samples'] == [(r['iteration'], r['consumed_samples']) for r in want]
+  assert [v for _, v in scalars['learning-rate/learning-rate']] == [
+      pytest.approx(r['learning_rate']) for r in want]
+  assert scalars['grad-norm/grad-norm'][-1] == (6, pytest.approx(want[-1]['grad_norm']))
+  got = after_resume['lm-loss-training/lm_loss']
   assert got == [(r['iteration'], pytest.approx(r['lm_loss'])) for r in read_metrics(resumed)]
   assert [step for step, _ in got] == [1, 2, 3, 4, 5, 6]
 
@@ -312,7 +288,7 @@ def test_megatron_data_evaluation_and_skipped_ranges(megatron_data, tmp_path,
   for name, count, source in zip(('en', 'fr'), drawn, trainer.data.train.sources):
     assert (f"> data: {megatron_data[name]}: {count} of the run's 48 training samples, "
             f'{count / source.num_samples:.3g} epoch(s) of its {source.num_samples}') in log
-  scalars = read_tensorboard(os.path.join(workdir, 'tensorboard'))
+  scalars, = read_tensorboard(os.path.join(workdir, 'tensorboard'))
   assert scalars['lm-loss-validation/held_out_lm_loss'] == [
       (e['iteration'], pytest.approx(e['lm_loss'])) for e in evals if e['set'] == 'held_out']
   assert scalars['lm-loss-validation/test_lm_loss_PPL'] == [(6, pytest.approx(evals[-1]['ppl']))]
