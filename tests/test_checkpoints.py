@@ -149,7 +149,7 @@ def test_an_interrupted_save_is_never_restored_and_is_cleaned_up(tmp_path):
 
 # ------------------------------------------------------------------------------- exact resume
 
-TINY = ['--config', 'configs/tiny.py', '--config.model.num_layers=2',
+TINY = ['--config', 'configs/tiny.py', '--config.eval.interval=0', '--config.model.num_layers=2',
         '--config.model.hidden_size=64', '--config.model.num_heads=4',
         '--config.model.hidden_dropout=0.1', '--config.train.seq_len=32',
         '--config.train.global_batch_size=8', '--config.train.micro_batch_size=2',

@@ -16,10 +16,11 @@ from t5x_like import distributed
 from t5x_like.config import ConfigError
 
 # configs/tiny.py made small enough to compile in seconds, on a data=2 x tensor=2 mesh: 2 virtual
-# CPU devices in each of two processes.
+# CPU devices in each of two processes. No evaluation (one compilation less) unless a test asks.
 SMALL_TINY = ['--config', os.path.join(REPO, 'configs', 'tiny.py'),
               '--config.model.num_layers=2', '--config.model.hidden_size=64',
-              '--config.train.seq_len=32', '--config.mesh.data=2', '--config.mesh.tensor=2']
+              '--config.train.seq_len=32', '--config.mesh.data=2', '--config.mesh.tensor=2',
+              '--config.eval.interval=0']
 
 
 
@@ -55,6 +56,11 @@ def finish(procs, timeout=300):
   return out
 
 
+def eval_metrics(workdir):
+  with open(os.path.join(workdir, 'eval_metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
 def metrics(workdir):
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     return [json.loads(line) for line in f]
@@ -87,10 +93,10 @@ def wait_for_iterations(workdir, count, procs, timeout=240):
 
 def test_two_processes_train_exactly_like_one_and_one_process_resumes_their_checkpoint(tmp_path):
   multi, single = str(tmp_path / 'multi'), str(tmp_path / 'single')
-  saves = '--config.checkpoint.save_interval=2'
+  saves = ['--config.checkpoint.save_interval=2', '--config.eval.interval=2']
   # All three processes at once: most of their time is compiling, which is single-threaded.
-  results = finish(two_processes_by_flags(['--config.train.steps=4', saves, '--workdir', multi]) +
-                   [start(['--config.train.steps=6', saves, '--workdir', single])])
+  results = finish(two_processes_by_flags(['--config.train.steps=4', *saves, '--workdir', multi]) +
+                   [start(['--config.train.steps=6', *saves, '--workdir', single])])
   for code, _, stderr in results:
     assert code == 0, stderr[-3000:]
   # Only process 0 logs and writes metrics: one line per iteration, not one per process.
@@ -99,13 +105,21 @@ def test_two_processes_train_exactly_like_one_and_one_process_resumes_their_chec
   assert sorted(os.listdir(os.path.join(multi, 'checkpoints'))) == ['2', '4']
 
   # The two processes' checkpoint restores in one process (each reads the slices it holds).
-  code, stdout, stderr = finish([start(['--config.train.steps=6', saves, '--workdir', multi])])[0]
+  code, stdout, stderr = finish([start(['--config.train.steps=6', *saves, '--workdir', multi])])[0]
   assert code == 0 and f'resumed from {multi}/checkpoints/4' in stdout, stderr[-3000:]
   a, b = metrics(multi), metrics(single)
   assert [r['iteration'] for r in a] == [r['iteration'] for r in b] == [1, 2, 3, 4, 5, 6]
   for x, y in zip(a, b):
     for key in ('lm_loss', 'grad_norm', 'learning_rate', 'consumed_samples'):
       assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-7), (x['iteration'], key)
+  # Evaluation, one SPMD program over both processes, gives the single process's losses.
+  # (The two processes' run of 4 iterations also evaluated the test split at its end, 4.)
+  a = [r for r in eval_metrics(multi) if (r['iteration'], r['set']) != (4, 'test')]
+  b = eval_metrics(single)
+  assert [(r['iteration'], r['set']) for r in a] == [(r['iteration'], r['set']) for r in b] == [
+      (2, 'valid'), (4, 'valid'), (6, 'valid'), (6, 'test')]
+  for x, y in zip(a, b):
+    assert x['lm_loss'] == pytest.approx(y['lm_loss'], rel=1e-6), x
 
 
 def test_a_signal_to_one_slurm_task_stops_both_at_the_same_iteration_and_they_resume(tmp_path):

@@ -30,7 +30,8 @@ def test_tiny_config_trains_with_a_falling_loss(tmp_path):
 
 def test_gin_front_end_trains_and_records_the_same_config(tmp_path):
   workdir = str(tmp_path / 'gin')
-  bindings = ['train.steps = 2', 'model.num_layers = 1', 'checkpoint.save_interval = 0']
+  bindings = ['train.steps = 2', 'model.num_layers = 1', 'checkpoint.save_interval = 0',
+              'eval.interval = 0']
   args = ['-m', 't5x_like.train', '--gin_file', 'configs/tiny.gin', '--workdir', workdir]
   for b in bindings:
     args += ['--gin_bindings', b]
