@@ -116,6 +116,31 @@ class TrainConfig:
     return min(self.global_batch_size,
                start + increment * int(consumed_samples // per_increment))
 
+  def total_iterations(self) -> int:
+    """Iterations until `steps` or `train_samples`, following the batch ramp-up.
+
+    Megatron's count (`update_train_iters`), so a run of the same --train-samples logs the same
+    "iteration N/TOTAL" (tr11: 115,311): iterations through the ramp-up while the consumed samples
+    are <= its sample count, then whole global batches; a last partial batch is not trained."""
+    if not self.train_samples:
+      return self.steps
+    iterations, consumed = 0, 0
+    if self.rampup_batch_size:
+      ramp_samples = self.rampup_batch_size[2]
+      while (consumed <= ramp_samples and
+             consumed + self.global_batch_size_at(consumed) <= self.train_samples):
+        consumed += self.global_batch_size_at(consumed)
+        iterations += 1
+    iterations += (self.train_samples - consumed) // self.global_batch_size
+    return min(self.steps, iterations) if self.steps else iterations
+
+  def total_samples(self) -> int:
+    """Samples the whole run consumes, following the batch ramp-up."""
+    consumed = 0
+    for _ in range(self.total_iterations()):
+      consumed += self.global_batch_size_at(consumed)
+    return consumed
+
   def ramp_batch_sizes(self) -> list[int]:
     """Every global batch size the run will use."""
     if not self.rampup_batch_size:
@@ -356,6 +381,10 @@ class Config:
              f'train.rampup_batch_size reaches a global batch of {gbs}, which train.'
              f'micro_batch_size x mesh.data ({per_step}) does not divide; pick a start and '
              f'increment that are multiples of {per_step}')
+    first_batch = t.global_batch_size_at(0) if len(t.rampup_batch_size) == 3 else t.global_batch_size
+    need(t.train_samples == 0 or t.train_samples >= first_batch,
+         f'train.train_samples ({t.train_samples}) is less than one global batch '
+         f'({first_batch}): the run would train no iteration; raise it or set train.steps')
     p, r = mesh.pipeline, self.pipeline.repeats
     need(r >= 1, f'pipeline.repeats must be >= 1, got {r}')
     need(p * r <= m.num_layers,

@@ -357,26 +357,6 @@ class Trainer:
                      f'{time.perf_counter() - start:.1f} s{bubble}')
     return compiled
 
-  def total_iterations(self) -> int:
-    """Iterations until train.steps or train.train_samples, following the batch ramp-up."""
-    t = self.cfg.train
-    if not t.rampup_batch_size:
-      by_samples = math.ceil(t.train_samples / t.global_batch_size) if t.train_samples else None
-      return min(t.steps, by_samples) if t.steps and by_samples else t.steps or by_samples
-    iterations, consumed = 0, 0
-    while (not t.steps or iterations < t.steps) and (not t.train_samples or
-                                                     consumed < t.train_samples):
-      consumed += t.global_batch_size_at(consumed)
-      iterations += 1
-    return iterations
-
-  def total_samples(self) -> int:
-    """Samples the whole run consumes, following the batch ramp-up."""
-    consumed = 0
-    for _ in range(self.total_iterations()):
-      consumed += self.cfg.train.global_batch_size_at(consumed)
-    return consumed
-
   def describe_pipeline(self) -> str:
     """Stage plan, and parameters held per stage (all of a stage's tensor ranks together)."""
     plan, sizes = self.layout.plan, []
@@ -407,7 +387,7 @@ class Trainer:
           self.global_batch(0, gbs, source, f'{name!r}')
     for note in self.data.notes:
       self.writer.info(note)
-    total = self.total_samples()
+    total = self.cfg.train.total_samples()
     for name, drawn, per_epoch in self.data.epochs(total):
       self.writer.info(f'> data: {name}: {drawn} of the run\'s {total} training samples, '
                        f'{drawn / per_epoch:.3g} epoch(s) of its {per_epoch} training samples')
@@ -509,7 +489,7 @@ class Trainer:
       self.writer.info(self.describe_pipeline())
     state, progress = self.initial_state()
     start_iteration = progress.iteration
-    total = self.total_iterations()
+    total = self.cfg.train.total_iterations()
     self.check_data(progress)
     evaluate_every = cfg.eval.interval
     if evaluate_every and progress.iteration < total:

@@ -2,6 +2,7 @@ import os
 
 import pytest
 
+from t5x_like import metrics
 from t5x_like.config import Config, ConfigError, load_config_file, load_gin
 from t5x_like.train import parse_args
 
@@ -40,6 +41,7 @@ def test_overrides_on_both_front_ends_agree():
     (['--config.mesh.pipeline=2', '--config.mesh.data=1', '--config.train.global_batch_size=4'],
      'fewer than the 2 pipeline stages'),
     (['--config.train.steps=0'], 'set train.steps'),
+    (['--config.train.train_samples=8'], 'train.train_samples (8) is less than one global batch'),
     (['--config.checkpoint.init_from=/no/such/ckpt'], 'is not a directory'),
     (['--config.data.train_path=0.5 /d/a /d/b'], 'weight/prefix pairs'),
     (['--config.data.split=98,x'], "data.split='98,x'"),
@@ -114,6 +116,34 @@ def test_bloom_176b_is_exactly_tr11():
   assert t.rampup_batch_size == (192, 16, 9_765_625)
   assert (m.hidden_dropout, m.attention_dropout, m.dtype) == (0.1, 0.1, 'bfloat16')
   assert abs(m.weight_init_std - 0.0048) < 1e-4
+  # The chronicle's log: "iteration 12695/ 115311 | consumed samples: 9841584 | ... global batch
+  # size: 2048 | ... elapsed time per iteration (s): 105.22 | ... TFLOPs: 149.02".
+  assert t.total_iterations() == 115_311
+  consumed = 0
+  for _ in range(12_694):
+    consumed += t.global_batch_size_at(consumed)
+  assert consumed + t.global_batch_size_at(consumed) == 9_841_584
+  flops = metrics.megatron_flops_per_iteration(cfg, 2048, 2048)
+  assert round(flops / 105.22 / 384 / 1e12, 2) == 149.02
+
+
+def test_iterations_follow_megatrons_train_samples_count():
+  def total(**train):
+    return Config.from_dict({'train': train}).validate().train.total_iterations()
+  # Whole global batches only: Megatron drops a last partial batch, never trains past the count.
+  assert total(steps=0, train_samples=100, global_batch_size=8) == 12
+  assert total(steps=5, train_samples=100, global_batch_size=8) == 5  # train.steps caps
+  assert total(steps=7, global_batch_size=8) == 7
+  # Ramp-up 4 -> 8 by 4 over 16 samples: the ramp loop runs while consumed <= 16 (at 0, 4, 8, 12
+  # with batches of 4, at 16 with 8), then (60 - 24) // 8 = 4 whole batches; 4 samples unused.
+  cfg = Config.from_dict({'train': dict(steps=0, train_samples=60, global_batch_size=8,
+                                        rampup_batch_size=(4, 4, 16))}).validate()
+  t = cfg.train
+  sizes, consumed = [], 0
+  for _ in range(t.total_iterations()):
+    sizes.append(t.global_batch_size_at(consumed))
+    consumed += sizes[-1]
+  assert sizes == [4, 4, 4, 4, 8, 8, 8, 8, 8] and t.total_samples() == consumed == 56
 
 
 def test_tr8_104b_and_1b3_sizes():
