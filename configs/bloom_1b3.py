@@ -28,5 +28,9 @@ def get_config() -> ml_collections.ConfigDict:
                      clip_grad=1.0, warmup_samples=183_105, decay_samples=200_000_000,
                      decay_style='cosine')
   c.mesh = dict(data=8, pipeline=2, tensor=1)
+  c.eval = dict(interval=1000, iters=1)  # --eval-interval 1000, on the split's validation share
   c.checkpoint = dict(save_interval=500, max_to_keep=3, init_from='')
+  # SLURM's 20 h limit as in tr8/tr11 (--exit-duration-in-mins 1190), and no progress for 30
+  # minutes ends the job with every thread's stack (exit 4) instead of an hours-long hang.
+  c.runtime = dict(exit_duration_mins=1190.0, hang_timeout_mins=30.0)
   return c

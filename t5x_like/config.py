@@ -41,7 +41,7 @@ class ModelConfig:
   attention_dropout: float = 0.0
   # Std of all weights; output projections use init_std / sqrt(2 * num_layers). 0: sqrt(1/(3h)).
   init_std: float = 0.0
-  dtype: str = 'float32'  # Compute dtype; params stay fp32.
+  dtype: str = 'float32'  # Compute dtype, 'float32' or 'bfloat16'; params stay fp32.
   # 'xla': plain JAX (the reference); 'pallas': the fused flash-attention kernels of
   # t5x_like.kernels (Triton on GPU, interpret mode on CPU); 'cudnn': jax.nn.dot_product_attention
   # on cuDNN (GPU only, materialised ALiBi bias). The fused ones have no attention dropout.
@@ -337,8 +337,13 @@ class Config:
     need(padded % mesh.tensor == 0,
          f'the padded vocabulary ({padded}) must be divisible by mesh.tensor ({mesh.tensor}); '
          'set model.pad_vocab_size_to to a multiple of it')
-    need(m.dtype in ('float32', 'bfloat16', 'float16'),
-         f"model.dtype must be 'float32', 'bfloat16' or 'float16', got {m.dtype!r}")
+    # fp16 gradients underflow without Megatron's dynamic loss scaling, which this trainer does
+    # not have; bf16 (BLOOM's choice after tr8's fp16 divergences) has fp32's range.
+    need(m.dtype != 'float16',
+         "model.dtype='float16' needs dynamic loss scaling, which t5x_like does not implement "
+         "(its gradients would underflow); use 'bfloat16', as BLOOM-176B did, or 'float32'")
+    need(m.dtype in ('float32', 'bfloat16'),
+         f"model.dtype must be 'float32' or 'bfloat16', got {m.dtype!r}")
     need(m.attention_impl in ('xla', 'pallas', 'cudnn'),
          f"model.attention_impl must be 'xla', 'pallas' or 'cudnn', got {m.attention_impl!r}")
     if m.attention_impl != 'xla':

@@ -41,6 +41,7 @@ def test_overrides_on_both_front_ends_agree():
     (['--config.mesh.pipeline=2', '--config.mesh.data=1', '--config.train.global_batch_size=4'],
      'fewer than the 2 pipeline stages'),
     (['--config.train.steps=0'], 'set train.steps'),
+    (['--config.model.dtype=float16'], 'needs dynamic loss scaling'),
     (['--config.train.train_samples=8'], 'train.train_samples (8) is less than one global batch'),
     (['--config.checkpoint.init_from=/no/such/ckpt'], 'is not a directory'),
     (['--config.data.train_path=0.5 /d/a /d/b'], 'weight/prefix pairs'),
@@ -162,3 +163,13 @@ def test_every_shipped_config_validates_with_its_own_mesh():
   for name in sorted(os.listdir(os.path.join(REPO, 'configs'))):
     if name.endswith('.py'):
       load_config_file(cfg_path(name)).validate()
+
+
+def test_cluster_configs_guard_against_hangs_and_the_job_time_limit():
+  """The chronicles lost hours to silent NCCL hangs and to jobs killed mid-save at SLURM's limit:
+  every multi-node config turns on the hang watchdog, the exit before the limit and evaluation."""
+  for name in ('bloom_176b.py', 'tr8_104b.py', 'bloom_1b3.py'):
+    cfg = load_config_file(cfg_path(name))
+    assert cfg.runtime.hang_timeout_mins > 0, name
+    assert 0 < cfg.runtime.exit_duration_mins < 20 * 60, name
+    assert cfg.eval.interval > 0, name
