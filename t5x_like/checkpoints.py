@@ -7,7 +7,8 @@ A checkpoint root (`WORKDIR/checkpoints`) holds one directory per saved iteratio
   config     JSON: the resolved config of the run that saved it
   meta       JSON: RNG state (dropout seed; the key of iteration i is fold_in(PRNGKey(seed), i)),
              data position (data seed, consumed samples), the learning-rate schedule, and the
-             iteration/skipped counts at which the Adam step count last started from 0
+             iteration/skipped counts at which the Adam step count last started from 0, and
+             the software that wrote it (Python, jax, flax, optax, orbax... versions, git commit)
 Orbax writes each step into `N.orbax-checkpoint-tmp` and renames it to `N` when every item is
 complete, so an interrupted save is never picked up by a restore; leftovers are removed when the
 next run opens the root. Steps dropped by the keep policy are first renamed into `.deleted/` (one
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from t5x_like import provenance
 from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import Progress, StateLayout, TrainState
 
@@ -158,9 +160,12 @@ def lr_schedule(cfg: Config) -> dict[str, Any]:
 
 
 def make_meta(cfg: Config, progress: Progress, data_seed: int,
-              adam_count_base: dict[str, int]) -> dict[str, Any]:
-  """The `meta` item: what a restart needs besides the arrays, progress and config."""
+              adam_count_base: dict[str, int],
+              software: dict[str, Any] | None = None) -> dict[str, Any]:
+  """The `meta` item: what a restart needs besides the arrays, progress and config, and the
+  software that wrote it (`provenance.software()`, taken now unless given)."""
   return {
+      'software': provenance.software() if software is None else software,
       'format': 1,
       'rng': {'seed': cfg.train.seed, 'iteration': progress.iteration},
       'data': {'seed': data_seed, 'consumed_samples': progress.consumed_samples},
@@ -175,7 +180,8 @@ def read_meta(path: str, step: int | None = None) -> dict[str, Any]:
   if raw is not None:
     return raw
   cfg, progress = read_config(path, step), read_progress(path, step)
-  return make_meta(cfg, progress, cfg.train.seed, {'iteration': 0, 'skipped_iterations': 0})
+  return make_meta(cfg, progress, cfg.train.seed, {'iteration': 0, 'skipped_iterations': 0},
+                   software={})  # unknown: not this process's
 
 
 def expected_adam_count(progress: Progress, meta: dict[str, Any]) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from t5x_like import checkpoints
+from t5x_like import checkpoints, provenance
 from t5x_like.checkpoints import CheckpointError
 
 CHUNK_BYTES = 256 << 20
@@ -191,6 +191,8 @@ def format_inspect(info: dict[str, Any]) -> str:
       'lr schedule: ' + ', '.join(f'{k}={v}' for k, v in meta['lr_schedule'].items()),
       f"optimizer state: {'yes' if info['has_optimizer_state'] else 'no (weights only)'}; Adam "
       f"step count started from 0 at iteration {meta['adam_count_base']['iteration']}",
+      'written by: ' + (provenance.describe(meta['software']) if meta.get('software')
+                        else 'not recorded (a checkpoint older than the record)'),
       '',
   ]
   width = max(len(t['name']) for t in info['tensors'])

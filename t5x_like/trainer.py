@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from t5x_like import checkpoints, metrics, model as model_lib, optim, partitioning, pipeline
 from t5x_like import losses
-from t5x_like import runtime
+from t5x_like import provenance, runtime
 from t5x_like.config import Config, ConfigError
 from t5x_like.data import sources
 from t5x_like.data.indexed import DataError
@@ -171,12 +171,21 @@ class Trainer:
     self.resume_step = checkpoints.available_steps(self.ckpt_root)
     self.restart_notes: list[str] = []  # logged once the writer exists
     self.data_seed = cfg.train.seed
+    self.software = provenance.software()
     if self.resume_step:
       what = f'the checkpoint in {self.ckpt_root} (this workdir resumes it)'
-      checkpoints.check_compatible(checkpoints.read_config(self.ckpt_root), cfg, what)
+      saved_cfg = checkpoints.read_config(self.ckpt_root)
+      checkpoints.check_compatible(saved_cfg, cfg, what)
       self.resume_meta = checkpoints.read_meta(self.ckpt_root)
       checkpoints.check_lr_schedule(self.resume_meta, cfg, what)
       cfg = self.cfg = self._resumed_config(cfg, self.resume_meta)
+      # Every difference from the checkpoint's run in the log, before training: edits between
+      # jobs (the chronicles' `perl -pi` on launch scripts) and upgrades are visible, not silent.
+      self.restart_notes += [f'> config changed since the checkpoint: {change}'
+                             for change in provenance.config_changes(saved_cfg, cfg)]
+      self.restart_notes += [f'> software changed since the checkpoint: {change}' for change in
+                             provenance.software_changes(self.resume_meta.get('software'),
+                                                         self.software)]
     elif cfg.checkpoint.init_from:
       checkpoints.check_compatible(checkpoints.read_config(cfg.checkpoint.init_from), cfg,
                                    f'checkpoint.init_from={cfg.checkpoint.init_from}')
@@ -246,7 +255,8 @@ class Trainer:
       raise ConfigError(str(e)) from None
 
   def save_checkpoint(self, state: TrainState, progress: Progress) -> bool:
-    meta = checkpoints.make_meta(self.cfg, progress, self.data_seed, self.adam_count_base)
+    meta = checkpoints.make_meta(self.cfg, progress, self.data_seed, self.adam_count_base,
+                                 self.software)
     return self.checkpointer.save(state, progress, self.cfg, meta)
 
   def initial_state(self) -> tuple[TrainState, Progress]:
@@ -482,6 +492,7 @@ class Trainer:
                      f'tensor={cfg.mesh.tensor} ({jax.device_count()} {jax.devices()[0].platform} '
                      f'devices); {cfg.num_microbatches} micro-batch(es) of '
                      f'{cfg.train.micro_batch_size} per data rank')
+    self.writer.info(f'> software: {provenance.describe(self.software)}')
     self.peak_tflops, peak_source = metrics.device_peak_tflops(cfg.model.dtype)
     self.writer.info(f'> MFU reference: {self.peak_tflops:.4f} TFLOP/s per device '
                      f'({peak_source})')

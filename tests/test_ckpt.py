@@ -244,6 +244,7 @@ def test_inspect_shows_step_config_and_tensors_from_metadata_only(fake_run, caps
   code, out, _ = run_ckpt(capsys, 'inspect', os.path.join(fake_run, '2'))  # a step directory
   assert code == 0
   assert 'step 2' in out and 'params/layers.attn.qkv_kernel' in out and 'total: params' in out
+  assert f'written by: python ' in out and f'jax {info["meta"]["software"]["jax"]}' in out
 
 
 def test_diff_reports_each_tensor_and_fails_beyond_atol(fake_run, tmp_path, capsys):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import checkpoints, metrics, optim, partitioning
+from t5x_like import checkpoints, metrics, optim, partitioning, provenance
 from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import TrainState, make_layout
 from t5x_like.trainer import Trainer, make_train_step, read_metrics
@@ -94,10 +94,15 @@ def test_tensorboard_has_megatron_tags_and_a_resume_replaces_the_steps_after_its
   assert [step for step, _ in got] == [1, 2, 3, 4, 5, 6]
 
 
-def test_resume_reproduces_the_uninterrupted_run(six_steps, tmp_path):
+def test_resume_reproduces_the_uninterrupted_run(six_steps, tmp_path, monkeypatch):
   workdir, _ = six_steps
   resumed = str(tmp_path / 'resumed')
   Trainer(corpus_config(train=dict(steps=3)), resumed).run()
+  saved_software = checkpoints.read_meta(os.path.join(resumed, 'checkpoints'))['software']
+  assert saved_software == provenance.software() and saved_software['jax'] == jax.__version__
+  # The next job runs with another train.steps, and (pretend) an upgraded jax.
+  upgraded = dict(saved_software, jax='9.9.9')
+  monkeypatch.setattr(provenance, 'software', lambda: upgraded)
   Trainer(corpus_config(), resumed).run()  # same workdir: resumes from iteration 3
   want = read_metrics(workdir)
   got = read_metrics(resumed)
@@ -106,7 +111,14 @@ def test_resume_reproduces_the_uninterrupted_run(six_steps, tmp_path):
     assert (a['lm_loss'], a['grad_norm'], a['learning_rate']) == (
         b['lm_loss'], b['grad_norm'], b['learning_rate'])
   with open(os.path.join(resumed, 'logs', 'main_log.txt')) as f:
-    assert 'resumed from' in f.read()
+    log = f.read()
+  assert 'resumed from' in log
+  # Everything that differs from the checkpoint's run is in the log, and only that.
+  changes = re.findall(r'> (?:config|software) changed since the checkpoint: (.*)', log)
+  assert changes == ['train.steps: checkpoint 3 -> now 6',
+                     f"jax: checkpoint {jax.__version__} -> now 9.9.9"]
+  assert f'> software: python' in log and 'jax 9.9.9' in log
+  assert checkpoints.read_meta(os.path.join(resumed, 'checkpoints'))['software'] == upgraded
 
 
 def test_adam_step_count_and_progress_are_checkpointed(six_steps):
