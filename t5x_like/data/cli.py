@@ -4,6 +4,8 @@
       [--json_key text] [--tokenizer_model FILE.model | --tokenizer_json tokenizer.json
       [--eod_token '</s>']] [--no_eod] [--overwrite]
   python -m t5x_like.data inspect DIR/NAME [--split 969,30,1] [--seq_len 2048] [--scan] [--json]
+  python -m t5x_like.data batch WORKDIR --iteration N [--tokenizer_json F | --tokenizer_model F]
+      [--max_tokens K] [--json]
 
 `preprocess` reads loose JSON (one object per line, the text under --json_key: the input of
 Megatron's tools/preprocess_data.py) or, for any other extension, one document per file; it
@@ -12,6 +14,8 @@ tokenizes with a SentencePiece model (default: the shipped one) or a Hugging Fac
 and writes DIR/NAME.bin and DIR/NAME.idx (`indexed.py`), which `data.train_path` then names.
 `inspect` prints what a dataset holds and how `data.split` cuts it; `--scan` also reads every
 token for the largest id (compare it with model.vocab_size).
+`batch` rebuilds the global batch a run trained on at iteration N (`replay.py`): each sample's
+global index, dataset, token ids and text, and the override that skips it on the next restart.
 
 Exit codes: 0 done, 2 bad input (one message naming the file and the fix; nothing is written).
 """
@@ -149,9 +153,29 @@ def main(argv: Sequence[str] | None = None) -> int:
   look.add_argument('--seq_len', type=int, default=2048)
   look.add_argument('--scan', action='store_true', help='read every token for the largest id')
   look.add_argument('--json', action='store_true', help='print one JSON object')
+  show = commands.add_parser('batch', help='the samples one iteration of a run trained on')
+  show.add_argument('workdir', help='the run\'s workdir (its config.json and checkpoints)')
+  show.add_argument('--iteration', type=int, required=True, help='1-based, as in the log')
+  decode = show.add_mutually_exclusive_group()
+  decode.add_argument('--tokenizer_json', default=None,
+                      help='decode with this Hugging Face tokenizer.json')
+  decode.add_argument('--tokenizer_model', default=None,
+                      help='decode with this SentencePiece .model (the embedded corpus needs none)')
+  show.add_argument('--max_tokens', type=int, default=0,
+                    help='show at most this many tokens of each sample (0: all)')
+  show.add_argument('--json', action='store_true', help='print one JSON object')
   args = parser.parse_args(argv)
   try:
-    if args.command == 'preprocess':
+    if args.command == 'batch':
+      from t5x_like.data import replay
+      if args.max_tokens < 0:
+        raise DataError(f'--max_tokens must be >= 0, got {args.max_tokens}')
+      cfg, data_seed = replay.run_config(args.workdir)
+      batch = replay.iteration_batch(cfg, data_seed, args.iteration)
+      result = replay.report(batch, replay.decoder(cfg, args.tokenizer_json, args.tokenizer_model),
+                             args.max_tokens)
+      print(json.dumps(result)) if args.json else replay.print_report(result)
+    elif args.command == 'preprocess':
       if args.tokenizer_json:
         tokenizer = HFTokenizer(args.tokenizer_json, args.eod_token)
       elif args.eod_token:

@@ -1,0 +1,121 @@
+"""The samples an iteration of a run trained on, from its workdir alone.
+
+After a loss spike the chronicles' first question was "what data was in that batch?", answered
+with ad-hoc scripts that had to repeat Megatron's sampler. Here a sample is a pure function of
+(data settings, data seed, global sample index), and the global samples of iteration i follow
+from the batch ramp-up (`TrainConfig.global_batch_size_at`), so the batch of any iteration can be
+rebuilt, before or after the fact, without running the model:
+
+  python -m t5x_like.data batch WORKDIR --iteration 31214 [--tokenizer_json tokenizer.json] [--json]
+
+Iterations skipped by `data.skip_train_iteration_range` consume their samples like trained ones,
+so they shift nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from t5x_like.config import Config, ConfigError
+from t5x_like.data import blending, sources
+from t5x_like.data.indexed import DataError
+from t5x_like.data.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class IterationBatch:
+  iteration: int
+  first_sample: int  # global index of the batch's first sample (consumed samples before it)
+  data_seed: int
+  datasets: list[str]  # the dataset of each sample
+  rows: np.ndarray  # int32 [global batch, seq_len + 1]: inputs rows[:, :-1], targets rows[:, 1:]
+
+
+def run_config(workdir: str) -> tuple[Config, int]:
+  """The workdir's config (its latest job's `config.json`) and its data seed (the latest
+  checkpoint's, which a resumed run keeps whatever train.seed says; else train.seed)."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(path):
+    raise DataError(f'{path} not found: pass the workdir of a run (the directory given to '
+                    '`python -m t5x_like.train --workdir`)')
+  with open(path) as f:
+    try:
+      cfg = Config.from_dict(json.load(f)).validate()
+    except (json.JSONDecodeError, ConfigError) as e:
+      raise DataError(f'{path} is not a t5x_like config ({e})') from None
+  from t5x_like import checkpoints  # jax and orbax only when there are checkpoints to read
+  root = os.path.join(workdir, 'checkpoints')
+  if checkpoints.available_steps(root):
+    return cfg, int(checkpoints.read_meta(root)['data']['seed'])
+  return cfg, cfg.train.seed
+
+
+def first_sample_of(cfg: Config, iteration: int) -> tuple[int, int]:
+  """(global index of the first sample, global batch size) of iteration `iteration` (1-based)."""
+  consumed = 0
+  for _ in range(iteration - 1):
+    consumed += cfg.train.global_batch_size_at(consumed)
+  return consumed, cfg.train.global_batch_size_at(consumed)
+
+
+def iteration_batch(cfg: Config, data_seed: int, iteration: int) -> IterationBatch:
+  """The training samples of `iteration`, read the way the trainer reads them."""
+  total = cfg.train.total_iterations()
+  if not 1 <= iteration <= total:
+    raise DataError(f'--iteration {iteration} is outside the run, which has iterations 1..{total}')
+  data = sources.build(cfg.data, cfg.train.seq_len, data_seed)
+  first, size = first_sample_of(cfg, iteration)
+  if isinstance(data.train, blending.BlendedSource):
+    which, _ = data.train.blend.assign(first, first + size)
+    names = [data.train.names[int(d)] for d in which]
+  else:
+    names = [data.train_names[0]] * size
+  return IterationBatch(iteration, first, data_seed, names, data.train.rows(first, first + size))
+
+
+def decoder(cfg: Config, tokenizer_json: str | None, tokenizer_model: str | None):
+  """A function ids -> text for the run's data, or None when its tokenizer is not known."""
+  if tokenizer_json:
+    from t5x_like.data.hf_tokenizer import HFTokenizer
+    return HFTokenizer(tokenizer_json).decode
+  if tokenizer_model:
+    if not os.path.isfile(tokenizer_model):
+      raise DataError(f'--tokenizer_model {tokenizer_model!r} not found')
+    return Tokenizer.from_file(tokenizer_model).decode
+  if not cfg.data.train_path:  # the embedded corpus: the shipped tokenizer made it
+    return Tokenizer.load_default().decode
+  return None
+
+
+def report(batch: IterationBatch, decode, max_tokens: int) -> dict:
+  """JSON-ready: where the batch sits in the run, then each sample's dataset, ids and text."""
+  samples = []
+  for offset, (name, row) in enumerate(zip(batch.datasets, batch.rows)):
+    ids = row[:max_tokens] if max_tokens else row
+    entry = {'sample': batch.first_sample + offset, 'dataset': name,
+             'ids': [int(i) for i in ids]}
+    if decode is not None:
+      entry['text'] = decode(ids)
+    samples.append(entry)
+  return {'iteration': batch.iteration, 'first_sample': batch.first_sample,
+          'global_batch_size': len(batch.rows), 'data_seed': batch.data_seed,
+          'skip_with': f"data.skip_train_iteration_range=('{batch.iteration}-{batch.iteration}',)",
+          'samples': samples}
+
+
+def print_report(result: dict) -> None:
+  last = result['first_sample'] + result['global_batch_size'] - 1
+  print(f"iteration {result['iteration']}: samples {result['first_sample']}..{last} "
+        f"({result['global_batch_size']} samples, data seed {result['data_seed']})")
+  for s in result['samples']:
+    print(f"--- sample {s['sample']} ({s['dataset']}): {len(s['ids'])} ids: "
+          f"{' '.join(map(str, s['ids'][:16]))}{' ...' if len(s['ids']) > 16 else ''}")
+    if 'text' in s:
+      print(s['text'])
+  if result['samples'] and 'text' not in result['samples'][0]:
+    print('(no text: pass the tokenizer of the data with --tokenizer_json or --tokenizer_model)')
+  print(f"to train past this batch: --config.{result['skip_with']}")

@@ -1,0 +1,95 @@
+"""`python -m t5x_like.data batch`: the samples an iteration trained on, rebuilt from the workdir."""
+
+import json
+import os
+
+import numpy as np
+
+from t5x_like.data import replay
+from t5x_like.data.tokenizer import DEFAULT_MODEL_PATH
+from t5x_like.train_state import Progress
+from t5x_like.trainer import Trainer
+
+from conftest import run_cli, small_config
+from test_sources import make_dataset
+
+SEQ = 16
+
+
+def blended_run(tmp_path, seed=7):
+  a = make_dataset(tmp_path / 'a_text_document', 100)
+  b = make_dataset(tmp_path / 'b_text_document', 500)
+  # A ramp-up 4 -> 8 over 16 samples, so iterations have different batch sizes and offsets.
+  return small_config(
+      train=dict(steps=10, global_batch_size=8, micro_batch_size=1, seq_len=SEQ, seed=seed,
+                 rampup_batch_size=(4, 4, 16)),
+      data=dict(train_path=f'0.3 {a} 0.7 {b}', split='90,10,0'),
+      eval=dict(interval=0))
+
+
+def trained_rows(trainer, iteration):
+  """What the trainer feeds its step at `iteration`: [global batch, seq_len + 1] in sample order."""
+  first, size = replay.first_sample_of(trainer.cfg, iteration)
+  return np.asarray(trainer.global_batch(first, size)).reshape(size, SEQ + 1)
+
+
+def test_the_batch_of_any_iteration_is_the_one_the_trainer_reads(tmp_path):
+  workdir = str(tmp_path / 'run')
+  trainer = Trainer(blended_run(tmp_path), workdir)  # writes config.json; nothing trains
+  cfg, seed = replay.run_config(workdir)
+  assert seed == 7
+  sizes = []
+  for iteration in range(1, 8):
+    batch = replay.iteration_batch(cfg, seed, iteration)
+    np.testing.assert_array_equal(batch.rows, trained_rows(trainer, iteration))
+    sizes.append(len(batch.rows))
+    # Dataset a's documents hold ids 100.., b's 500..: each sample's named dataset is its own.
+    for name, row in zip(batch.datasets, batch.rows):
+      assert name.endswith('a_text_document' if row[0] < 500 else 'b_text_document')
+  assert sizes == [4, 4, 4, 4, 8, 8, 8]
+  assert {n for i in (5, 6, 7) for n in replay.iteration_batch(cfg, seed, i).datasets} == {
+      n for n in trainer.data.train_names}
+
+  # A resumed job keeps the checkpoint's data order whatever train.seed its config.json says.
+  state, _ = trainer.initial_state()
+  trainer.save_checkpoint(state, Progress(iteration=2, consumed_samples=8))
+  trainer.checkpointer.wait()
+  trainer.checkpointer.close()
+  with open(os.path.join(workdir, 'config.json')) as f:
+    raw = json.load(f)
+  raw['train']['seed'] = 99
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    json.dump(raw, f)
+  cfg, seed = replay.run_config(workdir)
+  assert (cfg.train.seed, seed) == (99, 7)
+  np.testing.assert_array_equal(replay.iteration_batch(cfg, seed, 6).rows,
+                                trained_rows(trainer, 6))
+  assert not np.array_equal(replay.iteration_batch(cfg, 99, 6).rows, trained_rows(trainer, 6))
+
+
+def test_command_line_prints_ids_text_and_the_skip_override(tmp_path):
+  workdir = str(tmp_path / 'run')
+  trainer = Trainer(blended_run(tmp_path), workdir)
+  r = run_cli(['-m', 't5x_like.data', 'batch', workdir, '--iteration', '6', '--json'])
+  assert r.returncode == 0, r.stderr
+  result = json.loads(r.stdout)
+  assert (result['iteration'], result['first_sample'], result['global_batch_size']) == (6, 24, 8)
+  assert [s['sample'] for s in result['samples']] == list(range(24, 32))
+  np.testing.assert_array_equal([s['ids'] for s in result['samples']], trained_rows(trainer, 6))
+  assert 'text' not in result['samples'][0]  # Megatron data: its tokenizer is not known
+  assert result['skip_with'] == "data.skip_train_iteration_range=('6-6',)"
+  r = run_cli(['-m', 't5x_like.data', 'batch', workdir, '--iteration', '2', '--max_tokens', '5',
+               '--tokenizer_model', DEFAULT_MODEL_PATH])
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.startswith('iteration 2: samples 4..7 (4 samples, data seed 7)')
+  assert r.stdout.count('--- sample') == 4 and ': 5 ids: ' in r.stdout
+  assert "--config.data.skip_train_iteration_range=('2-2',)" in r.stdout
+
+
+def test_bad_workdir_or_iteration_is_exit_2_with_the_fix(tmp_path):
+  r = run_cli(['-m', 't5x_like.data', 'batch', str(tmp_path), '--iteration', '1'])
+  assert r.returncode == 2 and 'config.json not found: pass the workdir of a run' in r.stderr
+  workdir = str(tmp_path / 'run')
+  Trainer(blended_run(tmp_path), workdir)
+  r = run_cli(['-m', 't5x_like.data', 'batch', workdir, '--iteration', '11'])
+  assert r.returncode == 2 and 'outside the run, which has iterations 1..10' in r.stderr
