@@ -8,7 +8,8 @@ A checkpoint root (`WORKDIR/checkpoints`) holds one directory per saved iteratio
   meta       JSON: RNG state (dropout seed; the key of iteration i is fold_in(PRNGKey(seed), i)),
              data position (data seed, consumed samples), the learning-rate schedule, and the
              iteration/skipped counts at which the Adam step count last started from 0, and
-             the software that wrote it (Python, jax, flax, optax, orbax... versions, git commit)
+             the software that wrote it (Python, jax, flax, optax, orbax... versions, git commit),
+             and the steps kept past the keep policy (the last checkpoint before each spike)
 Orbax writes each step into `N.orbax-checkpoint-tmp` and renames it to `N` when every item is
 complete, so an interrupted save is never picked up by a restore; leftovers are removed when the
 next run opens the root. Steps dropped by the keep policy are first renamed into `.deleted/` (one
@@ -25,6 +26,7 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -52,13 +54,27 @@ class CheckpointError(RuntimeError):
   """A checkpoint that cannot be used, with the reason and the fix."""
 
 
+@dataclasses.dataclass
+class _KeptSteps:
+  """Orbax preservation policy: the steps in `steps` (a set the Checkpointer adds to while the
+  run goes on: the checkpoints from before a spike)."""
+  steps: set[int]
+
+  def should_preserve(self, checkpoints, *, context):
+    del context
+    return [c.step in self.steps for c in checkpoints]
+
+
 def _manager(root: str, *, max_to_keep: int | None = None, keep_period: int = 0,
+             kept_steps: set[int] | None = None,
              read_only: bool = False) -> ocp.CheckpointManager:
   policy = None
   if not read_only and max_to_keep:
     policies = [ocp.checkpoint_managers.LatestN(n=max_to_keep)]
     if keep_period:
       policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=keep_period))
+    if kept_steps is not None:
+      policies.append(_KeptSteps(kept_steps))
     policy = ocp.checkpoint_managers.AnyPreservationPolicy(policies)
   options = ocp.CheckpointManagerOptions(
       preservation_policy=policy,
@@ -161,11 +177,14 @@ def lr_schedule(cfg: Config) -> dict[str, Any]:
 
 def make_meta(cfg: Config, progress: Progress, data_seed: int,
               adam_count_base: dict[str, int],
-              software: dict[str, Any] | None = None) -> dict[str, Any]:
+              software: dict[str, Any] | None = None,
+              kept_steps: Iterable[int] = ()) -> dict[str, Any]:
   """The `meta` item: what a restart needs besides the arrays, progress and config, and the
-  software that wrote it (`provenance.software()`, taken now unless given)."""
+  software that wrote it (`provenance.software()`, taken now unless given). `kept_steps`: the
+  checkpoints kept past the keep policy (the last one before each loss spike)."""
   return {
       'software': provenance.software() if software is None else software,
+      'kept_steps': sorted(kept_steps),
       'format': 1,
       'rng': {'seed': cfg.train.seed, 'iteration': progress.iteration},
       'data': {'seed': data_seed, 'consumed_samples': progress.consumed_samples},
@@ -219,20 +238,33 @@ class Checkpointer:
   `max_to_keep` plus every multiple of `keep_period`); `close()` waits for the last one."""
 
   def __init__(self, root: str, save_interval: int, max_to_keep: int,
-               layout: StateLayout | None = None, keep_period: int = 0):
+               layout: StateLayout | None = None, keep_period: int = 0,
+               kept_steps: Iterable[int] = ()):
     self.root = os.path.abspath(root)
     self.save_interval = save_interval
     self.layout = layout  # converts a pipeline's storage order to the canonical [L, ...] order
     self._purger: threading.Thread | None = None
     if jax.process_index() == 0:
       self._discard_interrupted_saves()
-    self._mgr = _manager(self.root, max_to_keep=max_to_keep, keep_period=keep_period)
+    self.kept_steps = set(kept_steps)  # kept whatever the keep policy says (`keep_last_before`)
+    self._mgr = _manager(self.root, max_to_keep=max_to_keep, keep_period=keep_period,
+                         kept_steps=self.kept_steps)
     self._saved = set(available_steps(self.root))
     self._purge_deleted()
 
   def latest_step(self) -> int | None:
     steps = available_steps(self.root)
     return steps[-1] if steps else None
+
+  def keep_last_before(self, iteration: int) -> int | None:
+    """Keeps the latest step saved before `iteration` past the keep policy (it survives later
+    saves; the meta of every later checkpoint carries the list, so restarts keep it too).
+    Returns that step, or None when no step before `iteration` was saved."""
+    before = [s for s in self._saved if s < iteration]
+    if not before:
+      return None
+    self.kept_steps.add(max(before))
+    return max(before)
 
   def should_save(self, iteration: int) -> bool:
     return self.save_interval > 0 and iteration % self.save_interval == 0

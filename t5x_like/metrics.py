@@ -145,6 +145,48 @@ class ThroughputWatch:
     return None
 
 
+class SpikeWatch:
+  """Notices a loss or gradient-norm spike in the iteration it happens.
+
+  The chronicles found tr11's spike at iteration 31214 and tr8b's divergences on graphs, hours
+  later, and then needed the checkpoint from before the spike and the batch that caused it. A
+  spike here is an lm loss more than `loss_threshold` above the median of the previous `window`
+  finite iterations, or a grad norm above `grad_factor` times theirs; no spike is reported before
+  `window` iterations of this job (the early fall of the loss and the warm-up's grad norms are
+  not spikes). `add` returns a message at the first iteration of a spike and again only after an
+  iteration without one. Non-finite iterations are counted elsewhere (nan iterations).
+  """
+
+  def __init__(self, window: int = 50, loss_threshold: float = 0.15, grad_factor: float = 4.0):
+    self.window, self.loss_threshold, self.grad_factor = window, loss_threshold, grad_factor
+    self._losses: list[float] = []
+    self._grad_norms: list[float] = []
+    self._in_spike = False
+
+  def add(self, iteration: int, lm_loss: float, grad_norm: float) -> str | None:
+    if not (math.isfinite(lm_loss) and math.isfinite(grad_norm)):
+      return None
+    reasons = []
+    if len(self._losses) >= self.window:
+      loss_median = statistics.median(self._losses)
+      grad_median = statistics.median(self._grad_norms)
+      if lm_loss > loss_median * (1 + self.loss_threshold):
+        reasons.append(f'lm loss {lm_loss:.4f} is {lm_loss / loss_median - 1:.0%} above the '
+                       f'median {loss_median:.4f}')
+      if grad_norm > grad_median * self.grad_factor:
+        reasons.append(f'grad norm {grad_norm:.3f} is {grad_norm / grad_median:.1f}x the median '
+                       f'{grad_median:.3f}')
+    # The spike joins the window: if the loss stays there, it is the new level, not a spike.
+    for values, value in ((self._losses, lm_loss), (self._grad_norms, grad_norm)):
+      values.append(value)
+      del values[:-self.window]
+    was_in_spike, self._in_spike = self._in_spike, bool(reasons)
+    if not reasons or was_in_spike:
+      return None
+    return (f'> spike at iteration {iteration}: ' + '; '.join(reasons) +
+            f' of the previous {self.window} iterations')
+
+
 def tensorboard_scalars(record: dict) -> list[tuple[str, float, int]]:
   """(tag, value, step) of one iteration's record, all at step = iteration: Megatron-DeepSpeed's
   tag groups with '_' for their spaces (TensorBoard's own writers replace characters other than

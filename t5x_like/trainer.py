@@ -210,9 +210,11 @@ class Trainer:
     self.throughput = metrics.ThroughputWatch(
         threshold=0.25 if jax.devices()[0].platform == 'cpu' else 0.05)
     self.watchdog = runtime.Watchdog(0.0)  # run() installs the configured one
-    self.checkpointer = checkpoints.Checkpointer(self.ckpt_root, cfg.checkpoint.save_interval,
-                                                 cfg.checkpoint.max_to_keep, self.layout,
-                                                 keep_period=cfg.checkpoint.keep_period)
+    self.spikes = metrics.SpikeWatch()
+    self.checkpointer = checkpoints.Checkpointer(
+        self.ckpt_root, cfg.checkpoint.save_interval, cfg.checkpoint.max_to_keep, self.layout,
+        keep_period=cfg.checkpoint.keep_period,
+        kept_steps=self.resume_meta.get('kept_steps', []) if self.resume_step else ())
 
   # ---------------------------------------------------------------------------------- set-up
 
@@ -256,7 +258,7 @@ class Trainer:
 
   def save_checkpoint(self, state: TrainState, progress: Progress) -> bool:
     meta = checkpoints.make_meta(self.cfg, progress, self.data_seed, self.adam_count_base,
-                                 self.software)
+                                 self.software, self.checkpointer.kept_steps)
     return self.checkpointer.save(state, progress, self.cfg, meta)
 
   def initial_state(self) -> tuple[TrainState, Progress]:
@@ -461,7 +463,19 @@ class Trainer:
     slowdown = self.throughput.add(progress.iteration, gbs, elapsed)
     if slowdown:
       self.writer.info(slowdown)
+    spike = self.spikes.add(progress.iteration, record['lm_loss'], record['grad_norm'])
+    if spike:
+      self.report_spike(spike, progress.iteration)
     return state
+
+  def report_spike(self, message: str, iteration: int) -> None:
+    """Logs a spike with what a user needs next: the checkpoint from before it, kept past the
+    keep policy, and the command that shows the batch it trained on."""
+    kept = self.checkpointer.keep_last_before(iteration)
+    where = (f'checkpoint {kept} (the last before it) is kept past checkpoint.max_to_keep'
+             if kept is not None else 'no checkpoint was saved before it')
+    self.writer.info(f'{message}. {where}; its batch: python -m t5x_like.data batch '
+                     f'{self.workdir} --iteration {iteration}')
 
   def run(self) -> Progress:
     """Trains to the end or until a stop condition; `stop_reason` says which (None: the end).

@@ -1,4 +1,5 @@
-"""metrics.ThroughputWatch: a lasting slowdown of the step is reported, a single slow step is not."""
+"""metrics.ThroughputWatch: a lasting slowdown of the step is reported, a single slow step is not.
+metrics.SpikeWatch: a loss or grad-norm spike is reported in its first iteration."""
 
 from t5x_like import metrics
 
@@ -38,3 +39,35 @@ def test_each_global_batch_size_has_its_own_baseline():
   assert feed(watch, [5.0, 1.0, 1.0, 1.0], 1, gbs=16) == {}
   assert feed(watch, [5.0, 2.0, 2.0, 2.0, 2.0, 2.0], 5, gbs=32) == {}
   assert list(feed(watch, [2.3] * 3, 11, gbs=32)) == [12]
+
+
+def spikes(watch, points, first_iteration):
+  """The messages SpikeWatch.add returns for consecutive (loss, grad norm) points."""
+  out = {}
+  for i, (loss, grad_norm) in enumerate(points):
+    message = watch.add(first_iteration + i, loss, grad_norm)
+    if message:
+      out[first_iteration + i] = message
+  return out
+
+
+def test_a_spike_is_reported_in_its_first_iteration_and_a_new_level_is_not_a_spike():
+  watch = metrics.SpikeWatch(window=10, loss_threshold=0.15, grad_factor=4.0)
+  # The first `window` iterations only fill the window: a falling loss is no spike.
+  assert spikes(watch, [(9.0 - 0.5 * i, 1.0) for i in range(10)], 1) == {}
+  noisy = [(2.4 + 0.05 * (-1) ** i, 0.2 + 0.02 * (i % 3)) for i in range(20)]
+  assert spikes(watch, noisy, 11) == {}
+  # tr11 at 31214: the loss jumps; reported once however long the spike lasts.
+  got = spikes(watch, [(3.1, 0.25), (3.3, 0.3), (3.0, 0.25)], 31)
+  assert list(got) == [31]
+  assert got[31].startswith('> spike at iteration 31: lm loss 3.1000 is 29% above the median 2.4000')
+  assert got[31].endswith('of the previous 10 iterations')
+  # Back to normal, then a grad-norm spike alone (the loss has not moved yet).
+  assert spikes(watch, noisy[:10], 34) == {}
+  got = spikes(watch, [(2.45, 5.0)], 44)
+  assert 'grad norm 5.000 is ' in got[44] and 'lm loss' not in got[44]
+  # A loss that stays higher becomes the median: after half a window it is no longer a spike.
+  level = spikes(watch, [(2.4, 0.2)] + [(3.0, 0.2)] * 12 + [(2.4, 0.2), (3.0, 0.2)], 45)
+  assert list(level) == [46]
+  # Non-finite iterations are the nan counter's business.
+  assert watch.add(60, float('nan'), 1.0) is None and watch.add(61, 2.5, float('inf')) is None

@@ -335,3 +335,35 @@ def test_bad_data_fails_before_compiling(megatron_data, tmp_path):
   assert not os.path.exists(str(tmp_path / 'b' / 'metrics.jsonl'))
   with pytest.raises(ConfigError, match='no validation set'):
     data_config(megatron_data, data=dict(split='100,0,0', valid_path={})).validate()
+
+
+class SpikeAt:
+  """Stands in for metrics.SpikeWatch: a spike at one iteration (a real one is not reproducible
+  in a few steps of a small model; the detection itself is tests/test_metrics.py's)."""
+
+  def __init__(self, iteration):
+    self.iteration = iteration
+
+  def add(self, iteration, lm_loss, grad_norm):
+    return '> spike at iteration 5: test' if iteration == self.iteration else None
+
+
+def test_a_spike_keeps_the_checkpoint_before_it_through_later_saves_and_restarts(
+    tmp_path, persistent_compilation_cache):
+  workdir = str(tmp_path / 'run')
+  cfg = corpus_config(train=dict(steps=8), checkpoint=dict(save_interval=2, max_to_keep=1))
+  trainer = Trainer(cfg, workdir)
+  trainer.spikes = SpikeAt(5)
+  trainer.run()
+  root = os.path.join(workdir, 'checkpoints')
+  assert checkpoints.available_steps(root) == [4, 8]  # max_to_keep=1, and 4 from before 5
+  assert checkpoints.read_meta(root)['kept_steps'] == [4]
+  with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
+    log = f.read()
+  assert ('> spike at iteration 5: test. checkpoint 4 (the last before it) is kept past '
+          f'checkpoint.max_to_keep; its batch: python -m t5x_like.data batch {workdir} '
+          '--iteration 5') in log
+  # The next job keeps it too (the list comes from the checkpoint's meta).
+  Trainer(corpus_config(train=dict(steps=12), checkpoint=dict(save_interval=2, max_to_keep=1)),
+          workdir).run()
+  assert checkpoints.available_steps(root) == [4, 12]
