@@ -363,6 +363,12 @@ def _orbax_restore(root: str, step: int, items: dict[str, Any]) -> dict[str, Any
     mgr.close()
 
 
+def has_optimizer_state(path: str, step: int | None = None) -> bool:
+  """Whether the checkpoint holds Adam state (`ckpt import-hf` writes weights only)."""
+  root, step = resolve(path, step)
+  return os.path.isdir(os.path.join(root, str(step), 'opt_state'))
+
+
 def restore(path: str, layout: StateLayout, config: Config, step: int | None = None,
             load_optimizer: bool = True) -> tuple[TrainState, Progress]:
   """Restores params (and optimizer state) straight into `layout`'s shardings.
@@ -372,8 +378,7 @@ def restore(path: str, layout: StateLayout, config: Config, step: int | None = N
   root, step = resolve(path, step)
   saved = read_config(root, step)
   check_compatible(saved, config, f'checkpoint {os.path.join(root, str(step))}')
-  has_opt = os.path.isdir(os.path.join(root, str(step), 'opt_state'))
-  if load_optimizer and not has_opt:
+  if load_optimizer and not has_optimizer_state(root, step):
     raise CheckpointError(f'{os.path.join(root, str(step))} has no optimizer state (e.g. made by '
                           '`ckpt import-hf`); start from it with checkpoint.init_from, or resume '
                           'with checkpoint.load_optimizer=False')

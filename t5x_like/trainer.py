@@ -170,12 +170,18 @@ class Trainer:
     self.ckpt_root = os.path.join(self.workdir, 'checkpoints')
     self.resume_step = checkpoints.available_steps(self.ckpt_root)
     self.restart_notes: list[str] = []  # logged once the writer exists
+    self.reset_done = False  # see checkpoint.load_optimizer below
     self.data_seed = cfg.train.seed
     self.software = provenance.software()
     if self.resume_step:
       what = f'the checkpoint in {self.ckpt_root} (this workdir resumes it)'
       saved_cfg = checkpoints.read_config(self.ckpt_root)
       checkpoints.check_compatible(saved_cfg, cfg, what)
+      # checkpoint.load_optimizer=False resets Adam once: a checkpoint its own job saved (a
+      # requeue, the next job of an array with the same flags) already has the fresh state.
+      self.reset_done = (not cfg.checkpoint.load_optimizer and
+                         not saved_cfg.checkpoint.load_optimizer and
+                         checkpoints.has_optimizer_state(self.ckpt_root))
       self.resume_meta = checkpoints.read_meta(self.ckpt_root)
       checkpoints.check_lr_schedule(self.resume_meta, cfg, what)
       cfg = self.cfg = self._resumed_config(cfg, self.resume_meta)
@@ -266,7 +272,7 @@ class Trainer:
     # Iteration and skipped count at which the Adam step count was 0 (`ckpt verify` checks it).
     self.adam_count_base = {'iteration': 0, 'skipped_iterations': 0}
     if self.resume_step:
-      load_optimizer = cfg.checkpoint.load_optimizer
+      load_optimizer = cfg.checkpoint.load_optimizer or self.reset_done
       state, progress = checkpoints.restore(self.ckpt_root, self.layout, cfg,
                                             load_optimizer=load_optimizer)
       self.writer.truncate_after(progress.iteration)
@@ -277,7 +283,12 @@ class Trainer:
         self.adam_count_base = {'iteration': progress.iteration,
                                 'skipped_iterations': progress.skipped_iterations}
         self.writer.info('> checkpoint.load_optimizer=False: fresh Adam moments, Adam step count 0 '
-                         '(drop the key once this job has saved, or every restart resets them)')
+                         '(once: a restart from a checkpoint saved with this flag loads its Adam '
+                         'state)')
+      elif self.reset_done:
+        self.writer.info('> checkpoint.load_optimizer=False: already applied at iteration '
+                         f"{self.adam_count_base['iteration']} by the job that saved this "
+                         'checkpoint; its Adam state is loaded, not reset again')
       for note in self.restart_notes:
         self.writer.info(note)
       return state, progress

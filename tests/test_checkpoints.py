@@ -298,6 +298,17 @@ def test_load_optimizer_false_starts_fresh_moments_and_count(base_run, tmp_path)
   assert meta['adam_count_base'] == {'iteration': 2, 'skipped_iterations': 0}
   assert 'load_optimizer=False: fresh Adam moments' in open(
       os.path.join(workdir, 'logs', 'main_log.txt')).read()
+  # The job is requeued with the same flags: the reset is not repeated (Megatron's
+  # --no-load-optim reset the optimizer at every restart of such a job).
+  again = Trainer(corpus_config(train=dict(steps=6),
+                                checkpoint=dict(save_interval=2, load_optimizer=False)), workdir)
+  state, progress = again.initial_state()
+  assert progress.iteration == 4 and int(optim.adam_count(state.opt_state)) == 2
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.opt_state),
+               jax.device_get(restored.opt_state))
+  assert 'already applied at iteration 2 by the job that saved this checkpoint' in open(
+      os.path.join(workdir, 'logs', 'main_log.txt')).read()
+  assert again.adam_count_base == {'iteration': 2, 'skipped_iterations': 0}
 
 
 def test_a_changed_lr_schedule_needs_override_lr_scheduler(base_run, tmp_path):
