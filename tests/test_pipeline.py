@@ -109,6 +109,26 @@ def test_pipelined_run_matches_single_device(references, data, stages, tensor, r
                ref_params)
 
 
+def test_vocabulary_split_over_tensor_only_as_bloom_176b_matches_single_device():
+  """BLOOM-176B's layout: 250,880 rows do not divide over tensor 4 x pipeline 12, so the tied
+  embedding is split over `tensor` only and replicated over the stages. The first stage's
+  embedding gradient and the last stage's logits gradient must then add up on every stage, the
+  tied-embedding reduction whose absence gave the chronicles' restart spike."""
+  model = dict(num_layers=4, pad_vocab_size_to=1002)  # 1002 = 2 x 501: tensor 2, not 2 x 2
+  cfg = small_config(model=model, train=dict(global_batch_size=4),
+                     mesh=dict(data=1, pipeline=2, tensor=2))
+  layout = make_layout(cfg, partitioning.make_mesh(1, 2, 2))
+  assert layout.shardings.params['word_embeddings'].spec == jax.sharding.PartitionSpec('tensor', None)
+  losses, norms, params = run_steps(cfg, num_steps=3)
+  ref_losses, ref_norms, ref_params = run_steps(
+      small_config(model=model, train=dict(global_batch_size=4)), num_steps=3)
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
+  canonical = pipeline.to_canonical(pipeline.plan_for(cfg), params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), canonical,
+               ref_params)
+
+
 def test_full_recomputation_keeps_bf16_inputs_as_bits_and_matches_autodiff():
   """The tick-level recomputation of remat_policy='full' (a custom VJP): the same value and
   gradients as plain autodiff, and bf16 inputs kept for the backward pass as uint16 bits."""
