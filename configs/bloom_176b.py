@@ -58,5 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
   # tr11: --exit-duration-in-mins 1190 under SLURM's 20 h limit; set kill_switch_path per run.
   # No progress for 30 minutes (tr11: 105 s iterations, 40 s saves) ends the job with the
   # stacks of every thread (exit 4), instead of the chronicles' hours-long NCCL hangs.
-  c.runtime = dict(kill_switch_path='', exit_duration_mins=1190.0, hang_timeout_mins=30.0)
+  # Every replicated array's copies compared every 1000 iterations (the chronicles' TP drift).
+  c.runtime = dict(kill_switch_path='', exit_duration_mins=1190.0, hang_timeout_mins=30.0,
+                   replica_check_interval=1000)
   return c

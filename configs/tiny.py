@@ -48,5 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh = dict(data=2, pipeline=1, tensor=2)
   c.checkpoint = dict(save_interval=60, max_to_keep=2, keep_period=0, init_from='',
                       load_optimizer=True, override_lr_scheduler=False, load_rng=True)
-  c.runtime = dict(kill_switch_path='', exit_duration_mins=0.0, hang_timeout_mins=0.0)
+  # Compare the devices' copies of the replicated arrays (LayerNorms across tensor ranks) twice.
+  c.runtime = dict(kill_switch_path='', exit_duration_mins=0.0, hang_timeout_mins=0.0,
+                   replica_check_interval=60)
   return c

@@ -349,22 +349,6 @@ def format_diff(result: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------- verify
 
 
-def replica_mismatches(tree) -> list[str]:
-  """Arrays whose copies on different devices differ (a replicated LayerNorm that drifted)."""
-  import jax
-  bad = []
-  for path, array in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    by_index: dict[str, np.ndarray] = {}
-    for shard in array.addressable_shards:
-      key = repr(shard.index)
-      data = np.asarray(shard.data)
-      if key in by_index and not np.array_equal(by_index[key], data, equal_nan=True):
-        bad.append(jax.tree_util.keystr(path))
-        break
-      by_index.setdefault(key, data)
-  return bad
-
-
 def verify(reader: CheckpointReader) -> list[dict[str, Any]]:
   """Each check as {check, ok, detail}; the step is sound when every `ok` is True."""
   results = []
@@ -448,7 +432,7 @@ def report_restore(reader: CheckpointReader, mesh, report) -> None:
   where = ' '.join(f'{k}={v}' for k, v in mesh.shape.items())
   report('restorable', True, f'restored onto mesh {where} ({jax.device_count()} devices)')
   if mesh.devices.size == cfg.mesh.num_devices and cfg == reader.config:
-    drifted = replica_mismatches(state)
+    drifted = partitioning.replica_mismatches(state)
     report('replicas identical', not drifted,
            f'copies differ between devices: {", ".join(drifted)}' if drifted else
            f'every replicated tensor is identical on all {mesh.devices.size} devices of the '

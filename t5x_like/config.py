@@ -232,6 +232,9 @@ class RuntimeConfig:
   # TensorBoard event files of the training and evaluation scalars (--tensorboard-dir), relative
   # to the workdir unless absolute; '': none.
   tensorboard_dir: str = 'tensorboard'
+  # Every this many iterations, compare the copies that devices hold of each replicated array
+  # (LayerNorms and biases across tensor ranks, ...) and log the result; 0: never.
+  replica_check_interval: int = 0
 
 
 SECTIONS = {
@@ -339,6 +342,9 @@ class Config:
          'set model.pad_vocab_size_to to a multiple of it')
     # fp16 gradients underflow without Megatron's dynamic loss scaling, which this trainer does
     # not have; bf16 (BLOOM's choice after tr8's fp16 divergences) has fp32's range.
+    need(self.runtime.replica_check_interval >= 0,
+         f'runtime.replica_check_interval must be >= 0 (0: never), got '
+         f'{self.runtime.replica_check_interval}')
     need(m.dtype != 'float16',
          "model.dtype='float16' needs dynamic loss scaling, which t5x_like does not implement "
          "(its gradients would underflow); use 'bfloat16', as BLOOM-176B did, or 'float32'")

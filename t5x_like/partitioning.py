@@ -166,3 +166,23 @@ def tree_shardings(mesh: Mesh, logical_names, shapes, zero: bool):
     return NamedSharding(mesh, spec)
 
   return jax.tree.map(one, logical_names, shapes, is_leaf=is_names)
+
+
+def replica_mismatches(tree) -> list[str]:
+  """Paths of the arrays in `tree` whose copies on this process's devices differ (a replicated
+  LayerNorm that drifted apart across tensor ranks, as in the chronicles). Only arrays that have
+  copies are read: a slice held by one device has nothing to differ from."""
+  bad = []
+  for path, array in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    shards = array.addressable_shards
+    if len({repr(s.index) for s in shards}) == len(shards):
+      continue
+    by_index: dict[str, np.ndarray] = {}
+    for shard in shards:
+      key = repr(shard.index)
+      data = np.asarray(shard.data)
+      if key in by_index and not np.array_equal(by_index[key], data, equal_nan=True):
+        bad.append(jax.tree_util.keystr(path))
+        break
+      by_index.setdefault(key, data)
+  return bad

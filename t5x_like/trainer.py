@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -479,6 +480,26 @@ class Trainer:
       self.report_spike(spike, progress.iteration)
     return state
 
+  def check_replicas(self, state: TrainState, iteration: int) -> list[str]:
+    """runtime.replica_check_interval: the replicated arrays whose copies on this process's
+    devices differ (the chronicles' LayerNorm weights that drifted apart across tensor ranks,
+    found weeks later). One SPMD program updates every copy alike, so this should never find one;
+    the check makes that a measured fact of the run, not an assumption."""
+    drifted = partitioning.replica_mismatches(state)
+    devices = sum(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
+    if drifted:
+      message = (f'> replica check at iteration {iteration}: the copies of {", ".join(drifted)} '
+                 f'differ across devices. Resume from the last checkpoint (a restore reads one '
+                 'copy) and report it with this log')
+      self.writer.info(message)
+      if not self.is_writer:
+        print(message, file=sys.stderr, flush=True)
+    else:
+      self.writer.info(f'> replica check at iteration {iteration}: every replicated array of the '
+                       f'params and optimizer state is identical on this process\'s {devices} '
+                       'devices')
+    return drifted
+
   def report_spike(self, message: str, iteration: int) -> None:
     """Logs a spike with what a user needs next: the checkpoint from before it, kept past the
     keep policy, and the command that shows the batch it trained on."""
@@ -543,6 +564,9 @@ class Trainer:
         self.skip_iteration(progress, total)
       else:
         state = self.train_iteration(state, progress, total)
+        replica_every = cfg.runtime.replica_check_interval
+        if replica_every and progress.iteration % replica_every == 0:
+          self.check_replicas(state, progress.iteration)
       if self.checkpointer.should_save(progress.iteration):
         self.save_checkpoint(state, progress)
       if evaluate_every and progress.iteration % evaluate_every == 0:

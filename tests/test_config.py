@@ -41,6 +41,7 @@ def test_overrides_on_both_front_ends_agree():
     (['--config.mesh.pipeline=2', '--config.mesh.data=1', '--config.train.global_batch_size=4'],
      'fewer than the 2 pipeline stages'),
     (['--config.train.steps=0'], 'set train.steps'),
+    (['--config.runtime.replica_check_interval=-1'], 'replica_check_interval must be >= 0'),
     (['--config.model.dtype=float16'], 'needs dynamic loss scaling'),
     (['--config.train.train_samples=8'], 'train.train_samples (8) is less than one global batch'),
     (['--config.checkpoint.init_from=/no/such/ckpt'], 'is not a directory'),
@@ -172,4 +173,4 @@ def test_cluster_configs_guard_against_hangs_and_the_job_time_limit():
     cfg = load_config_file(cfg_path(name))
     assert cfg.runtime.hang_timeout_mins > 0, name
     assert 0 < cfg.runtime.exit_duration_mins < 20 * 60, name
-    assert cfg.eval.interval > 0, name
+    assert cfg.eval.interval > 0 and cfg.runtime.replica_check_interval > 0, name

@@ -80,3 +80,15 @@ def test_cross_entropy_never_gathers_the_vocabulary():
   gathers = [line for line in hlo.splitlines() if re.search(r'= \S+\[[^\]]*\] all-gather', line)]
   full_vocab = [g for g in gathers if re.search(rf'\[[^\]]*\b{vocab}\b[^\]]*\] all-gather', g)]
   assert not full_vocab, full_vocab[:3]
+
+
+def test_replica_check_finds_a_drifted_layernorm():
+  """What tensor-parallel drift looks like: the copies of a replicated array differ."""
+  mesh = partitioning.make_mesh(1, 1, 4)
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  copies = [jax.device_put(np.full(8, 1.0 + (i == 3) * 1e-3, np.float32), d)
+            for i, d in enumerate(mesh.devices.flat)]
+  drifted = jax.make_array_from_single_device_arrays((8,), sharding, copies)
+  same = jax.device_put(np.ones(8, np.float32), sharding)
+  assert partitioning.replica_mismatches({'ln': {'scale': drifted, 'bias': same}}) == [
+      "['ln']['scale']"]

@@ -36,6 +36,7 @@ def corpus_config(**sections) -> Config:
       'optimizer': dict(lr=2e-3, min_lr=2e-4, warmup_samples=16, decay_samples=400),
       'mesh': dict(data=2, pipeline=1, tensor=2),
       'checkpoint': dict(save_interval=3),
+      'runtime': dict(replica_check_interval=3),
   }, sections)
 
 
@@ -64,6 +65,10 @@ def test_run_writes_log_lines_metrics_config_and_checkpoints(six_steps):
   lines = [m.groups() for m in LOG_LINE.finditer(log)]
   assert [int(g[0]) for g in lines] == [1, 2, 3, 4, 5, 6] and lines[0][1] == '6'
   assert 'matmul probe' in log  # the log says where the CPU MFU reference comes from
+  # LayerNorms, biases and (ZeRO-1) params are replicated over `tensor` on this data=2 x tensor=2
+  # mesh: their copies are compared at iterations 3 and 6.
+  assert re.findall(r'> replica check at iteration (\d+): every replicated array of the params '
+                    r"and optimizer state is identical on this process's 4 devices", log) == ['3', '6']
   with open(os.path.join(workdir, 'config.json')) as f:
     assert Config.from_dict(json.load(f)) == corpus_config()
   assert checkpoints.available_steps(os.path.join(workdir, 'checkpoints')) == [3, 6]
@@ -367,3 +372,18 @@ def test_a_spike_keeps_the_checkpoint_before_it_through_later_saves_and_restarts
   Trainer(corpus_config(train=dict(steps=12), checkpoint=dict(save_interval=2, max_to_keep=1)),
           workdir).run()
   assert checkpoints.available_steps(root) == [4, 12]
+
+
+def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
+  trainer = Trainer(corpus_config(), str(tmp_path))  # nothing trains
+  mesh = trainer.mesh
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  copies = [jax.device_put(np.full(4, 1.0 + (i == 2) * 1e-6, np.float32), d)
+            for i, d in enumerate(mesh.devices.flat)]
+  drifted = jax.make_array_from_single_device_arrays((4,), replicated, copies)
+  same = jax.device_put(np.ones(4, np.float32), replicated)
+  assert trainer.check_replicas({'final_ln': {'scale': drifted, 'bias': same}}, 7) == [
+      "['final_ln']['scale']"]
+  with open(trainer.writer.log_path) as f:
+    assert ("> replica check at iteration 7: the copies of ['final_ln']['scale'] differ across "
+            'devices. Resume from the last checkpoint') in f.read()
