@@ -4,14 +4,19 @@ metrics.SpikeWatch: a loss or grad-norm spike is reported in its first iteration
 from t5x_like import metrics
 
 
-def feed(watch, times, first_iteration, gbs=16):
-  """The messages `add` returns for consecutive iterations, keyed by iteration."""
+def messages(add, points, first_iteration):
+  """What `add(iteration, *point)` returns for consecutive iterations, keyed by iteration."""
   out = {}
-  for i, seconds in enumerate(times):
-    message = watch.add(first_iteration + i, gbs, seconds)
+  for i, point in enumerate(points):
+    message = add(first_iteration + i, *point)
     if message:
       out[first_iteration + i] = message
   return out
+
+
+def feed(watch, times, first_iteration, gbs=16):
+  """ThroughputWatch's messages for step times of consecutive iterations."""
+  return messages(lambda it, s: watch.add(it, gbs, s), [(t,) for t in times], first_iteration)
 
 
 def test_a_lasting_slowdown_is_reported_once_and_again_only_after_a_recovery():
@@ -42,13 +47,8 @@ def test_each_global_batch_size_has_its_own_baseline():
 
 
 def spikes(watch, points, first_iteration):
-  """The messages SpikeWatch.add returns for consecutive (loss, grad norm) points."""
-  out = {}
-  for i, (loss, grad_norm) in enumerate(points):
-    message = watch.add(first_iteration + i, loss, grad_norm)
-    if message:
-      out[first_iteration + i] = message
-  return out
+  """SpikeWatch's messages for (loss, grad norm) points of consecutive iterations."""
+  return messages(watch.add, points, first_iteration)
 
 
 def test_a_spike_is_reported_in_its_first_iteration_and_a_new_level_is_not_a_spike():
