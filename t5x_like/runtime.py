@@ -141,6 +141,11 @@ class StopConditions:
             'minutes used')
 
 
+# A job's first iteration may take this many hang timeouts (communicator set-up, first-touch
+# allocation) before the watchdog calls it a hang.
+FIRST_ITERATION_GRACE = 10.0
+
+
 class Watchdog:
   """Turns a hang into an exit that says where every thread was.
 
@@ -160,6 +165,7 @@ class Watchdog:
     self.timeout_s = timeout_s
     self.log_path = log_path
     self._last_beat = _now()
+    self._allowed_s = timeout_s  # of silence after the last beat (see `beat`'s grace)
     self._what = 'starting'
     self._armed = False
     self._suspended = 0
@@ -177,11 +183,18 @@ class Watchdog:
     self._stop.set()
     faulthandler.unregister(signal.SIGUSR2)
 
-  def beat(self, what: str) -> None:
-    """Progress was made; the next step is `what` (named in the message if it hangs)."""
+  def beat(self, what: str, grace: float = 1.0) -> None:
+    """Progress was made; the next step is `what` (named in the message if it hangs), allowed
+    `grace` x the timeout (a job's first iteration sets up the collectives' communicators:
+    NCCL's take minutes on hundreds of GPUs)."""
     self._what = what
+    self._allowed_s = self.timeout_s * grace
     self._last_beat = _now()
     self._armed = True
+
+  def overdue(self) -> bool:
+    """Whether the silence since the last beat is longer than that beat allows."""
+    return self._armed and not self._suspended and _now() - self._last_beat > self._allowed_s
 
   @contextlib.contextmanager
   def suspended(self):
@@ -194,12 +207,15 @@ class Watchdog:
 
   def _watch(self) -> None:
     while not self._stop.wait(min(self.CHECK_EVERY_S, self.timeout_s / 4)):
-      if self._armed and not self._suspended and _now() - self._last_beat > self.timeout_s:
+      if self.overdue():
         self._report_and_exit()
 
   def _report_and_exit(self) -> None:
+    grace = self._allowed_s / self.timeout_s
+    allowed = f'runtime.hang_timeout_mins={self.timeout_s / 60:g}' + (
+        f' x {grace:g} for this step' if grace != 1 else '')
     message = (f'> hang: no progress for {(_now() - self._last_beat) / 60:.2f} minutes '
-               f'(runtime.hang_timeout_mins={self.timeout_s / 60:g}) while {self._what}; the '
+               f'({allowed}) while {self._what}; the '
                f'Python stack of every thread follows; exit code {int(ExitCode.HUNG)} '
                f'(HUNG): resubmit to resume from the last checkpoint\n')
     outputs = [sys.stderr]

@@ -554,7 +554,10 @@ class Trainer:
       self.eval_step_for(cfg.train.global_batch_size_at(progress.consumed_samples))
     last_evaluated = None
     while progress.iteration < total:
-      self.watchdog.beat(f'in iteration {progress.iteration + 1}')
+      # The job's first step also sets up the communicators of its collectives: more time.
+      self.watchdog.beat(f'in iteration {progress.iteration + 1}',
+                         grace=runtime.FIRST_ITERATION_GRACE
+                         if progress.iteration == start_iteration else 1.0)
       self.stop_reason = stop.poll()
       if self.stop_reason is not None:
         self.writer.info(f'> stopping at iteration {progress.iteration}: '
