@@ -134,12 +134,17 @@ class TrainConfig:
     iterations += (self.train_samples - consumed) // self.global_batch_size
     return min(self.steps, iterations) if self.steps else iterations
 
-  def total_samples(self) -> int:
-    """Samples the whole run consumes, following the batch ramp-up."""
+  def consumed_samples_after(self, iterations: int) -> int:
+    """Samples consumed by the first `iterations` iterations, following the batch ramp-up (the
+    global index of iteration `iterations + 1`'s first sample)."""
     consumed = 0
-    for _ in range(self.total_iterations()):
+    for _ in range(iterations):
       consumed += self.global_batch_size_at(consumed)
     return consumed
+
+  def total_samples(self) -> int:
+    """Samples the whole run consumes, following the batch ramp-up."""
+    return self.consumed_samples_after(self.total_iterations())
 
   def ramp_batch_sizes(self) -> list[int]:
     """Every global batch size the run will use."""

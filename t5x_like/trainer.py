@@ -11,7 +11,6 @@ including its step count, unchanged) and counted.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time

@@ -56,9 +56,7 @@ def run_config(workdir: str) -> tuple[Config, int]:
 
 def first_sample_of(cfg: Config, iteration: int) -> tuple[int, int]:
   """(global index of the first sample, global batch size) of iteration `iteration` (1-based)."""
-  consumed = 0
-  for _ in range(iteration - 1):
-    consumed += cfg.train.global_batch_size_at(consumed)
+  consumed = cfg.train.consumed_samples_after(iteration - 1)
   return consumed, cfg.train.global_batch_size_at(consumed)
 
 
