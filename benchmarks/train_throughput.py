@@ -49,6 +49,7 @@ matmul probe also measured per CPU-second.
 from __future__ import annotations
 
 import argparse
+import inspect
 import datetime
 import json
 import os
@@ -212,6 +213,7 @@ def worker_jax(args: argparse.Namespace) -> dict:
   layout = make_layout(cfg, mesh)
   batch_sharding = NamedSharding(mesh, P(None, 'data', None))
   host_batch = random_batch(cfg)
+  gbs = cfg.train.global_batch_size
   start = time.perf_counter()
   if hasattr(trainer, 'lower_train_step'):  # What Trainer.compile compiles.
     lowered = trainer.lower_train_step(cfg, layout, cfg.num_microbatches)
@@ -225,13 +227,22 @@ def worker_jax(args: argparse.Namespace) -> dict:
     lowered = step.lower(layout.abstract, abstract_batch, scalar, scalar)
   compiled = lowered.compile()
   compile_s = time.perf_counter() - start
+  # The step's third argument: the learning rate since the curriculum change (computed on the
+  # host), the consumed samples before it (older revisions, measured for A/B runs).
+  takes_lr = 'seq_len' in inspect.signature(getattr(trainer, 'lower_train_step', len)).parameters
+
+  def schedule_arg(i: int):
+    if takes_lr:
+      from t5x_like import optim
+      return jnp.float32(optim.learning_rate(cfg.optimizer, i * gbs))
+    return jnp.int32(i * gbs)
+
   state = layout.init(cfg.train.seed)
   batch = jax.device_put(host_batch, batch_sharding)
-  gbs = cfg.train.global_batch_size
   times, losses, cpu_s = [], [], 0.0
   for i in range(WARMUP + args.steps):
     cpu_start, start = _cpu_time(), time.perf_counter()
-    state, stats = compiled(state, batch, jnp.int32(i * gbs), jnp.int32(i))
+    state, stats = compiled(state, batch, schedule_arg(i), jnp.int32(i))
     stats = jax.device_get(stats)
     elapsed = time.perf_counter() - start
     losses.append(float(stats['lm_loss']))
@@ -243,7 +254,7 @@ def worker_jax(args: argparse.Namespace) -> dict:
   out = {'compile_s': compile_s, 'losses': losses, 'num_params': cfg.model.num_params(),
          **_summary(times, cpu_s, cfg)}
   if args.profile:
-    state, out['profile'] = jax_profile(compiled, state, batch, gbs)
+    state, out['profile'] = jax_profile(compiled, state, batch, gbs, schedule_arg(0))
   if args.breakdown:
     del state
     out['breakdown'] = jax_breakdown(cfg, layout, host_batch, args.steps)
@@ -277,7 +288,7 @@ def _profile_category(meta: str) -> str:
   return 'optimizer, clipping, grad accumulation'
 
 
-def jax_profile(compiled, state, batch, gbs: int):
+def jax_profile(compiled, state, batch, gbs: int, schedule_arg):
   """Traces one step with jax.profiler and splits the XLA ops' time into categories.
 
   Times are summed over the ops' trace events (both threads), so the shares are of op time, not of
@@ -299,7 +310,7 @@ def jax_profile(compiled, state, batch, gbs: int):
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp, create_perfetto_trace=True):
       start = time.perf_counter()
-      state, stats = compiled(state, batch, jnp.int32(0), jnp.int32(10**6))
+      state, stats = compiled(state, batch, schedule_arg, jnp.int32(10**6))
       jax.device_get(stats)
       wall = time.perf_counter() - start
     with gzip.open(glob.glob(f'{tmp}/**/perfetto_trace.json.gz', recursive=True)[0]) as f:

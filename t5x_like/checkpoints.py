@@ -47,7 +47,8 @@ TMP_MARKER = '.orbax-checkpoint-tmp'  # in the name of a step directory still be
 SHAPE_FIELDS = ('architecture', 'num_layers', 'hidden_size', 'num_heads', 'ffn_size',
                 'vocab_size', 'max_position_embeddings')
 # Megatron's AnnealingLR checks these against the checkpoint's unless --override-lr-scheduler.
-LR_SCHEDULE_FIELDS = ('lr', 'min_lr', 'warmup_samples', 'decay_samples', 'decay_style')
+LR_SCHEDULE_FIELDS = ('lr', 'min_lr', 'warmup_samples', 'decay_samples', 'decay_style',
+                      'decay_tokens')
 
 
 class CheckpointError(RuntimeError):
@@ -175,6 +176,12 @@ def lr_schedule(cfg: Config) -> dict[str, Any]:
   return {k: getattr(cfg.optimizer, k) for k in LR_SCHEDULE_FIELDS}
 
 
+def saved_lr_schedule(meta: dict[str, Any]) -> dict[str, Any]:
+  """The schedule a checkpoint was trained with; a field newer than the checkpoint had its
+  default value then."""
+  return {**lr_schedule(Config()), **meta['lr_schedule']}
+
+
 def make_meta(cfg: Config, progress: Progress, data_seed: int,
               adam_count_base: dict[str, int],
               software: dict[str, Any] | None = None,
@@ -212,9 +219,9 @@ def expected_adam_count(progress: Progress, meta: dict[str, Any]) -> int:
 
 def check_lr_schedule(saved_meta: dict[str, Any], cfg: Config, what: str) -> None:
   """Megatron's AnnealingLR check: a schedule that differs from the checkpoint's is an error."""
-  saved = saved_meta['lr_schedule']
+  saved = saved_lr_schedule(saved_meta)
   diffs = [f'optimizer.{k}: checkpoint {saved[k]!r} vs config {getattr(cfg.optimizer, k)!r}'
-           for k in LR_SCHEDULE_FIELDS if saved.get(k) != getattr(cfg.optimizer, k)]
+           for k in LR_SCHEDULE_FIELDS if saved[k] != getattr(cfg.optimizer, k)]
   if diffs and not cfg.checkpoint.override_lr_scheduler:
     raise ConfigError(f'the learning-rate schedule differs from {what}: ' + '; '.join(diffs) +
                       ". Set checkpoint.override_lr_scheduler=True to train with the config's "

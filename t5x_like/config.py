@@ -166,6 +166,38 @@ class OptimizerConfig:
   warmup_samples: int = 0
   decay_samples: int = 0  # Samples at which the decay reaches min_lr; 0 means no decay.
   decay_style: Literal['cosine', 'linear', 'constant'] = 'cosine'
+  # Megatron's --lr-decay-tokens: > 0 decays by consumed tokens instead of samples, from the
+  # tokens consumed when the (sample-based) warm-up ends to this many (the curriculum runs of
+  # tr8b, whose early iterations hold fewer tokens per sample). 0: decay by samples.
+  decay_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CurriculumConfig:
+  """Sequence-length curriculum (DeepSpeed's `curriculum_type: seqlen`, tr8b's runs): iteration
+  n trains on the first `seq_len_at(n)` tokens of each sample, rising from min_seq_len to
+  train.seq_len over total_iterations; evaluation always uses the full length."""
+  min_seq_len: int = 0  # DeepSpeed's min_difficulty; 0: no curriculum.
+  total_iterations: int = 0  # total_curriculum_step: iterations until train.seq_len.
+  difficulty_step: int = 8  # Every length is a multiple of this (tensor-core shapes).
+  # 'fixed_linear', or 'fixed_root': the length follows (n / total_iterations) ** (1/root_degree).
+  schedule: Literal['fixed_linear', 'fixed_root'] = 'fixed_linear'
+  root_degree: int = 2  # fixed_root only.
+
+  @property
+  def enabled(self) -> bool:
+    return self.min_seq_len > 0
+
+  def seq_len_at(self, iteration: int, max_seq_len: int) -> int:
+    """DeepSpeed's fixed_linear/fixed_root difficulty for global step `iteration` (1-based, as
+    Megatron-DeepSpeed asks for `iteration + 1` before each step): floor(min + (max - min) *
+    (n / total) ** (1 / degree)), rounded down to a multiple of difficulty_step, at most max."""
+    if not self.enabled:
+      return max_seq_len
+    degree = 1 if self.schedule == 'fixed_linear' else self.root_degree
+    progress = min(1.0, iteration / self.total_iterations) ** (1.0 / degree)
+    length = math.floor(progress * (max_seq_len - self.min_seq_len) + self.min_seq_len)
+    return min(max_seq_len, length - length % self.difficulty_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,12 +272,19 @@ class RuntimeConfig:
   # Every this many iterations, compare the copies that devices hold of each replicated array
   # (LayerNorms and biases across tensor ranks, ...) and log the result; 0: never.
   replica_check_interval: int = 0
+  # Loss-spike report (metrics.SpikeWatch): an lm loss more than spike_loss_threshold (a fraction)
+  # above the median of the previous spike_window iterations, or a grad norm above
+  # spike_grad_factor times theirs; 0 turns that check off.
+  spike_window: int = 50
+  spike_loss_threshold: float = 0.15
+  spike_grad_factor: float = 4.0
 
 
 SECTIONS = {
     'model': ModelConfig,
     'train': TrainConfig,
     'optimizer': OptimizerConfig,
+    'curriculum': CurriculumConfig,
     'data': DataConfig,
     'eval': EvalConfig,
     'mesh': MeshConfig,
@@ -260,6 +299,7 @@ class Config:
   model: ModelConfig = ModelConfig()
   train: TrainConfig = TrainConfig()
   optimizer: OptimizerConfig = OptimizerConfig()
+  curriculum: CurriculumConfig = CurriculumConfig()
   data: DataConfig = DataConfig()
   eval: EvalConfig = EvalConfig()
   mesh: MeshConfig = MeshConfig()
@@ -277,6 +317,41 @@ class Config:
   @property
   def padded_vocab_size(self) -> int:
     return self.model.padded_vocab_size(self.mesh.tensor)
+
+  def seq_len_at(self, iteration: int) -> int:
+    """Tokens per sample that iteration `iteration` (1-based) trains on."""
+    return self.curriculum.seq_len_at(iteration, self.train.seq_len)
+
+  def seq_lens(self) -> list[int]:
+    """Every training sequence length of the run, in order (one compiled step each)."""
+    if not self.curriculum.enabled:
+      return [self.train.seq_len]
+    last = min(self.curriculum.total_iterations, self.train.total_iterations())
+    return sorted({self.seq_len_at(n) for n in range(1, last + 1)})
+
+  def consumed_tokens_after(self, iterations: int) -> int:
+    """Tokens the first `iterations` iterations consume (batch ramp-up and curriculum)."""
+    samples = tokens = 0
+    for n in range(1, iterations + 1):
+      gbs = self.train.global_batch_size_at(samples)
+      samples += gbs
+      tokens += gbs * self.seq_len_at(n)
+    return tokens
+
+  def warmup_end_tokens(self) -> int:
+    """Tokens consumed when the learning-rate warm-up ends: the first iteration boundary at
+    which optimizer.warmup_samples samples are consumed. optimizer.decay_tokens counts from here.
+
+    Megatron records this once, only if an iteration ends exactly on warmup_samples; otherwise
+    its token decay counts from token 0 and the learning rate drops at the end of the warm-up.
+    Here it is a pure function of the config, so it is the same after any restart."""
+    samples = tokens = n = 0
+    while samples < self.optimizer.warmup_samples:
+      n += 1
+      gbs = self.train.global_batch_size_at(samples)
+      samples += gbs
+      tokens += gbs * self.seq_len_at(n)
+    return tokens
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -430,12 +505,25 @@ class Config:
     need(o.decay_samples == 0 or o.decay_samples > o.warmup_samples,
          f'optimizer.decay_samples ({o.decay_samples}) must exceed optimizer.warmup_samples '
          f'({o.warmup_samples}), or be 0 for no decay')
+    need(o.decay_tokens >= 0, f'optimizer.decay_tokens must be >= 0 (0: decay by samples), got '
+         f'{o.decay_tokens}')
+    if o.decay_tokens:
+      warmup_tokens = self.warmup_end_tokens()
+      need(o.decay_tokens > warmup_tokens,
+           f'optimizer.decay_tokens ({o.decay_tokens}) must exceed the {warmup_tokens} tokens '
+           f'consumed by the end of the warm-up (optimizer.warmup_samples={o.warmup_samples})')
+    _validate_curriculum(self)
     need(self.checkpoint.save_interval >= 0, 'checkpoint.save_interval must be >= 0')
     need(self.checkpoint.max_to_keep >= 1,
          f'checkpoint.max_to_keep must be >= 1, got {self.checkpoint.max_to_keep}')
     need(self.checkpoint.keep_period >= 0,
          f'checkpoint.keep_period must be >= 0 (0 keeps no extra steps), got '
          f'{self.checkpoint.keep_period}')
+    need(self.runtime.spike_window >= 1 and self.runtime.spike_loss_threshold >= 0 and
+         self.runtime.spike_grad_factor >= 0,
+         f'runtime.spike_window must be >= 1, runtime.spike_loss_threshold and '
+         f'runtime.spike_grad_factor >= 0 (0: that check off); got {self.runtime.spike_window}, '
+         f'{self.runtime.spike_loss_threshold}, {self.runtime.spike_grad_factor}')
     need(self.runtime.hang_timeout_mins >= 0,
          f'runtime.hang_timeout_mins must be >= 0 (0: no watchdog), got '
          f'{self.runtime.hang_timeout_mins}')
@@ -462,6 +550,31 @@ def _without_retired_keys(raw: dict[str, Any]) -> dict[str, Any]:
     if isinstance(values, dict) and key in values and values[key] == only_value:
       raw[section] = {k: v for k, v in values.items() if k != key}
   return raw
+
+
+def _validate_curriculum(cfg: Config) -> None:
+  c, seq = cfg.curriculum, cfg.train.seq_len
+  if not c.enabled:
+    if c.min_seq_len < 0:
+      raise ConfigError(f'curriculum.min_seq_len must be >= 0 (0: no curriculum), got '
+                        f'{c.min_seq_len}')
+    return
+  fix = 'set curriculum.min_seq_len=0 for no curriculum'
+  if c.difficulty_step < 1 or c.total_iterations < 1:
+    raise ConfigError(f'curriculum.difficulty_step ({c.difficulty_step}) and curriculum.'
+                      f'total_iterations ({c.total_iterations}) must be >= 1; {fix}')
+  if c.schedule not in ('fixed_linear', 'fixed_root') or c.root_degree < 1:
+    raise ConfigError(f"curriculum.schedule must be 'fixed_linear' or 'fixed_root' with "
+                      f'curriculum.root_degree >= 1, got {c.schedule!r}, {c.root_degree}')
+  if c.min_seq_len % c.difficulty_step or seq % c.difficulty_step:
+    # DeepSpeed rounds every length down to the step: a train.seq_len off the step is never
+    # reached, and a min_seq_len below it starts at length 0.
+    raise ConfigError(f'curriculum.min_seq_len ({c.min_seq_len}) and train.seq_len ({seq}) must '
+                      f'be multiples of curriculum.difficulty_step ({c.difficulty_step}), or the '
+                      'schedule would never reach train.seq_len; change one of them')
+  if c.min_seq_len >= seq:
+    raise ConfigError(f'curriculum.min_seq_len ({c.min_seq_len}) must be below train.seq_len '
+                      f'({seq}), where the curriculum ends; {fix}')
 
 
 def _validate_data(cfg: Config) -> None:

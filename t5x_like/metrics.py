@@ -79,7 +79,9 @@ def log_line(r: dict, total_iterations: int) -> str:
           f" global batch size: {r['global_batch_size']:5d} |"
           f" lm loss: {r['lm_loss']:.6E} |"
           f" grad norm: {r['grad_norm']:.3f} |"
-          f" num zeros: {r['num_zeros']:.1f} |"
+          f" num zeros: {r['num_zeros']:.1f} |" +
+          (f" curriculum seqlen: {r['curriculum_seq_len']:5d} |"
+           if 'curriculum_seq_len' in r else '') +
           f" number of skipped iterations: {r['skipped_iterations']:3d} |"
           f" number of nan iterations: {r['nan_iterations']:3d} |"
           f" samples per second: {r['samples_per_sec']:.3f} |"
@@ -114,34 +116,40 @@ class ThroughputWatch:
 
   def __init__(self, window: int = 20, threshold: float = 0.05, warmup: int = 3):
     self.window, self.threshold, self.warmup = window, threshold, warmup
-    self._times: dict[int, list[float]] = {}
-    self._baseline: dict[int, tuple[float, int, int]] = {}  # gbs -> (median, first, last)
-    self._warned: set[int] = set()
+    self._times: dict[tuple[int, int], list[float]] = {}
+    # (gbs, seq_len) -> (median, first, last)
+    self._baseline: dict[tuple[int, int], tuple[float, int, int]] = {}
+    self._warned: set[tuple[int, int]] = set()
 
-  def add(self, iteration: int, global_batch_size: int, seconds: float) -> str | None:
-    times = self._times.setdefault(global_batch_size, [])
+  def add(self, iteration: int, global_batch_size: int, seconds: float,
+          seq_len: int = 0) -> str | None:
+    """`seq_len`: the curriculum's length of this iteration (0 without a curriculum); each
+    (global batch size, length) has its own baseline."""
+    key = (global_batch_size, seq_len)
+    times = self._times.setdefault(key, [])
     times.append(seconds)
-    if global_batch_size not in self._baseline:
+    if key not in self._baseline:
       if len(times) == self.warmup + self.window:
         first = iteration - self.window + 1
-        self._baseline[global_batch_size] = (statistics.median(times[self.warmup:]), first,
-                                             iteration)
+        self._baseline[key] = (statistics.median(times[self.warmup:]), first, iteration)
         del times[:-self.window]
       return None
     del times[:-self.window]
     if len(times) < self.window:
       return None
-    base, first, last = self._baseline[global_batch_size]
+    base, first, last = self._baseline[key]
     recent = statistics.median(times)
     slower = recent / base - 1.0
-    if slower > self.threshold and global_batch_size not in self._warned:
-      self._warned.add(global_batch_size)
+    if slower > self.threshold and key not in self._warned:
+      self._warned.add(key)
+      length = f', sequence length {seq_len}' if seq_len else ''
       return (f'> throughput: the median step time of iterations {iteration - self.window + 1}-'
               f'{iteration} is {recent:.3g} s, {slower:.1%} above this run\'s {base:.3g} s '
-              f'(iterations {first}-{last}, global batch size {global_batch_size}). If it stays, '
-              'look for a slow device: python -m t5x_like.devices on the job\'s nodes (README)')
+              f'(iterations {first}-{last}, global batch size {global_batch_size}{length}). If '
+              'it stays, look for a slow device: python -m t5x_like.devices on the job\'s nodes '
+              '(README)')
     if slower < self.threshold / 2:
-      self._warned.discard(global_batch_size)
+      self._warned.discard(key)
     return None
 
 
@@ -154,7 +162,8 @@ class SpikeWatch:
   finite iterations, or a grad norm above `grad_factor` times theirs; no spike is reported before
   `window` iterations of this job (the early fall of the loss and the warm-up's grad norms are
   not spikes). `add` returns a message at the first iteration of a spike and again only after an
-  iteration without one. Non-finite iterations are counted elsewhere (nan iterations).
+  iteration without one. Non-finite iterations are counted elsewhere (nan iterations). A
+  threshold of 0 turns its check off (`runtime.spike_*`).
   """
 
   def __init__(self, window: int = 50, loss_threshold: float = 0.15, grad_factor: float = 4.0):
@@ -170,10 +179,10 @@ class SpikeWatch:
     if len(self._losses) >= self.window:
       loss_median = statistics.median(self._losses)
       grad_median = statistics.median(self._grad_norms)
-      if lm_loss > loss_median * (1 + self.loss_threshold):
+      if self.loss_threshold and lm_loss > loss_median * (1 + self.loss_threshold):
         reasons.append(f'lm loss {lm_loss:.4f} is {lm_loss / loss_median - 1:.0%} above the '
                        f'median {loss_median:.4f}')
-      if grad_norm > grad_median * self.grad_factor:
+      if self.grad_factor and grad_norm > grad_median * self.grad_factor:
         reasons.append(f'grad norm {grad_norm:.3f} is {grad_norm / grad_median:.1f}x the median '
                        f'{grad_median:.3f}')
     # The spike joins the window: if the loss stays there, it is the new level, not a spike.
@@ -205,12 +214,13 @@ def tensorboard_scalars(record: dict) -> list[tuple[str, float, int]]:
       ('num-zeros/num-zeros', 'num_zeros'),
       ('consumed/samples', 'consumed_samples'),
       ('consumed/tokens', 'consumed_tokens'),
+      ('seqlen/curriculum_seqlen', 'curriculum_seq_len'),
       ('iteration-time/iteration-time', 'step_time_s'),
       ('iteration-time/samples_per_second', 'samples_per_sec'),
       ('iteration-time/TFLOPs_per_device', 'tflops'),
       ('iteration-time/MFU', 'mfu'),
       ('skipped/skipped_iterations', 'skipped_iterations'),
-      ('skipped/nan_iterations', 'nan_iterations'))]
+      ('skipped/nan_iterations', 'nan_iterations')) if key in record]
 
 
 def tensorboard_eval_scalars(record: dict) -> list[tuple[str, float, int]]:

@@ -1,7 +1,7 @@
 """AdamW, Megatron-style: sample-based learning rate, decay mask, pre-clip norm.
 
-The learning rate is a pure function of consumed samples (not of the optimizer step), so it is the
-same after any restart, batch-size ramp or skipped iteration. The Adam step count lives inside the
+The learning rate is a pure function of consumed samples (and tokens, with token-based decay), not
+of the optimizer step, so it is the same after any restart, batch-size ramp or skipped iteration. The Adam step count lives inside the
 optax state (`ScaleByAdamState.count`) and is saved with it: the bias-correction spike on every
 resume that the 104B run suffered cannot happen.
 """
@@ -17,29 +17,37 @@ import optax
 from t5x_like.config import OptimizerConfig
 
 
-def learning_rate(cfg: OptimizerConfig, consumed_samples: jax.Array | int) -> jax.Array:
+def learning_rate(cfg: OptimizerConfig, consumed_samples: int, consumed_tokens: int = 0,
+                  warmup_end_tokens: int = 0) -> float:
   """Linear warm-up from 0 over warmup_samples, then decay to min_lr at decay_samples, then flat.
 
   Megatron's AnnealingLR in samples: during warm-up lr = lr * consumed / warmup; after it the decay
   ratio is (consumed - warmup) / (decay - warmup), and lr = min_lr + (lr - min_lr) * coeff with
-  coeff = 0.5 * (cos(pi * ratio) + 1) for cosine, 1 - ratio for linear, 1 for constant.
+  coeff = 0.5 * (cos(pi * ratio) + 1) for cosine, 1 - ratio for linear, 1 for constant. With
+  decay_tokens (--lr-decay-tokens) the ratio counts tokens instead: (consumed_tokens -
+  warmup_end_tokens) / (decay_tokens - warmup_end_tokens), warmup_end_tokens being
+  `Config.warmup_end_tokens()`.
+
+  Computed on the host in float64 and passed to the step: token counts pass 2^31 (tr11 consumed
+  450B tokens), which an int32 or float32 argument would not hold exactly.
   """
-  consumed = jnp.asarray(consumed_samples, jnp.float32)
-  warmup = float(cfg.warmup_samples)
-  if warmup > 0:
-    warm_lr = cfg.lr * consumed / warmup
+  warmup = cfg.warmup_samples
+  if consumed_samples < warmup:
+    return cfg.lr * consumed_samples / warmup
+  if cfg.decay_style == 'constant':
+    return cfg.lr
+  if cfg.decay_tokens > 0:
+    ratio = (consumed_tokens - warmup_end_tokens) / (cfg.decay_tokens - warmup_end_tokens)
+  elif cfg.decay_samples > 0:
+    ratio = (consumed_samples - warmup) / (cfg.decay_samples - warmup)
   else:
-    warm_lr = jnp.float32(cfg.lr)
-  if cfg.decay_samples <= 0 or cfg.decay_style == 'constant':
-    decayed = jnp.float32(cfg.lr)
+    return cfg.lr
+  ratio = min(1.0, max(0.0, ratio))
+  if cfg.decay_style == 'cosine':
+    coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
   else:
-    ratio = jnp.clip((consumed - warmup) / (cfg.decay_samples - warmup), 0.0, 1.0)
-    if cfg.decay_style == 'cosine':
-      coeff = 0.5 * (jnp.cos(math.pi * ratio) + 1.0)
-    else:
-      coeff = 1.0 - ratio
-    decayed = cfg.min_lr + (cfg.lr - cfg.min_lr) * coeff
-  return jnp.where(consumed < warmup, warm_lr, decayed).astype(jnp.float32)
+    coeff = 1.0 - ratio
+  return cfg.min_lr + (cfg.lr - cfg.min_lr) * coeff
 
 
 def decay_mask(params) -> dict:

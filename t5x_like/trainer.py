@@ -3,8 +3,10 @@
 Per iteration: the global batch (a pure function of seed and consumed samples) is split into
 `num_microbatches` micro-batches of `micro_batch_size x data` rows; gradients are accumulated over
 them in fp32 in the ZeRO (data-split) layout, clipped at a global norm (the pre-clip norm is
-logged), and AdamW updates the fp32 master params with a learning rate computed from the consumed
-samples. An iteration whose loss or gradient norm is not finite is skipped (params and Adam state,
+logged), and AdamW updates the fp32 master params with a learning rate computed on the host from
+the consumed samples (or tokens). With a sequence-length curriculum (`curriculum.*`) each
+iteration trains on the first `Config.seq_len_at(iteration)` tokens of its samples; the step is
+compiled once per (micro-batch count, length). An iteration whose loss or gradient norm is not finite is skipped (params and Adam state,
 including its step count, unchanged) and counted.
 """
 
@@ -46,7 +48,8 @@ def _gathered_params(params, layout: StateLayout):
 
 
 def make_train_step(cfg: Config, layout: StateLayout):
-  """The pure step function: (state, batch [M, rows, S+1], consumed, iteration) -> (state, stats)."""
+  """The pure step function: (state, batch [M, rows, S+1], learning rate, iteration) ->
+  (state, stats); the learning rate is `optim.learning_rate`'s, a float32 scalar."""
   model, optimizer = layout.model, layout.optimizer
   dtype = jnp.dtype(cfg.model.dtype)
   zero_shardings = layout.shardings.params
@@ -88,12 +91,11 @@ def make_train_step(cfg: Config, layout: StateLayout):
   loss_and_grads = (pipelined_loss_and_grads if cfg.mesh.pipeline > 1
                     else accumulated_loss_and_grads)
 
-  def step(state: TrainState, batch, consumed_samples, iteration):
+  def step(state: TrainState, batch, lr, iteration):
     rng = jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), iteration)
     loss, grads = loss_and_grads(state.params, batch, rng)
     grads, grad_norm = optim.clip_by_global_norm(grads, cfg.optimizer.clip_grad)
     num_zeros = sum(jnp.sum(g == 0) for g in jax.tree.leaves(grads))
-    lr = optim.learning_rate(cfg.optimizer, consumed_samples)
 
     def apply_update(state, grads):
       updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -150,14 +152,16 @@ def jit_train_step(cfg: Config, layout: StateLayout):
                  donate_argnums=(0,))
 
 
-def lower_train_step(cfg: Config, layout: StateLayout, num_microbatches: int):
-  """The jitted step lowered for abstract (shape-only) state and batch."""
+def lower_train_step(cfg: Config, layout: StateLayout, num_microbatches: int,
+                     seq_len: int | None = None):
+  """The jitted step lowered for abstract (shape-only) state and batch (default: train.seq_len)."""
   step = jit_train_step(cfg, layout)
   rows = cfg.train.micro_batch_size * cfg.mesh.data
-  batch = jax.ShapeDtypeStruct((num_microbatches, rows, cfg.train.seq_len + 1), jnp.int32,
+  seq_len = cfg.train.seq_len if seq_len is None else seq_len
+  batch = jax.ShapeDtypeStruct((num_microbatches, rows, seq_len + 1), jnp.int32,
                                sharding=batch_sharding(layout))
-  scalar = jax.ShapeDtypeStruct((), jnp.int32)
-  return step.lower(layout.abstract, batch, scalar, scalar)
+  return step.lower(layout.abstract, batch, jax.ShapeDtypeStruct((), jnp.float32),
+                    jax.ShapeDtypeStruct((), jnp.int32))
 
 
 class Trainer:
@@ -208,7 +212,10 @@ class Trainer:
       _atomic_write(os.path.join(self.workdir, 'config.json'), cfg.to_json() + '\n')
     self.layout = make_layout(cfg, self.mesh)
     self.batch_sharding = batch_sharding(self.layout)
-    self._compiled = {}  # one compiled step per number of micro-batches (batch-size ramp-up)
+    # optimizer.decay_tokens counts from here (a pure function of the config).
+    self.warmup_end_tokens = cfg.warmup_end_tokens() if cfg.optimizer.decay_tokens else 0
+    # One compiled step per (micro-batch count, sequence length): ramp-up and curriculum.
+    self._compiled = {}
     self._compiled_eval = {}
     self._skipping = False  # inside a run of data.skip_train_iteration_range iterations
     # A GPU's step time is steady to 1-2%, so 5% is a real slowdown (tr11's slow GPU). A CPU's
@@ -216,7 +223,8 @@ class Trainer:
     self.throughput = metrics.ThroughputWatch(
         threshold=0.25 if jax.devices()[0].platform == 'cpu' else 0.05)
     self.watchdog = runtime.Watchdog(0.0)  # run() installs the configured one
-    self.spikes = metrics.SpikeWatch()
+    self.spikes = metrics.SpikeWatch(cfg.runtime.spike_window, cfg.runtime.spike_loss_threshold,
+                                     cfg.runtime.spike_grad_factor)
     self.checkpointer = checkpoints.Checkpointer(
         self.ckpt_root, cfg.checkpoint.save_interval, cfg.checkpoint.max_to_keep, self.layout,
         keep_period=cfg.checkpoint.keep_period,
@@ -231,11 +239,11 @@ class Trainer:
     if self.data_seed != cfg.train.seed:
       self.restart_notes.append(f'> data order: seed {self.data_seed} of the checkpoint (the data '
                                 'position is always resumed; train.seed does not change it)')
-    if cfg.checkpoint.override_lr_scheduler and (checkpoints.lr_schedule(cfg) !=
-                                                 meta['lr_schedule']):
+    saved_schedule = checkpoints.saved_lr_schedule(meta)
+    if cfg.checkpoint.override_lr_scheduler and checkpoints.lr_schedule(cfg) != saved_schedule:
       self.restart_notes.append(f'> checkpoint.override_lr_scheduler: the config\'s schedule '
                                 f'{checkpoints.lr_schedule(cfg)} replaces the checkpoint\'s '
-                                f'{meta["lr_schedule"]}')
+                                f'{saved_schedule}')
     saved_seed = meta['rng']['seed']
     if not cfg.checkpoint.load_rng:
       note = ('the same stream as the checkpoint\'s: set another train.seed for new masks'
@@ -298,17 +306,21 @@ class Trainer:
       return TrainState(params, self.layout.fresh_opt_state(params)), Progress()
     return self.layout.init(cfg.train.seed), Progress()
 
-  def batch_shape(self, global_batch_size: int) -> tuple[int, int, int]:
+  def batch_shape(self, global_batch_size: int,
+                  seq_len: int | None = None) -> tuple[int, int, int]:
     rows = self.cfg.train.micro_batch_size * self.cfg.mesh.data
-    return (global_batch_size // rows, rows, self.cfg.train.seq_len + 1)
+    seq_len = self.cfg.train.seq_len if seq_len is None else seq_len
+    return (global_batch_size // rows, rows, seq_len + 1)
 
   def global_batch(self, consumed_samples: int, global_batch_size: int,
-                   source=None, what: str = 'training') -> jax.Array:
+                   source=None, what: str = 'training', seq_len: int | None = None) -> jax.Array:
     """Samples consumed_samples.. of `source` (default: the training stream) as a sharded
     [micro-batches, rows, S + 1] array; each device reads only the rows it holds. An id outside
-    the model's vocabulary is a DataError naming the samples."""
+    the model's vocabulary is a DataError naming the samples. `seq_len` below train.seq_len (the
+    curriculum) keeps the first seq_len + 1 tokens of each sample, as Megatron-DeepSpeed
+    truncates its batch: the rest of the sample is consumed unseen."""
     source = self.source if source is None else source
-    shape = self.batch_shape(global_batch_size)
+    shape = self.batch_shape(global_batch_size, seq_len)
     rows_per_micro = shape[1]
     vocab_size = self.cfg.model.vocab_size
 
@@ -318,19 +330,20 @@ class Trainer:
       start, stop, _ = row_slice.indices(rows_per_micro)
       rows = np.stack([source.rows(consumed_samples + m * rows_per_micro + start,
                                    consumed_samples + m * rows_per_micro + stop)
-                       for m in micro])
+                       for m in micro])[..., :shape[2]]
       sources.check_token_ids(rows, vocab_size, f'{what} samples {consumed_samples}..'
                               f'{consumed_samples + global_batch_size - 1}')
       return rows[..., index[2]]
 
     return jax.make_array_from_callback(shape, self.batch_sharding, rows_for)
 
-  def step_for(self, global_batch_size: int):
-    """The compiled step for this global batch size (compiled once per micro-batch count)."""
-    shape = self.batch_shape(global_batch_size)
-    if shape[0] not in self._compiled:
-      self._compiled[shape[0]] = self.compile(shape)
-    return self._compiled[shape[0]]
+  def step_for(self, global_batch_size: int, seq_len: int):
+    """The compiled step for this global batch size and sequence length (compiled once per
+    micro-batch count and length)."""
+    shape = self.batch_shape(global_batch_size, seq_len)
+    if shape[::2] not in self._compiled:
+      self._compiled[shape[::2]] = self.compile(shape)
+    return self._compiled[shape[::2]]
 
   def eval_step_for(self, global_batch_size: int):
     shape = self.batch_shape(global_batch_size)
@@ -371,7 +384,8 @@ class Trainer:
   def compile(self, batch_shape: tuple[int, int, int]):
     start = time.perf_counter()
     with self.watchdog.suspended():
-      compiled = lower_train_step(self.cfg, self.layout, batch_shape[0]).compile()
+      compiled = lower_train_step(self.cfg, self.layout, batch_shape[0],
+                                  batch_shape[2] - 1).compile()
     bubble = ''
     if self.cfg.mesh.pipeline > 1:
       bubble = f', pipeline bubble {self.layout.plan.bubble_fraction(batch_shape[0]):.3f}'
@@ -396,6 +410,21 @@ class Trainer:
     return (f'> pipeline: {plan.describe()}; parameters per stage (M): '
             f'{[round(x, 2) for x in sizes]} (embedding spread over stages: '
             f'{self.cfg.padded_vocab_size % (self.cfg.mesh.tensor * plan.stages) == 0})')
+
+  def describe_curriculum(self) -> str:
+    c, seq = self.cfg.curriculum, self.cfg.train.seq_len
+    lengths = self.cfg.seq_lens()
+    shape = 'linear' if c.schedule == 'fixed_linear' else f'root of degree {c.root_degree}'
+    # Each length is its own XLA program: many lengths mean many compilations during the run.
+    fewer = (f'; a larger curriculum.difficulty_step compiles fewer'
+             if len(lengths) > 16 else '')
+    return (f'> curriculum: sequence length {c.min_seq_len} -> {seq} in multiples of '
+            f'{c.difficulty_step} over iterations 1-{c.total_iterations} ({shape}): '
+            f'{len(lengths)} lengths, the step compiled for each when first reached{fewer}; '
+            f'evaluation at {seq}' +
+            (f'; learning rate decays over {self.cfg.optimizer.decay_tokens} tokens from the '
+             f'{self.warmup_end_tokens} of the warm-up' if self.cfg.optimizer.decay_tokens
+             else ''))
 
   # ------------------------------------------------------------------------------------ loop
 
@@ -428,21 +457,22 @@ class Trainer:
     gbs = self.cfg.train.global_batch_size_at(progress.consumed_samples)
     progress.iteration += 1
     progress.consumed_samples += gbs
-    progress.consumed_tokens += gbs * self.cfg.train.seq_len
+    progress.consumed_tokens += gbs * self.cfg.seq_len_at(progress.iteration)
     progress.skipped_iterations += 1
 
   def train_iteration(self, state: TrainState, progress: Progress, total: int) -> TrainState:
     """One train step on the next global batch; logs the Megatron line and a metrics record."""
     cfg = self.cfg
     self._skipping = False
-    seq = cfg.train.seq_len
+    seq = cfg.seq_len_at(progress.iteration + 1)
     gbs = cfg.train.global_batch_size_at(progress.consumed_samples)
-    compiled = self.step_for(gbs)
+    compiled = self.step_for(gbs, seq)
     flops = metrics.megatron_flops_per_iteration(cfg, gbs, seq)
+    lr = optim.learning_rate(cfg.optimizer, progress.consumed_samples, progress.consumed_tokens,
+                             self.warmup_end_tokens)
     start = time.perf_counter()
-    batch = self.global_batch(progress.consumed_samples, gbs)
-    state, stats = compiled(state, batch, jnp.int32(progress.consumed_samples),
-                            jnp.int32(progress.iteration))
+    batch = self.global_batch(progress.consumed_samples, gbs, seq_len=seq)
+    state, stats = compiled(state, batch, np.float32(lr), np.int32(progress.iteration))
     stats = jax.device_get(stats)
     elapsed = time.perf_counter() - start
     progress.iteration += 1
@@ -455,8 +485,9 @@ class Trainer:
         'iteration': progress.iteration,
         'consumed_samples': progress.consumed_samples,
         'consumed_tokens': progress.consumed_tokens,
-        'learning_rate': float(stats['learning_rate']),
+        'learning_rate': lr,
         'global_batch_size': gbs,
+        'seq_len': seq,
         'lm_loss': float(stats['lm_loss']),
         'grad_norm': float(stats['grad_norm']),
         'num_zeros': float(stats['num_zeros']),
@@ -470,8 +501,11 @@ class Trainer:
     }
     if cfg.mesh.pipeline > 1:
       record['pipeline_bubble'] = self.layout.plan.bubble_fraction(self.batch_shape(gbs)[0])
+    if cfg.curriculum.enabled:
+      record['curriculum_seq_len'] = seq
     self.writer.record(record, total)
-    slowdown = self.throughput.add(progress.iteration, gbs, elapsed)
+    slowdown = self.throughput.add(progress.iteration, gbs, elapsed,
+                                   seq if cfg.curriculum.enabled else 0)
     if slowdown:
       self.writer.info(slowdown)
     spike = self.spikes.add(progress.iteration, record['lm_loss'], record['grad_norm'])
@@ -543,6 +577,8 @@ class Trainer:
                      f'({peak_source})')
     if cfg.mesh.pipeline > 1:
       self.writer.info(self.describe_pipeline())
+    if cfg.curriculum.enabled:
+      self.writer.info(self.describe_curriculum())
     state, progress = self.initial_state()
     start_iteration = progress.iteration
     total = self.cfg.train.total_iterations()

@@ -41,7 +41,7 @@ def run_steps(cfg, num_steps=4):
   import jax.numpy as jnp
   import numpy as np
 
-  from t5x_like import partitioning
+  from t5x_like import optim, partitioning
   from t5x_like import trainer as trainer_lib
   from t5x_like.train_state import make_layout
 
@@ -57,7 +57,8 @@ def run_steps(cfg, num_steps=4):
                          trainer_lib.batch_sharding(layout))
   losses, norms = [], []
   for i in range(num_steps):
-    state, stats = step(state, batch, jnp.int32(i * cfg.train.global_batch_size), jnp.int32(i))
+    lr = optim.learning_rate(cfg.optimizer, i * cfg.train.global_batch_size)
+    state, stats = step(state, batch, jnp.float32(lr), jnp.int32(i))
     losses.append(float(stats['lm_loss']))
     norms.append(float(stats['grad_norm']))
   return np.array(losses), np.array(norms), jax.device_get(state.params)

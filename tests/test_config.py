@@ -53,6 +53,8 @@ def test_overrides_on_both_front_ends_agree():
     (['--config.data.split=100,0,0'], 'eval.interval=20 but there is no validation set'),
     (['--config.eval.iters=0'], 'eval.iters >= 1'),
     (['--config.runtime.hang_timeout_mins=-1'], 'runtime.hang_timeout_mins must be >= 0'),
+    (['--config.runtime.spike_window=0'], 'runtime.spike_window must be >= 1'),
+    (['--config.runtime.spike_grad_factor=-2'], '(0: that check off); got 50, 0.15, -2.0'),
 ])
 def test_bad_config_is_one_clear_error(argv, message):
   with pytest.raises(ConfigError, match=None) as info:
@@ -171,3 +173,51 @@ def test_cluster_configs_guard_against_hangs_and_the_job_time_limit():
     assert cfg.runtime.hang_timeout_mins > 0, name
     assert 0 < cfg.runtime.exit_duration_mins < 20 * 60, name
     assert cfg.eval.interval > 0 and cfg.runtime.replica_check_interval > 0, name
+
+
+def test_curriculum_follows_deepspeeds_seqlen_schedules_with_tr8bs_settings():
+  """tr8b: min_difficulty 64, max 2048, fixed_linear over 36,000 steps, difficulty_step 8."""
+  cfg = Config().replace(train={'seq_len': 2048, 'steps': 40_000},
+                         curriculum={'min_seq_len': 64, 'total_iterations': 36_000})
+  cfg.validate()
+  # floor(64 + 1984 * n / 36000), rounded down to a multiple of 8; iteration n is 1-based.
+  assert [cfg.seq_len_at(n) for n in (1, 145, 146, 18_000, 35_999, 36_000, 39_999)] == [
+      64, 64, 72, 1056, 2040, 2048, 2048]
+  lengths = [cfg.seq_len_at(n) for n in range(1, 40_001)]
+  assert lengths == sorted(lengths) and all(n % 8 == 0 for n in lengths)
+  assert cfg.seq_lens() == list(range(64, 2049, 8))  # 249 lengths: one compiled step each
+  root = cfg.replace(curriculum={'schedule': 'fixed_root', 'root_degree': 2})
+  # sqrt(9000 / 36000) = 0.5: halfway in length at a quarter of the iterations.
+  assert [root.seq_len_at(n) for n in (1, 9000, 36_000)] == [72, 1056, 2048]
+  assert Config().seq_len_at(5) == Config().train.seq_len  # no curriculum
+
+
+def test_tokens_follow_the_curriculum_and_the_batch_ramp():
+  cfg = Config().replace(train={'seq_len': 32, 'global_batch_size': 8, 'micro_batch_size': 2,
+                                'rampup_batch_size': (4, 4, 8), 'steps': 6},
+                         curriculum={'min_seq_len': 8, 'total_iterations': 4},
+                         optimizer={'warmup_samples': 10})
+  # Lengths 8, 16, 24, 32, 32, 32 (iteration n: floor(8 + 24 n / 4) rounded down to 8); global
+  # batches 4, 4, 8, 8, ... (the ramp adds 4 after 8 samples).
+  assert [cfg.seq_len_at(n) for n in range(1, 7)] == [8, 16, 24, 32, 32, 32]
+  assert cfg.consumed_tokens_after(4) == 4 * 8 + 4 * 16 + 8 * 24 + 8 * 32
+  # The warm-up ends at the first iteration boundary at or past 10 samples: after iteration 3.
+  assert cfg.warmup_end_tokens() == cfg.consumed_tokens_after(3)
+
+
+@pytest.mark.parametrize('sections, message', [
+    ({'curriculum': {'min_seq_len': 12}}, 'multiples of curriculum.difficulty_step'),
+    ({'train': {'seq_len': 60}, 'curriculum': {'min_seq_len': 8}},
+     'never reach train.seq_len'),
+    ({'curriculum': {'min_seq_len': 64}}, 'must be below train.seq_len'),
+    ({'curriculum': {'min_seq_len': 8, 'total_iterations': 0}}, 'total_iterations'),
+    ({'curriculum': {'min_seq_len': 8, 'schedule': 'fixed_discrete'}}, "'fixed_linear'"),
+    ({'optimizer': {'warmup_samples': 16, 'decay_tokens': 100}},
+     'must exceed the 1024 tokens consumed by the end of the warm-up'),
+])
+def test_bad_curriculum_or_token_decay_is_one_clear_error(sections, message):
+  base = {'train': {'seq_len': 64, 'steps': 10}, 'curriculum': {'total_iterations': 5}}
+  for name, values in sections.items():
+    base[name] = {**base.get(name, {}), **values}
+  with pytest.raises(ConfigError, match=message):
+    Config().replace(**base).validate()

@@ -38,12 +38,17 @@ def test_a_lasting_slowdown_is_reported_once_and_again_only_after_a_recovery():
   assert list(feed(watch, [1.2] * 5, 38)) == [40]
 
 
-def test_each_global_batch_size_has_its_own_baseline():
+def test_each_global_batch_size_and_curriculum_length_has_its_own_baseline():
   # A batch-size ramp-up makes the step longer without anything being wrong.
   watch = metrics.ThroughputWatch(window=3, threshold=0.05, warmup=1)
   assert feed(watch, [5.0, 1.0, 1.0, 1.0], 1, gbs=16) == {}
   assert feed(watch, [5.0, 2.0, 2.0, 2.0, 2.0, 2.0], 5, gbs=32) == {}
   assert list(feed(watch, [2.3] * 3, 11, gbs=32)) == [12]
+  # So does the curriculum's next sequence length, at the same batch size.
+  assert messages(lambda it, s: watch.add(it, 16, s, 1024), [(t,) for t in [5.0] + [1.8] * 6],
+                  14) == {}
+  slow = messages(lambda it, s: watch.add(it, 16, s, 1024), [(2.0,)] * 3, 21)
+  assert list(slow) == [22] and 'global batch size 16, sequence length 1024' in slow[22]
 
 
 def spikes(watch, points, first_iteration):
@@ -71,3 +76,14 @@ def test_a_spike_is_reported_in_its_first_iteration_and_a_new_level_is_not_a_spi
   assert list(level) == [46]
   # Non-finite iterations are the nan counter's business.
   assert watch.add(60, float('nan'), 1.0) is None and watch.add(61, 2.5, float('inf')) is None
+
+
+def test_a_spike_check_with_threshold_0_is_off():
+  """runtime.spike_loss_threshold / spike_grad_factor = 0: e.g. grad norms only, for a run whose
+  loss jumps by design (a new data mix)."""
+  grads_only = metrics.SpikeWatch(window=5, loss_threshold=0.0, grad_factor=3.0)
+  assert spikes(grads_only, [(2.0, 1.0)] * 5 + [(9.0, 1.0)], 1) == {}
+  assert list(spikes(grads_only, [(2.0, 1.0), (2.0, 4.0)], 7)) == [8]
+  loss_only = metrics.SpikeWatch(window=5, loss_threshold=0.5, grad_factor=0.0)
+  assert spikes(loss_only, [(2.0, 1.0)] * 5 + [(2.0, 100.0)], 1) == {}
+  assert list(spikes(loss_only, [(2.0, 1.0), (3.5, 1.0)], 7)) == [8]

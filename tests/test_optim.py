@@ -81,3 +81,22 @@ def test_clipping_reports_the_pre_clip_norm():
   assert float(jnp.linalg.norm(clipped['a'])) == pytest.approx(1.0, rel=1e-5)
   unclipped, norm = optim.clip_by_global_norm(grads, 0.0)
   np.testing.assert_array_equal(unclipped['a'], grads['a'])
+
+
+def test_token_decay_counts_tokens_from_the_end_of_the_warmup():
+  """Megatron's --lr-decay-tokens: warm-up in samples, then the decay ratio in tokens, from the
+  tokens consumed when the warm-up ended (`Config.warmup_end_tokens`)."""
+  cfg = OptimizerConfig(lr=1e-4, min_lr=1e-5, warmup_samples=100, decay_samples=10**9,
+                        decay_tokens=11_000)
+  warmup_end = 1_000
+  assert optim.learning_rate(cfg, 50, 400, warmup_end) == pytest.approx(5e-5)  # samples
+  assert optim.learning_rate(cfg, 100, warmup_end, warmup_end) == pytest.approx(1e-4)
+  # Halfway through the tokens, cosine: (lr + min_lr) / 2, whatever the samples say.
+  assert optim.learning_rate(cfg, 200, 6_000, warmup_end) == pytest.approx(5.5e-5)
+  assert optim.learning_rate(cfg, 10**8, 6_000, warmup_end) == pytest.approx(5.5e-5)
+  assert optim.learning_rate(cfg, 300, 11_000, warmup_end) == pytest.approx(1e-5)
+  assert optim.learning_rate(cfg, 300, 50_000, warmup_end) == pytest.approx(1e-5)
+  # Past 2^31 tokens (tr11 consumed 450B): exact on the host, no int32 or float32 argument.
+  big = OptimizerConfig(lr=1.0, min_lr=0.0, warmup_samples=0, decay_tokens=2 * 10**11 + 2,
+                        decay_style='linear')
+  assert optim.learning_rate(big, 1, 10**11 + 1, 0) == 0.5

@@ -74,8 +74,8 @@ def test_cross_entropy_never_gathers_the_vocabulary():
                                                              None, None))
   batch = jax.ShapeDtypeStruct((cfg.num_microbatches, 1, cfg.train.seq_len + 1), jnp.int32,
                                sharding=batch_sharding)
-  scalar = jax.ShapeDtypeStruct((), jnp.int32)
-  hlo = step.lower(layout.abstract, batch, scalar, scalar).compile().as_text()
+  hlo = step.lower(layout.abstract, batch, jax.ShapeDtypeStruct((), jnp.float32),
+                   jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
   vocab = cfg.padded_vocab_size
   gathers = [line for line in hlo.splitlines() if re.search(r'= \S+\[[^\]]*\] all-gather', line)]
   full_vocab = [g for g in gathers if re.search(rf'\[[^\]]*\b{vocab}\b[^\]]*\] all-gather', g)]

@@ -200,7 +200,9 @@ def test_rampup_changes_the_micro_batch_count_and_compiles_once_per_shape(tmp_pa
   assert [r['global_batch_size'] for r in records] == [4, 4, 8, 8]
   assert [r['consumed_samples'] for r in records] == [4, 8, 16, 24]
   assert [round(r['pipeline_bubble'], 3) for r in records] == [0.333, 0.333, 0.2, 0.2]
-  assert sorted(trainer._compiled) == [2, 4]
+  # One compiled step per (micro-batch count, sequence length).
+  assert sorted(trainer._compiled) == [(2, trainer.cfg.train.seq_len + 1),
+                                       (4, trainer.cfg.train.seq_len + 1)]
   log = open(tmp_path / 'ramp' / 'logs' / 'main_log.txt').read()
   assert log.count('compiled the train step') == 2 and 'pipeline bubble: 0.200' in log
   assert 'parameters per stage' in log

@@ -156,7 +156,7 @@ def test_non_finite_step_is_skipped_and_counted():
   bad_state = TrainState(bad, state.opt_state)
   step = jax.jit(make_train_step(cfg, layout))
   tokens = jnp.ones((cfg.num_microbatches, 2, 33), jnp.int32)
-  new_state, stats = step(bad_state, tokens, jnp.int32(100), jnp.int32(1))
+  new_state, stats = step(bad_state, tokens, jnp.float32(1e-3), jnp.int32(1))
   assert not bool(stats['finite']) and not bool(stats['loss_finite'])
   assert int(optim.adam_count(new_state.opt_state)) == 0
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), new_state.params, bad)
@@ -233,7 +233,8 @@ def test_eval_step_is_the_train_steps_loss_on_every_mesh(mesh):
 
   loss, layout, state, batch = evaluate(cfg)
   if mesh == (1, 1, 1):
-    _, stats = jax.jit(make_train_step(cfg, layout))(state, batch, jnp.int32(0), jnp.int32(0))
+    _, stats = jax.jit(make_train_step(cfg, layout))(state, batch, jnp.float32(0.0),
+                                                      jnp.int32(0))
     assert loss == pytest.approx(float(stats['lm_loss']), rel=1e-6)
   else:
     one_device = cfg.replace(mesh={'data': 1, 'pipeline': 1, 'tensor': 1})
@@ -387,3 +388,52 @@ def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
   with open(trainer.writer.log_path) as f:
     assert ("> replica check at iteration 7: the copies of ['final_ln']['scale'] differ across "
             'devices. Resume from the last checkpoint') in f.read()
+
+
+def test_curriculum_truncates_samples_counts_tokens_and_decays_by_tokens(tmp_path):
+  """tr8b's curriculum run in small: lengths 8, 16, 24 over iterations 1-3 (multiples of 8), the
+  learning rate decaying by tokens; resumed half-way from a checkpoint."""
+  from t5x_like import losses
+  from t5x_like.data import replay
+  cfg = corpus_config(train=dict(steps=2, seq_len=24), checkpoint=dict(save_interval=2),
+                      mesh=dict(data=2, tensor=1),
+                      curriculum=dict(min_seq_len=8, total_iterations=3),
+                      optimizer=dict(decay_tokens=2000), runtime=dict(replica_check_interval=0))
+  workdir = str(tmp_path / 'cl')
+  first = Trainer(cfg, workdir)
+  first.run()
+  Trainer(cfg.replace(train={'steps': 4}), workdir).run()  # resumes at iteration 2
+  records = read_metrics(workdir)
+  lengths = [8, 16, 24, 24]  # iteration n: floor(8 + 16 n / 3), rounded down to 8
+  assert [r['seq_len'] for r in records] == [r['curriculum_seq_len'] for r in records] == lengths
+  tokens = np.cumsum([8 * n for n in lengths])
+  assert [r['consumed_tokens'] for r in records] == tokens.tolist()
+  assert [r['tokens_per_sec'] * r['step_time_s'] for r in records] == pytest.approx(
+      [8 * n for n in lengths])
+  # Warm-up over 16 samples (2 iterations: 8 x 8 + 8 x 16 = 192 tokens), then the decay counts
+  # the tokens consumed before each iteration from there to optimizer.decay_tokens.
+  assert first.warmup_end_tokens == 192
+  before = [0, *tokens[:-1]]
+  assert [r['learning_rate'] for r in records] == pytest.approx(
+      [optim.learning_rate(cfg.optimizer, 8 * i, int(before[i]), 192) for i in range(4)])
+  assert records[2]['learning_rate'] == pytest.approx(2e-3)  # the warm-up's end: the peak
+  assert records[3]['learning_rate'] < records[2]['learning_rate']
+  with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
+    log = f.read()
+  assert re.findall(r'curriculum seqlen: +(\d+) \|', log) == [str(n) for n in lengths]
+  assert ('> curriculum: sequence length 8 -> 24 in multiples of 8 over iterations 1-3 '
+          '(linear): 3 lengths') in log
+  # One compiled step per length: 2 in the first job, 1 after the resume.
+  assert re.findall(r'compiled the train step for 2 micro-batch\(es\) of 4x(\d+) tokens',
+                    log) == ['9', '17', '25']
+  # Iteration 1 trained on the first 8 + 1 tokens of its samples: its loss is the initial
+  # model's loss on exactly those, which `python -m t5x_like.data batch` shows.
+  samples = replay.iteration_batch(cfg, cfg.train.seed, 1).rows
+  assert samples.shape == (8, 9)
+  np.testing.assert_array_equal(samples, first.source.rows(0, 8)[:, :9])
+  layout = make_layout(cfg, partitioning.make_mesh(1, 1, 1))
+  initial = layout.init(cfg.train.seed).params
+  loss = losses.mean_loss(layout.model, initial, jnp.asarray(samples))
+  assert records[0]['lm_loss'] == pytest.approx(float(loss), rel=1e-5)
+  assert records[0]['lm_loss'] != pytest.approx(float(losses.mean_loss(
+      layout.model, initial, jnp.asarray(first.source.rows(0, 8)[:, :17]))), rel=1e-3)

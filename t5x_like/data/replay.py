@@ -9,7 +9,8 @@ rebuilt, before or after the fact, without running the model:
   python -m t5x_like.data batch WORKDIR --iteration 31214 [--tokenizer_json tokenizer.json] [--json]
 
 Iterations skipped by `data.skip_train_iteration_range` consume their samples like trained ones,
-so they shift nothing.
+so they shift nothing. Under a sequence-length curriculum the rows are cut to what the iteration
+trained on, its first `Config.seq_len_at(iteration) + 1` tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class IterationBatch:
   first_sample: int  # global index of the batch's first sample (consumed samples before it)
   data_seed: int
   datasets: list[str]  # the dataset of each sample
+  seq_len: int  # tokens per sample trained on (train.seq_len, or the curriculum's length)
   rows: np.ndarray  # int32 [global batch, seq_len + 1]: inputs rows[:, :-1], targets rows[:, 1:]
 
 
@@ -72,7 +74,9 @@ def iteration_batch(cfg: Config, data_seed: int, iteration: int) -> IterationBat
     names = [data.train.names[int(d)] for d in which]
   else:
     names = [data.train_names[0]] * size
-  return IterationBatch(iteration, first, data_seed, names, data.train.rows(first, first + size))
+  seq_len = cfg.seq_len_at(iteration)
+  return IterationBatch(iteration, first, data_seed, names, seq_len,
+                        data.train.rows(first, first + size)[:, :seq_len + 1])
 
 
 def decoder(cfg: Config, tokenizer_json: str | None, tokenizer_model: str | None):
@@ -101,6 +105,7 @@ def report(batch: IterationBatch, decode, max_tokens: int) -> dict:
     samples.append(entry)
   return {'iteration': batch.iteration, 'first_sample': batch.first_sample,
           'global_batch_size': len(batch.rows), 'data_seed': batch.data_seed,
+          'seq_len': batch.seq_len,
           'skip_with': f"data.skip_train_iteration_range=('{batch.iteration}-{batch.iteration}',)",
           'samples': samples}
 
@@ -108,7 +113,8 @@ def report(batch: IterationBatch, decode, max_tokens: int) -> dict:
 def print_report(result: dict) -> None:
   last = result['first_sample'] + result['global_batch_size'] - 1
   print(f"iteration {result['iteration']}: samples {result['first_sample']}..{last} "
-        f"({result['global_batch_size']} samples, data seed {result['data_seed']})")
+        f"({result['global_batch_size']} samples of {result['seq_len']} + 1 tokens, data seed "
+        f"{result['data_seed']})")
   for s in result['samples']:
     print(f"--- sample {s['sample']} ({s['dataset']}): {len(s['ids'])} ids: "
           f"{' '.join(map(str, s['ids'][:16]))}{' ...' if len(s['ids']) > 16 else ''}")

@@ -81,7 +81,8 @@ def test_command_line_prints_ids_text_and_the_skip_override(tmp_path):
   r = run_cli(['-m', 't5x_like.data', 'batch', workdir, '--iteration', '2', '--max_tokens', '5',
                '--tokenizer_model', DEFAULT_MODEL_PATH])
   assert r.returncode == 0, r.stderr
-  assert r.stdout.startswith('iteration 2: samples 4..7 (4 samples, data seed 7)')
+  assert r.stdout.startswith(f'iteration 2: samples 4..7 (4 samples of {SEQ} + 1 tokens, data '
+                             'seed 7)')
   assert r.stdout.count('--- sample') == 4 and ': 5 ids: ' in r.stdout
   assert "--config.data.skip_train_iteration_range=('2-2',)" in r.stdout
 
