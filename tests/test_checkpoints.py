@@ -324,6 +324,18 @@ def test_a_changed_lr_schedule_needs_override_lr_scheduler(base_run, tmp_path):
   assert Trainer(overridden, workdir).cfg.optimizer.lr == 1e-3
 
 
+def test_a_checkpoint_from_before_token_decay_has_the_default_schedule():
+  """Checkpoints written before optimizer.decay_tokens existed lack it in their meta: they
+  resume with its default (decay by samples), and setting it is a schedule change."""
+  cfg = corpus_config()
+  old_meta = {'lr_schedule': {k: v for k, v in checkpoints.lr_schedule(cfg).items()
+                              if k != 'decay_tokens'}}
+  checkpoints.check_lr_schedule(old_meta, cfg, 'the checkpoint')
+  with pytest.raises(ConfigError, match='optimizer.decay_tokens: checkpoint 0 vs config 5000'):
+    checkpoints.check_lr_schedule(old_meta, cfg.replace(optimizer={'decay_tokens': 5000}),
+                                  'the checkpoint')
+
+
 def test_load_rng_keeps_the_checkpoints_stream_and_false_takes_the_configs(base_run, tmp_path):
   other_seed = corpus_config(train=dict(seed=99))
   kept = resumable_copy(base_run[0], tmp_path / 'kept')
