@@ -59,6 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
   # No progress for 30 minutes (tr11: 105 s iterations, 40 s saves) ends the job with the
   # stacks of every thread (exit 4), instead of the chronicles' hours-long NCCL hangs.
   # Every replicated array's copies compared every 1000 iterations (the chronicles' TP drift).
+  # Compiled programs stored in WORKDIR/compilation_cache: a restart loads them (minutes each).
   c.runtime = dict(kill_switch_path='', exit_duration_mins=1190.0, hang_timeout_mins=30.0,
-                   replica_check_interval=1000)
+                   replica_check_interval=1000, compilation_cache_dir='compilation_cache')
   return c

@@ -32,5 +32,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint = dict(save_interval=500, max_to_keep=3, init_from='')
   # SLURM's 20 h limit as in tr8/tr11 (--exit-duration-in-mins 1190), and no progress for 30
   # minutes ends the job with every thread's stack (exit 4) instead of an hours-long hang.
-  c.runtime = dict(exit_duration_mins=1190.0, hang_timeout_mins=30.0, replica_check_interval=1000)
+  c.runtime = dict(exit_duration_mins=1190.0, hang_timeout_mins=30.0, replica_check_interval=1000,
+                   compilation_cache_dir='compilation_cache')
   return c

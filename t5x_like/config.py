@@ -278,6 +278,10 @@ class RuntimeConfig:
   spike_window: int = 50
   spike_loss_threshold: float = 0.15
   spike_grad_factor: float = 4.0
+  # JAX's persistent compilation cache: the run's compiled programs are stored here and a later
+  # job (a restart, a requeue) loads them instead of compiling again, as it does each curriculum
+  # length. Relative to the workdir unless absolute; '': none.
+  compilation_cache_dir: str = ''
 
 
 SECTIONS = {

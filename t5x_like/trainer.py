@@ -205,6 +205,7 @@ class Trainer:
     # The mesh comes first among JAX objects: it creates virtual CPU devices before anything
     # starts the backend.
     self.mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
+    self.compilation_cache = use_compilation_cache(self.workdir, cfg.runtime.compilation_cache_dir)
     self.is_writer = jax.process_index() == 0
     self.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_writer,
                                         tensorboard_dir=cfg.runtime.tensorboard_dir)
@@ -572,6 +573,10 @@ class Trainer:
                      f'devices); {cfg.num_microbatches} micro-batch(es) of '
                      f'{cfg.train.micro_batch_size} per data rank')
     self.writer.info(f'> software: {provenance.describe(self.software)}')
+    if self.compilation_cache:
+      entries = len(os.listdir(self.compilation_cache))
+      self.writer.info(f'> compilation cache: {self.compilation_cache} ({entries} programs stored; '
+                       'a program found there is loaded instead of compiled)')
     self.peak_tflops, peak_source = metrics.device_peak_tflops(cfg.model.dtype)
     self.writer.info(f'> MFU reference: {self.peak_tflops:.4f} TFLOP/s per device '
                      f'({peak_source})')
@@ -628,6 +633,22 @@ class Trainer:
                      f'exit code {int(code)} ({code.name})')
     self.final_state = state
     return progress
+
+
+def use_compilation_cache(workdir: str, cache_dir: str) -> str | None:
+  """Points JAX's persistent compilation cache at runtime.compilation_cache_dir (relative to the
+  workdir); returns its absolute path, or None when it is off. Programs that compile in under a
+  second are not stored (JAX's default threshold): loading them would gain nothing."""
+  if not cache_dir:
+    return None
+  path = os.path.join(workdir, cache_dir)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f'runtime.compilation_cache_dir: cannot create {path} ({e.strerror}); '
+                      "point it at a writable directory or set it to '' for no cache") from None
+  jax.config.update('jax_compilation_cache_dir', path)
+  return path
 
 
 def prepare_workdir(workdir: str) -> None:

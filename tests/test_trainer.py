@@ -437,3 +437,27 @@ def test_curriculum_truncates_samples_counts_tokens_and_decays_by_tokens(tmp_pat
   assert records[0]['lm_loss'] == pytest.approx(float(loss), rel=1e-5)
   assert records[0]['lm_loss'] != pytest.approx(float(losses.mean_loss(
       layout.model, initial, jnp.asarray(first.source.rows(0, 8)[:, :17]))), rel=1e-3)
+
+
+def test_a_later_job_loads_its_programs_from_the_compilation_cache(tmp_path):
+  """runtime.compilation_cache_dir: the first job stores its compiled programs, a restart finds
+  every one there and compiles none anew (nothing is added to the cache)."""
+  keys = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
+  before = {k: getattr(jax.config, k) for k in keys}
+  cfg = corpus_config(train=dict(steps=1), mesh=dict(data=1, tensor=1),
+                      runtime=dict(compilation_cache_dir='xla_cache', replica_check_interval=0))
+  try:
+    workdir = str(tmp_path / 'run')
+    Trainer(cfg, workdir).run()
+    cache = os.path.join(workdir, 'xla_cache')
+    stored = sorted(os.listdir(cache))
+    assert any(name.startswith('jit_step') for name in stored), stored  # the train step
+    Trainer(cfg.replace(train={'steps': 2}), workdir).run()  # resumes; iteration 2 trains
+    assert sorted(os.listdir(cache)) == stored
+    with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
+      log = f.read()
+    assert f'> compilation cache: {cache} ({len(stored)} programs stored;' in log
+    assert [r['iteration'] for r in read_metrics(workdir)] == [1, 2]
+  finally:
+    for k, v in before.items():
+      jax.config.update(k, v)
