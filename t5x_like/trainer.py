@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from t5x_like import checkpoints, metrics, model as model_lib, optim, partitioning, pipeline
@@ -647,7 +648,11 @@ def use_compilation_cache(workdir: str, cache_dir: str) -> str | None:
   except OSError as e:
     raise ConfigError(f'runtime.compilation_cache_dir: cannot create {path} ({e.strerror}); '
                       "point it at a writable directory or set it to '' for no cache") from None
-  jax.config.update('jax_compilation_cache_dir', path)
+  if jax.config.jax_compilation_cache_dir != path:
+    jax.config.update('jax_compilation_cache_dir', path)
+    # JAX opens its cache once per process, at the first compilation that finds a directory set;
+    # a cache opened before this (another Trainer in the same process) would keep its directory.
+    compilation_cache.reset_cache()
   return path
 
 

@@ -439,9 +439,12 @@ def test_curriculum_truncates_samples_counts_tokens_and_decays_by_tokens(tmp_pat
       layout.model, initial, jnp.asarray(first.source.rows(0, 8)[:, :17]))), rel=1e-3)
 
 
-def test_a_later_job_loads_its_programs_from_the_compilation_cache(tmp_path):
+def test_a_later_job_loads_its_programs_from_the_compilation_cache(
+    tmp_path, persistent_compilation_cache):
   """runtime.compilation_cache_dir: the first job stores its compiled programs, a restart finds
-  every one there and compiles none anew (nothing is added to the cache)."""
+  every one there and compiles none anew (nothing is added to the cache). Also when the process
+  had opened another cache before (here the module's `persistent_compilation_cache`)."""
+  from jax.experimental.compilation_cache import compilation_cache
   keys = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
   before = {k: getattr(jax.config, k) for k in keys}
   cfg = corpus_config(train=dict(steps=1), mesh=dict(data=1, tensor=1),
@@ -461,3 +464,4 @@ def test_a_later_job_loads_its_programs_from_the_compilation_cache(tmp_path):
   finally:
     for k, v in before.items():
       jax.config.update(k, v)
+    compilation_cache.reset_cache()  # the next compilation opens the restored directory
