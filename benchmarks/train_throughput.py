@@ -49,8 +49,8 @@ matmul probe also measured per CPU-second.
 from __future__ import annotations
 
 import argparse
-import inspect
 import datetime
+import inspect
 import json
 import os
 import platform

@@ -333,15 +333,6 @@ class Config:
     last = min(self.curriculum.total_iterations, self.train.total_iterations())
     return sorted({self.seq_len_at(n) for n in range(1, last + 1)})
 
-  def consumed_tokens_after(self, iterations: int) -> int:
-    """Tokens the first `iterations` iterations consume (batch ramp-up and curriculum)."""
-    samples = tokens = 0
-    for n in range(1, iterations + 1):
-      gbs = self.train.global_batch_size_at(samples)
-      samples += gbs
-      tokens += gbs * self.seq_len_at(n)
-    return tokens
-
   def warmup_end_tokens(self) -> int:
     """Tokens consumed when the learning-rate warm-up ends: the first iteration boundary at
     which optimizer.warmup_samples samples are consumed. optimizer.decay_tokens counts from here.
@@ -476,7 +467,7 @@ class Config:
              f'train.rampup_batch_size reaches a global batch of {gbs}, which train.'
              f'micro_batch_size x mesh.data ({per_step}) does not divide; pick a start and '
              f'increment that are multiples of {per_step}')
-    first_batch = t.global_batch_size_at(0) if len(t.rampup_batch_size) == 3 else t.global_batch_size
+    first_batch = t.global_batch_size_at(0)  # the ramp-up's format is checked above
     need(t.train_samples == 0 or t.train_samples >= first_batch,
          f'train.train_samples ({t.train_samples}) is less than one global batch '
          f'({first_batch}): the run would train no iteration; raise it or set train.steps')

@@ -1,9 +1,9 @@
 """AdamW, Megatron-style: sample-based learning rate, decay mask, pre-clip norm.
 
 The learning rate is a pure function of consumed samples (and tokens, with token-based decay), not
-of the optimizer step, so it is the same after any restart, batch-size ramp or skipped iteration. The Adam step count lives inside the
-optax state (`ScaleByAdamState.count`) and is saved with it: the bias-correction spike on every
-resume that the 104B run suffered cannot happen.
+of the optimizer step, so it is the same after any restart, batch-size ramp or skipped iteration.
+The Adam step count lives inside the optax state (`ScaleByAdamState.count`) and is saved with it:
+the bias-correction spike on every resume that the 104B run suffered cannot happen.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ them in fp32 in the ZeRO (data-split) layout, clipped at a global norm (the pre-
 logged), and AdamW updates the fp32 master params with a learning rate computed on the host from
 the consumed samples (or tokens). With a sequence-length curriculum (`curriculum.*`) each
 iteration trains on the first `Config.seq_len_at(iteration)` tokens of its samples; the step is
-compiled once per (micro-batch count, length). An iteration whose loss or gradient norm is not finite is skipped (params and Adam state,
-including its step count, unchanged) and counted.
+compiled once per (micro-batch count, length). An iteration whose loss or gradient norm is not
+finite is skipped (params and Adam state, including its step count, unchanged) and counted.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def make_train_step(cfg: Config, layout: StateLayout):
     # runs, docs/benchmarks.md).
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_state = jax.lax.cond(finite, apply_update, lambda state, grads: state, state, grads)
-    stats = {'lm_loss': loss, 'grad_norm': grad_norm, 'learning_rate': lr,
+    stats = {'lm_loss': loss, 'grad_norm': grad_norm,
              'num_zeros': num_zeros.astype(jnp.float32), 'finite': finite,
              'loss_finite': jnp.isfinite(loss)}
     return new_state, stats
@@ -343,9 +343,10 @@ class Trainer:
     """The compiled step for this global batch size and sequence length (compiled once per
     micro-batch count and length)."""
     shape = self.batch_shape(global_batch_size, seq_len)
-    if shape[::2] not in self._compiled:
-      self._compiled[shape[::2]] = self.compile(shape)
-    return self._compiled[shape[::2]]
+    key = (shape[0], shape[2])
+    if key not in self._compiled:
+      self._compiled[key] = self.compile(shape)
+    return self._compiled[key]
 
   def eval_step_for(self, global_batch_size: int):
     shape = self.batch_shape(global_batch_size)
@@ -418,8 +419,7 @@ class Trainer:
     lengths = self.cfg.seq_lens()
     shape = 'linear' if c.schedule == 'fixed_linear' else f'root of degree {c.root_degree}'
     # Each length is its own XLA program: many lengths mean many compilations during the run.
-    fewer = (f'; a larger curriculum.difficulty_step compiles fewer'
-             if len(lengths) > 16 else '')
+    fewer = '; a larger curriculum.difficulty_step compiles fewer' if len(lengths) > 16 else ''
     return (f'> curriculum: sequence length {c.min_seq_len} -> {seq} in multiples of '
             f'{c.difficulty_step} over iterations 1-{c.total_iterations} ({shape}): '
             f'{len(lengths)} lengths, the step compiled for each when first reached{fewer}; '

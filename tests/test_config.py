@@ -192,7 +192,7 @@ def test_curriculum_follows_deepspeeds_seqlen_schedules_with_tr8bs_settings():
   assert Config().seq_len_at(5) == Config().train.seq_len  # no curriculum
 
 
-def test_tokens_follow_the_curriculum_and_the_batch_ramp():
+def test_warmup_end_tokens_follow_the_curriculum_and_the_batch_ramp():
   cfg = Config().replace(train={'seq_len': 32, 'global_batch_size': 8, 'micro_batch_size': 2,
                                 'rampup_batch_size': (4, 4, 8), 'steps': 6},
                          curriculum={'min_seq_len': 8, 'total_iterations': 4},
@@ -200,9 +200,10 @@ def test_tokens_follow_the_curriculum_and_the_batch_ramp():
   # Lengths 8, 16, 24, 32, 32, 32 (iteration n: floor(8 + 24 n / 4) rounded down to 8); global
   # batches 4, 4, 8, 8, ... (the ramp adds 4 after 8 samples).
   assert [cfg.seq_len_at(n) for n in range(1, 7)] == [8, 16, 24, 32, 32, 32]
-  assert cfg.consumed_tokens_after(4) == 4 * 8 + 4 * 16 + 8 * 24 + 8 * 32
-  # The warm-up ends at the first iteration boundary at or past 10 samples: after iteration 3.
-  assert cfg.warmup_end_tokens() == cfg.consumed_tokens_after(3)
+  # The warm-up ends at the first iteration boundary at or past 10 samples: after iteration 3
+  # (4 + 4 + 8 samples), whose tokens are those of the three lengths.
+  assert cfg.warmup_end_tokens() == 4 * 8 + 4 * 16 + 8 * 24
+  assert cfg.replace(optimizer={'warmup_samples': 8}).warmup_end_tokens() == 4 * 8 + 4 * 16
 
 
 @pytest.mark.parametrize('sections, message', [

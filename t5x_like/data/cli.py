@@ -174,7 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       batch = replay.iteration_batch(cfg, data_seed, args.iteration)
       result = replay.report(batch, replay.decoder(cfg, args.tokenizer_json, args.tokenizer_model),
                              args.max_tokens)
-      print(json.dumps(result)) if args.json else replay.print_report(result)
+      if args.json:
+        print(json.dumps(result))
+      else:
+        replay.print_report(result)
     elif args.command == 'preprocess':
       if args.tokenizer_json:
         tokenizer = HFTokenizer(args.tokenizer_json, args.eod_token)
