@@ -196,38 +196,63 @@ class SpikeWatch:
             f' of the previous {self.window} iterations')
 
 
-def tensorboard_scalars(record: dict) -> list[tuple[str, float, int]]:
-  """(tag, value, step) of one iteration's record, all at step = iteration: Megatron-DeepSpeed's
-  tag groups with '_' for their spaces (TensorBoard's own writers replace characters other than
-  letters, digits, '-', '_', '.', '/' the same way).
+# TensorBoard runs, subdirectories of `runtime.tensorboard_dir` ('' is the directory itself), and
+# the record field each uses as its x axis. Megatron-DeepSpeed also plots against consumed samples
+# and tokens ("lm loss vs tokens": the only fair axis across runs with a batch-size ramp or a
+# sequence-length curriculum). Each axis has its own run because a resumed run tells TensorBoard
+# to drop the earlier events from its first step on (tensorboard.py), and that rule compares one
+# step number across all tags of a run.
+TENSORBOARD_RUNS = (('', 'iteration'), ('vs_samples', 'consumed_samples'),
+                    ('vs_tokens', 'consumed_tokens'))
 
-  Megatron also plots against consumed samples and tokens by using them as the step. Here every
-  event has the iteration as its step (consumed samples and tokens are scalars of their own),
-  because a resumed run tells TensorBoard to drop the events from its first iteration on
-  (tensorboard.py), and that rule compares one step number across all tags."""
-  it = record['iteration']
-  return [(tag, record[key], it) for tag, key in (
-      ('lm-loss-training/lm_loss', 'lm_loss'),
-      ('learning-rate/learning-rate', 'learning_rate'),
-      ('batch-size/batch-size', 'global_batch_size'),
-      ('grad-norm/grad-norm', 'grad_norm'),
-      ('num-zeros/num-zeros', 'num_zeros'),
-      ('consumed/samples', 'consumed_samples'),
-      ('consumed/tokens', 'consumed_tokens'),
-      ('seqlen/curriculum_seqlen', 'curriculum_seq_len'),
-      ('iteration-time/iteration-time', 'step_time_s'),
-      ('iteration-time/samples_per_second', 'samples_per_sec'),
-      ('iteration-time/TFLOPs_per_device', 'tflops'),
-      ('iteration-time/MFU', 'mfu'),
-      ('skipped/skipped_iterations', 'skipped_iterations'),
-      ('skipped/nan_iterations', 'nan_iterations')) if key in record]
+# (tag, record field) per iteration: Megatron-DeepSpeed's tag groups with '_' for their spaces
+# (TensorBoard's own writers replace characters other than letters, digits, '-', '_', '.', '/'
+# the same way).
+_TRAINING_TAGS = (
+    ('lm-loss-training/lm_loss', 'lm_loss'),
+    ('learning-rate/learning-rate', 'learning_rate'),
+    ('batch-size/batch-size', 'global_batch_size'),
+    ('grad-norm/grad-norm', 'grad_norm'),
+    ('num-zeros/num-zeros', 'num_zeros'),
+    ('seqlen/curriculum_seqlen', 'curriculum_seq_len'))
+# Only against the iteration: counters and speed.
+_ITERATION_ONLY_TAGS = (
+    ('consumed/samples', 'consumed_samples'),
+    ('consumed/tokens', 'consumed_tokens'),
+    ('iteration-time/iteration-time', 'step_time_s'),
+    ('iteration-time/samples_per_second', 'samples_per_sec'),
+    ('iteration-time/TFLOPs_per_device', 'tflops'),
+    ('iteration-time/MFU', 'mfu'),
+    ('skipped/skipped_iterations', 'skipped_iterations'),
+    ('skipped/nan_iterations', 'nan_iterations'))
 
 
-def tensorboard_eval_scalars(record: dict) -> list[tuple[str, float, int]]:
-  """(tag, value, step) of one evaluated set: `lm-loss-validation/<set>_lm_loss` and its PPL."""
+def _by_run(record: dict, tags: dict[str, tuple[tuple[str, str], ...]]
+            ) -> dict[str, list[tuple[str, float, int]]]:
+  """{run: [(tag, value, step)]}; a run's tags carry its axis as a suffix (`lm_loss_vs_tokens`,
+  Megatron's "lm loss vs tokens"), so runs of several workdirs overlay by tag in TensorBoard."""
+  out = {}
+  for run, axis in TENSORBOARD_RUNS:
+    if axis not in record:
+      continue
+    suffix = f'_{run}' if run else ''
+    out[run] = [(tag + suffix, record[key], record[axis])
+                for tag, key in tags[run] if key in record]
+  return out
+
+
+def tensorboard_scalars(record: dict) -> dict[str, list[tuple[str, float, int]]]:
+  """{run: [(tag, value, step)]} of one iteration's record (TENSORBOARD_RUNS)."""
+  return _by_run(record, {'': _TRAINING_TAGS + _ITERATION_ONLY_TAGS,
+                          'vs_samples': _TRAINING_TAGS, 'vs_tokens': _TRAINING_TAGS})
+
+
+def tensorboard_eval_scalars(record: dict) -> dict[str, list[tuple[str, float, int]]]:
+  """{run: [(tag, value, step)]} of one evaluated set: `lm-loss-validation/<set>_lm_loss` and its
+  PPL."""
   tag = f"lm-loss-validation/{record['set']}_lm_loss"
-  return [(tag, record['lm_loss'], record['iteration']),
-          (f'{tag}_PPL', record['ppl'], record['iteration'])]
+  tags = ((tag, 'lm_loss'), (f'{tag}_PPL', 'ppl'))
+  return _by_run(record, {run: tags for run, _ in TENSORBOARD_RUNS})
 
 
 class MetricsWriter:
@@ -243,8 +268,8 @@ class MetricsWriter:
     self.eval_jsonl_path = os.path.join(workdir, 'eval_metrics.jsonl')
     # Relative to the workdir; an absolute path is kept as it is.
     self.tensorboard_dir = os.path.join(workdir, tensorboard_dir) if tensorboard_dir else ''
-    self._tensorboard = None
-    self._purge_step = None
+    self._tensorboard: dict[str, tensorboard.EventWriter] = {}
+    self._purge_steps: dict[str, int] = {}
     if enabled:
       os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
 
@@ -255,12 +280,13 @@ class MetricsWriter:
     self.close()
 
   def close(self) -> None:
-    if self._tensorboard is not None:
-      self._tensorboard.close()
-      self._tensorboard = None
+    for writer in self._tensorboard.values():
+      writer.close()
+    self._tensorboard = {}
 
-  def truncate_after(self, iteration: int) -> None:
-    """Drops records past `iteration` (written after the checkpoint a restart resumes from)."""
+  def truncate_after(self, iteration: int, consumed_samples: int, consumed_tokens: int) -> None:
+    """Drops records past `iteration` (written after the checkpoint a restart resumes from, which
+    had consumed these samples and tokens)."""
     if not self.enabled:
       return
     for path in (self.jsonl_path, self.eval_jsonl_path):
@@ -272,8 +298,10 @@ class MetricsWriter:
       with open(tmp, 'w') as f:
         f.writelines(keep)
       os.replace(tmp, path)
-    # TensorBoard hides the events of earlier files from this step on (tensorboard.py).
-    self._purge_step = iteration + 1
+    # TensorBoard hides the events of a run's earlier files from this step on (tensorboard.py).
+    at = {'iteration': iteration, 'consumed_samples': consumed_samples,
+          'consumed_tokens': consumed_tokens}
+    self._purge_steps = {run: at[axis] + 1 for run, axis in TENSORBOARD_RUNS}
 
   def info(self, message: str) -> None:
     """A line for stdout and main_log.txt."""
@@ -294,12 +322,14 @@ class MetricsWriter:
     self._append(self.eval_jsonl_path, record)
     self._scalars(tensorboard_eval_scalars(record))
 
-  def _scalars(self, scalars: list[tuple[str, float, int]]) -> None:
+  def _scalars(self, scalars: dict[str, list[tuple[str, float, int]]]) -> None:
     if not (self.enabled and self.tensorboard_dir):
       return
-    if self._tensorboard is None:
-      self._tensorboard = tensorboard.EventWriter(self.tensorboard_dir, self._purge_step)
-    self._tensorboard.add(scalars)
+    for run, run_scalars in scalars.items():
+      if run not in self._tensorboard:
+        self._tensorboard[run] = tensorboard.EventWriter(
+            os.path.join(self.tensorboard_dir, run), self._purge_steps.get(run))
+      self._tensorboard[run].add(run_scalars)
 
   def _append(self, path: str, record: dict) -> None:
     if self.enabled:

@@ -31,6 +31,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -161,9 +162,11 @@ class Watchdog:
 
   CHECK_EVERY_S = 1.0
 
-  def __init__(self, timeout_s: float, log_path: str | None = None):
+  def __init__(self, timeout_s: float, log_path: str | None = None,
+               on_hang: Callable[[str], None] | None = None):
     self.timeout_s = timeout_s
     self.log_path = log_path
+    self.on_hang = on_hang  # called with the message before the stacks are written
     self._last_beat = _now()
     self._allowed_s = timeout_s  # of silence after the last beat (see `beat`'s grace)
     self._what = 'starting'
@@ -218,6 +221,11 @@ class Watchdog:
                f'({allowed}) while {self._what}; the '
                f'Python stack of every thread follows; exit code {int(ExitCode.HUNG)} '
                f'(HUNG): resubmit to resume from the last checkpoint\n')
+    if self.on_hang is not None:
+      try:
+        self.on_hang(message)
+      except Exception:  # pylint: disable=broad-except
+        pass  # the exit below matters more than the alert
     outputs = [sys.stderr]
     log = None
     if self.log_path and os.path.isdir(os.path.dirname(self.log_path)):

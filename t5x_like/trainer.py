@@ -12,6 +12,7 @@ finite is skipped (params and Adam state, including its step count, unchanged) a
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -25,7 +26,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from t5x_like import checkpoints, metrics, model as model_lib, optim, partitioning, pipeline
-from t5x_like import losses
+from t5x_like import alerts, losses
 from t5x_like import provenance, runtime
 from t5x_like.config import Config, ConfigError
 from t5x_like.data import sources
@@ -208,6 +209,7 @@ class Trainer:
     self.mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
     self.compilation_cache = use_compilation_cache(self.workdir, cfg.runtime.compilation_cache_dir)
     self.is_writer = jax.process_index() == 0
+    self.alerts = alerts.Alerts(cfg.runtime.alert_command, self.workdir, jax.process_index())
     self.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_writer,
                                         tensorboard_dir=cfg.runtime.tensorboard_dir)
     if self.is_writer:
@@ -285,7 +287,8 @@ class Trainer:
       load_optimizer = cfg.checkpoint.load_optimizer or self.reset_done
       state, progress = checkpoints.restore(self.ckpt_root, self.layout, cfg,
                                             load_optimizer=load_optimizer)
-      self.writer.truncate_after(progress.iteration)
+      self.writer.truncate_after(progress.iteration, progress.consumed_samples,
+                                 progress.consumed_tokens)
       self.writer.info(f'> resumed from {self.ckpt_root}/{progress.iteration}: '
                        f'{progress.consumed_samples} samples consumed')
       self.adam_count_base = dict(self.resume_meta['adam_count_base'])
@@ -378,7 +381,8 @@ class Trainer:
       results[name] = loss
       self.writer.eval_record({
           'iteration': progress.iteration, 'consumed_samples': progress.consumed_samples,
-          'set': name, 'lm_loss': loss, 'ppl': metrics.perplexity(loss),
+          'consumed_tokens': progress.consumed_tokens, 'set': name, 'lm_loss': loss,
+          'ppl': metrics.perplexity(loss),
           'samples': self.cfg.eval.iters * gbs, 'eval_time_s': time.perf_counter() - start,
       }, (f'the end of training (iteration {progress.iteration})' if at_end
           else f'iteration {progress.iteration}'))
@@ -510,6 +514,7 @@ class Trainer:
                                    seq if cfg.curriculum.enabled else 0)
     if slowdown:
       self.writer.info(slowdown)
+      self.alerts.send('slowdown', slowdown, progress.iteration)
     spike = self.spikes.add(progress.iteration, record['lm_loss'], record['grad_norm'])
     if spike:
       self.report_spike(spike, progress.iteration)
@@ -527,6 +532,7 @@ class Trainer:
                  f'differ across devices. Resume from the last checkpoint (a restore reads one '
                  'copy) and report it with this log')
       self.writer.info(message)
+      self.alerts.send('replica_mismatch', message, iteration)
       if not self.is_writer:
         print(message, file=sys.stderr, flush=True)
     else:
@@ -543,6 +549,7 @@ class Trainer:
              if kept is not None else 'no checkpoint was saved before it')
     self.writer.info(f'{message}. {where}; its batch: python -m t5x_like.data batch '
                      f'{self.workdir} --iteration {iteration}')
+    self.alerts.send('spike', message, iteration)
 
   def run(self) -> Progress:
     """Trains to the end or until a stop condition; `stop_reason` says which (None: the end).
@@ -560,10 +567,18 @@ class Trainer:
     # Only the process that writes the log appends the stacks of a hang to it; every process
     # prints its own to stderr.
     log_path = self.writer.log_path if self.is_writer else None
-    with runtime.StopConditions(rt.kill_switch_path, rt.exit_duration_mins,
-                                num_processes=jax.process_count()) as stop, \
-        runtime.Watchdog(rt.hang_timeout_mins * 60.0, log_path) as self.watchdog, self.writer:
-      return self._train(stop)
+    on_hang = functools.partial(self.alerts.send, 'hang')
+    try:
+      with runtime.StopConditions(rt.kill_switch_path, rt.exit_duration_mins,
+                                  num_processes=jax.process_count()) as stop, \
+          runtime.Watchdog(rt.hang_timeout_mins * 60.0, log_path, on_hang) as self.watchdog, \
+          self.writer:
+        return self._train(stop)
+    except Exception as e:
+      self.alerts.send('crashed', f'{type(e).__name__}: {e}')
+      raise
+    finally:
+      self.alerts.wait()
 
   def _train(self, stop: runtime.StopConditions) -> Progress:
     cfg = self.cfg
@@ -629,9 +644,12 @@ class Trainer:
         self.evaluate(state, progress, {'test': self.data.test}, at_end=True)
     self.checkpointer.close()
     code = runtime.exit_code(self.stop_reason)
-    self.writer.info(f'> {"done" if self.stop_reason is None else "stopped"}: '
-                     f'{progress.iteration} iterations, {progress.consumed_samples} samples; '
-                     f'exit code {int(code)} ({code.name})')
+    ended = (f'> {"done" if self.stop_reason is None else "stopped"}: '
+             f'{progress.iteration} iterations, {progress.consumed_samples} samples; '
+             f'exit code {int(code)} ({code.name})')
+    self.writer.info(ended)
+    self.alerts.send('finished' if self.stop_reason is None else 'stopped', ended,
+                     progress.iteration)
     self.final_state = state
     return progress
 

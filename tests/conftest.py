@@ -129,6 +129,8 @@ out = []
 for directory in sys.argv[1:]:
   scalars = {}
   for name in sorted(os.listdir(directory)):
+    if os.path.isdir(os.path.join(directory, name)):  # another TensorBoard run
+      continue
     for event in tf.compat.v1.train.summary_iterator(os.path.join(directory, name)):
       if event.HasField('session_log') and event.session_log.status == 1:  # START: purge
         scalars = {tag: [p for p in points if p[0] < event.step] for tag, points in scalars.items()}
@@ -140,10 +142,24 @@ print(json.dumps(out))
 
 
 def read_tensorboard(*directories):
-  """{tag: [(step, value)]} per directory, read by TensorFlow's own event reader (which checks
+  """{tag: [(step, value)]} per directory (its own event files: one TensorBoard run), read by TensorFlow's own event reader (which checks
   every frame's CRC) with TensorBoard's rule for a SessionLog START: earlier events from its
   step on are dropped. In a subprocess, so TensorFlow never shares a process with JAX here."""
   r = run_cli(['-c', _READ_EVENTS, *directories], timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   return [{tag: [tuple(p) for p in points] for tag, points in scalars.items()}
           for scalars in json.loads(r.stdout.strip().splitlines()[-1])]
+
+
+# runtime.alert_command for tests: one line per alert in WORKDIR/alerts.txt (t5x_like/alerts.py).
+ALERT_RECORD = ('echo "$T5X_LIKE_EVENT|$T5X_LIKE_ITERATION|$T5X_LIKE_PROCESS|$T5X_LIKE_MESSAGE" '
+                '>> "$T5X_LIKE_WORKDIR/alerts.txt"')
+
+
+def read_alerts(workdir):
+  """[event, iteration, process, message] per alert the command recorded, in order."""
+  path = os.path.join(workdir, 'alerts.txt')
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [line.rstrip('\n').split('|', 3) for line in f]

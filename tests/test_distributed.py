@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port, run_cli
+from conftest import ALERT_RECORD, REPO, free_port, read_alerts, run_cli
 from t5x_like import distributed
 from t5x_like.config import ConfigError
 
@@ -152,7 +152,8 @@ def test_a_process_stuck_in_a_collective_exits_4_with_every_threads_stack(tmp_pa
   stacks on stderr and in the log, exit code 4."""
   workdir = str(tmp_path / 'run')
   procs = two_processes_by_flags(['--config.train.steps=100000', '--workdir', workdir,
-                                  '--config.runtime.hang_timeout_mins=0.1'])
+                                  '--config.runtime.hang_timeout_mins=0.1',
+                                  f'--config.runtime.alert_command={ALERT_RECORD}'])
   try:
     wait_for_iterations(workdir, 2, procs)
     for p in procs:
@@ -177,6 +178,12 @@ def test_a_process_stuck_in_a_collective_exits_4_with_every_threads_stack(tmp_pa
   with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
     log = f.read()
   assert message.group(0) in log and 'in _train' in log.split(message.group(0))[1]
+  # runtime.alert_command heard of it from process 0 (its own session outlives the exit).
+  deadline = time.monotonic() + 60
+  while not read_alerts(workdir) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  (event, iteration, process, text), = read_alerts(workdir)
+  assert (event, iteration, process) == ('hang', '', '0') and text.startswith(message.group(0))
 
 
 def test_processes_given_different_runs_all_stop_with_one_clear_error(tmp_path):

@@ -87,3 +87,33 @@ def test_a_spike_check_with_threshold_0_is_off():
   loss_only = metrics.SpikeWatch(window=5, loss_threshold=0.5, grad_factor=0.0)
   assert spikes(loss_only, [(2.0, 1.0)] * 5 + [(2.0, 100.0)], 1) == {}
   assert list(spikes(loss_only, [(2.0, 1.0), (3.5, 1.0)], 7)) == [8]
+
+
+def test_tensorboard_runs_plot_training_against_iterations_samples_and_tokens():
+  record = {'iteration': 7, 'consumed_samples': 112, 'consumed_tokens': 14336, 'lm_loss': 6.5,
+            'learning_rate': 1e-3, 'global_batch_size': 16, 'grad_norm': 0.5, 'num_zeros': 0.0,
+            'step_time_s': 0.9, 'skipped_iterations': 0}
+  runs = metrics.tensorboard_scalars(record)
+  assert runs[''] == [
+      ('lm-loss-training/lm_loss', 6.5, 7), ('learning-rate/learning-rate', 1e-3, 7),
+      ('batch-size/batch-size', 16, 7), ('grad-norm/grad-norm', 0.5, 7),
+      ('num-zeros/num-zeros', 0.0, 7), ('consumed/samples', 112, 7),
+      ('consumed/tokens', 14336, 7), ('iteration-time/iteration-time', 0.9, 7),
+      ('skipped/skipped_iterations', 0, 7)]
+  # Speed and counters only against the iteration; the curves to compare runs by also against
+  # the data consumed, each axis in its own run (a resume's purge step is per run).
+  assert runs['vs_tokens'] == [
+      ('lm-loss-training/lm_loss_vs_tokens', 6.5, 14336),
+      ('learning-rate/learning-rate_vs_tokens', 1e-3, 14336),
+      ('batch-size/batch-size_vs_tokens', 16, 14336), ('grad-norm/grad-norm_vs_tokens', 0.5, 14336),
+      ('num-zeros/num-zeros_vs_tokens', 0.0, 14336)]
+  assert [(tag, step) for tag, _, step in runs['vs_samples']] == [
+      (tag.replace('_vs_tokens', '_vs_samples'), 112) for tag, _, _ in runs['vs_tokens']]
+  evaluated = {'iteration': 7, 'consumed_samples': 112, 'consumed_tokens': 14336, 'set': 'valid',
+               'lm_loss': 6.0, 'ppl': 403.4}
+  assert metrics.tensorboard_eval_scalars(evaluated)['vs_tokens'] == [
+      ('lm-loss-validation/valid_lm_loss_vs_tokens', 6.0, 14336),
+      ('lm-loss-validation/valid_lm_loss_PPL_vs_tokens', 403.4, 14336)]
+  # A record without an axis (an evaluation written before tokens were recorded) has no such run.
+  del evaluated['consumed_tokens']
+  assert set(metrics.tensorboard_eval_scalars(evaluated)) == {'', 'vs_samples'}

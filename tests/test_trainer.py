@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import checkpoints, metrics, optim, partitioning, provenance
+from t5x_like import checkpoints, metrics, optim, partitioning, provenance, watch
 from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import TrainState, make_layout
 from t5x_like.trainer import Trainer, make_train_step, read_metrics
 
-from conftest import config_with, read_tensorboard
+from conftest import ALERT_RECORD, config_with, read_alerts, read_tensorboard
 
 REQUIRED = {'iteration', 'consumed_samples', 'consumed_tokens', 'learning_rate',
             'global_batch_size', 'lm_loss', 'grad_norm', 'step_time_s', 'samples_per_sec',
@@ -83,20 +83,40 @@ def test_tensorboard_has_megatron_tags_and_a_resume_replaces_the_steps_after_its
   Trainer(corpus_config(train=dict(steps=5)), resumed).run()
   shutil.rmtree(os.path.join(resumed, 'checkpoints', '5'))
   Trainer(corpus_config(), resumed).run()
-  scalars, after_resume = read_tensorboard(os.path.join(workdir, 'tensorboard'),
-                                           os.path.join(resumed, 'tensorboard'))
+  runs = [os.path.join(d, 'tensorboard', run) for d in (workdir, resumed)
+          for run, _ in metrics.TENSORBOARD_RUNS]
+  scalars, vs_samples, vs_tokens, after_resume, resumed_vs_samples, resumed_vs_tokens = (
+      read_tensorboard(*runs))
   want = read_metrics(workdir)
-  # Stored under exactly the tags written.
-  assert set(scalars) == {tag for tag, _, _ in metrics.tensorboard_scalars(want[0])}
+  # Stored under exactly the tags written, one TensorBoard run per x axis.
+  written = metrics.tensorboard_scalars(want[0])
+  assert set(written) == {'', 'vs_samples', 'vs_tokens'}
+  for run, stored in (('', scalars), ('vs_samples', vs_samples), ('vs_tokens', vs_tokens)):
+    assert set(stored) == {tag for tag, _, _ in written[run]}
   assert scalars['lm-loss-training/lm_loss'] == [
       (r['iteration'], pytest.approx(r['lm_loss'])) for r in want]
   assert scalars['consumed/samples'] == [(r['iteration'], r['consumed_samples']) for r in want]
   assert [v for _, v in scalars['learning-rate/learning-rate']] == [
       pytest.approx(r['learning_rate']) for r in want]
   assert scalars['grad-norm/grad-norm'][-1] == (6, pytest.approx(want[-1]['grad_norm']))
-  got = after_resume['lm-loss-training/lm_loss']
-  assert got == [(r['iteration'], pytest.approx(r['lm_loss'])) for r in read_metrics(resumed)]
-  assert [step for step, _ in got] == [1, 2, 3, 4, 5, 6]
+  # Megatron's "lm loss vs samples" / "vs tokens": the same values against the data consumed.
+  assert vs_samples['lm-loss-training/lm_loss_vs_samples'] == [
+      (r['consumed_samples'], pytest.approx(r['lm_loss'])) for r in want]
+  assert vs_tokens['lm-loss-training/lm_loss_vs_tokens'] == [
+      (r['consumed_tokens'], pytest.approx(r['lm_loss'])) for r in want]
+  assert vs_tokens['learning-rate/learning-rate_vs_tokens'] == [
+      (r['consumed_tokens'], pytest.approx(r['learning_rate'])) for r in want]
+  # The resumed run's iterations 4 and 5 replace the first job's in every run, whatever its axis.
+  got = read_metrics(resumed)
+  assert after_resume['lm-loss-training/lm_loss'] == [
+      (r['iteration'], pytest.approx(r['lm_loss'])) for r in got]
+  assert [step for step, _ in after_resume['lm-loss-training/lm_loss']] == [1, 2, 3, 4, 5, 6]
+  assert resumed_vs_samples['lm-loss-training/lm_loss_vs_samples'] == [
+      (r['consumed_samples'], pytest.approx(r['lm_loss'])) for r in got]
+  assert resumed_vs_tokens['lm-loss-training/lm_loss_vs_tokens'] == [
+      (r['consumed_tokens'], pytest.approx(r['lm_loss'])) for r in got]
+  assert [s for s, _ in resumed_vs_tokens['grad-norm/grad-norm_vs_tokens']] == [
+      r['consumed_tokens'] for r in got]
 
 
 def test_resume_reproduces_the_uninterrupted_run(six_steps, tmp_path, monkeypatch):
@@ -306,10 +326,15 @@ def test_megatron_data_evaluation_and_skipped_ranges(megatron_data, tmp_path,
   for name, count, source in zip(('en', 'fr'), drawn, trainer.data.train.sources):
     assert (f"> data: {megatron_data[name]}: {count} of the run's 48 training samples, "
             f'{count / source.num_samples:.3g} epoch(s) of its {source.num_samples}') in log
-  scalars, = read_tensorboard(os.path.join(workdir, 'tensorboard'))
+  scalars, vs_tokens = read_tensorboard(os.path.join(workdir, 'tensorboard'),
+                                        os.path.join(workdir, 'tensorboard', 'vs_tokens'))
   assert scalars['lm-loss-validation/held_out_lm_loss'] == [
       (e['iteration'], pytest.approx(e['lm_loss'])) for e in evals if e['set'] == 'held_out']
   assert scalars['lm-loss-validation/test_lm_loss_PPL'] == [(6, pytest.approx(evals[-1]['ppl']))]
+  # Against tokens: the skipped iterations 2-3 consumed theirs too (8 samples of 32 tokens each).
+  assert [e['consumed_tokens'] for e in evals] == [3 * 8 * 32] * 2 + [6 * 8 * 32] * 3
+  assert vs_tokens['lm-loss-validation/held_out_lm_loss_vs_tokens'] == [
+      (e['consumed_tokens'], pytest.approx(e['lm_loss'])) for e in evals if e['set'] == 'held_out']
   event_files = os.listdir(os.path.join(workdir, 'tensorboard'))
 
   # A resumed run drops evaluation records written after its checkpoint, as it does metrics.
@@ -357,10 +382,16 @@ class SpikeAt:
 def test_a_spike_keeps_the_checkpoint_before_it_through_later_saves_and_restarts(
     tmp_path, persistent_compilation_cache):
   workdir = str(tmp_path / 'run')
-  cfg = corpus_config(train=dict(steps=8), checkpoint=dict(save_interval=2, max_to_keep=1))
+  cfg = corpus_config(train=dict(steps=8), checkpoint=dict(save_interval=2, max_to_keep=1),
+                      runtime=dict(replica_check_interval=3, alert_command=ALERT_RECORD))
   trainer = Trainer(cfg, workdir)
   trainer.spikes = SpikeAt(5)
   trainer.run()
+  # Outside the log too: runtime.alert_command heard of the spike and of the end.
+  assert [a[:2] for a in read_alerts(workdir)] == [['spike', '5'], ['finished', '8']]
+  assert read_alerts(workdir)[1][3] == '> done: 8 iterations, 64 samples; exit code 0 (FINISHED)'
+  # And `python -m t5x_like.watch` (cron) reads the end from the log.
+  assert watch.status(workdir, stale_mins=30)['state'] == 'finished'
   root = os.path.join(workdir, 'checkpoints')
   assert checkpoints.available_steps(root) == [4, 8]  # max_to_keep=1, and 4 from before 5
   assert checkpoints.read_meta(root)['kept_steps'] == [4]
@@ -376,7 +407,9 @@ def test_a_spike_keeps_the_checkpoint_before_it_through_later_saves_and_restarts
 
 
 def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
-  trainer = Trainer(corpus_config(), str(tmp_path))  # nothing trains
+  trainer = Trainer(corpus_config(runtime=dict(replica_check_interval=3,
+                                               alert_command=ALERT_RECORD)),
+                    str(tmp_path))  # nothing trains
   mesh = trainer.mesh
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   copies = [jax.device_put(np.full(4, 1.0 + (i == 2) * 1e-6, np.float32), d)
@@ -388,6 +421,16 @@ def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
   with open(trainer.writer.log_path) as f:
     assert ("> replica check at iteration 7: the copies of ['final_ln']['scale'] differ across "
             'devices. Resume from the last checkpoint') in f.read()
+  trainer.alerts.wait()
+  assert [a[:2] for a in read_alerts(tmp_path)] == [['replica_mismatch', '7']]
+
+  # An exception out of training is sent as 'crashed' and still raised.
+  def fail(stop):
+    raise OSError('disk full')
+  trainer._train = fail
+  with pytest.raises(OSError, match='disk full'):
+    trainer.run()
+  assert read_alerts(tmp_path)[1:] == [['crashed', '', '0', 'OSError: disk full']]
 
 
 def test_curriculum_truncates_samples_counts_tokens_and_decays_by_tokens(tmp_path):
