@@ -112,39 +112,58 @@ class ThroughputWatch:
   `window` iterations exceeds the baseline by more than `threshold`, and again only after the
   step has recovered (below half the threshold) and slowed down anew. A median of 20 ignores
   the odd slow iteration (a checkpoint save, a hiccup) and reacts within 20 iterations.
+
+  A job compared only with itself misses a device that is slow from the job's start (the next job
+  of an array lands on a bad node): `baselines()` go into the checkpoint's meta, and the next job on
+  the same setup starts from them (`seed`). It still measures its own first window, and keeps the
+  faster of the two as the baseline.
   """
 
   def __init__(self, window: int = 20, threshold: float = 0.05, warmup: int = 3):
     self.window, self.threshold, self.warmup = window, threshold, warmup
+    self._seen: dict[tuple[int, int], int] = {}
     self._times: dict[tuple[int, int], list[float]] = {}
-    # (gbs, seq_len) -> (median, first, last)
-    self._baseline: dict[tuple[int, int], tuple[float, int, int]] = {}
+    # (gbs, seq_len) -> (median, first, last, whose: "this run's" or "an earlier job's")
+    self._baseline: dict[tuple[int, int], tuple[float, int, int, str]] = {}
     self._warned: set[tuple[int, int]] = set()
+
+  def baselines(self) -> list[dict]:
+    """The baselines, as JSON for a checkpoint's meta."""
+    return [{'global_batch_size': gbs, 'seq_len': seq, 'step_s': base, 'first': first,
+             'last': last} for (gbs, seq), (base, first, last, _) in sorted(self._baseline.items())]
+
+  def seed(self, baselines: list[dict]) -> None:
+    """Baselines of an earlier job (`baselines()` of it) on the same setup."""
+    for b in baselines:
+      self._baseline[(b['global_batch_size'], b['seq_len'])] = (
+          b['step_s'], b['first'], b['last'], "an earlier job's")
 
   def add(self, iteration: int, global_batch_size: int, seconds: float,
           seq_len: int = 0) -> str | None:
     """`seq_len`: the curriculum's length of this iteration (0 without a curriculum); each
     (global batch size, length) has its own baseline."""
     key = (global_batch_size, seq_len)
+    self._seen[key] = self._seen.get(key, 0) + 1
+    if self._seen[key] <= self.warmup:
+      return None
     times = self._times.setdefault(key, [])
     times.append(seconds)
-    if key not in self._baseline:
-      if len(times) == self.warmup + self.window:
-        first = iteration - self.window + 1
-        self._baseline[key] = (statistics.median(times[self.warmup:]), first, iteration)
-        del times[:-self.window]
-      return None
     del times[:-self.window]
     if len(times) < self.window:
       return None
-    base, first, last = self._baseline[key]
+    if self._seen[key] == self.warmup + self.window:  # this job's own first window
+      own = statistics.median(times)
+      if key not in self._baseline or own < self._baseline[key][0]:
+        self._baseline[key] = (own, iteration - self.window + 1, iteration, "this run's")
+        return None
+    base, first, last, whose = self._baseline[key]
     recent = statistics.median(times)
     slower = recent / base - 1.0
     if slower > self.threshold and key not in self._warned:
       self._warned.add(key)
       length = f', sequence length {seq_len}' if seq_len else ''
       return (f'> throughput: the median step time of iterations {iteration - self.window + 1}-'
-              f'{iteration} is {recent:.3g} s, {slower:.1%} above this run\'s {base:.3g} s '
+              f'{iteration} is {recent:.3g} s, {slower:.1%} above {whose} {base:.3g} s '
               f'(iterations {first}-{last}, global batch size {global_batch_size}{length}). If '
               'it stays, look for a slow device: python -m t5x_like.devices on the job\'s nodes '
               '(README)')

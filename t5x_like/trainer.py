@@ -12,6 +12,7 @@ finite is skipped (params and Adam state, including its step count, unchanged) a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -226,6 +227,8 @@ class Trainer:
     # moves by 10-20% with whatever else the machine runs: only a larger change is reported.
     self.throughput = metrics.ThroughputWatch(
         threshold=0.25 if jax.devices()[0].platform == 'cpu' else 0.05)
+    if self.resume_step:
+      self._seed_throughput(self.resume_meta.get('throughput'))
     self.watchdog = runtime.Watchdog(0.0)  # run() installs the configured one
     self.spikes = metrics.SpikeWatch(cfg.runtime.spike_window, cfg.runtime.spike_loss_threshold,
                                      cfg.runtime.spike_grad_factor)
@@ -235,6 +238,33 @@ class Trainer:
         kept_steps=self.resume_meta.get('kept_steps', []) if self.resume_step else ())
 
   # ---------------------------------------------------------------------------------- set-up
+
+  def throughput_setup(self) -> dict[str, Any]:
+    """What the step time depends on besides the data: devices, mesh, model, micro-batch,
+    software. Step-time baselines carry over from an earlier job only when this is equal."""
+    cfg, device = self.cfg, jax.devices()[0]
+    setup = {'platform': device.platform, 'device_kind': device.device_kind,
+             'devices': jax.device_count(), 'processes': jax.process_count(),
+             'mesh': dataclasses.asdict(cfg.mesh), 'pipeline': dataclasses.asdict(cfg.pipeline),
+             'model': dataclasses.asdict(cfg.model), 'micro_batch_size': cfg.train.micro_batch_size,
+             'software': self.software}
+    return json.loads(json.dumps(setup))  # as the checkpoint's meta holds it (lists, not tuples)
+
+  def _seed_throughput(self, saved: dict[str, Any] | None) -> None:
+    if not saved or not saved['baselines']:
+      return
+    if saved['setup'] != self.throughput_setup():
+      self.restart_notes.append('> throughput: the checkpoint\'s job ran on another setup '
+                                '(devices, mesh, model or software); this job measures its own '
+                                'step-time baseline')
+      return
+    self.throughput.seed(saved['baselines'])
+    first = saved['baselines'][0]
+    self.restart_notes.append(
+        f"> throughput: step times are compared with the earlier job's baseline from the start "
+        f"({first['step_s']:.3g} s at global batch size {first['global_batch_size']}"
+        f"{', ...' if len(saved['baselines']) > 1 else ''}): a device slow from this job's start "
+        'is reported too')
 
   def _resumed_config(self, cfg: Config, meta: dict[str, Any]) -> Config:
     """The config a resumed run trains with: the checkpoint's data order and (with load_rng) its
@@ -277,6 +307,8 @@ class Trainer:
   def save_checkpoint(self, state: TrainState, progress: Progress) -> bool:
     meta = checkpoints.make_meta(self.cfg, progress, self.data_seed, self.adam_count_base,
                                  self.software, self.checkpointer.kept_steps)
+    meta['throughput'] = {'setup': self.throughput_setup(),
+                          'baselines': self.throughput.baselines()}
     return self.checkpointer.save(state, progress, self.cfg, meta)
 
   def initial_state(self) -> tuple[TrainState, Progress]:

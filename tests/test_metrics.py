@@ -51,6 +51,24 @@ def test_each_global_batch_size_and_curriculum_length_has_its_own_baseline():
   assert list(slow) == [22] and 'global batch size 16, sequence length 1024' in slow[22]
 
 
+def test_an_earlier_jobs_baseline_finds_a_device_slow_from_the_start_and_a_faster_one_wins():
+  earlier = metrics.ThroughputWatch(window=3, threshold=0.05, warmup=1)
+  assert feed(earlier, [5.0, 1.0, 1.0, 1.0], 1) == {}
+  assert earlier.baselines() == [
+      {'global_batch_size': 16, 'seq_len': 0, 'step_s': 1.0, 'first': 2, 'last': 4}]
+  # The next job is 10% slower from its first step: its own baseline would hide that.
+  slow_job = metrics.ThroughputWatch(window=3, threshold=0.05, warmup=1)
+  slow_job.seed(earlier.baselines())
+  slow = feed(slow_job, [5.0, 1.1, 1.1, 1.1], 5)
+  assert list(slow) == [8] and "10.0% above an earlier job's 1 s (iterations 2-4" in slow[8]
+  # A job faster than the earlier one keeps its own, faster baseline.
+  fast_job = metrics.ThroughputWatch(window=3, threshold=0.05, warmup=1)
+  fast_job.seed(earlier.baselines())
+  assert feed(fast_job, [5.0, 0.8, 0.8, 0.8, 0.8], 5) == {}
+  assert fast_job.baselines()[0]['step_s'] == 0.8
+  assert list(feed(fast_job, [0.9] * 3, 10)) == [11]  # 12.5% above its own 0.8 s
+
+
 def spikes(watch, points, first_iteration):
   """SpikeWatch's messages for (loss, grad norm) points of consecutive iterations."""
   return messages(watch.add, points, first_iteration)

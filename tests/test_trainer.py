@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import time
 
 import jax
 import jax.numpy as jnp
@@ -404,6 +405,58 @@ def test_a_spike_keeps_the_checkpoint_before_it_through_later_saves_and_restarts
   Trainer(corpus_config(train=dict(steps=12), checkpoint=dict(save_interval=2, max_to_keep=1)),
           workdir).run()
   assert checkpoints.available_steps(root) == [4, 12]
+
+
+class SlowDevice:
+  """The compiled step of a job whose device is slow from its start: each step waits first."""
+
+  def __init__(self, compiled, seconds):
+    self.compiled, self.seconds = compiled, seconds
+
+  def __call__(self, *args):
+    time.sleep(self.seconds)
+    return self.compiled(*args)
+
+
+def test_a_job_slow_from_its_start_is_compared_with_the_earlier_jobs_step_time(
+    tmp_path, monkeypatch, persistent_compilation_cache):
+  # Baselines over 3 iterations after 1 (the trainer's watch takes 20 after 3), and a slowdown
+  # only above 200%: 3-step medians of these 0.05 s steps move by 50%; the slow device adds 1 s.
+  watch = metrics.ThroughputWatch
+  monkeypatch.setattr(metrics, 'ThroughputWatch',
+                      lambda threshold: watch(window=3, threshold=2.0, warmup=1))
+  workdir = str(tmp_path / 'run')
+  cfg = corpus_config(train=dict(steps=8), checkpoint=dict(save_interval=4),
+                      runtime=dict(replica_check_interval=0, alert_command=ALERT_RECORD))
+  first = Trainer(cfg, workdir)
+  first.run()
+  saved = checkpoints.read_meta(os.path.join(workdir, 'checkpoints'))['throughput']
+  (baseline,) = saved['baselines']
+  assert (baseline['global_batch_size'], baseline['seq_len'], baseline['first'],
+          baseline['last']) == (8, 0, 2, 4)
+  assert saved['setup'] == first.throughput_setup()
+  # The next job of the array lands on a slow device: every step takes 1 s longer.
+  resumed = Trainer(corpus_config(train=dict(steps=12), checkpoint=dict(save_interval=4),
+                                  runtime=dict(replica_check_interval=0,
+                                               alert_command=ALERT_RECORD)), workdir)
+  compile_step = resumed.compile
+  monkeypatch.setattr(resumed, 'compile', lambda shape: SlowDevice(compile_step(shape), 1.0))
+  resumed.run()
+  with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
+    log = f.read()
+  assert "> throughput: step times are compared with the earlier job's baseline" in log
+  # Its own first window (iterations 10-12) is already slow; against the earlier job's it shows.
+  assert re.search(r"> throughput: the median step time of iterations 10-12 is [\d.]+ s, [\d.]+% "
+                   r"above an earlier job's [\d.]+ s \(iterations 2-4, global batch size 8\)", log)
+  assert [a[:2] for a in read_alerts(workdir)] == [['finished', '8'], ['slowdown', '12'],
+                                                   ['finished', '12']]
+  # On another setup (here: other devices) the earlier baseline does not apply.
+  other = dict(saved, setup=dict(saved['setup'], device_kind='a slower kind'))
+  resumed.throughput = watch()
+  resumed._seed_throughput(other)
+  assert resumed.throughput.baselines() == []
+  assert resumed.restart_notes[-1].startswith("> throughput: the checkpoint's job ran on another "
+                                              'setup')
 
 
 def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
