@@ -13,8 +13,10 @@ def test_the_command_gets_the_event_in_its_environment_and_the_log_records_it(tm
   sender.send('spike', '> spike at iteration 12: lm loss 9.1\nsecond line', 12)
   sender.send('finished', '> done: 20 iterations')
   sender.wait()
-  assert read_alerts(tmp_path) == [['spike', '12', '0', '> spike at iteration 12: lm loss 9.1'],
-                                   ['finished', '', '0', '> done: 20 iterations']]
+  # The commands run concurrently: their lines may land in either order; the log's are in order.
+  assert sorted(read_alerts(tmp_path)) == [
+      ['finished', '', '0', '> done: 20 iterations'],
+      ['spike', '12', '0', '> spike at iteration 12: lm loss 9.1']]
   with open(tmp_path / 'logs' / 'alerts.log') as f:
     assert f.read().splitlines() == ['> alert spike at iteration 12: > spike at iteration 12: lm '
                                      'loss 9.1', '> alert finished at iteration -: > done: 20 '
