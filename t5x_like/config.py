@@ -284,8 +284,8 @@ class RuntimeConfig:
   compilation_cache_dir: str = ''
   # A shell command run in the background on each event an operator must act on (t5x_like/
   # alerts.py: spike, slowdown, replica_mismatch, hang, crashed, stopped, finished), with
-  # T5X_LIKE_EVENT, T5X_LIKE_MESSAGE, T5X_LIKE_ITERATION, T5X_LIKE_WORKDIR in its environment;
-  # '': none.
+  # T5X_LIKE_EVENT, T5X_LIKE_MESSAGE, T5X_LIKE_ITERATION, T5X_LIKE_WORKDIR, T5X_LIKE_PROCESS in
+  # its environment; '': none.
   alert_command: str = ''
 
 

@@ -239,9 +239,11 @@ class Trainer:
 
   # ---------------------------------------------------------------------------------- set-up
 
+  @functools.cached_property
   def throughput_setup(self) -> dict[str, Any]:
     """What the step time depends on besides the data: devices, mesh, model, micro-batch,
-    software. Step-time baselines carry over from an earlier job only when this is equal."""
+    software (fixed for a job). Step-time baselines carry over from an earlier job only when this
+    is equal."""
     cfg, device = self.cfg, jax.devices()[0]
     setup = {'platform': device.platform, 'device_kind': device.device_kind,
              'devices': jax.device_count(), 'processes': jax.process_count(),
@@ -253,7 +255,7 @@ class Trainer:
   def _seed_throughput(self, saved: dict[str, Any] | None) -> None:
     if not saved or not saved['baselines']:
       return
-    if saved['setup'] != self.throughput_setup():
+    if saved['setup'] != self.throughput_setup:
       self.restart_notes.append('> throughput: the checkpoint\'s job ran on another setup '
                                 '(devices, mesh, model or software); this job measures its own '
                                 'step-time baseline')
@@ -307,7 +309,7 @@ class Trainer:
   def save_checkpoint(self, state: TrainState, progress: Progress) -> bool:
     meta = checkpoints.make_meta(self.cfg, progress, self.data_seed, self.adam_count_base,
                                  self.software, self.checkpointer.kept_steps)
-    meta['throughput'] = {'setup': self.throughput_setup(),
+    meta['throughput'] = {'setup': self.throughput_setup,
                           'baselines': self.throughput.baselines()}
     return self.checkpointer.save(state, progress, self.cfg, meta)
 

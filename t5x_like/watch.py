@@ -31,6 +31,7 @@ import sys
 import time
 
 from t5x_like import alerts
+from t5x_like.data.files import atomic_write
 
 STATE_FILE = os.path.join('logs', 'watch_state.json')
 # squeue states of a job that is about to run or is running.
@@ -78,7 +79,8 @@ def slurm_job_states(job_name: str) -> list[str]:
 
 def status(workdir: str, stale_mins: float, job_name: str = '', now: float | None = None) -> dict:
   now = time.time() if now is None else now
-  idle_mins = (now - last_activity(workdir)) / 60
+  last_write = last_activity(workdir)
+  idle_mins = (now - last_write) / 60
   end = last_end_line(workdir)
   queue = slurm_job_states(job_name) if job_name else []
   queued = any(s in SLURM_ALIVE for s in queue)
@@ -92,8 +94,8 @@ def status(workdir: str, stale_mins: float, job_name: str = '', now: float | Non
     state = 'stopped'
   else:
     state = 'stale'
-  return {'workdir': workdir, 'state': state, 'idle_mins': round(idle_mins, 2),
-          'last_end_line': end, 'slurm_states': queue}
+  return {'workdir': workdir, 'state': state, 'last_write': last_write,
+          'idle_mins': round(idle_mins, 2), 'last_end_line': end, 'slurm_states': queue}
 
 
 def describe(s: dict) -> str:
@@ -111,7 +113,7 @@ def describe(s: dict) -> str:
 def alert_once(workdir: str, s: dict, command: str) -> bool:
   """Sends the state's alert unless this episode (same last write) was alerted already."""
   path = os.path.join(workdir, STATE_FILE)
-  episode = {'state': s['state'], 'last_activity': last_activity(workdir)}
+  episode = {'state': s['state'], 'last_activity': s['last_write']}
   try:
     with open(path) as f:
       if json.load(f) == episode:
@@ -121,10 +123,7 @@ def alert_once(workdir: str, s: dict, command: str) -> bool:
   sender = alerts.Alerts(command, workdir)
   sender.send(s['state'], describe(s))
   sender.wait()
-  tmp = f'{path}.tmp{os.getpid()}'
-  with open(tmp, 'w') as f:
-    json.dump(episode, f)
-  os.replace(tmp, path)
+  atomic_write(path, lambda f: f.write(json.dumps(episode).encode()))
   return True
 
 

@@ -425,7 +425,7 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
   (baseline,) = meta['throughput']['baselines']
   assert (baseline['global_batch_size'], baseline['seq_len'], baseline['first'],
           baseline['last']) == (8, 0, 2, 4)
-  assert meta['throughput']['setup'] == first.throughput_setup()
+  assert meta['throughput']['setup'] == first.throughput_setup
 
   # The next job lands on a slow device: every step takes 1 s longer.
   resumed = Trainer(corpus_config(train=dict(steps=12),
