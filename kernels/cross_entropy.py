@@ -163,7 +163,7 @@ def vocab_parallel_cross_entropy(hidden, embedding, labels, *, vocab_size: int,
 # ------------------------------------------------------------------- gradient in the forward pass
 
 
-def fused_cross_entropy_mean(hidden, embedding, labels, *, vocab_size: int,
+def fused_cross_entropy_mean(hidden, embedding, labels, *, vocab_size: int, weights=None,
                              token_chunk: int = 4096, axis_name: str | None = None,
                              token_axis_names: tuple[str, ...] = ()):
   """Mean fp32 cross-entropy of logits hidden . embedding^T, its gradient computed in the forward.
@@ -177,26 +177,36 @@ def fused_cross_entropy_mean(hidden, embedding, labels, *, vocab_size: int,
   d_embedding of the embedding's size, held from the forward to the backward pass, which is
   why this loss refuses the pipeline (one per micro-batch in flight; config.py).
 
-  Arguments as `vocab_parallel_cross_entropy`; the mean is over this shard's tokens (under a
-  token-splitting shard_map, average the shards' means).
+  Arguments as `vocab_parallel_cross_entropy`, and `weights` (labels' shape, 0 or 1; default all
+  1): the mean is sum(weights x loss) / sum(weights), the form of a loss mask (0: padding that
+  is not a target). Under a token-splitting shard_map (token_axis_names), sum(weights) counts
+  every shard's tokens and each shard returns its own share of the sum: add the shards' values.
   """
+  if weights is None:
+    weights = jnp.ones(labels.shape, jnp.float32)
+  weights = weights.reshape(-1).astype(jnp.float32)
+  count = weights.sum()
+  if token_axis_names:
+    count = jax.lax.psum(count, tuple(token_axis_names))
   hidden, embedding, labels, offset, valid_rows = _local_problem(
       hidden, embedding, labels, vocab_size, axis_name, token_axis_names)
   chunk = pick_chunk(hidden.shape[0], token_chunk)
-  return _fused_mean(hidden, embedding, labels - offset, valid_rows, chunk, axis_name)
+  # Each token's share of the mean; a batch of padding only (count 0) has loss and gradient 0.
+  scale = weights / jnp.maximum(count, 1.0)
+  return _fused_mean(hidden, embedding, labels - offset, valid_rows, scale, chunk, axis_name)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_mean(hidden, embedding, local_labels, valid_rows, chunk: int, axis_name):
-  return _fused_forward(hidden, embedding, local_labels, valid_rows, chunk, axis_name)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fused_mean(hidden, embedding, local_labels, valid_rows, scale, chunk: int, axis_name):
+  return _fused_forward(hidden, embedding, local_labels, valid_rows, scale, chunk, axis_name)[0]
 
 
-def _fused_forward(hidden, embedding, local_labels, valid_rows, chunk: int, axis_name):
+def _fused_forward(hidden, embedding, local_labels, valid_rows, scale, chunk: int, axis_name):
   num_tokens, width = hidden.shape
   local_rows = embedding.shape[0]
   rows = jnp.arange(local_rows)
 
-  def tile(hidden_chunk, labels_chunk):
+  def tile(hidden_chunk, labels_chunk, scale_chunk):
     logits = jnp.einsum('ne,ve->nv', hidden_chunk, embedding, preferred_element_type=jnp.float32)
     logits = jnp.where(rows[None, :] < valid_rows, logits, _MASK_VALUE)
     top = logits.max(-1, keepdims=True)
@@ -214,10 +224,10 @@ def _fused_forward(hidden, embedding, local_labels, valid_rows, chunk: int, axis
     if axis_name is not None:
       total = jax.lax.psum(total, axis_name)
       label_logit = jax.lax.psum(label_logit, axis_name)
-    loss_sum = (top[:, 0] + jnp.log(total[:, 0]) - label_logit).sum()
-    d_logits = exp * (1.0 / (num_tokens * total))  # (softmax - one_hot) / tokens ...
+    loss_sum = (scale_chunk * (top[:, 0] + jnp.log(total[:, 0]) - label_logit)).sum()
+    d_logits = exp * (scale_chunk[:, None] / total)  # (softmax - one_hot) x the token's share ...
     d_logits = d_logits.at[jnp.arange(labels_chunk.shape[0]), label_rows].add(
-        jnp.where(in_shard, -1.0 / num_tokens, 0.0))  # ... the one_hot part.
+        jnp.where(in_shard, -scale_chunk, 0.0))  # ... the one_hot part.
     d_logits = d_logits.astype(hidden.dtype)
     d_hidden = jnp.einsum('nv,ve->ne', d_logits, embedding, preferred_element_type=jnp.float32)
     d_embedding = jnp.einsum('nv,ne->ve', d_logits, hidden_chunk,
@@ -226,24 +236,25 @@ def _fused_forward(hidden, embedding, local_labels, valid_rows, chunk: int, axis
 
   hidden_chunks = hidden.reshape(num_tokens // chunk, chunk, width)
   label_chunks = local_labels.reshape(num_tokens // chunk, chunk)
+  scale_chunks = scale.reshape(num_tokens // chunk, chunk)
   # The first chunk outside the scan seeds the carries with the inputs' varying-axes types.
-  loss_sum, d_first, d_embedding = tile(hidden_chunks[0], label_chunks[0])
+  loss_sum, d_first, d_embedding = tile(hidden_chunks[0], label_chunks[0], scale_chunks[0])
 
   def visit(carry, xs):
     loss_sum, d_embedding = carry
     chunk_loss, d_hidden, chunk_d_embedding = tile(*xs)
     return (loss_sum + chunk_loss, d_embedding + chunk_d_embedding), d_hidden
 
-  (loss_sum, d_embedding), d_rest = jax.lax.scan(visit, (loss_sum, d_embedding),
-                                                 (hidden_chunks[1:], label_chunks[1:]))
+  (loss_sum, d_embedding), d_rest = jax.lax.scan(
+      visit, (loss_sum, d_embedding), (hidden_chunks[1:], label_chunks[1:], scale_chunks[1:]))
   d_hidden = jnp.concatenate([d_first[None], d_rest]).reshape(num_tokens, width)
-  return loss_sum / num_tokens, (d_hidden, d_embedding.astype(embedding.dtype))
+  return loss_sum, (d_hidden, d_embedding.astype(embedding.dtype))
 
 
 def _fused_bwd(chunk: int, axis_name, residuals, grad):
   d_hidden, d_embedding = residuals
   return ((d_hidden * grad).astype(d_hidden.dtype), (d_embedding * grad).astype(d_embedding.dtype),
-          None, None)
+          None, None, None)
 
 
 _fused_mean.defvjp(_fused_forward, _fused_bwd)

@@ -183,6 +183,11 @@ class CurriculumConfig:
   # 'fixed_linear', or 'fixed_root': the length follows (n / total_iterations) ** (1/root_degree).
   schedule: Literal['fixed_linear', 'fixed_root'] = 'fixed_linear'
   root_degree: int = 2  # fixed_root only.
+  # 0: the step is compiled for every length (tr8b's settings: 249 compilations). N > 0: each
+  # iteration runs at its length rounded up to a multiple of N (at most train.seq_len), the extra
+  # positions padding outside the loss (losses.PAD_ID), so at most seq_len / N programs are
+  # compiled, for the padding's compute. The same losses and gradients either way.
+  pad_to_multiple: int = 0
 
   @property
   def enabled(self) -> bool:
@@ -198,6 +203,12 @@ class CurriculumConfig:
     progress = min(1.0, iteration / self.total_iterations) ** (1.0 / degree)
     length = math.floor(progress * (max_seq_len - self.min_seq_len) + self.min_seq_len)
     return min(max_seq_len, length - length % self.difficulty_step)
+
+  def padded_seq_len(self, seq_len: int, max_seq_len: int) -> int:
+    """The length the step runs at to train on seq_len tokens (pad_to_multiple)."""
+    if not self.pad_to_multiple:
+      return seq_len
+    return min(max_seq_len, -(-seq_len // self.pad_to_multiple) * self.pad_to_multiple)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,12 +342,35 @@ class Config:
     """Tokens per sample that iteration `iteration` (1-based) trains on."""
     return self.curriculum.seq_len_at(iteration, self.train.seq_len)
 
+  def padded_seq_len_at(self, iteration: int) -> int:
+    """The sequence length iteration `iteration` runs at: seq_len_at(iteration), rounded up to
+    curriculum.pad_to_multiple when that is set (the rest padding outside the loss)."""
+    return self.curriculum.padded_seq_len(self.seq_len_at(iteration), self.train.seq_len)
+
   def seq_lens(self) -> list[int]:
-    """Every training sequence length of the run, in order (one compiled step each)."""
+    """Every training sequence length of the run, in order."""
     if not self.curriculum.enabled:
       return [self.train.seq_len]
     last = min(self.curriculum.total_iterations, self.train.total_iterations())
     return sorted({self.seq_len_at(n) for n in range(1, last + 1)})
+
+  def step_shapes(self) -> list[tuple[int, int]]:
+    """(micro-batches, length the step runs at) of the run's iterations, each once, in order of
+    first use: the batch ramp-up and the curriculum each make the train step a new XLA program
+    (tr11's ramp: 117 of them)."""
+    if not self.train.rampup_batch_size and not self.curriculum.enabled:
+      return [(self.num_microbatches, self.train.seq_len)]
+    shapes, consumed = {}, 0
+    for n in range(1, self.train.total_iterations() + 1):
+      gbs = self.train.global_batch_size_at(consumed)
+      shapes.setdefault((self.microbatches_for(gbs), self.padded_seq_len_at(n)), None)
+      consumed += gbs
+    return list(shapes)
+
+  def step_seq_lens(self) -> list[int]:
+    """Every length the step runs at, in order: one compiled program each (per batch size)."""
+    return sorted({self.curriculum.padded_seq_len(n, self.train.seq_len)
+                   for n in self.seq_lens()})
 
   def warmup_end_tokens(self) -> int:
     """Tokens consumed when the learning-rate warm-up ends: the first iteration boundary at
@@ -558,6 +592,10 @@ def _validate_curriculum(cfg: Config) -> None:
     if c.min_seq_len < 0:
       raise ConfigError(f'curriculum.min_seq_len must be >= 0 (0: no curriculum), got '
                         f'{c.min_seq_len}')
+    if c.pad_to_multiple:
+      raise ConfigError(f'curriculum.pad_to_multiple ({c.pad_to_multiple}) pads the lengths of a '
+                        'sequence-length curriculum, and there is none (curriculum.min_seq_len '
+                        '= 0); set curriculum.min_seq_len, or curriculum.pad_to_multiple=0')
     return
   fix = 'set curriculum.min_seq_len=0 for no curriculum'
   if c.difficulty_step < 1 or c.total_iterations < 1:
@@ -575,6 +613,11 @@ def _validate_curriculum(cfg: Config) -> None:
   if c.min_seq_len >= seq:
     raise ConfigError(f'curriculum.min_seq_len ({c.min_seq_len}) must be below train.seq_len '
                       f'({seq}), where the curriculum ends; {fix}')
+  if c.pad_to_multiple < 0 or c.pad_to_multiple % c.difficulty_step:
+    # Padded lengths stay on the step's grid (tensor-core shapes), as every unpadded one is.
+    raise ConfigError(f'curriculum.pad_to_multiple ({c.pad_to_multiple}) must be 0 (no padding) '
+                      f'or a positive multiple of curriculum.difficulty_step '
+                      f'({c.difficulty_step}), e.g. {8 * c.difficulty_step}')
 
 
 def _validate_data(cfg: Config) -> None:

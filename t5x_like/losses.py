@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from t5x_like import model as model_lib
@@ -24,18 +25,40 @@ from t5x_like.config import ModelConfig
 from t5x_like.kernels.cross_entropy import (fused_cross_entropy_mean,
                                             vocab_parallel_cross_entropy)
 
+# The token id of padding: positions past what a sample trains on (the curriculum's padded
+# lengths, `curriculum.pad_to_multiple`). Padding is no target, and as an input (read as token 0)
+# it only reaches later positions, which causal attention keeps from every earlier one: padding
+# after a sample's real tokens changes neither their losses nor the gradients.
+PAD_ID = -1
+
+
+def split_tokens(tokens):
+  """tokens [..., S + 1] -> (inputs, labels, weights), each [..., S]: next-token prediction, with
+  PAD_ID read as token 0 and weighted 0 (fp32 weights, 1 for every real target)."""
+  inputs, targets = tokens[..., :-1], tokens[..., 1:]
+  weights = (targets != PAD_ID).astype(jnp.float32)
+  return jnp.maximum(inputs, 0), jnp.maximum(targets, 0), weights
+
+
+def weighted_mean(token_losses, weights):
+  """sum(weights x losses) / sum(weights): the mean over real targets (0 if there are none)."""
+  return (token_losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+
 
 def mean_loss(model: model_lib.Transformer, params, tokens, *, deterministic: bool = True,
               rngs=None):
-  """The mean fp32 loss of predicting tokens[:, 1:] from tokens[:, :-1] (what training minimises)."""
+  """The mean fp32 loss of predicting tokens[:, 1:] from tokens[:, :-1] (what training
+  minimises), over the targets that are not PAD_ID."""
+  inputs, labels, weights = split_tokens(tokens)
   if model.cfg.cross_entropy_impl != 'fused':
-    return token_losses(model, params, tokens, deterministic=deterministic, rngs=rngs).mean()
-  hidden, embedding = _final_hidden(model, params, tokens[:, :-1], deterministic, rngs)
+    return weighted_mean(_token_losses(model, params, inputs, labels, deterministic, rngs),
+                         weights)
+  hidden, embedding = _final_hidden(model, params, inputs, deterministic, rngs)
   cfg = model.cfg
   loss_fn = functools.partial(fused_cross_entropy_mean, vocab_size=cfg.vocab_size,
                               token_chunk=cfg.cross_entropy_chunk)
-  return _per_shard(loss_fn, hidden, embedding, tokens[:, 1:], model.mesh,
-                    one_per_shard=True).mean()
+  # Each token shard returns its share of the mean over all of them.
+  return _per_shard(loss_fn, hidden, embedding, labels, model.mesh, weights=weights).sum()
 
 
 def token_losses(model: model_lib.Transformer, params, tokens, *, deterministic: bool = True,
@@ -44,8 +67,13 @@ def token_losses(model: model_lib.Transformer, params, tokens, *, deterministic:
 
   'fused' has no per-token losses (it returns their mean); it gets the 'chunked' ones, which are
   the same numbers."""
+  inputs, labels, _ = split_tokens(tokens)
+  return _token_losses(model, params, inputs, labels, deterministic, rngs)
+
+
+def _token_losses(model: model_lib.Transformer, params, inputs, labels, deterministic: bool,
+                  rngs):
   cfg = model.cfg
-  inputs, labels = tokens[:, :-1], tokens[:, 1:]
   if cfg.cross_entropy_impl == 'dense':
     logits = model.apply({'params': params}, inputs, deterministic=deterministic, rngs=rngs)
     return model_lib.cross_entropy(logits, labels)
@@ -68,17 +96,21 @@ def chunked_token_losses(hidden, embedding, labels, cfg: ModelConfig, mesh: Mesh
   return _per_shard(loss_fn, hidden, embedding, labels, mesh)
 
 
-def _per_shard(loss_fn, hidden, embedding, labels, mesh: Mesh | None,
-               one_per_shard: bool = False):
+def _per_shard(loss_fn, hidden, embedding, labels, mesh: Mesh | None, weights=None):
   """loss_fn on each device's tokens and vocabulary rows: one loss per token (the labels' shape),
-  or with one_per_shard a scalar per token shard, returned as [token shards]."""
+  or, given per-token `weights` (a loss that reduces its tokens), one value per token shard,
+  returned as [token shards]."""
+  one_per_shard = weights is not None
 
-  def local(hidden, embedding, labels, vocab_axes=None, token_axes=()):
-    loss = loss_fn(hidden, embedding, labels, axis_name=vocab_axes, token_axis_names=token_axes)
+  def local(hidden, embedding, labels, *weights, vocab_axes=None, token_axes=()):
+    kwargs = {'weights': weights[0]} if weights else {}
+    loss = loss_fn(hidden, embedding, labels, axis_name=vocab_axes, token_axis_names=token_axes,
+                   **kwargs)
     return loss[None] if one_per_shard else loss
 
+  token_arrays = (labels, weights) if one_per_shard else (labels,)
   if mesh is None:
-    return local(hidden, embedding, labels)
+    return local(hidden, embedding, *token_arrays)
   # The same (fitted) specs the partitioner gives these arrays, so the shard_map moves nothing.
   hidden_spec = partitioning.spec_for(('batch', 'length', 'act_embed'), hidden.shape, mesh)
   embedding_spec = partitioning.spec_for(('vocab', 'embed'), embedding.shape, mesh)
@@ -86,10 +118,9 @@ def _per_shard(loss_fn, hidden, embedding, labels, mesh: Mesh | None,
   vocab_axes, token_axes = embedding_spec[0], hidden_spec[0]
   token_axes = () if token_axes is None else (
       token_axes if isinstance(token_axes, tuple) else (token_axes,))
-  # One mean per token shard: [shards], split over the token axes (equal shards, so the mean of
-  # the means is the mean).
   out_specs = PartitionSpec(hidden_spec[0]) if one_per_shard else labels_spec
   return jax.shard_map(
-      lambda h, e, l: local(h, e, l, vocab_axes, token_axes), mesh=mesh,
-      in_specs=(hidden_spec, embedding_spec, labels_spec), out_specs=out_specs,
-  )(hidden, embedding, labels)
+      lambda h, e, *t: local(h, e, *t, vocab_axes=vocab_axes, token_axes=token_axes), mesh=mesh,
+      in_specs=(hidden_spec, embedding_spec) + (labels_spec,) * len(token_arrays),
+      out_specs=out_specs,
+  )(hidden, embedding, *token_arrays)

@@ -223,7 +223,8 @@ def _dropout(x, rate: float, rng):
 
 def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_lib.Context,
                   deterministic: bool = True):
-  """Mean next-token loss of batch [M, rows, S + 1] through the pipelined model.
+  """Mean next-token loss of batch [M, rows, S + 1] through the pipelined model: the mean of the
+  micro-batches' means over their targets that are not padding (`losses.PAD_ID`).
 
   `params` hold fp32 values in storage layout; each use casts to the compute dtype, so gradients
   accumulate over micro-batches (through the scan's transpose) in fp32.
@@ -271,17 +272,20 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
   @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable,
                      prevent_cse=False)
   def embed(m):
-    tokens = jax.lax.dynamic_index_in_dim(batch, m, 0, False)[:, :-1]
-    x = model_lib.embed_tokens(params, tokens, cfg.model, ctx)
+    inputs, _, _ = losses.split_tokens(jax.lax.dynamic_index_in_dim(batch, m, 0, False))
+    x = model_lib.embed_tokens(params, inputs, cfg.model, ctx)
     return _dropout(x, hidden_dropout, keyed(rng, m, _EMBED_DROPOUT_ID))
 
-  def head_loss(head_params, x, labels):
+  def head_loss(head_params, x, tokens):
+    _, labels, weights = losses.split_tokens(tokens)
     if cfg.model.cross_entropy_impl == 'chunked':
       hidden = model_lib.final_norm(head_params, x, cfg.model, ctx)
       embedding = head_params['word_embeddings'].astype(hidden.dtype)
-      return losses.chunked_token_losses(hidden, embedding, labels, cfg.model, ctx.mesh).mean()
-    logits = model_lib.output_logits(head_params, x, cfg.model, ctx)
-    return model_lib.cross_entropy(logits, labels).mean()
+      token_losses = losses.chunked_token_losses(hidden, embedding, labels, cfg.model, ctx.mesh)
+    else:
+      logits = model_lib.output_logits(head_params, x, cfg.model, ctx)
+      token_losses = model_lib.cross_entropy(logits, labels)
+    return losses.weighted_mean(token_losses, weights)
 
   if not full:
     # Keep only the head's input per tick and recompute [rows, S, V] logits in backward.
@@ -295,7 +299,7 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
     outputs = stages(layers, inputs, repeat, injection, slot_is_real, slot_layer, rng)
     outputs = ctx.constrain(outputs, buffer_names)
     m_out = t - (P - 1) - (R - 1) * M
-    labels = jax.lax.dynamic_index_in_dim(batch, jnp.clip(m_out, 0, M - 1), 0, False)[:, 1:]
+    leaving = jax.lax.dynamic_index_in_dim(batch, jnp.clip(m_out, 0, M - 1), 0, False)
     # The head runs in the tick on the last stage's outputs, so nothing [T, rows, S, h] is ever
     # stacked: under 'full' the backward pass recomputes them from the stage inputs it keeps
     # anyway. In the P - 1 ticks before the first micro-batch leaves there is no loss: under
@@ -305,8 +309,8 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
     # its value and gradient.
     if full:
       return outputs, jax.lax.cond(m_out >= 0, head_loss, lambda *_: jnp.float32(0.0),
-                                   head_params, outputs[P - 1], labels)
-    loss = head_loss(head_params, outputs[P - 1], labels)
+                                   head_params, outputs[P - 1], leaving)
+    loss = head_loss(head_params, outputs[P - 1], leaving)
     return outputs, jnp.where(m_out >= 0, loss, 0.0)
 
   if full:

@@ -46,6 +46,9 @@ def plan(cfg: Config) -> dict:
       'params': cfg.model.num_params(cfg.mesh.tensor),
       'remat_policy': cfg.model.remat_policy,
       'compile_s': round(compile_s, 1),
+      # Each (micro-batches, length) of the batch ramp-up and the curriculum is one more
+      # compilation of about compile_s (on this platform) during the run.
+      'train_programs': len(cfg.step_shapes()),
       'xla_flops_per_device': xla_flops,
       'ideal_flops_per_device': model_flops / devices,
       'xla_over_ideal': xla_flops / (model_flops / devices) if model_flops else None,

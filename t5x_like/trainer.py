@@ -6,7 +6,8 @@ them in fp32 in the ZeRO (data-split) layout, clipped at a global norm (the pre-
 logged), and AdamW updates the fp32 master params with a learning rate computed on the host from
 the consumed samples (or tokens). With a sequence-length curriculum (`curriculum.*`) each
 iteration trains on the first `Config.seq_len_at(iteration)` tokens of its samples; the step is
-compiled once per (micro-batch count, length). An iteration whose loss or gradient norm is not
+compiled once per (micro-batch count, length it runs at: `curriculum.pad_to_multiple` rounds the
+lengths up, the rest of the batch padding outside the loss). An iteration whose loss or gradient norm is not
 finite is skipped (params and Adam state, including its step count, unchanged) and counted.
 """
 
@@ -352,14 +353,19 @@ class Trainer:
     return (global_batch_size // rows, rows, seq_len + 1)
 
   def global_batch(self, consumed_samples: int, global_batch_size: int,
-                   source=None, what: str = 'training', seq_len: int | None = None) -> jax.Array:
+                   source=None, what: str = 'training', seq_len: int | None = None,
+                   padded_seq_len: int | None = None) -> jax.Array:
     """Samples consumed_samples.. of `source` (default: the training stream) as a sharded
     [micro-batches, rows, S + 1] array; each device reads only the rows it holds. An id outside
     the model's vocabulary is a DataError naming the samples. `seq_len` below train.seq_len (the
     curriculum) keeps the first seq_len + 1 tokens of each sample, as Megatron-DeepSpeed
-    truncates its batch: the rest of the sample is consumed unseen."""
+    truncates its batch: the rest of the sample is consumed unseen. `padded_seq_len` (above
+    seq_len; curriculum.pad_to_multiple) makes S that, the tokens after the first seq_len + 1
+    losses.PAD_ID."""
     source = self.source if source is None else source
-    shape = self.batch_shape(global_batch_size, seq_len)
+    shape = self.batch_shape(global_batch_size,
+                             seq_len if padded_seq_len is None else padded_seq_len)
+    trained = shape[2] if seq_len is None else seq_len + 1
     rows_per_micro = shape[1]
     vocab_size = self.cfg.model.vocab_size
 
@@ -370,8 +376,9 @@ class Trainer:
       rows = np.stack([source.rows(consumed_samples + m * rows_per_micro + start,
                                    consumed_samples + m * rows_per_micro + stop)
                        for m in micro])[..., :shape[2]]
-      sources.check_token_ids(rows, vocab_size, f'{what} samples {consumed_samples}..'
-                              f'{consumed_samples + global_batch_size - 1}')
+      sources.check_token_ids(rows[..., :trained], vocab_size, f'{what} samples '
+                              f'{consumed_samples}..{consumed_samples + global_batch_size - 1}')
+      rows[..., trained:] = losses.PAD_ID
       return rows[..., index[2]]
 
     return jax.make_array_from_callback(shape, self.batch_sharding, rows_for)
@@ -454,14 +461,20 @@ class Trainer:
 
   def describe_curriculum(self) -> str:
     c, seq = self.cfg.curriculum, self.cfg.train.seq_len
-    lengths = self.cfg.seq_lens()
+    lengths, step_lengths = self.cfg.seq_lens(), self.cfg.step_seq_lens()
     shape = 'linear' if c.schedule == 'fixed_linear' else f'root of degree {c.root_degree}'
-    # Each length is its own XLA program: many lengths mean many compilations during the run.
-    fewer = '; a larger curriculum.difficulty_step compiles fewer' if len(lengths) > 16 else ''
+    # Each length the step runs at is its own XLA program: many mean many compilations.
+    if c.pad_to_multiple:
+      compiled = (f'run at {len(step_lengths)} lengths padded to multiples of '
+                  f'{c.pad_to_multiple} (padding outside the loss), the step compiled for each '
+                  'when first reached')
+    else:
+      compiled = 'the step compiled for each when first reached' + (
+          '; curriculum.pad_to_multiple or a larger curriculum.difficulty_step compiles fewer'
+          if len(lengths) > 16 else '')
     return (f'> curriculum: sequence length {c.min_seq_len} -> {seq} in multiples of '
             f'{c.difficulty_step} over iterations 1-{c.total_iterations} ({shape}): '
-            f'{len(lengths)} lengths, the step compiled for each when first reached{fewer}; '
-            f'evaluation at {seq}' +
+            f'{len(lengths)} lengths, {compiled}; evaluation at {seq}' +
             (f'; learning rate decays over {self.cfg.optimizer.decay_tokens} tokens from the '
              f'{self.warmup_end_tokens} of the warm-up' if self.cfg.optimizer.decay_tokens
              else ''))
@@ -505,13 +518,15 @@ class Trainer:
     cfg = self.cfg
     self._skipping = False
     seq = cfg.seq_len_at(progress.iteration + 1)
+    padded_seq = cfg.padded_seq_len_at(progress.iteration + 1)  # what the step runs at
     gbs = cfg.train.global_batch_size_at(progress.consumed_samples)
-    compiled = self.step_for(gbs, seq)
+    compiled = self.step_for(gbs, padded_seq)
     flops = metrics.megatron_flops_per_iteration(cfg, gbs, seq)
     lr = optim.learning_rate(cfg.optimizer, progress.consumed_samples, progress.consumed_tokens,
                              self.warmup_end_tokens)
     start = time.perf_counter()
-    batch = self.global_batch(progress.consumed_samples, gbs, seq_len=seq)
+    batch = self.global_batch(progress.consumed_samples, gbs, seq_len=seq,
+                              padded_seq_len=padded_seq)
     state, stats = compiled(state, batch, np.float32(lr), np.int32(progress.iteration))
     stats = jax.device_get(stats)
     elapsed = time.perf_counter() - start
@@ -543,9 +558,12 @@ class Trainer:
       record['pipeline_bubble'] = self.layout.plan.bubble_fraction(self.batch_shape(gbs)[0])
     if cfg.curriculum.enabled:
       record['curriculum_seq_len'] = seq
+    if cfg.curriculum.pad_to_multiple:
+      record['padded_seq_len'] = padded_seq
     self.writer.record(record, total)
+    # The step time follows the length the step runs at (model FLOPs count the trained one).
     slowdown = self.throughput.add(progress.iteration, gbs, elapsed,
-                                   seq if cfg.curriculum.enabled else 0)
+                                   padded_seq if cfg.curriculum.enabled else 0)
     if slowdown:
       self.writer.info(slowdown)
       self.alerts.send('slowdown', slowdown, progress.iteration)
@@ -634,6 +652,12 @@ class Trainer:
       self.writer.info(self.describe_pipeline())
     if cfg.curriculum.enabled:
       self.writer.info(self.describe_curriculum())
+    if cfg.curriculum.enabled or cfg.train.rampup_batch_size:
+      # Each is an XLA compilation while every device waits: say up front how many there are.
+      shapes = cfg.step_shapes()
+      self.writer.info(f'> the train step runs at {len(shapes)} shapes over the run (micro-'
+                       'batches x length: batch ramp-up, curriculum), each compiled when first '
+                       'reached (`python -m t5x_like.plan` times one compilation)')
     state, progress = self.initial_state()
     start_iteration = progress.iteration
     total = self.cfg.train.total_iterations()

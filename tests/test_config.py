@@ -190,6 +190,17 @@ def test_curriculum_follows_deepspeeds_seqlen_schedules_with_tr8bs_settings():
   # sqrt(9000 / 36000) = 0.5: halfway in length at a quarter of the iterations.
   assert [root.seq_len_at(n) for n in (1, 9000, 36_000)] == [72, 1056, 2048]
   assert Config().seq_len_at(5) == Config().train.seq_len  # no curriculum
+  assert cfg.step_seq_lens() == cfg.seq_lens()  # the step runs at the trained lengths
+  # curriculum.pad_to_multiple=256: the step runs at 8 lengths, each iteration's rounded up.
+  padded = cfg.replace(curriculum={'pad_to_multiple': 256})
+  padded.validate()
+  assert padded.seq_lens() == cfg.seq_lens()
+  assert padded.step_seq_lens() == list(range(256, 2049, 256))
+  assert [padded.padded_seq_len_at(n) for n in (1, 145, 3_629, 3_630, 36_000)] == [
+      256, 256, 256, 512, 2048]
+  assert [padded.seq_len_at(n) for n in (1, 3_629, 3_630)] == [64, 256, 264]  # trained on
+  # A multiple above train.seq_len: every iteration at the full length, one program.
+  assert cfg.replace(curriculum={'pad_to_multiple': 4096}).step_seq_lens() == [2048]
 
 
 def test_warmup_end_tokens_follow_the_curriculum_and_the_batch_ramp():
@@ -215,6 +226,11 @@ def test_warmup_end_tokens_follow_the_curriculum_and_the_batch_ramp():
     ({'curriculum': {'min_seq_len': 8, 'schedule': 'fixed_discrete'}}, "'fixed_linear'"),
     ({'optimizer': {'warmup_samples': 16, 'decay_tokens': 100}},
      'must exceed the 1024 tokens consumed by the end of the warm-up'),
+    ({'curriculum': {'pad_to_multiple': 16}}, 'there is none'),
+    ({'curriculum': {'min_seq_len': 8, 'pad_to_multiple': 12}},
+     'positive multiple of curriculum.difficulty_step'),
+    ({'curriculum': {'min_seq_len': 8, 'pad_to_multiple': -8}},
+     'positive multiple of curriculum.difficulty_step'),
 ])
 def test_bad_curriculum_or_token_decay_is_one_clear_error(sections, message):
   base = {'train': {'seq_len': 64, 'steps': 10}, 'curriculum': {'total_iterations': 5}}

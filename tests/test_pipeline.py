@@ -205,4 +205,5 @@ def test_rampup_changes_the_micro_batch_count_and_compiles_once_per_shape(tmp_pa
                                        (4, trainer.cfg.train.seq_len + 1)]
   log = open(tmp_path / 'ramp' / 'logs' / 'main_log.txt').read()
   assert log.count('compiled the train step') == 2 and 'pipeline bubble: 0.200' in log
+  assert '> the train step runs at 2 shapes over the run' in log
   assert 'parameters per stage' in log

@@ -482,19 +482,25 @@ def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
   assert read_alerts(tmp_path)[1:] == [['crashed', '', '0', 'OSError: disk full']]
 
 
-def test_curriculum_truncates_samples_counts_tokens_and_decays_by_tokens(tmp_path):
+@pytest.fixture(scope='module')
+def curriculum_run(tmp_path_factory):
   """tr8b's curriculum run in small: lengths 8, 16, 24 over iterations 1-3 (multiples of 8), the
   learning rate decaying by tokens; resumed half-way from a checkpoint."""
-  from t5x_like import losses
-  from t5x_like.data import replay
   cfg = corpus_config(train=dict(steps=2, seq_len=24), checkpoint=dict(save_interval=2),
                       mesh=dict(data=2, tensor=1),
                       curriculum=dict(min_seq_len=8, total_iterations=3),
                       optimizer=dict(decay_tokens=2000), runtime=dict(replica_check_interval=0))
-  workdir = str(tmp_path / 'cl')
+  workdir = str(tmp_path_factory.mktemp('curriculum') / 'cl')
   first = Trainer(cfg, workdir)
   first.run()
   Trainer(cfg.replace(train={'steps': 4}), workdir).run()  # resumes at iteration 2
+  return cfg, workdir, first
+
+
+def test_curriculum_truncates_samples_counts_tokens_and_decays_by_tokens(curriculum_run):
+  from t5x_like import losses
+  from t5x_like.data import replay
+  cfg, workdir, first = curriculum_run
   records = read_metrics(workdir)
   lengths = [8, 16, 24, 24]  # iteration n: floor(8 + 16 n / 3), rounded down to 8
   assert [r['seq_len'] for r in records] == [r['curriculum_seq_len'] for r in records] == lengths
@@ -529,6 +535,29 @@ def test_curriculum_truncates_samples_counts_tokens_and_decays_by_tokens(tmp_pat
   assert records[0]['lm_loss'] == pytest.approx(float(loss), rel=1e-5)
   assert records[0]['lm_loss'] != pytest.approx(float(losses.mean_loss(
       layout.model, initial, jnp.asarray(first.source.rows(0, 8)[:, :17]))), rel=1e-3)
+
+
+def test_curriculum_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_same(
+    curriculum_run, tmp_path):
+  """curriculum.pad_to_multiple=16: lengths 8, 16, 24, 24 run at 16, 16, 24, 24 (at most
+  train.seq_len), the padding outside the loss: 2 compiled steps instead of 3, and the same
+  losses, gradient norms, tokens and learning rates as the unpadded run, in one job."""
+  cfg, exact_workdir, _ = curriculum_run
+  workdir = str(tmp_path / 'padded')
+  Trainer(cfg.replace(train={'steps': 4}, curriculum={'pad_to_multiple': 16}), workdir).run()
+  exact, records = read_metrics(exact_workdir), read_metrics(workdir)
+  assert [r['padded_seq_len'] for r in records] == [16, 16, 24, 24]
+  for key in ('seq_len', 'curriculum_seq_len', 'consumed_tokens', 'learning_rate'):
+    assert [r[key] for r in records] == [r[key] for r in exact], key
+  for key in ('lm_loss', 'grad_norm'):
+    assert [r[key] for r in records] == pytest.approx([r[key] for r in exact], rel=2e-5), key
+  with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
+    log = f.read()
+  assert re.findall(r'compiled the train step for 2 micro-batch\(es\) of 4x(\d+) tokens',
+                    log) == ['17', '25']
+  assert ('3 lengths, run at 2 lengths padded to multiples of 16 (padding outside the loss)'
+          in log)
+  assert '> the train step runs at 2 shapes over the run' in log
 
 
 def test_a_later_job_loads_its_programs_from_the_compilation_cache(

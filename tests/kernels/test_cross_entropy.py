@@ -132,10 +132,40 @@ def test_fused_vocab_parallel_under_shard_map_matches_dense():
     local = lambda h, e, l: fused_cross_entropy_mean(
         h, e, l, vocab_size=VOCAB, token_chunk=4, axis_name='tensor',
         token_axis_names=('data',))[None]
+    # Each token shard returns its share of the mean over all of them.
     return jax.shard_map(local, mesh=mesh, in_specs=(P('data'), P('tensor'), P('data')),
-                         out_specs=P('data'))(h, e, labels).mean()
+                         out_specs=P('data'))(h, e, labels).sum()
 
   assert_mean_matches_dense(sharded, hidden, embedding, labels)
+
+
+def test_fused_weights_average_over_the_weighted_tokens_of_every_shard():
+  """A loss mask (weights 0 or 1), unequal across the token shards: the mean over the weighted
+  tokens of all shards, and no gradient from a weight-0 token."""
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ('data', 'tensor'))
+  hidden, embedding, labels = problem()
+  weights = jnp.ones(labels.shape).at[0, 3:].set(0.0).at[1, 10:].set(0.0)  # 3 + 10 tokens
+
+  def sharded(h, e):
+    local = lambda h, e, l, w: fused_cross_entropy_mean(
+        h, e, l, vocab_size=VOCAB, weights=w, token_chunk=4, axis_name='tensor',
+        token_axis_names=('data',))[None]
+    return jax.shard_map(local, mesh=mesh, in_specs=(P('data'), P('tensor'), P('data'),
+                                                     P('data')),
+                         out_specs=P('data'))(h, e, labels, weights).sum()
+
+  value_and_grads = lambda fn: jax.jit(jax.value_and_grad(fn, (0, 1)))(hidden, embedding)
+  loss, grads = value_and_grads(sharded)
+  want_loss, want_grads = value_and_grads(
+      lambda h, e: (dense_losses(h, e, labels) * weights).sum() / 13.0)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  assert float(jnp.abs(grads[0][0, 3:]).max()) == float(jnp.abs(grads[0][1, 10:]).max()) == 0.0
+  # Unweighted, each shard's mean would count: a different number.
+  assert float(loss) != pytest.approx(float(0.5 * (
+      dense_losses(hidden, embedding, labels)[0, :3].mean() +
+      dense_losses(hidden, embedding, labels)[1, :10].mean())), rel=1e-4)
 
 
 def test_fused_backward_does_no_matmul_over_the_vocabulary():
