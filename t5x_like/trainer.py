@@ -31,7 +31,7 @@ from t5x_like import checkpoints, metrics, model as model_lib, optim, partitioni
 from t5x_like import alerts, losses
 from t5x_like import provenance, runtime
 from t5x_like.config import Config, ConfigError
-from t5x_like.data import sources
+from t5x_like.data import replay, sources
 from t5x_like.data.indexed import DataError
 from t5x_like.data.tokenizer import Tokenizer
 from t5x_like.train_state import Progress, StateLayout, TrainState, make_layout
@@ -216,6 +216,10 @@ class Trainer:
                                         tensorboard_dir=cfg.runtime.tensorboard_dir)
     if self.is_writer:
       _atomic_write(os.path.join(self.workdir, 'config.json'), cfg.to_json() + '\n')
+      # The config and data seed of each job, from its first iteration on: the batch of any
+      # iteration can be rebuilt after the config changed between jobs (data/replay.py).
+      replay.record_job(self.workdir, self.resume_meta['rng']['iteration'] + 1
+                        if self.resume_step else 1, cfg, self.data_seed)
     self.layout = make_layout(cfg, self.mesh)
     self.batch_sharding = batch_sharding(self.layout)
     # optimizer.decay_tokens counts from here (a pure function of the config).

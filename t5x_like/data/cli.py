@@ -170,8 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       from t5x_like.data import replay
       if args.max_tokens < 0:
         raise DataError(f'--max_tokens must be >= 0, got {args.max_tokens}')
-      cfg, data_seed = replay.run_config(args.workdir)
-      batch = replay.iteration_batch(cfg, data_seed, args.iteration)
+      cfg, data_seed = replay.run_config(args.workdir, args.iteration)
+      batch = replay.iteration_batch(cfg, data_seed, args.iteration,
+                                     replay.recorded_position(args.workdir, args.iteration))
       result = replay.report(batch, replay.decoder(cfg, args.tokenizer_json, args.tokenizer_model),
                              args.max_tokens)
       if args.json:

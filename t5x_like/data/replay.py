@@ -11,6 +11,12 @@ rebuilt, before or after the fact, without running the model:
 Iterations skipped by `data.skip_train_iteration_range` consume their samples like trained ones,
 so they shift nothing. Under a sequence-length curriculum the rows are cut to what the iteration
 trained on, its first `Config.seq_len_at(iteration) + 1` tokens.
+
+A run's jobs may differ (a new blend, global batch or ramp-up after a restart): each job appends
+its config and data seed to WORKDIR/config_history.jsonl with the first iteration it trains, and
+the batch of iteration N is rebuilt with the latest job that started at or before N; where N
+was trained, its metrics.jsonl record gives the consumed samples, batch size and length it
+actually had (records after a rolled-back checkpoint are removed by the job that resumes it).
 """
 
 from __future__ import annotations
@@ -37,17 +43,49 @@ class IterationBatch:
   rows: np.ndarray  # int32 [global batch, seq_len + 1]: inputs rows[:, :-1], targets rows[:, 1:]
 
 
-def run_config(workdir: str) -> tuple[Config, int]:
-  """The workdir's config (its latest job's `config.json`) and its data seed (the latest
-  checkpoint's, which a resumed run keeps whatever train.seed says; else train.seed)."""
+CONFIG_HISTORY = 'config_history.jsonl'
+
+
+def record_job(workdir: str, first_iteration: int, cfg: Config, data_seed: int) -> None:
+  """Appends the config and data seed a job trains iterations first_iteration.. with."""
+  line = json.dumps({'first_iteration': first_iteration, 'data_seed': data_seed,
+                     'config': json.loads(cfg.to_json())})
+  with open(os.path.join(workdir, CONFIG_HISTORY), 'a') as f:
+    f.write(line + '\n')
+
+
+def _parsed_config(raw, where: str) -> Config:
+  try:
+    return Config.from_dict(raw).validate()
+  except ConfigError as e:
+    raise DataError(f'{where} is not a t5x_like config ({e})') from None
+
+
+def run_config(workdir: str, iteration: int | None = None) -> tuple[Config, int]:
+  """The config and data seed that `iteration` was (or will be) trained with: the latest job in
+  config_history.jsonl that started at or before it; without an iteration (or a history, from an
+  older version) the latest job's `config.json` and the latest checkpoint's data seed (which a
+  resumed run keeps whatever train.seed says; else train.seed)."""
   path = os.path.join(workdir, 'config.json')
   if not os.path.isfile(path):
     raise DataError(f'{path} not found: pass the workdir of a run (the directory given to '
                     '`python -m t5x_like.train --workdir`)')
+  history = os.path.join(workdir, CONFIG_HISTORY)
+  if iteration is not None and os.path.isfile(history):
+    with open(history) as f:
+      try:
+        jobs = [json.loads(line) for line in f if line.strip()]
+      except json.JSONDecodeError as e:
+        raise DataError(f'{history} is damaged ({e}); remove it to use config.json') from None
+    started = [job for job in jobs if job['first_iteration'] <= iteration]
+    if started:
+      job = started[-1]
+      return (_parsed_config(job['config'], f"{history}'s job from iteration "
+                             f"{job['first_iteration']}"), int(job['data_seed']))
   with open(path) as f:
     try:
-      cfg = Config.from_dict(json.load(f)).validate()
-    except (json.JSONDecodeError, ConfigError) as e:
+      cfg = _parsed_config(json.load(f), path)
+    except json.JSONDecodeError as e:
       raise DataError(f'{path} is not a t5x_like config ({e})') from None
   from t5x_like import checkpoints  # jax and orbax only when there are checkpoints to read
   root = os.path.join(workdir, 'checkpoints')
@@ -62,19 +100,47 @@ def first_sample_of(cfg: Config, iteration: int) -> tuple[int, int]:
   return consumed, cfg.train.global_batch_size_at(consumed)
 
 
-def iteration_batch(cfg: Config, data_seed: int, iteration: int) -> IterationBatch:
-  """The training samples of `iteration`, read the way the trainer reads them."""
+def recorded_position(workdir: str, iteration: int) -> tuple[int, int, int] | None:
+  """(first sample, global batch size, trained length) of `iteration` from the run's
+  metrics.jsonl, or None where it has no record (not trained yet, or skipped)."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.isfile(path):
+    return None
+  found = None
+  with open(path) as f:
+    for line in f:
+      if f'"iteration": {iteration},' not in line:  # cheap filter before parsing
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        continue  # a line cut by a killed job
+      if record.get('iteration') == iteration:
+        found = record
+  if found is None:
+    return None
+  size = int(found['global_batch_size'])
+  return int(found['consumed_samples']) - size, size, int(found['seq_len'])
+
+
+def iteration_batch(cfg: Config, data_seed: int, iteration: int,
+                    recorded: tuple[int, int, int] | None = None) -> IterationBatch:
+  """The training samples of `iteration`, read the way the trainer reads them; `recorded`
+  (`recorded_position`) replaces the position the config's ramp-up and curriculum give."""
   total = cfg.train.total_iterations()
-  if not 1 <= iteration <= total:
+  if not 1 <= iteration <= total and recorded is None:
     raise DataError(f'--iteration {iteration} is outside the run, which has iterations 1..{total}')
   data = sources.build(cfg.data, cfg.train.seq_len, data_seed)
-  first, size = first_sample_of(cfg, iteration)
+  if recorded is None:
+    first, size = first_sample_of(cfg, iteration)
+    seq_len = cfg.seq_len_at(iteration)
+  else:
+    first, size, seq_len = recorded
   if isinstance(data.train, blending.BlendedSource):
     which, _ = data.train.blend.assign(first, first + size)
     names = [data.train.names[int(d)] for d in which]
   else:
     names = [data.train_names[0]] * size
-  seq_len = cfg.seq_len_at(iteration)
   return IterationBatch(iteration, first, data_seed, names, seq_len,
                         data.train.rows(first, first + size)[:, :seq_len + 1])
 

@@ -67,6 +67,39 @@ def test_the_batch_of_any_iteration_is_the_one_the_trainer_reads(tmp_path):
   assert not np.array_equal(replay.iteration_batch(cfg, 99, 6).rows, trained_rows(trainer, 6))
 
 
+def test_each_iteration_is_rebuilt_with_the_job_that_trained_it(tmp_path):
+  """A restart with another global batch size (and no ramp-up): iterations of the first job are
+  rebuilt with its config (config_history.jsonl), those of the second from their metrics
+  records; config.json alone (the latest job's) would give the first job's iterations 16
+  samples each."""
+  workdir = str(tmp_path / 'run')
+  first_cfg = blended_run(tmp_path).replace(train={'steps': 3}, checkpoint={'save_interval': 3})
+  Trainer(first_cfg, workdir).run()  # iterations 1-3: 4 samples each (the ramp's start)
+  second_cfg = first_cfg.replace(train={'steps': 5, 'global_batch_size': 16,
+                                        'rampup_batch_size': ()})
+  second = Trainer(second_cfg, workdir)
+  second.run()  # iterations 4-5: 16 samples each, from sample 12 on
+  with open(os.path.join(workdir, replay.CONFIG_HISTORY)) as f:
+    jobs = [json.loads(line) for line in f]
+  assert [(j['first_iteration'], j['config']['train']['global_batch_size']) for j in jobs] == [
+      (1, 8), (4, 16)]
+  expected = {2: (4, 4), 3: (8, 4), 4: (12, 16), 5: (28, 16)}  # iteration: (first sample, size)
+  for iteration, (first, size) in expected.items():
+    cfg, seed = replay.run_config(workdir, iteration)
+    assert (cfg.train.global_batch_size, seed) == ((8 if iteration < 4 else 16), 7)
+    batch = replay.iteration_batch(cfg, seed, iteration,
+                                   replay.recorded_position(workdir, iteration))
+    assert (batch.first_sample, len(batch.rows)) == (first, size)
+    np.testing.assert_array_equal(
+        batch.rows, np.asarray(second.global_batch(first, size)).reshape(size, SEQ + 1))
+  latest, seed = replay.run_config(workdir)
+  assert len(replay.iteration_batch(latest, seed, 2).rows) == 16  # what the history corrects
+  r = run_cli(['-m', 't5x_like.data', 'batch', workdir, '--iteration', '3', '--json'])
+  assert r.returncode == 0, r.stderr
+  result = json.loads(r.stdout)
+  assert (result['first_sample'], result['global_batch_size']) == (8, 4)
+
+
 def test_command_line_prints_ids_text_and_the_skip_override(tmp_path):
   workdir = str(tmp_path / 'run')
   trainer = Trainer(blended_run(tmp_path), workdir)
