@@ -8,8 +8,8 @@ import sys
 # (2 cores). LLVM's optimisation of XLA's CPU kernels changes their speed, not what they compute
 # (HLO, fusion and floating-point semantics are XLA's, before LLVM), so the tests, and the
 # processes they start, which inherit the variable, skip it: 38% less time for the pipeline
-# parity tests. Benchmarks do not run under pytest's environment (benchmarks/ and
-# tests/benchmarks/ remove it).
+# parity tests. The benchmark script's test runs it without the flag: it measures XLA as users
+# run it.
 TEST_XLA_FLAG = '--xla_backend_optimization_level=0'
 os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
 
