@@ -7,8 +7,9 @@ logged), and AdamW updates the fp32 master params with a learning rate computed 
 the consumed samples (or tokens). With a sequence-length curriculum (`curriculum.*`) each
 iteration trains on the first `Config.seq_len_at(iteration)` tokens of its samples; the step is
 compiled once per (micro-batch count, length it runs at: `curriculum.pad_to_multiple` rounds the
-lengths up, the rest of the batch padding outside the loss). An iteration whose loss or gradient norm is not
-finite is skipped (params and Adam state, including its step count, unchanged) and counted.
+lengths up, the rest of the batch padding outside the loss). An iteration whose loss or gradient
+norm is not finite is skipped (params and Adam state, including its step count, unchanged) and
+counted.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ CONFIG_HISTORY = 'config_history.jsonl'
 def record_job(workdir: str, first_iteration: int, cfg: Config, data_seed: int) -> None:
   """Appends the config and data seed a job trains iterations first_iteration.. with."""
   line = json.dumps({'first_iteration': first_iteration, 'data_seed': data_seed,
-                     'config': json.loads(cfg.to_json())})
+                     'config': cfg.to_dict()})
   with open(os.path.join(workdir, CONFIG_HISTORY), 'a') as f:
     f.write(line + '\n')
 
@@ -109,14 +109,12 @@ def recorded_position(workdir: str, iteration: int) -> tuple[int, int, int] | No
   found = None
   with open(path) as f:
     for line in f:
-      if f'"iteration": {iteration},' not in line:  # cheap filter before parsing
-        continue
       try:
         record = json.loads(line)
       except json.JSONDecodeError:
         continue  # a line cut by a killed job
       if record.get('iteration') == iteration:
-        found = record
+        found = record  # the last one: a resumed job removes records past its checkpoint
   if found is None:
     return None
   size = int(found['global_batch_size'])
