@@ -103,6 +103,13 @@ class TrainConfig:
   seed: int = 1234
   # Megatron's --rampup-batch-size START INCREMENT SAMPLES; () means no ramp-up.
   rampup_batch_size: tuple = ()
+  # 0: the step is compiled for every micro-batch count of the ramp-up (tr11's: 117 programs of a
+  # 176B pipelined step). N > 0: the step runs each count rounded up to a multiple of N (at most
+  # the full batch's), the added micro-batches all padding (losses.PAD_ID) outside the loss, so
+  # the ramp-up compiles about (full count - first count) / N programs. The same losses and
+  # gradients either way; the pipeline computes the padding micro-batches, the non-pipelined
+  # step skips them.
+  rampup_microbatch_multiple: int = 0
 
   def global_batch_size_at(self, consumed_samples: int) -> int:
     """Megatron's ramp-up: start + inc * floor(consumed / samples_per_increment), then GBS."""
@@ -332,7 +339,18 @@ class Config:
     return self.microbatches_for(self.train.global_batch_size)
 
   def microbatches_for(self, global_batch_size: int) -> int:
+    """The micro-batches a global batch fills."""
     return global_batch_size // (self.train.micro_batch_size * self.mesh.data)
+
+  def step_microbatches(self, global_batch_size: int) -> int:
+    """The micro-batches the step runs with for a global batch: microbatches_for, rounded up to
+    train.rampup_microbatch_multiple when that is set (at most the full batch's count); those
+    past the batch's own are padding."""
+    count = self.microbatches_for(global_batch_size)
+    multiple = self.train.rampup_microbatch_multiple
+    if not multiple:
+      return count
+    return min(self.num_microbatches, -(-count // multiple) * multiple)
 
   @property
   def padded_vocab_size(self) -> int:
@@ -357,15 +375,28 @@ class Config:
   def step_shapes(self) -> list[tuple[int, int]]:
     """(micro-batches, length the step runs at) of the run's iterations, each once, in order of
     first use: the batch ramp-up and the curriculum each make the train step a new XLA program
-    (tr11's ramp: 117 of them)."""
+    (tr11's ramp: 117 of them; train.rampup_microbatch_multiple and curriculum.pad_to_multiple
+    make fewer)."""
     if not self.train.rampup_batch_size and not self.curriculum.enabled:
       return [(self.num_microbatches, self.train.seq_len)]
     shapes, consumed = {}, 0
     for n in range(1, self.train.total_iterations() + 1):
       gbs = self.train.global_batch_size_at(consumed)
-      shapes.setdefault((self.microbatches_for(gbs), self.padded_seq_len_at(n)), None)
+      shapes.setdefault((self.step_microbatches(gbs), self.padded_seq_len_at(n)), None)
       consumed += gbs
     return list(shapes)
+
+  def padding_microbatches(self) -> tuple[int, int]:
+    """(padding micro-batches, micro-batches the step runs) summed over the run's iterations:
+    what train.rampup_microbatch_multiple costs a pipeline, which computes the padding."""
+    padding = total = consumed = 0
+    for _ in range(self.train.total_iterations()):
+      gbs = self.train.global_batch_size_at(consumed)
+      step = self.step_microbatches(gbs)
+      padding += step - self.microbatches_for(gbs)
+      total += step
+      consumed += gbs
+    return padding, total
 
   def step_seq_lens(self) -> list[int]:
     """Every length the step runs at, in order: one compiled program each (per batch size)."""
@@ -435,7 +466,7 @@ class Config:
         # bool is an int subclass; switches such as attention_fallback are not counts.
         if (isinstance(value, int) and not isinstance(value, bool) and
             f.name not in ('steps', 'train_samples', 'ffn_hidden_size', 'pad_vocab_size_to',
-                           'init_std', 'seed')):
+                           'init_std', 'seed', 'rampup_microbatch_multiple')):
           need(value > 0, f'{type(section).__name__}.{f.name} must be > 0, got {value}')
     need(m.architecture in ('bloom', 'gpt2'),
          f"model.architecture must be 'bloom' or 'gpt2', got {m.architecture!r}")
@@ -506,6 +537,13 @@ class Config:
              f'train.rampup_batch_size reaches a global batch of {gbs}, which train.'
              f'micro_batch_size x mesh.data ({per_step}) does not divide; pick a start and '
              f'increment that are multiples of {per_step}')
+    need(isinstance(t.rampup_microbatch_multiple, int) and t.rampup_microbatch_multiple >= 0,
+         f'train.rampup_microbatch_multiple must be an int >= 0 (0: no padding), got '
+         f'{t.rampup_microbatch_multiple!r}')
+    need(not t.rampup_microbatch_multiple or t.rampup_batch_size,
+         f'train.rampup_microbatch_multiple ({t.rampup_microbatch_multiple}) pads the micro-batch '
+         'counts of a batch-size ramp-up, and there is none (train.rampup_batch_size is empty); '
+         'set train.rampup_batch_size, or train.rampup_microbatch_multiple=0')
     first_batch = t.global_batch_size_at(0)  # the ramp-up's format is checked above
     need(t.train_samples == 0 or t.train_samples >= first_batch,
          f'train.train_samples ({t.train_samples}) is less than one global batch '

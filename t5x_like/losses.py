@@ -40,6 +40,12 @@ def split_tokens(tokens):
   return jnp.maximum(inputs, 0), jnp.maximum(targets, 0), weights
 
 
+def real_microbatches(batch):
+  """[M] bools: which micro-batches of batch [M, rows, S + 1] hold a target that is not padding
+  (train.rampup_microbatch_multiple adds micro-batches of padding only, after the real ones)."""
+  return jnp.any(batch[:, :, 1:] != PAD_ID, axis=(1, 2))
+
+
 def weighted_mean(token_losses, weights):
   """sum(weights x losses) / sum(weights): the mean over real targets (0 if there are none)."""
   return (token_losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)

@@ -224,7 +224,8 @@ def _dropout(x, rate: float, rng):
 def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_lib.Context,
                   deterministic: bool = True):
   """Mean next-token loss of batch [M, rows, S + 1] through the pipelined model: the mean of the
-  micro-batches' means over their targets that are not padding (`losses.PAD_ID`).
+  micro-batches' means over their targets that are not padding (`losses.PAD_ID`), over the
+  micro-batches that hold any.
 
   `params` hold fp32 values in storage layout; each use casts to the compute dtype, so gradients
   accumulate over micro-batches (through the scan's transpose) in fp32.
@@ -341,4 +342,12 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
   waiting = jnp.zeros((M if R > 1 else 1, rows, seq, hidden), dtype)
   _, tick_losses = jax.lax.scan(tick, (buffer, waiting), jnp.arange(M * R + P - 1),
                                 unroll=cfg.model.scan_unroll)
+  if cfg.train.rampup_microbatch_multiple:
+    # The ramp-up's rounded-up micro-batch counts: the micro-batches after the real ones are
+    # padding only; they add a loss of 0 and no gradient, and the mean is over the real ones.
+    # The stages compute them like any other. (Not skipped: within a tick the stages run under
+    # vmap, where a cond becomes a select. A cond that skipped the ticks after the last real
+    # micro-batch had left worked, but its per-tick weight-gradient output cost BLOOM-176B
+    # 16.7 GiB more per device, docs/benchmarks.md.)
+    return tick_losses.sum() / losses.real_microbatches(batch).sum()
   return tick_losses.sum() / M

@@ -58,6 +58,11 @@ def plan(cfg: Config) -> dict:
       'peak_gib': (memory.argument_size_in_bytes + memory.output_size_in_bytes +
                    memory.temp_size_in_bytes - memory.alias_size_in_bytes) / gib,
   }
+  if cfg.train.rampup_microbatch_multiple:
+    # What the fewer programs cost: the share of the micro-batches the step runs over the run
+    # that are padding (computed by a pipeline's stages, skipped without a pipeline).
+    padding, runs = cfg.padding_microbatches()
+    report['padding_microbatch_share'] = padding / runs
   if cfg.mesh.pipeline > 1:
     report['pipeline_bubble'] = layout.plan.bubble_fraction(cfg.num_microbatches)
     report['stage_plan'] = layout.plan.describe()

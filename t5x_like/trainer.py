@@ -7,7 +7,8 @@ logged), and AdamW updates the fp32 master params with a learning rate computed 
 the consumed samples (or tokens). With a sequence-length curriculum (`curriculum.*`) each
 iteration trains on the first `Config.seq_len_at(iteration)` tokens of its samples; the step is
 compiled once per (micro-batch count, length it runs at: `curriculum.pad_to_multiple` rounds the
-lengths up, the rest of the batch padding outside the loss). An iteration whose loss or gradient
+lengths up, the rest of the batch padding outside the loss; train.rampup_microbatch_multiple
+likewise rounds up the batch ramp-up's micro-batch counts). An iteration whose loss or gradient
 norm is not finite is skipped (params and Adam state, including its step count, unchanged) and
 counted.
 """
@@ -59,6 +60,7 @@ def make_train_step(cfg: Config, layout: StateLayout):
   dtype = jnp.dtype(cfg.model.dtype)
   zero_shardings = layout.shardings.params
   dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
+  padded_microbatches = cfg.train.rampup_microbatch_multiple > 0
 
   def loss_fn(compute_params, tokens, rng):
     # 'dense', 'chunked' or 'fused' cross-entropy (model.cross_entropy_impl), see losses.py.
@@ -70,20 +72,31 @@ def make_train_step(cfg: Config, layout: StateLayout):
     compute_params = _compute_params(params, layout, dtype)  # cast once per step
     num_micro = batch.shape[0]
 
-    def accumulate(carry, xs):
+    def add_micro_batch(carry, tokens, index):
       grads_acc, loss_acc = carry
-      tokens, index = xs
       loss, grads = jax.value_and_grad(loss_fn)(compute_params, tokens,
                                                 jax.random.fold_in(rng, index))
       grads_acc = jax.tree.map(
           lambda a, g, s: jax.lax.with_sharding_constraint(a + g.astype(jnp.float32), s),
           grads_acc, grads, zero_shardings)
-      return (grads_acc, loss_acc + loss), None
+      return grads_acc, loss_acc + loss
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (grads, loss_sum), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0.0)),
-                                        (batch, jnp.arange(num_micro)),
-                                        unroll=cfg.model.scan_unroll)
+    carry = (zeros, jnp.float32(0.0))
+    if padded_microbatches:
+      # The ramp-up's rounded-up count (train.rampup_microbatch_multiple): the micro-batches
+      # after the real ones are padding only, and a loop of as many iterations as there are real
+      # ones never computes them. (Nothing differentiates through this loop, so its trip count
+      # may be a traced value; a cond per micro-batch instead cost bloom_1b3 2.3 GiB per device.)
+      num_real = losses.real_microbatches(batch).sum()
+      grads, loss_sum = jax.lax.fori_loop(
+          0, num_real, lambda m, carry: add_micro_batch(
+              carry, jax.lax.dynamic_index_in_dim(batch, m, 0, False), m), carry)
+      num_micro = num_real.astype(jnp.float32)
+    else:
+      (grads, loss_sum), _ = jax.lax.scan(
+          lambda carry, xs: (add_micro_batch(carry, *xs), None), carry,
+          (batch, jnp.arange(num_micro)), unroll=cfg.model.scan_unroll)
     return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grads)
 
   def pipelined_loss_and_grads(params, batch, rng):
@@ -359,39 +372,47 @@ class Trainer:
 
   def global_batch(self, consumed_samples: int, global_batch_size: int,
                    source=None, what: str = 'training', seq_len: int | None = None,
-                   padded_seq_len: int | None = None) -> jax.Array:
+                   padded_seq_len: int | None = None,
+                   microbatches: int | None = None) -> jax.Array:
     """Samples consumed_samples.. of `source` (default: the training stream) as a sharded
     [micro-batches, rows, S + 1] array; each device reads only the rows it holds. An id outside
     the model's vocabulary is a DataError naming the samples. `seq_len` below train.seq_len (the
     curriculum) keeps the first seq_len + 1 tokens of each sample, as Megatron-DeepSpeed
     truncates its batch: the rest of the sample is consumed unseen. `padded_seq_len` (above
     seq_len; curriculum.pad_to_multiple) makes S that, the tokens after the first seq_len + 1
-    losses.PAD_ID."""
+    losses.PAD_ID. `microbatches` (above the batch's own count; train.rampup_microbatch_multiple)
+    adds micro-batches of losses.PAD_ID after the batch's."""
     source = self.source if source is None else source
     shape = self.batch_shape(global_batch_size,
                              seq_len if padded_seq_len is None else padded_seq_len)
     trained = shape[2] if seq_len is None else seq_len + 1
-    rows_per_micro = shape[1]
+    filled, rows_per_micro = shape[0], shape[1]
+    if microbatches is not None:
+      shape = (microbatches,) + shape[1:]
     vocab_size = self.cfg.model.vocab_size
 
     def rows_for(index) -> np.ndarray:
       micro_slice, row_slice = index[0], index[1]
       micro = range(*micro_slice.indices(shape[0]))
       start, stop, _ = row_slice.indices(rows_per_micro)
-      rows = np.stack([source.rows(consumed_samples + m * rows_per_micro + start,
-                                   consumed_samples + m * rows_per_micro + stop)
-                       for m in micro])[..., :shape[2]]
-      sources.check_token_ids(rows[..., :trained], vocab_size, f'{what} samples '
-                              f'{consumed_samples}..{consumed_samples + global_batch_size - 1}')
-      rows[..., trained:] = losses.PAD_ID
+      rows = np.full((len(micro), stop - start, shape[2]), losses.PAD_ID, np.int32)
+      for i, m in enumerate(micro):
+        if m >= filled:
+          continue  # a micro-batch of padding
+        samples = source.rows(consumed_samples + m * rows_per_micro + start,
+                              consumed_samples + m * rows_per_micro + stop)[:, :trained]
+        sources.check_token_ids(samples, vocab_size, f'{what} samples {consumed_samples}..'
+                                f'{consumed_samples + global_batch_size - 1}')
+        rows[i, :, :trained] = samples
       return rows[..., index[2]]
 
     return jax.make_array_from_callback(shape, self.batch_sharding, rows_for)
 
   def step_for(self, global_batch_size: int, seq_len: int):
     """The compiled step for this global batch size and sequence length (compiled once per
-    micro-batch count and length)."""
+    micro-batch count the step runs with, `Config.step_microbatches`, and length)."""
     shape = self.batch_shape(global_batch_size, seq_len)
+    shape = (self.cfg.step_microbatches(global_batch_size),) + shape[1:]
     key = (shape[0], shape[2])
     if key not in self._compiled:
       self._compiled[key] = self.compile(shape)
@@ -530,8 +551,9 @@ class Trainer:
     lr = optim.learning_rate(cfg.optimizer, progress.consumed_samples, progress.consumed_tokens,
                              self.warmup_end_tokens)
     start = time.perf_counter()
+    step_micro = cfg.step_microbatches(gbs)
     batch = self.global_batch(progress.consumed_samples, gbs, seq_len=seq,
-                              padded_seq_len=padded_seq)
+                              padded_seq_len=padded_seq, microbatches=step_micro)
     state, stats = compiled(state, batch, np.float32(lr), np.int32(progress.iteration))
     stats = jax.device_get(stats)
     elapsed = time.perf_counter() - start
@@ -560,11 +582,13 @@ class Trainer:
         'nan_iterations': progress.nan_iterations,
     }
     if cfg.mesh.pipeline > 1:
-      record['pipeline_bubble'] = self.layout.plan.bubble_fraction(self.batch_shape(gbs)[0])
+      record['pipeline_bubble'] = self.layout.plan.bubble_fraction(step_micro)
     if cfg.curriculum.enabled:
       record['curriculum_seq_len'] = seq
     if cfg.curriculum.pad_to_multiple:
       record['padded_seq_len'] = padded_seq
+    if cfg.train.rampup_microbatch_multiple:
+      record['padded_microbatches'] = step_micro
     self.writer.record(record, total)
     # The step time follows the length the step runs at (model FLOPs count the trained one).
     slowdown = self.throughput.add(progress.iteration, gbs, elapsed,
@@ -663,6 +687,13 @@ class Trainer:
       self.writer.info(f'> the train step runs at {len(shapes)} shapes over the run (micro-'
                        'batches x length: batch ramp-up, curriculum), each compiled when first '
                        'reached (`python -m t5x_like.plan` times one compilation)')
+    if cfg.train.rampup_microbatch_multiple:
+      padding, runs = cfg.padding_microbatches()
+      cost = ('the pipeline computes them' if cfg.mesh.pipeline > 1 else
+              'the step skips them')
+      self.writer.info(f'> ramp-up: micro-batch counts rounded up to multiples of '
+                       f'{cfg.train.rampup_microbatch_multiple}, {padding} of the run\'s {runs} '
+                       f'micro-batches ({100 * padding / max(runs, 1):.2f}%) padding ({cost})')
     state, progress = self.initial_state()
     start_iteration = progress.iteration
     total = self.cfg.train.total_iterations()

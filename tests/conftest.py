@@ -44,9 +44,11 @@ def small_config(**sections) -> Config:
   }, sections)
 
 
-def run_steps(cfg, num_steps=4):
+def run_steps(cfg, num_steps=4, padding_microbatches=0):
   """Losses, grad norms and final params of the real jitted train step, `num_steps` times on one
-  repeated random batch; what every parallel or kernel path is compared on."""
+  repeated random batch; what every parallel or kernel path is compared on.
+  `padding_microbatches`: that many micro-batches of padding only after the batch's (what
+  train.rampup_microbatch_multiple adds)."""
   import jax.numpy as jnp
   import numpy as np
 
@@ -62,8 +64,9 @@ def run_steps(cfg, num_steps=4):
   rows = cfg.train.micro_batch_size * m.data
   tokens = np.random.default_rng(0).integers(
       0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1)).astype(np.int32)
-  batch = jax.device_put(tokens.reshape(cfg.num_microbatches, rows, -1),
-                         trainer_lib.batch_sharding(layout))
+  batch = tokens.reshape(cfg.num_microbatches, rows, -1)
+  padding = np.full((padding_microbatches,) + batch.shape[1:], -1, np.int32)  # losses.PAD_ID
+  batch = jax.device_put(np.concatenate([batch, padding]), trainer_lib.batch_sharding(layout))
   losses, norms = [], []
   for i in range(num_steps):
     lr = optim.learning_rate(cfg.optimizer, i * cfg.train.global_batch_size)

@@ -147,6 +147,35 @@ def test_iterations_follow_megatrons_train_samples_count():
   assert sizes == [4, 4, 4, 4, 8, 8, 8, 8, 8] and t.total_samples() == consumed == 56
 
 
+def test_rampup_microbatch_multiple_rounds_tr11s_ramp_to_fewer_programs():
+  cfg = load_config_file(cfg_path('bloom_176b.py'))
+  # 192 -> 2048 by 16 with 16 rows per micro-batch (2 x data 8): 12, 13, ..., 128 micro-batches.
+  assert [m for m, _ in cfg.step_shapes()] == list(range(12, 129))
+  assert cfg.padding_microbatches()[0] == 0
+  padded = cfg.replace(train={'rampup_microbatch_multiple': 8}).validate()
+  assert [m for m, _ in padded.step_shapes()] == list(range(16, 129, 8))  # 15 programs
+  assert [padded.step_microbatches(g) for g in (192, 208, 320, 336, 2048)] == [16, 16, 24, 24,
+                                                                               128]
+  assert padded.microbatches_for(208) == 13  # the batch itself, 3 padding micro-batches added
+  # Counted over the run: 0.31% of the micro-batches the step runs are padding, all of them in
+  # the ramp-up's 12,658 iterations.
+  padding, runs = padded.padding_microbatches()
+  assert runs == cfg.padding_microbatches()[1] + padding
+  assert round(100 * padding / runs, 2) == 0.31
+  # A multiple of at least the full count: one program for the whole run.
+  whole = cfg.replace(train={'rampup_microbatch_multiple': 200}).validate()
+  assert whole.step_shapes() == [(128, 2048)]
+
+
+@pytest.mark.parametrize('train, message', [
+    ({'rampup_microbatch_multiple': 4}, 'there is none'),
+    ({'rampup_microbatch_multiple': -2, 'rampup_batch_size': (4, 4, 8)}, 'an int >= 0'),
+])
+def test_bad_rampup_microbatch_multiple_is_one_clear_error(train, message):
+  with pytest.raises(ConfigError, match=message):
+    Config().replace(train={'global_batch_size': 16, 'steps': 4, **train}).validate()
+
+
 def test_tr8_104b_and_1b3_sizes():
   cfg = load_config_file(cfg_path('tr8_104b.py'))
   assert cfg.model.architecture == 'gpt2'

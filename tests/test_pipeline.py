@@ -8,7 +8,7 @@ import pytest
 from t5x_like import checkpoints, partitioning, pipeline
 from t5x_like.config import ConfigError, TrainConfig
 from t5x_like.train_state import make_layout
-from t5x_like.trainer import Trainer
+from t5x_like.trainer import Trainer, read_metrics
 
 from conftest import run_steps, small_config
 from test_trainer import corpus_config
@@ -109,6 +109,31 @@ def test_pipelined_run_matches_single_device(references, data, stages, tensor, r
                ref_params)
 
 
+@pytest.mark.parametrize('data, stages, tensor, repeats, remat', [
+    (2, 1, 1, 1, 'save_dots'),  # no pipeline: the padding micro-batches are skipped
+    (1, 2, 1, 1, 'none'),  # the ticks after the last real micro-batch are skipped
+    (1, 2, 2, 1, 'full'),  # the same under the tick-level recomputation
+    (1, 2, 1, 2, 'save_dots'),  # circular: the first repeat computes the padding
+])
+def test_padding_micro_batches_change_no_loss_gradient_or_update(references, data, stages,
+                                                                 tensor, repeats, remat):
+  """train.rampup_microbatch_multiple: a step given 2 micro-batches of padding after its 4
+  trains exactly as the single-device step on the 4 alone."""
+  cfg = small_config(model=dict(num_layers=4, remat_policy=remat),
+                     train=dict(global_batch_size=4, rampup_batch_size=(2, 2, 4),
+                                rampup_microbatch_multiple=2),
+                     mesh=dict(data=data, pipeline=stages, tensor=tensor),
+                     pipeline=dict(repeats=repeats))
+  losses, norms, params = run_steps(cfg, num_steps=3, padding_microbatches=2)
+  ref_losses, ref_norms, ref_params = references[4]
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
+  if stages > 1:
+    params = pipeline.to_canonical(pipeline.plan_for(cfg), params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), params,
+               ref_params)
+
+
 def test_vocabulary_split_over_tensor_only_as_bloom_176b_matches_single_device():
   """BLOOM-176B's layout: 250,880 rows do not divide over tensor 4 x pipeline 12, so the tied
   embedding is split over `tensor` only and replicated over the stages. The first stage's
@@ -189,21 +214,50 @@ def test_checkpoint_saved_with_two_stages_restores_with_four_one_and_two_repeats
     assert progress.iteration == 2
 
 
-def test_rampup_changes_the_micro_batch_count_and_compiles_once_per_shape(tmp_path):
+@pytest.fixture(scope='module')
+def ramp_run(tmp_path_factory):
+  """A pipelined run through a batch ramp-up: 2 micro-batches, then 4."""
   cfg = corpus_config(model=dict(num_layers=2), mesh=dict(data=1, pipeline=2, tensor=1),
                       train=dict(steps=4, global_batch_size=8, micro_batch_size=2,
                                  rampup_batch_size=(4, 4, 8)))
-  trainer = Trainer(cfg, str(tmp_path / 'ramp'))
+  workdir = tmp_path_factory.mktemp('ramp')
+  trainer = Trainer(cfg, str(workdir))
   trainer.run()
-  from t5x_like.trainer import read_metrics
-  records = read_metrics(str(tmp_path / 'ramp'))
+  return cfg, workdir, trainer
+
+
+def test_rampup_changes_the_micro_batch_count_and_compiles_once_per_shape(ramp_run):
+  _, tmp_path, trainer = ramp_run
+  records = read_metrics(str(tmp_path))
   assert [r['global_batch_size'] for r in records] == [4, 4, 8, 8]
   assert [r['consumed_samples'] for r in records] == [4, 8, 16, 24]
   assert [round(r['pipeline_bubble'], 3) for r in records] == [0.333, 0.333, 0.2, 0.2]
   # One compiled step per (micro-batch count, sequence length).
   assert sorted(trainer._compiled) == [(2, trainer.cfg.train.seq_len + 1),
                                        (4, trainer.cfg.train.seq_len + 1)]
-  log = open(tmp_path / 'ramp' / 'logs' / 'main_log.txt').read()
+  log = open(tmp_path / 'logs' / 'main_log.txt').read()
   assert log.count('compiled the train step') == 2 and 'pipeline bubble: 0.200' in log
   assert '> the train step runs at 2 shapes over the run' in log
   assert 'parameters per stage' in log
+
+
+def test_rampup_padded_to_the_full_micro_batch_count_compiles_once_and_trains_the_same(
+    ramp_run, tmp_path):
+  """train.rampup_microbatch_multiple=4: the ramp-up's 2 micro-batches run as 4, two of them
+  padding that the pipeline computes and the loss leaves out: one compiled step instead of two,
+  and the losses and gradient norms of the unpadded run."""
+  cfg, exact_workdir, _ = ramp_run
+  trainer = Trainer(cfg.replace(train={'rampup_microbatch_multiple': 4}), str(tmp_path))
+  trainer.run()
+  exact, records = read_metrics(str(exact_workdir)), read_metrics(str(tmp_path))
+  assert [r['padded_microbatches'] for r in records] == [4, 4, 4, 4]
+  for key in ('global_batch_size', 'consumed_samples', 'learning_rate'):
+    assert [r[key] for r in records] == [r[key] for r in exact], key
+  for key in ('lm_loss', 'grad_norm'):
+    assert [r[key] for r in records] == pytest.approx([r[key] for r in exact], rel=2e-5), key
+  assert sorted(trainer._compiled) == [(4, cfg.train.seq_len + 1)]
+  log = open(tmp_path / 'logs' / 'main_log.txt').read()
+  assert '> the train step runs at 1 shapes over the run' in log
+  # Iterations 1-2 run 2 padding micro-batches each: 4 of the run's 16.
+  assert ('> ramp-up: micro-batch counts rounded up to multiples of 4, 4 of the run\'s 16 '
+          'micro-batches (25.00%) padding (the pipeline computes them)') in log

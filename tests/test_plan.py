@@ -28,6 +28,20 @@ def test_bloom_176b_lowers_and_compiles_on_384_virtual_devices():
   assert report['peak_gib'] < 72, report
 
 
+def test_ramp_up_padded_to_the_full_micro_batch_count_is_one_program():
+  # tiny's 4 micro-batches of 4 rows, ramped up from 8 samples (2 micro-batches) by 8 over 16
+  # samples: 2 iterations of 8 samples, then 118 of 16. Padded to 4 micro-batches: one program,
+  # and 2 x 2 of the 120 x 4 micro-batches the step runs are padding.
+  args = ['-m', 't5x_like.plan', '--config', 'configs/tiny.py', '--json', '--config.mesh.data=1',
+          '--config.mesh.tensor=1', '--config.train.rampup_batch_size=(8, 8, 16)']
+  exact = json.loads(run_cli(args).stdout.strip().splitlines()[-1])
+  padded = json.loads(run_cli(args + ['--config.train.rampup_microbatch_multiple=4']
+                              ).stdout.strip().splitlines()[-1])
+  assert (exact['train_programs'], padded['train_programs']) == (2, 1)
+  assert 'padding_microbatch_share' not in exact
+  assert padded['padding_microbatch_share'] == 4 / (4 * 120)
+
+
 def test_bad_config_is_refused_before_compiling():
   r = run_cli(['-m', 't5x_like.plan', '--config', 'configs/bloom_176b.py',
                '--config.pipeline.repeats=4'])

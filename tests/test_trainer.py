@@ -560,6 +560,30 @@ def test_curriculum_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_sam
   assert '> the train step runs at 2 shapes over the run' in log
 
 
+def test_rampup_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_same(tmp_path):
+  """train.rampup_microbatch_multiple=2 on a data x tensor mesh without a pipeline: the ramp-up's
+  2, 3, 4 micro-batches run as 2, 4, 4 (the padding micro-batch skipped by the step), 2 compiled
+  steps instead of 3, and the unpadded run's losses and gradient norms."""
+  cfg = corpus_config(train=dict(steps=4, global_batch_size=16, rampup_batch_size=(8, 4, 16)),
+                      runtime=dict(replica_check_interval=0))
+  Trainer(cfg, str(tmp_path / 'exact')).run()
+  padded = Trainer(cfg.replace(train={'rampup_microbatch_multiple': 2}), str(tmp_path / 'padded'))
+  padded.run()
+  exact, records = read_metrics(str(tmp_path / 'exact')), read_metrics(str(tmp_path / 'padded'))
+  assert [r['global_batch_size'] for r in records] == [8, 12, 16, 16]
+  assert [r['padded_microbatches'] for r in records] == [2, 4, 4, 4]
+  for key in ('global_batch_size', 'consumed_samples', 'learning_rate', 'num_zeros'):
+    assert [r[key] for r in records] == [r[key] for r in exact], key
+  for key in ('lm_loss', 'grad_norm'):
+    assert [r[key] for r in records] == pytest.approx([r[key] for r in exact], rel=2e-5), key
+  assert sorted(padded._compiled) == [(2, 33), (4, 33)]
+  with open(os.path.join(tmp_path, 'padded', 'logs', 'main_log.txt')) as f:
+    log = f.read()
+  assert '> the train step runs at 2 shapes over the run' in log
+  assert ('> ramp-up: micro-batch counts rounded up to multiples of 2, 1 of the run\'s 14 '
+          'micro-batches (7.14%) padding (the step skips them)') in log
+
+
 def test_a_later_job_loads_its_programs_from_the_compilation_cache(
     tmp_path, persistent_compilation_cache):
   """runtime.compilation_cache_dir: the first job stores its compiled programs, a restart finds
