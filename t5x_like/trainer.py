@@ -260,14 +260,16 @@ class Trainer:
 
   @functools.cached_property
   def throughput_setup(self) -> dict[str, Any]:
-    """What the step time depends on besides the data: devices, mesh, model, micro-batch,
-    software (fixed for a job). Step-time baselines carry over from an earlier job only when this
+    """What the step time depends on besides the data: devices, mesh, model, micro-batch and the
+    ramp-up's padding, software (fixed for a job). Step-time baselines carry over from an earlier job only when this
     is equal."""
     cfg, device = self.cfg, jax.devices()[0]
     setup = {'platform': device.platform, 'device_kind': device.device_kind,
              'devices': jax.device_count(), 'processes': jax.process_count(),
              'mesh': dataclasses.asdict(cfg.mesh), 'pipeline': dataclasses.asdict(cfg.pipeline),
              'model': dataclasses.asdict(cfg.model), 'micro_batch_size': cfg.train.micro_batch_size,
+             # A ramp-up step padded to more micro-batches takes longer under a pipeline.
+             'rampup_microbatch_multiple': cfg.train.rampup_microbatch_multiple,
              'software': self.software}
     return json.loads(json.dumps(setup))  # as the checkpoint's meta holds it (lists, not tuples)
 

@@ -563,10 +563,12 @@ def test_curriculum_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_sam
 def test_rampup_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_same(tmp_path):
   """train.rampup_microbatch_multiple=2 on a data x tensor mesh without a pipeline: the ramp-up's
   2, 3, 4 micro-batches run as 2, 4, 4 (the padding micro-batch skipped by the step), 2 compiled
-  steps instead of 3, and the unpadded run's losses and gradient norms."""
+  steps instead of 3, and the unpadded run's losses and gradient norms; step-time baselines do
+  not carry over between the two settings."""
   cfg = corpus_config(train=dict(steps=4, global_batch_size=16, rampup_batch_size=(8, 4, 16)),
                       runtime=dict(replica_check_interval=0))
-  Trainer(cfg, str(tmp_path / 'exact')).run()
+  exact_trainer = Trainer(cfg, str(tmp_path / 'exact'))
+  exact_trainer.run()
   padded = Trainer(cfg.replace(train={'rampup_microbatch_multiple': 2}), str(tmp_path / 'padded'))
   padded.run()
   exact, records = read_metrics(str(tmp_path / 'exact')), read_metrics(str(tmp_path / 'padded'))
@@ -582,6 +584,16 @@ def test_rampup_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_same(tm
   assert '> the train step runs at 2 shapes over the run' in log
   assert ('> ramp-up: micro-batch counts rounded up to multiples of 2, 1 of the run\'s 14 '
           'micro-batches (7.14%) padding (the step skips them)') in log
+  # A job that pads where the checkpoint's job did not measures its own step-time baseline
+  # (under a pipeline a padded ramp-up step takes longer than the exact one).
+  saved = {'setup': exact_trainer.throughput_setup,
+           'baselines': [{'global_batch_size': 8, 'seq_len': 0, 'step_s': 0.1, 'first': 2,
+                          'last': 4}]}
+  padded._seed_throughput(saved)
+  assert padded.throughput.baselines() == []
+  assert padded.restart_notes[-1].startswith("> throughput: the checkpoint's job ran on another")
+  exact_trainer._seed_throughput(saved)
+  assert len(exact_trainer.throughput.baselines()) == 1
 
 
 def test_a_later_job_loads_its_programs_from_the_compilation_cache(
