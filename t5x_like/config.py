@@ -17,7 +17,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 
 class ConfigError(ValueError):
@@ -141,17 +141,23 @@ class TrainConfig:
     iterations += (self.train_samples - consumed) // self.global_batch_size
     return min(self.steps, iterations) if self.steps else iterations
 
+  def iteration_batch_sizes(self, iterations: int | None = None) -> Iterator[int]:
+    """The global batch size of each of the first `iterations` iterations (default: the run's),
+    following the batch ramp-up."""
+    consumed = 0
+    for _ in range(self.total_iterations() if iterations is None else iterations):
+      size = self.global_batch_size_at(consumed)
+      yield size
+      consumed += size
+
   def consumed_samples_after(self, iterations: int) -> int:
     """Samples consumed by the first `iterations` iterations, following the batch ramp-up (the
     global index of iteration `iterations + 1`'s first sample)."""
-    consumed = 0
-    for _ in range(iterations):
-      consumed += self.global_batch_size_at(consumed)
-    return consumed
+    return sum(self.iteration_batch_sizes(iterations))
 
   def total_samples(self) -> int:
     """Samples the whole run consumes, following the batch ramp-up."""
-    return self.consumed_samples_after(self.total_iterations())
+    return sum(self.iteration_batch_sizes())
 
   def ramp_batch_sizes(self) -> list[int]:
     """Every global batch size the run will use."""
@@ -379,23 +385,19 @@ class Config:
     make fewer)."""
     if not self.train.rampup_batch_size and not self.curriculum.enabled:
       return [(self.num_microbatches, self.train.seq_len)]
-    shapes, consumed = {}, 0
-    for n in range(1, self.train.total_iterations() + 1):
-      gbs = self.train.global_batch_size_at(consumed)
+    shapes = {}
+    for n, gbs in enumerate(self.train.iteration_batch_sizes(), start=1):
       shapes.setdefault((self.step_microbatches(gbs), self.padded_seq_len_at(n)), None)
-      consumed += gbs
     return list(shapes)
 
   def padding_microbatches(self) -> tuple[int, int]:
     """(padding micro-batches, micro-batches the step runs) summed over the run's iterations:
     what train.rampup_microbatch_multiple costs a pipeline, which computes the padding."""
-    padding = total = consumed = 0
-    for _ in range(self.train.total_iterations()):
-      gbs = self.train.global_batch_size_at(consumed)
+    padding = total = 0
+    for gbs in self.train.iteration_batch_sizes():
       step = self.step_microbatches(gbs)
       padding += step - self.microbatches_for(gbs)
       total += step
-      consumed += gbs
     return padding, total
 
   def step_seq_lens(self) -> list[int]:

@@ -260,9 +260,9 @@ class Trainer:
 
   @functools.cached_property
   def throughput_setup(self) -> dict[str, Any]:
-    """What the step time depends on besides the data: devices, mesh, model, micro-batch and the
-    ramp-up's padding, software (fixed for a job). Step-time baselines carry over from an earlier job only when this
-    is equal."""
+    """What the step time depends on besides the data: devices, mesh, model, micro-batch, the
+    ramp-up's padding, software (fixed for a job). Step-time baselines carry over from an earlier
+    job only when this is equal."""
     cfg, device = self.cfg, jax.devices()[0]
     setup = {'platform': device.platform, 'device_kind': device.device_kind,
              'devices': jax.device_count(), 'processes': jax.process_count(),
@@ -366,11 +366,15 @@ class Trainer:
       return TrainState(params, self.layout.fresh_opt_state(params)), Progress()
     return self.layout.init(cfg.train.seed), Progress()
 
-  def batch_shape(self, global_batch_size: int,
-                  seq_len: int | None = None) -> tuple[int, int, int]:
+  def batch_shape(self, global_batch_size: int, seq_len: int | None = None,
+                  microbatches: int | None = None) -> tuple[int, int, int]:
+    """[micro-batches, rows, S + 1]: the micro-batches the global batch fills unless
+    `microbatches` (`Config.step_microbatches`) says how many the step runs with."""
     rows = self.cfg.train.micro_batch_size * self.cfg.mesh.data
     seq_len = self.cfg.train.seq_len if seq_len is None else seq_len
-    return (global_batch_size // rows, rows, seq_len + 1)
+    if microbatches is None:
+      microbatches = self.cfg.microbatches_for(global_batch_size)
+    return (microbatches, rows, seq_len + 1)
 
   def global_batch(self, consumed_samples: int, global_batch_size: int,
                    source=None, what: str = 'training', seq_len: int | None = None,
@@ -386,11 +390,9 @@ class Trainer:
     adds micro-batches of losses.PAD_ID after the batch's."""
     source = self.source if source is None else source
     shape = self.batch_shape(global_batch_size,
-                             seq_len if padded_seq_len is None else padded_seq_len)
+                             seq_len if padded_seq_len is None else padded_seq_len, microbatches)
     trained = shape[2] if seq_len is None else seq_len + 1
-    filled, rows_per_micro = shape[0], shape[1]
-    if microbatches is not None:
-      shape = (microbatches,) + shape[1:]
+    filled, rows_per_micro = self.cfg.microbatches_for(global_batch_size), shape[1]
     vocab_size = self.cfg.model.vocab_size
 
     def rows_for(index) -> np.ndarray:
@@ -413,8 +415,8 @@ class Trainer:
   def step_for(self, global_batch_size: int, seq_len: int):
     """The compiled step for this global batch size and sequence length (compiled once per
     micro-batch count the step runs with, `Config.step_microbatches`, and length)."""
-    shape = self.batch_shape(global_batch_size, seq_len)
-    shape = (self.cfg.step_microbatches(global_batch_size),) + shape[1:]
+    shape = self.batch_shape(global_batch_size, seq_len,
+                             microbatches=self.cfg.step_microbatches(global_batch_size))
     key = (shape[0], shape[2])
     if key not in self._compiled:
       self._compiled[key] = self.compile(shape)
