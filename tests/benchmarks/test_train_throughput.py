@@ -17,11 +17,12 @@ import train_throughput  # noqa: E402  (a script, not a package module)
 
 @pytest.fixture(scope='module')
 def tiny_two_rounds(tmp_path_factory):
-  """One run: tiny, ours f32 against torch f32, 1 timed step each, two interleaved rounds."""
+  """One run: tiny, ours f32 against torch f32, 1 timed step each, two interleaved rounds, and
+  one traced step of ours."""
   out = tmp_path_factory.mktemp('throughput') / 'result.json'
   proc = run_cli([os.path.join('benchmarks', 'train_throughput.py'), '--models', 'tiny',
                   '--impls', 'ours_f32,torch_f32', '--steps', '1', '--rounds', '2',
-                  '--json', str(out)], timeout=900,
+                  '--profile', '--json', str(out)], timeout=900,
                  # The script measures XLA as users run it, not the suite's faster compiles.
                  env={'PYTHONPATH': REPO,
                       'XLA_FLAGS': os.environ['XLA_FLAGS'].replace(TEST_XLA_FLAG, '').strip()})
@@ -74,3 +75,21 @@ def test_model_shaped_gemm_probes_for_both_frameworks(tiny_two_rounds):
   assert len(square) == 4 and result['peak_f32_tflops'] == max(square)
   assert "f32 GEMMs at bloom_100m's MLP shape 2048x768x3072" in stdout
   assert 'tiny: ours f32 / torch f32 = ' in stdout
+
+
+def test_untraced_time_is_the_span_no_interval_covers():
+  # Overlapping ops (two threads) count once; the 5 s between 15 and 20 are covered by none.
+  assert train_throughput.untraced_time([(20, 30), (0, 10), (5, 15)]) == (30, 5)
+  assert train_throughput.untraced_time([(0, 10), (2, 3), (10, 12)]) == (12, 0)
+  assert train_throughput.untraced_time([]) == (0.0, 0.0)
+
+
+def test_profile_books_the_untraced_time(tiny_two_rounds):
+  result, stdout = tiny_two_rounds
+  prof = result['results']['tiny']['ours f32']['profile']
+  assert prof['op_time_s'] > 0 and 0 <= prof['untraced_s'] < prof['ops_span_s']
+  assert sum(prof['share'].values()) == pytest.approx(1.0)
+  untraced_share = prof['untraced_s'] / (prof['op_time_s'] + prof['untraced_s'])
+  assert prof['share'][train_throughput.UNTRACED] == pytest.approx(untraced_share)
+  assert 'layer matmuls (qkv, attn out, mlp)' in prof['share']
+  assert 'tiny profile (ours f32, one traced step of ' in stdout
