@@ -64,8 +64,9 @@ def main() -> None:
            'overrides': overrides}
     rows.append(row)
     print(f"{name:>14} {row['num_microbatches']:>3} {row['bubble']:>7.3f} "
-          f"{row['xla_flops_per_device'] / 1e12:>14.4f} {row['ideal_flops_per_device'] / 1e12:>10.4f} "
-          f"{row['xla_over_ideal']:>6.2f} {row['peak_gib_per_device']:>12.3f} {row['compile_s']:>9.1f}",
+          f"{row['xla_flops_per_device'] / 1e12:>14.4f} "
+          f"{row['ideal_flops_per_device'] / 1e12:>10.4f} {row['xla_over_ideal']:>6.2f} "
+          f"{row['peak_gib_per_device']:>12.3f} {row['compile_s']:>9.1f}",
           flush=True)
   if args.json:
     with open(args.json, 'w') as f:

@@ -32,10 +32,11 @@ matmul speed the two steps actually get.
 `--profile` traces one step of ours f32 with `jax.profiler` and splits the XLA ops' time by what
 they compute (layer matmuls, LM head, attention, layernorms, the layer scan's stacking, the
 optimizer...), plus the time in which no traced op runs: XLA runs its large Eigen dots (the weight
-gradients that YNNPACK does not take) asynchronously, outside any op's trace event. `--breakdown` also times, for ours f32, the forward pass, forward + backward and the
-attention core as separate jitted functions (indicative only: they are not the fused step, and on a
-shared machine they run under a different load), and the host data pipeline's cost per global
-batch. `--threads 1` pins every worker to one CPU (torch with one thread): on a shared machine that
+gradients that YNNPACK does not take) asynchronously, outside any op's trace event.
+`--breakdown` also times, for ours f32, the forward pass, forward + backward and the attention core
+as separate jitted functions (indicative only: they are not the fused step, and on a shared
+machine they run under a different load), and the host data pipeline's cost per global batch.
+`--threads 1` pins every worker to one CPU (torch with one thread): on a shared machine that
 comparison suffers far less from other processes than the default (OpenMP barriers stall when a
 core is taken).
 

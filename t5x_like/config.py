@@ -26,7 +26,8 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  # 'bloom': ALiBi, embedding LayerNorm.  'gpt2': learned absolute positions, no embedding LayerNorm.
+  # 'bloom': ALiBi, embedding LayerNorm.
+  # 'gpt2': learned absolute positions, no embedding LayerNorm.
   architecture: Literal['bloom', 'gpt2'] = 'bloom'
   num_layers: int = 2
   hidden_size: int = 64

@@ -41,7 +41,8 @@ def load_tokens(path: str, vocab_size: int) -> np.ndarray:
   try:
     tokens = np.load(path, allow_pickle=False)
   except FileNotFoundError:
-    raise ConfigError(f'--data {path} does not exist; pass a .npy file of token ids [N, L]') from None
+    raise ConfigError(
+        f'--data {path} does not exist; pass a .npy file of token ids [N, L]') from None
   except ValueError as e:
     raise ConfigError(f'--data {path} is not a plain .npy array ({e})') from None
   if tokens.ndim != 2 or tokens.shape[1] < 2 or tokens.shape[0] < 1:

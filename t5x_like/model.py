@@ -299,4 +299,5 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 def param_logical_names(boxed_params):
   """The logical axis names of every parameter of a boxed (nn.Partitioned) param tree."""
-  return jax.tree.map(lambda b: b.names, boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  return jax.tree.map(lambda b: b.names, boxed_params,
+                      is_leaf=lambda x: isinstance(x, nn.Partitioned))

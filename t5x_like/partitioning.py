@@ -1,7 +1,8 @@
 """Logical axis names -> mesh axes, kept as data, and the shardings derived from them.
 
-The model names every parameter dimension and every main activation with a logical axis. This module
-is the only place that says which mesh axis (`data`, `pipeline`, `tensor`) each logical axis maps to.
+The model names every parameter dimension and every main activation with a logical axis. This
+module is the only place that says which mesh axis (`data`, `pipeline`, `tensor`) each logical
+axis maps to.
 Megatron tensor parallelism falls out of the rules: QKV and h->4h kernels are split on their output
 dims (`heads`, `mlp`), attention-out and 4h->h on their input dims (the same names), the embedding
 and the logits on `vocab`.

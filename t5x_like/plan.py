@@ -1,6 +1,7 @@
 """`python -m t5x_like.plan`: compile a config's train step ahead of time and report its cost.
 
-  python -m t5x_like.plan --config configs/bloom_176b.py [--config.key=value ...] [--unroll] [--json]
+  python -m t5x_like.plan --config configs/bloom_176b.py [--config.key=value ...]
+      [--unroll] [--json]
 
 Nothing is allocated: the step is lowered for abstract (shape-only) state and batch on the
 config's mesh (virtual CPU devices when no accelerator is present) and compiled by XLA. The report

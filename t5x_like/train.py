@@ -1,7 +1,8 @@
 """`python -m t5x_like.train`: train from a config file or gin files.
 
   python -m t5x_like.train --config configs/tiny.py --workdir DIR [--config.train.steps=N ...]
-  python -m t5x_like.train --gin_file configs/tiny.gin --workdir DIR [--gin_bindings 'train.steps=N']
+  python -m t5x_like.train --gin_file configs/tiny.gin --workdir DIR
+      [--gin_bindings 'train.steps=N']
 
 Several processes (multi-host): under SLURM (`srun`, one task per GPU) they find each other by
 themselves; any other launcher passes `--coordinator_address HOST:PORT --num_processes N

@@ -72,7 +72,8 @@ class StateLayout:
     return jax.jit(self.optimizer.init, out_shardings=self.shardings.opt_state)(params)
 
   def to_canonical(self, tree, which: str):
-    """A storage-layout `params` or `opt_state` tree in checkpoint layout (identity for P = R = 1)."""
+    """A storage-layout `params` or `opt_state` tree in checkpoint layout (identity for
+    P = R = 1)."""
     if self.plan.is_identity:
       return tree
     target = jax.tree.map(lambda a: a.sharding, getattr(self.canonical, which))

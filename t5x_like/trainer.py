@@ -1,4 +1,5 @@
-"""The training loop: one jitted, explicitly sharded step with donated state, compiled ahead of time.
+"""The training loop: one jitted, explicitly sharded step with donated state, compiled ahead of
+time.
 
 Per iteration: the global batch (a pure function of seed and consumed samples) is split into
 `num_microbatches` micro-batches of `micro_batch_size x data` rows; gradients are accumulated over

@@ -63,7 +63,8 @@ def run_steps(cfg, num_steps=4, padding_microbatches=0):
   state = layout.init(cfg.train.seed)
   rows = cfg.train.micro_batch_size * m.data
   tokens = np.random.default_rng(0).integers(
-      0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1)).astype(np.int32)
+      0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1))
+  tokens = tokens.astype(np.int32)
   batch = tokens.reshape(cfg.num_microbatches, rows, -1)
   padding = np.full((padding_microbatches,) + batch.shape[1:], -1, np.int32)  # losses.PAD_ID
   batch = jax.device_put(np.concatenate([batch, padding]), trainer_lib.batch_sharding(layout))
@@ -154,9 +155,10 @@ print(json.dumps(out))
 
 
 def read_tensorboard(*directories):
-  """{tag: [(step, value)]} per directory (its own event files: one TensorBoard run), read by TensorFlow's own event reader (which checks
-  every frame's CRC) with TensorBoard's rule for a SessionLog START: earlier events from its
-  step on are dropped. In a subprocess, so TensorFlow never shares a process with JAX here."""
+  """{tag: [(step, value)]} per directory (its own event files: one TensorBoard run), read by
+  TensorFlow's own event reader (which checks every frame's CRC) with TensorBoard's rule for a
+  SessionLog START: earlier events from its step on are dropped. In a subprocess, so TensorFlow
+  never shares a process with JAX here."""
   r = run_cli(['-c', _READ_EVENTS, *directories], timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   return [{tag: [tuple(p) for p in points] for tag, points in scalars.items()}

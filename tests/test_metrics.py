@@ -83,7 +83,8 @@ def test_a_spike_is_reported_in_its_first_iteration_and_a_new_level_is_not_a_spi
   # tr11 at 31214: the loss jumps; reported once however long the spike lasts.
   got = spikes(watch, [(3.1, 0.25), (3.3, 0.3), (3.0, 0.25)], 31)
   assert list(got) == [31]
-  assert got[31].startswith('> spike at iteration 31: lm loss 3.1000 is 29% above the median 2.4000')
+  assert got[31].startswith(
+      '> spike at iteration 31: lm loss 3.1000 is 29% above the median 2.4000')
   assert got[31].endswith('of the previous 10 iterations')
   # Back to normal, then a grad-norm spike alone (the loss has not moved yet).
   assert spikes(watch, noisy[:10], 34) == {}

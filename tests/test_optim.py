@@ -38,8 +38,8 @@ def test_no_weight_decay_on_biases_or_any_layernorm():
       'embed_ln': {'scale': jnp.ones(4), 'bias': jnp.ones(4)},
       'final_ln': {'scale': jnp.ones(4), 'bias': jnp.ones(4)},
       'layers': {'ln1': {'scale': jnp.ones((2, 4))},
-                 'attn': {'qkv_kernel': jnp.ones((2, 4, 2, 3, 2)), 'qkv_bias': jnp.ones((2, 2, 3, 2)),
-                          'out_bias': jnp.ones((2, 4))},
+                 'attn': {'qkv_kernel': jnp.ones((2, 4, 2, 3, 2)),
+                          'qkv_bias': jnp.ones((2, 2, 3, 2)), 'out_bias': jnp.ones((2, 4))},
                  'mlp': {'wi_kernel': jnp.ones((2, 4, 16)), 'wi_bias': jnp.ones((2, 16))}},
   }
   mask = optim.decay_mask(params)

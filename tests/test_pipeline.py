@@ -143,7 +143,8 @@ def test_vocabulary_split_over_tensor_only_as_bloom_176b_matches_single_device()
   cfg = small_config(model=model, train=dict(global_batch_size=4),
                      mesh=dict(data=1, pipeline=2, tensor=2))
   layout = make_layout(cfg, partitioning.make_mesh(1, 2, 2))
-  assert layout.shardings.params['word_embeddings'].spec == jax.sharding.PartitionSpec('tensor', None)
+  embedding_spec = layout.shardings.params['word_embeddings'].spec
+  assert embedding_spec == jax.sharding.PartitionSpec('tensor', None)
   losses, norms, params = run_steps(cfg, num_steps=3)
   ref_losses, ref_norms, ref_params = run_steps(
       small_config(model=model, train=dict(global_batch_size=4)), num_steps=3)

@@ -1,4 +1,5 @@
-"""The training loop on the embedded corpus: outputs, resume, init_from, skipped steps, bad input."""
+"""The training loop on the embedded corpus: outputs, resume, init_from, skipped steps, bad
+input."""
 
 import json
 import os
@@ -68,8 +69,9 @@ def test_run_writes_log_lines_metrics_config_and_checkpoints(six_steps):
   assert 'matmul probe' in log  # the log says where the CPU MFU reference comes from
   # LayerNorms, biases and (ZeRO-1) params are replicated over `tensor` on this data=2 x tensor=2
   # mesh: their copies are compared at iterations 3 and 6.
-  assert re.findall(r'> replica check at iteration (\d+): every replicated array of the params '
-                    r"and optimizer state is identical on this process's 4 devices", log) == ['3', '6']
+  checks = re.findall(r'> replica check at iteration (\d+): every replicated array of the params '
+                      r"and optimizer state is identical on this process's 4 devices", log)
+  assert checks == ['3', '6']
   with open(os.path.join(workdir, 'config.json')) as f:
     assert Config.from_dict(json.load(f)) == corpus_config()
   assert checkpoints.available_steps(os.path.join(workdir, 'checkpoints')) == [3, 6]
@@ -355,8 +357,8 @@ def test_megatron_data_evaluation_and_skipped_ranges(megatron_data, tmp_path,
 def test_bad_data_fails_before_compiling(megatron_data, tmp_path):
   from t5x_like.data.indexed import DataError
   with pytest.raises(ConfigError, match=r'missing_text_document\.idx not found'):
-    Trainer(data_config(megatron_data, data=dict(train_path=str(tmp_path / 'missing_text_document'))),
-            str(tmp_path / 'a'))
+    missing = str(tmp_path / 'missing_text_document')
+    Trainer(data_config(megatron_data, data=dict(train_path=missing)), str(tmp_path / 'a'))
   # Ids the model has no row for (a dataset tokenized for a larger vocabulary).
   big = write_random_dataset(str(tmp_path / 'big_vocab'), 30, 4, vocab=20000)
   trainer = Trainer(data_config(megatron_data, data=dict(train_path=big, valid_path={})),

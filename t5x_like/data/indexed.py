@@ -74,8 +74,9 @@ class IndexedDataset:
     if version != VERSION:
       raise DataError(f'{idx_path} has index version {version}; only version {VERSION} is known')
     if code not in DTYPE_CODES or np.dtype(DTYPE_CODES[code]).kind == 'f':
+      integer_codes = sorted(k for k, v in DTYPE_CODES.items() if np.dtype(v).kind != 'f')
       raise DataError(f'{idx_path} has dtype code {code}, which holds no integer token ids; '
-                      f'integer codes are {sorted(k for k, v in DTYPE_CODES.items() if np.dtype(v).kind != "f")}')
+                      f'integer codes are {integer_codes}')
     expected = _HEADER.size + 4 * num_sequences + 8 * num_sequences + 8 * num_bounds
     if idx_size != expected:
       raise DataError(f'{idx_path} is {idx_size} bytes but its header ({num_sequences} sequences, '

@@ -1,4 +1,5 @@
-"""`python -m t5x_like.data batch`: the samples an iteration trained on, rebuilt from the workdir."""
+"""`python -m t5x_like.data batch`: the samples an iteration trained on, rebuilt from the
+workdir."""
 
 import json
 import os

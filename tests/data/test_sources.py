@@ -62,7 +62,8 @@ def test_blend_of_two_datasets_with_splits_and_a_named_validation_set(datasets):
   assert document_ids(built.valid['valid'].rows(0, 50)) <= (
       set(range(1040, 1050)) | set(range(2040, 2050)))
   assert document_ids(built.valid['c_set'].rows(0, 20)) <= set(range(3000, 3010))
-  assert len(built.notes) == 2 and 'documents per split: train 40, valid 10, test 0' in built.notes[0]
+  assert len(built.notes) == 2
+  assert 'documents per split: train 40, valid 10, test 0' in built.notes[0]
   # A pure function of (seed, index): a second build reads the same rows.
   again = sources.build(cfg, SEQ, seed=5)
   np.testing.assert_array_equal(again.train.rows(123, 160), built.train.rows(123, 160))
