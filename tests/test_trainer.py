@@ -576,10 +576,15 @@ def test_rampup_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_same(tm
   exact, records = read_metrics(str(tmp_path / 'exact')), read_metrics(str(tmp_path / 'padded'))
   assert [r['global_batch_size'] for r in records] == [8, 12, 16, 16]
   assert [r['padded_microbatches'] for r in records] == [2, 4, 4, 4]
-  for key in ('global_batch_size', 'consumed_samples', 'learning_rate', 'num_zeros'):
+  for key in ('global_batch_size', 'consumed_samples', 'learning_rate'):
     assert [r[key] for r in records] == [r[key] for r in exact], key
   for key in ('lm_loss', 'grad_norm'):
     assert [r[key] for r in records] == pytest.approx([r[key] for r in exact], rel=2e-5), key
+  # num_zeros counts gradient entries that are exactly 0. Another micro-batch count is another
+  # program that sums in another order, which can leave a rounding residue where a cancellation
+  # gave exactly 0: on a Zen 4 CPU iteration 3 had 1 zero entry exact and 0 padded (of 624,512).
+  assert [r['num_zeros'] for r in records] == pytest.approx(
+      [r['num_zeros'] for r in exact], abs=2)
   assert sorted(padded._compiled) == [(2, 33), (4, 33)]
   with open(os.path.join(tmp_path, 'padded', 'logs', 'main_log.txt')) as f:
     log = f.read()
