@@ -298,7 +298,7 @@ def untraced_time(intervals: list[tuple[float, float]]) -> tuple[float, float]:
 
   XLA's CPU runtime runs large non-YNNPACK dots (Eigen) asynchronously: their trace event ends
   when the work is handed over, and the GEMM itself runs while no traced op does. For bloom_100m
-  those are the MLP weight gradients, 1.3 s of a 7.9 s step (2026-11-24); a breakdown of op time
+  those are the MLP weight gradients, 1.3 s of a 7.6 s step (2026-11-24); a breakdown of op time
   alone books them nowhere.
   """
   if not intervals:
