@@ -6,7 +6,7 @@ copies) by reading logs and TensorBoard, hours or days later. Here the trainer r
 command of the user's choice on each such event, with what happened in its environment:
 
   T5X_LIKE_EVENT      spike | slowdown | replica_mismatch | hang | crashed | stopped | finished
-                      (and stale, from t5x_like.watch)
+                      | diverged (and stale, from t5x_like.watch)
   T5X_LIKE_MESSAGE    the line the log got (first line of it)
   T5X_LIKE_ITERATION  the iteration it happened at ('' when none applies)
   T5X_LIKE_WORKDIR    the run's workdir
@@ -26,7 +26,7 @@ import subprocess
 
 # The trainer's events; `stale` comes from t5x_like.watch, which also sends `stopped`.
 EVENTS = ('spike', 'slowdown', 'replica_mismatch', 'hang', 'crashed', 'stopped', 'finished',
-          'stale')
+          'diverged', 'stale')
 
 
 class Alerts:

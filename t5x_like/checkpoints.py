@@ -24,8 +24,11 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
+import sys
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -42,6 +45,7 @@ ITEMS = ('params', 'opt_state', 'progress', 'config', 'meta')
 # Items every complete step has (weights-only checkpoints have no opt_state).
 REQUIRED_ITEMS = ('params', 'progress', 'config')
 DELETED_SUBDIR = '.deleted'
+DAMAGED_SUBDIR = '.damaged'  # incomplete steps found at start-up, moved aside
 TMP_MARKER = '.orbax-checkpoint-tmp'  # in the name of a step directory still being written
 # Model fields that decide parameter shapes; a checkpoint must agree on all of them.
 SHAPE_FIELDS = ('architecture', 'num_layers', 'hidden_size', 'num_heads', 'ffn_size',
@@ -53,6 +57,25 @@ LR_SCHEDULE_FIELDS = ('lr', 'min_lr', 'warmup_samples', 'decay_samples', 'decay_
 
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be used, with the reason and the fix."""
+
+
+class SaveError(RuntimeError):
+  """A checkpoint that could not be written (a full disk, a permission error): the run stops
+  (exit 1); the checkpoints saved before it are intact."""
+
+
+class NonFiniteStateError(RuntimeError):
+  """A save refused because the params hold non-finite values: such a state is never written."""
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def all_finite(tree) -> bool:
+  """Whether every value of every array of `tree` is finite (one reduction on the devices)."""
+  return bool(_all_finite(tree))
 
 
 @dataclasses.dataclass
@@ -132,15 +155,74 @@ def _missing_items(path: str) -> list[str]:
 
 
 def _is_complete(path: str) -> bool:
-  return not _missing_items(path)
+  return step_problem(path) is None
 
 
-def available_steps(root: str) -> list[int]:
-  """Completed steps only: Orbax's temporary directories of unfinished saves are not digits."""
+# Orbax's per-step record of the items it saved, and each item's own metadata file.
+STEP_METADATA = '_CHECKPOINT_METADATA'
+ITEM_METADATA = {'params': '_METADATA', 'opt_state': '_METADATA', 'progress': 'metadata',
+                 'config': 'metadata', 'meta': 'metadata'}
+
+
+def _read_json_file(path: str) -> Any:
+  with open(path) as f:
+    return json.load(f)
+
+
+def step_problem(step_dir: str) -> str | None:
+  """Why a step directory is not a complete checkpoint, or None when it is: every item Orbax
+  recorded for the step (and every required one) is present and its metadata readable. Reads
+  metadata only, no tensor."""
+  missing = _missing_items(step_dir)
+  if missing:
+    return f'missing {", ".join(missing)}'
+  try:
+    saved_items = _read_json_file(os.path.join(step_dir, STEP_METADATA))['item_handlers']
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    return f'its {STEP_METADATA} cannot be read ({type(e).__name__}: {e})'
+  for item in sorted(set(saved_items) | set(REQUIRED_ITEMS)):
+    metadata = os.path.join(step_dir, item, ITEM_METADATA.get(item, 'metadata'))
+    if not os.path.isdir(os.path.join(step_dir, item)):
+      return f'missing {item}'
+    try:
+      _read_json_file(metadata)
+    except (OSError, ValueError) as e:
+      return f'the metadata of {item} cannot be read ({type(e).__name__}: {e})'
+  return None
+
+
+def step_dirs(root: str) -> list[int]:
+  """Every step directory's step, complete or not (Orbax's temporary directories of unfinished
+  saves are not digits)."""
   if not os.path.isdir(root):
     return []
   return sorted(int(d) for d in os.listdir(root)
-                if d.isdigit() and _is_complete(os.path.join(root, d)))
+                if d.isdigit() and os.path.isdir(os.path.join(root, d)))
+
+
+def available_steps(root: str) -> list[int]:
+  """Complete steps only (`step_problem`)."""
+  return [s for s in step_dirs(root) if _is_complete(os.path.join(root, str(s)))]
+
+
+def damaged_steps(root: str) -> dict[int, str]:
+  """{step: what is wrong} for the step directories that are not complete checkpoints."""
+  problems = {s: step_problem(os.path.join(root, str(s))) for s in step_dirs(root)}
+  return {s: p for s, p in problems.items() if p is not None}
+
+
+def move_damaged_aside(root: str, step: int) -> str:
+  """Moves an incomplete step out of the way of restores, saves and the keep policy, to
+  ROOT/.damaged/STEP-TIME (never deleted: what is left of it may still matter to someone)."""
+  target_dir = os.path.join(root, DAMAGED_SUBDIR)
+  os.makedirs(target_dir, exist_ok=True)
+  target = os.path.join(target_dir, f'{step}-{time.strftime("%Y%m%d-%H%M%S")}')
+  suffix = 0
+  while os.path.exists(target + (f'.{suffix}' if suffix else '')):
+    suffix += 1
+  target += f'.{suffix}' if suffix else ''
+  os.replace(os.path.join(root, str(step)), target)
+  return target
 
 
 def _read_json_item(path: str, step: int | None, item: str) -> tuple[str, dict | None]:
@@ -152,24 +234,86 @@ def _read_json_item(path: str, step: int | None, item: str) -> tuple[str, dict |
     return step_dir, None
   try:
     with open(item_file) as f:
-      return step_dir, json.load(f)
+      raw = json.load(f)
   except (OSError, ValueError) as e:
     raise CheckpointError(f'{step_dir} is damaged: its {item} item cannot be read ({e}); use '
                           'another step') from None
+  if raw is None:  # None is what this function returns for an absent item
+    raise _damaged(step_dir, item, 'is null')
+  return step_dir, raw
+
+
+def _damaged(step_dir: str, item: str, problem: str) -> CheckpointError:
+  return CheckpointError(f'{step_dir} is damaged: its {item} item {problem}; use another step '
+                         '(or restore the file from a copy)')
 
 
 def read_config(path: str, step: int | None = None) -> Config:
   step_dir, raw = _read_json_item(path, step, 'config')
   if raw is None:
     raise CheckpointError(f'{step_dir} has no config item; it was not written by t5x_like')
-  return Config.from_dict(raw)
+  if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+    raise _damaged(step_dir, 'config', f'is a {type(raw).__name__}, not a mapping of config '
+                   'sections to their keys')
+  try:
+    return Config.from_dict(raw)
+  except ConfigError as e:
+    raise _damaged(step_dir, 'config', f'is not a t5x_like config ({e})') from None
+
+
+# Progress keys a checkpoint must have; the others (newer counters) were 0 when it was written.
+_REQUIRED_PROGRESS = ('iteration', 'consumed_samples')
 
 
 def read_progress(path: str, step: int | None = None) -> Progress:
   step_dir, raw = _read_json_item(path, step, 'progress')
   if raw is None:
     raise CheckpointError(f'{step_dir} has no progress item; it was not written by t5x_like')
+  if not isinstance(raw, dict):
+    raise _damaged(step_dir, 'progress', f'is a {type(raw).__name__}, not a mapping of counters')
+  known = [f.name for f in dataclasses.fields(Progress)]
+  missing = [k for k in _REQUIRED_PROGRESS if k not in raw]
+  unknown = sorted(set(raw) - set(known))
+  wrong = [f'{k}={v!r}' for k, v in raw.items()
+           if k in known and (not isinstance(v, int) or isinstance(v, bool) or v < 0)]
+  if missing or unknown or wrong:
+    problem = '; '.join(filter(None, [
+        missing and f'lacks {", ".join(missing)}',
+        unknown and f'has unknown keys {", ".join(unknown)}',
+        wrong and f'has counters that are not ints >= 0: {", ".join(wrong)}']))
+    raise _damaged(step_dir, 'progress', problem)
   return Progress(**raw)
+
+
+# The meta item's required entries, each a mapping with these int entries.
+_META_INTS = {'rng': ('seed', 'iteration'), 'data': ('seed', 'consumed_samples'),
+              'adam_count_base': ('iteration', 'skipped_iterations')}
+
+
+def _meta_problem(raw: Any) -> str | None:
+  """What makes `raw` not a meta item (make_meta's shape), or None."""
+  if not isinstance(raw, dict):
+    return f'is a {type(raw).__name__}, not a mapping'
+  for key, ints in _META_INTS.items():
+    entry = raw.get(key)
+    if not isinstance(entry, dict):
+      return f'has no {key!r} mapping (got {entry!r})'
+    for name in ints:
+      value = entry.get(name)
+      if not isinstance(value, int) or isinstance(value, bool):
+        return f'has no int {key}.{name} (got {value!r})'
+  if not isinstance(raw.get('lr_schedule'), dict):
+    return f'has no \'lr_schedule\' mapping (got {raw.get("lr_schedule")!r})'
+  unknown = sorted(set(raw['lr_schedule']) - set(LR_SCHEDULE_FIELDS))
+  if unknown:
+    return f'has unknown lr_schedule keys {", ".join(unknown)}'
+  kept = raw.get('kept_steps', [])
+  if not isinstance(kept, list) or not all(isinstance(s, int) for s in kept):
+    return f'has kept_steps that are not a list of steps (got {kept!r})'
+  for key in ('software', 'throughput'):
+    if raw.get(key) is not None and not isinstance(raw[key], dict):
+      return f'has a {key} entry that is not a mapping (got {raw[key]!r})'
+  return None
 
 
 def lr_schedule(cfg: Config) -> dict[str, Any]:
@@ -202,8 +346,11 @@ def make_meta(cfg: Config, progress: Progress, data_seed: int,
 
 def read_meta(path: str, step: int | None = None) -> dict[str, Any]:
   """The `meta` item; for checkpoints without one (weights-only), what it would say."""
-  _, raw = _read_json_item(path, step, 'meta')
+  step_dir, raw = _read_json_item(path, step, 'meta')
   if raw is not None:
+    problem = _meta_problem(raw)
+    if problem:
+      raise _damaged(step_dir, 'meta', problem)
     return raw
   cfg, progress = read_config(path, step), read_progress(path, step)
   return make_meta(cfg, progress, cfg.train.seed, {'iteration': 0, 'skipped_iterations': 0},
@@ -240,6 +387,39 @@ def check_compatible(saved: Config, wanted: Config, what: str) -> None:
                       '. Use a checkpoint of this model, or set these keys to the checkpoint\'s.')
 
 
+class _OrbaxWriterErrors(logging.Filter):
+  """Counts, instead of printing, the errors that Orbax's background save threads log: a failed
+  save (a full disk) otherwise prints hundreds of traceback lines, each the same failure, which
+  Checkpointer reports once as a SaveError."""
+
+  def __init__(self):
+    super().__init__()
+    self.count = 0
+    self._logger = logging.getLogger('absl')
+    self._logger.addFilter(self)
+    # TensorStore's completion callbacks of the same save then find Orbax's event loop closed and
+    # print that through sys.excepthook, once per pending write.
+    self._excepthook = sys.excepthook
+    sys.excepthook = self._on_uncaught
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno >= logging.ERROR and f'{os.sep}orbax{os.sep}' in record.pathname:
+      self.count += 1
+      return False
+    return True
+
+  def _on_uncaught(self, kind, value, traceback) -> None:
+    if isinstance(value, RuntimeError) and str(value) == 'Event loop is closed':
+      self.count += 1
+      return
+    self._excepthook(kind, value, traceback)
+
+  def detach(self) -> None:
+    self._logger.removeFilter(self)
+    if sys.excepthook == self._on_uncaught:
+      sys.excepthook = self._excepthook
+
+
 class Checkpointer:
   """Asynchronous saves every `save_interval` iterations under the keep policy (latest
   `max_to_keep` plus every multiple of `keep_period`); `close()` waits for the last one."""
@@ -251,6 +431,10 @@ class Checkpointer:
     self.save_interval = save_interval
     self.layout = layout  # converts a pipeline's storage order to the canonical [L, ...] order
     self._purger: threading.Thread | None = None
+    self._in_flight: int | None = None  # the step whose files are still being written
+    # A failed save makes each of Orbax's writer threads log its traceback; the SaveError says
+    # it once instead.
+    self._writer_errors = _OrbaxWriterErrors()
     if jax.process_index() == 0:
       self._discard_interrupted_saves()
     self.kept_steps = set(kept_steps)  # kept whatever the keep policy says (`keep_last_before`)
@@ -258,6 +442,10 @@ class Checkpointer:
                          kept_steps=self.kept_steps)
     self._saved = set(available_steps(self.root))
     self._purge_deleted()
+
+  def saved_steps(self) -> list[int]:
+    """The steps saved or being saved (a save in flight included), oldest first."""
+    return sorted(self._saved)
 
   def latest_step(self) -> int | None:
     steps = available_steps(self.root)
@@ -286,21 +474,62 @@ class Checkpointer:
     step = progress.iteration
     if step in self._saved:
       return False
-    self._mgr.wait_until_finished()  # the previous save, and the deletions it triggered
+    if not all_finite(state.params):
+      raise NonFiniteStateError(
+          f'checkpoint {step} not saved: the params hold non-finite values (inf or NaN); a '
+          f'checkpoint never holds them. The latest checkpoint, '
+          f'{max(self._saved) if self._saved else "none"}, is unchanged')
+    self.wait()  # the previous save, and the deletions it triggered
     self._purge_deleted()
     params, opt_state = state.params, state.opt_state
     if self.layout is not None:
       params = self.layout.to_canonical(params, 'params')
       opt_state = self.layout.to_canonical(opt_state, 'opt_state')
-    self._mgr.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params),
-        opt_state=ocp.args.StandardSave(opt_state),
-        progress=ocp.args.JsonSave(dataclasses.asdict(progress)),
-        config=ocp.args.JsonSave(config.to_dict()),
-        meta=ocp.args.JsonSave(meta),
-    ))
+    try:
+      self._mgr.save(step, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params),
+          opt_state=ocp.args.StandardSave(opt_state),
+          progress=ocp.args.JsonSave(dataclasses.asdict(progress)),
+          config=ocp.args.JsonSave(config.to_dict()),
+          meta=ocp.args.JsonSave(meta),
+      ))
+    except Exception as e:  # pylint: disable=broad-except
+      # Whatever the save started in the background must end before the process does.
+      self._wait_quietly()
+      self._close_quietly()
+      raise self._save_error(step, e) from None
     self._saved.add(step)
+    self._in_flight = step
     return True
+
+  def _save_error(self, step: int, error: BaseException) -> SaveError:
+    complete = [s for s in available_steps(self.root) if s != step]
+    others = self._writer_errors.count
+    # TensorStore names the operating system's error (no space left, file too large, permission
+    # denied) deep inside a long line; it is what the user needs first.
+    os_error = re.search(r'Failed to \w+ \d+ bytes to file \d+: ([^\[]+)', str(error))
+    reason = _error_reason(error)
+    if os_error:
+      reason = f'{os_error.group(1).strip()} ({reason})'
+    return SaveError(
+        f'checkpoint {step} could not be written to {self.root}: {reason}. Free '
+        'disk space or fix the directory\'s permissions, then rerun the same command: it resumes '
+        f'from the latest complete checkpoint ({complete[-1] if complete else "none yet"}; '
+        f'complete: {complete}), and the partial save is moved aside at start-up' +
+        (f' ({others} error report(s) of Orbax\'s writer threads about this save were not '
+         'printed)' if others else ''))
+
+  def _close_quietly(self) -> None:
+    try:
+      self._mgr.close()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+  def _wait_quietly(self) -> None:
+    try:
+      self._mgr.wait_until_finished()
+    except Exception:  # pylint: disable=broad-except
+      pass  # the error being raised already says the save failed
 
   def _discard_interrupted_saves(self) -> None:
     """Moves the temporary directories of saves a crash interrupted into `.deleted/`.
@@ -329,11 +558,31 @@ class Checkpointer:
       self._purger.start()
 
   def wait(self) -> None:
-    self._mgr.wait_until_finished()
+    """Waits for the save in flight; a SaveError if it failed."""
+    try:
+      self._mgr.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      step, self._in_flight = self._in_flight, None
+      self._saved.discard(step)
+      raise self._save_error(step, e) from None
+    self._in_flight = None
 
   def close(self) -> None:
-    self._mgr.wait_until_finished()
-    self._mgr.close()
+    """Waits for the save in flight and closes the manager (its writer threads end); then a
+    SaveError if the save failed."""
+    error = None
+    try:
+      self.wait()
+    except SaveError as e:
+      error = e
+    try:
+      self._mgr.close()
+    except Exception as e:  # pylint: disable=broad-except
+      if error is None:
+        error = self._save_error(self._in_flight, e)
+    self._writer_errors.detach()
+    if error is not None:
+      raise error
     if self._purger is not None:
       self._purger.join()
     self._purge_deleted()

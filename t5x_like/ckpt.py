@@ -73,6 +73,9 @@ def run_tool(args) -> int:
     emit(rows) if args.json else print(ckpt_tools.format_stats(rows))
     return 0
   if args.command == 'diff':
+    if not 0 <= args.atol < float('inf'):  # also refuses NaN
+      raise ConfigError(f'--atol must be a finite number >= 0 (the largest |a - b| that counts '
+                        f'as equal), got {args.atol}')
     a = ckpt_tools.CheckpointReader(args.a, args.step_a)
     b = ckpt_tools.CheckpointReader(args.b, args.step_b)
     result = ckpt_tools.diff(a, b, args.atol)

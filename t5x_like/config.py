@@ -312,6 +312,9 @@ class RuntimeConfig:
   # T5X_LIKE_EVENT, T5X_LIKE_MESSAGE, T5X_LIKE_ITERATION, T5X_LIKE_WORKDIR, T5X_LIKE_PROCESS in
   # its environment; '': none.
   alert_command: str = ''
+  # Stop the run (exit code 5, DIVERGED) after this many consecutive iterations with a non-finite
+  # loss or gradient norm, keeping the state of the last finite one; 0: never stop for it.
+  max_consecutive_nan: int = 10
 
 
 SECTIONS = {
@@ -463,14 +466,8 @@ class Config:
       if not ok:
         raise ConfigError(message)
 
-    for section in (m, t, mesh):
-      for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        # bool is an int subclass; switches such as attention_fallback are not counts.
-        if (isinstance(value, int) and not isinstance(value, bool) and
-            f.name not in ('steps', 'train_samples', 'ffn_hidden_size', 'pad_vocab_size_to',
-                           'init_std', 'seed', 'rampup_microbatch_multiple')):
-          need(value > 0, f'{type(section).__name__}.{f.name} must be > 0, got {value}')
+    _validate_ranges(self)
+    _validate_mesh_size(mesh.num_devices)
     need(m.architecture in ('bloom', 'gpt2'),
          f"model.architecture must be 'bloom' or 'gpt2', got {m.architecture!r}")
     need(m.hidden_size % m.num_heads == 0,
@@ -574,9 +571,9 @@ class Config:
            'ramp-up start) or lower train.micro_batch_size')
     need(o.decay_style in ('cosine', 'linear', 'constant'),
          f"optimizer.decay_style must be 'cosine', 'linear' or 'constant', got {o.decay_style!r}")
-    need(o.lr >= 0 and 0 <= o.min_lr <= max(o.lr, o.min_lr),
-         'optimizer.lr and optimizer.min_lr must be >= 0')
-    need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, 'optimizer.beta1 and beta2 must be in [0, 1)')
+    need(o.min_lr <= o.lr,
+         f'optimizer.min_lr ({o.min_lr}) must not exceed optimizer.lr ({o.lr}): the schedule '
+         'decays from lr down to min_lr; lower min_lr or raise lr')
     need(o.decay_samples == 0 or o.decay_samples > o.warmup_samples,
          f'optimizer.decay_samples ({o.decay_samples}) must exceed optimizer.warmup_samples '
          f'({o.warmup_samples}), or be 0 for no decay')
@@ -602,6 +599,10 @@ class Config:
     need(self.runtime.hang_timeout_mins >= 0,
          f'runtime.hang_timeout_mins must be >= 0 (0: no watchdog), got '
          f'{self.runtime.hang_timeout_mins}')
+    need(isinstance(self.runtime.max_consecutive_nan, int) and
+         self.runtime.max_consecutive_nan >= 0,
+         f'runtime.max_consecutive_nan must be an int >= 0 (0: never stop for non-finite '
+         f'iterations), got {self.runtime.max_consecutive_nan!r}')
     need(self.runtime.exit_duration_mins >= 0,
          f'runtime.exit_duration_mins must be >= 0 (0: no limit), got '
          f'{self.runtime.exit_duration_mins}')
@@ -625,6 +626,84 @@ def _without_retired_keys(raw: dict[str, Any]) -> dict[str, Any]:
     if isinstance(values, dict) and key in values and values[key] == only_value:
       raw[section] = {k: v for k, v in values.items() if k != key}
   return raw
+
+
+# The allowed range of every numeric key: (lowest, highest, bounds), bounds '[' or '(' for whether
+# lowest is allowed and ']' or ')' for highest. A numeric key not listed must be >= 0 (counts,
+# intervals, durations). Every float must also be finite.
+_INF = math.inf
+_RANGES: dict[str, tuple[float, float, str]] = {
+    'model.num_layers': (1, _INF, '[]'),
+    'model.hidden_size': (1, _INF, '[]'),
+    'model.num_heads': (1, _INF, '[]'),
+    'model.vocab_size': (1, _INF, '[]'),
+    'model.max_position_embeddings': (1, _INF, '[]'),
+    'model.layernorm_epsilon': (0, _INF, '(]'),  # 0 divides by zero on a constant input
+    'model.hidden_dropout': (0, 1, '[)'),
+    'model.attention_dropout': (0, 1, '[)'),
+    'model.cross_entropy_chunk': (1, _INF, '[]'),
+    'train.global_batch_size': (1, _INF, '[]'),
+    'train.micro_batch_size': (1, _INF, '[]'),
+    'train.seq_len': (1, _INF, '[]'),
+    # jax.random.PRNGKey without 64-bit mode keeps 32 bits: 2**32 would be the same key as 0.
+    'train.seed': (0, 2**32 - 1, '[]'),
+    'optimizer.beta1': (0, 1, '[)'),
+    'optimizer.beta2': (0, 1, '[)'),
+    'optimizer.eps': (0, _INF, '(]'),  # 0 makes 0/0 of a parameter whose gradient is 0
+    'curriculum.difficulty_step': (1, _INF, '[]'),
+    'curriculum.root_degree': (1, _INF, '[]'),
+    'eval.iters': (1, _INF, '[]'),
+    'mesh.data': (1, _INF, '[]'),
+    'mesh.pipeline': (1, _INF, '[]'),
+    'mesh.tensor': (1, _INF, '[]'),
+    'pipeline.repeats': (1, _INF, '[]'),
+    'checkpoint.max_to_keep': (1, _INF, '[]'),
+    'runtime.spike_window': (1, _INF, '[]'),
+}
+
+
+def numeric_range(key: str) -> tuple[float, float, str]:
+  """(lowest, highest, bounds) that the numeric config key `key` ('section.name') must be in."""
+  return _RANGES.get(key, (0, _INF, '[]'))
+
+
+def describe_range(low: float, high: float, bounds: str) -> str:
+  """'>= 1', '> 0', 'in [0, 1)': the range as a message shows it."""
+  if high == _INF:
+    return f'{">=" if bounds[0] == "[" else ">"} {low}'
+  return f'in {bounds[0]}{low}, {high}{bounds[1]}'
+
+
+def _validate_ranges(cfg: Config) -> None:
+  """Every int and float key finite and in its range (numeric_range)."""
+  for name in SECTIONS:
+    section = getattr(cfg, name)
+    for f in dataclasses.fields(section):
+      value = getattr(section, f.name)
+      # bool is an int subclass; switches such as attention_fallback are not numbers.
+      if isinstance(value, bool) or not isinstance(value, (int, float)):
+        continue
+      key = f'{name}.{f.name}'
+      low, high, bounds = numeric_range(key)
+      inside = (math.isfinite(value) and
+                (low <= value if bounds[0] == '[' else low < value) and
+                (value <= high if bounds[1] == ']' else value < high))
+      if not inside:
+        kind = '' if isinstance(value, int) else ' and finite'
+        raise ConfigError(f'{key} must be {describe_range(low, high, bounds)}{kind}, got '
+                          f'{value!r}; set it within that range')
+
+
+# A mesh on a CPU-only machine runs on virtual devices (partitioning.ensure_devices); more than
+# partitioning.MAX_VIRTUAL_CPU_DEVICES of them take minutes to create and are never a real run.
+def _validate_mesh_size(num_devices: int) -> None:
+  from t5x_like import partitioning  # imports JAX, as _validate_data does; no backend starts
+  if num_devices > partitioning.MAX_VIRTUAL_CPU_DEVICES and partitioning.cpu_only():
+    raise ConfigError(
+        f'the mesh (mesh.data x mesh.pipeline x mesh.tensor) needs {num_devices} devices, and '
+        f'this machine has no accelerator: it would run on as many virtual CPU devices, and at '
+        f'most {partitioning.MAX_VIRTUAL_CPU_DEVICES} are allowed on CPU (creating more takes '
+        'minutes and tests nothing more); use a smaller mesh, or run on GPUs')
 
 
 def _validate_curriculum(cfg: Config) -> None:
@@ -730,13 +809,36 @@ def load_config_file(path: str, overrides: dict[str, Any] | None = None) -> Conf
   if not os.path.isfile(path):
     raise ConfigError(f'config file {path!r} not found; pass an existing file such as '
                       'configs/tiny.py')
+  if path.endswith('.gin'):
+    raise ConfigError(f'{path} is a gin file; pass it with --gin_file (--config takes a Python '
+                      'file with get_config(), such as configs/tiny.py)')
+  if not path.endswith('.py'):
+    raise ConfigError(f'config file {path!r} is not a Python file; --config takes a .py file '
+                      'with get_config() (such as configs/tiny.py), --gin_file a .gin file')
   spec = importlib.util.spec_from_file_location('_t5x_like_config', path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, 'get_config'):
-    raise ConfigError(f'{path} defines no get_config() function')
-  raw = module.get_config()
-  raw = raw.to_dict() if hasattr(raw, 'to_dict') else dict(raw)
+  try:
+    spec.loader.exec_module(module)
+  except SyntaxError as e:
+    raise ConfigError(f'{path}, line {e.lineno}: syntax error ({e.msg}); fix the file') from None
+  except Exception as e:  # the file is the user's code: whatever it raises is a bad config
+    raise ConfigError(f'{path} raised {type(e).__name__}: {e} while loading; fix the '
+                      'file') from None
+  if not callable(getattr(module, 'get_config', None)):
+    raise ConfigError(f'{path} defines no get_config() function; config files define one that '
+                      'returns an ml_collections.ConfigDict (see configs/tiny.py)')
+  try:
+    raw = module.get_config()
+  except Exception as e:  # as above: the user's code
+    raise ConfigError(f'{path}: get_config() raised {type(e).__name__}: {e}; fix the '
+                      'file') from None
+  raw = raw.to_dict() if hasattr(raw, 'to_dict') else raw
+  if not isinstance(raw, dict) or not all(isinstance(v, dict) or v is None
+                                          for v in raw.values()):
+    raise ConfigError(f'{path}: get_config() returned {_one_line(repr(raw))[:60]}, not a '
+                      'mapping of sections to their keys (an ml_collections.ConfigDict or dict such as '
+                      "{'train': {'steps': 10}}); return one, as configs/tiny.py does")
+  raw = dict(raw)
   for dotted, value in (overrides or {}).items():
     apply_override(raw, dotted, value)
   return Config.from_dict(raw)
@@ -766,6 +868,8 @@ def parse_override_value(text: str) -> Any:
   lowered = text.strip().lower()
   if lowered in ('true', 'false'):
     return lowered == 'true'
+  if lowered in ('nan', 'inf', '+inf', '-inf', 'infinity', '-infinity'):
+    return float(lowered)  # a number, so validate() names the range it is outside of
   try:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
@@ -784,6 +888,10 @@ def _gin_makers() -> dict[str, Any]:
   return _GIN_MAKERS
 
 
+def _one_line(text: str) -> str:
+  return ' '.join(line.strip() for line in text.splitlines() if line.strip())
+
+
 def load_gin(files: list[str], bindings: list[str]) -> Config:
   """Loads gin files binding `section.key = value` (the same names as the config files)."""
   import gin
@@ -796,8 +904,11 @@ def load_gin(files: list[str], bindings: list[str]) -> Config:
   try:
     gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
     sections = {name: maker() for name, maker in makers.items()}
-  except (ValueError, TypeError) as e:
-    raise ConfigError(f'gin configuration error: {e}') from None
+  except Exception as e:  # gin raises many types for bad text (SyntaxError,
+    # tokenize.TokenError, IOError for a missing include, ValueError, ...): all are bad input.
+    where = ', '.join([*files, *(f'--gin_bindings {b!r}' for b in bindings)])
+    raise ConfigError(f'gin configuration error in {where}: {type(e).__name__}: '
+                      f'{_one_line(str(e))}; bindings look like train.steps = 10') from None
   finally:
     gin.clear_config()
   # Round-trip through from_dict so both front ends get the same type coercion.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
@@ -57,6 +58,19 @@ def measure_device(device, size: int, dtype: str, repeats: int) -> float:
     matmul(a).block_until_ready()
     times.append(time.perf_counter() - start)
   return 2 * size**3 / statistics.median(times) / 1e12
+
+
+def check_size_fits(size: int, dtype: str) -> None:
+  """One ConfigError when the n x n matmul and its product would not fit in a local device's
+  memory (the host's, for CPU devices, which hold one matrix at a time)."""
+  import jax
+  needed = 2 * size * size * (2 if dtype == 'bfloat16' else 4)
+  stats = jax.local_devices()[0].memory_stats() or {}
+  limit = stats.get('bytes_limit') or os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  if needed > limit:
+    raise ConfigError(f'--size {size}: the {size} x {size} {dtype} matrix and its product need '
+                      f'{needed / 2**30:.1f} GiB, more than the {limit / 2**30:.1f} GiB of a '
+                      'device; use a smaller --size (the default, 8192, needs 0.25 GiB)')
 
 
 def measure_local(size: int, dtype: str, repeats: int) -> np.ndarray:
@@ -133,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if not group.is_multi_process and args.cpu_devices:
       from t5x_like import partitioning
       partitioning.ensure_devices(args.cpu_devices)
+    check_size_fits(args.size, args.dtype)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

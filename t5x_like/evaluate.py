@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -183,6 +184,13 @@ def load_data(args: argparse.Namespace, saved: Config) -> np.ndarray:
   from t5x_like.data.indexed import DataError
   dataset_flags = (args.documents != 'all' or args.split is not None or
                    args.seq_len is not None or args.max_samples)
+  if os.path.isdir(args.data_path):
+    prefixes = sorted(name[:-len('.bin')] for name in os.listdir(args.data_path)
+                      if name.endswith('.bin'))
+    hint = (f'; its datasets: {", ".join(os.path.join(args.data_path, p) for p in prefixes[:4])}'
+            if prefixes else '')
+    raise ConfigError(f'--data {args.data_path} is a directory; pass TOKENS.npy or a dataset '
+                      f'PREFIX (the PREFIX of PREFIX.bin and PREFIX.idx){hint}')
   if args.data_path.endswith('.npy'):
     if dataset_flags:
       raise ConfigError('--documents, --split, --seq_len and --max_samples apply to a dataset '

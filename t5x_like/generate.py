@@ -126,10 +126,12 @@ def main(argv: list[str] | None = None) -> int:
   from t5x_like.checkpoints import CheckpointError, read_config
   from t5x_like.evaluate import load_for_inference
   try:
-    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or args.mesh_tensor < 1:
-      raise ConfigError(f'--max_new_tokens and --mesh.tensor must be >= 1, --temperature and '
-                        f'--top_k >= 0; got {args.max_new_tokens}, {args.mesh_tensor}, '
-                        f'{args.temperature} and {args.top_k}')
+    # `not 0 <= x < inf` also refuses NaN, which every comparison calls False.
+    if (args.max_new_tokens < 1 or not 0 <= args.temperature < float('inf') or args.top_k < 0
+        or args.mesh_tensor < 1):
+      raise ConfigError(f'--max_new_tokens and --mesh.tensor must be >= 1, --temperature a '
+                        f'finite number >= 0 and --top_k >= 0; got {args.max_new_tokens}, '
+                        f'{args.mesh_tensor}, {args.temperature} and {args.top_k}')
     partitioning.ensure_devices(args.mesh_tensor)  # before anything starts JAX
     saved = read_config(args.checkpoint, args.step)
     tokenizer = load_tokenizer(args)

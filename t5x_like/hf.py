@@ -363,6 +363,15 @@ def hf_state_from_params(params: Mapping[str, Any], cfg: ModelConfig) -> dict[st
 
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
   """All tensors of one .safetensors file as fp32 numpy arrays."""
+  from safetensors import SafetensorError  # pylint: disable=import-outside-toplevel
+  try:
+    return _read_safetensors_unchecked(path)
+  except SafetensorError as e:
+    raise ValueError(f'{path} is not a readable safetensors file ({e}); it may be truncated (an '
+                     'interrupted download or copy): fetch or convert it again') from None
+
+
+def _read_safetensors_unchecked(path: str) -> dict[str, np.ndarray]:
   from safetensors import safe_open  # pylint: disable=import-outside-toplevel
   state = {}
   bf16_names = []
@@ -388,6 +397,14 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
   return state
 
 
+def _read_json(path: str) -> Any:
+  try:
+    with open(path, encoding='utf-8') as f:
+      return json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ValueError(f'{path} is not valid JSON ({e}); fetch or fix the file') from None
+
+
 def load_hf_dir(hf_dir: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """(config.json dict, fp32 tensors) of a HF BLOOM checkpoint directory, safetensors only.
 
@@ -401,16 +418,22 @@ def load_hf_dir(hf_dir: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f'{hf_dir!r} has no {CONFIG_FILE}; a Hugging Face checkpoint directory '
                             'needs it to define the architecture')
-  with open(config_path, encoding='utf-8') as f:
-    config = json.load(f)
+  config = _read_json(config_path)
+  if not isinstance(config, dict):
+    raise ValueError(f'{config_path} holds a {type(config).__name__}, not a JSON object of '
+                     'config fields; pass the config.json of a Hugging Face checkpoint')
 
   indexes = sorted(glob.glob(os.path.join(hf_dir, '*.safetensors.index.json')))
   if len(indexes) > 1:
     raise ValueError(f'{hf_dir!r} has several safetensors indexes {indexes}; keep one')
   expected_names = None
   if indexes:
-    with open(indexes[0], encoding='utf-8') as f:
-      weight_map = json.load(f)['weight_map']
+    weight_map = _read_json(indexes[0])
+    weight_map = weight_map.get('weight_map') if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str)
+                                                   for v in weight_map.values()):
+      raise ValueError(f'{indexes[0]} has no weight_map of tensor names to shard files; '
+                       'fetch the index again or remove it to read every *.safetensors file')
     expected_names = set(weight_map)
     files = [os.path.join(hf_dir, name) for name in sorted(set(weight_map.values()))]
     absent = [path for path in files if not os.path.isfile(path)]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import statistics
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -172,6 +174,38 @@ class ThroughputWatch:
     return None
 
 
+class DivergenceWatch:
+  """Ends a run that has diverged instead of letting it skip to its last iteration.
+
+  A non-finite iteration changes nothing (the step skips it), so a run whose every step is NaN
+  would otherwise go on to its end and report success. After `limit` consecutive non-finite
+  iterations (`runtime.max_consecutive_nan`; 0: never) `add` returns the message that stops the
+  run. `last_finite` is the progress after the last finite iteration: the state the run keeps.
+  """
+
+  def __init__(self, limit: int, start: Any):
+    self.limit = limit
+    self.consecutive = 0
+    self.first_non_finite: int | None = None
+    self.last_finite = start  # a Progress: the job's start, then after each finite iteration
+
+  def add(self, progress: Any, finite: bool) -> str | None:
+    """`progress` after an iteration that was (not) finite; the stop message, or None."""
+    if finite:
+      self.consecutive, self.first_non_finite = 0, None
+      self.last_finite = dataclasses.replace(progress)
+      return None
+    self.consecutive += 1
+    if self.first_non_finite is None:
+      self.first_non_finite = progress.iteration
+    if not self.limit or self.consecutive < self.limit:
+      return None
+    return (f'> diverged: iterations {self.first_non_finite}-{progress.iteration} '
+            f'({self.consecutive} in a row, runtime.max_consecutive_nan={self.limit}) had a '
+            f'non-finite loss or gradient norm and were skipped; the run stops with the state '
+            f'of iteration {self.last_finite.iteration}, the last finite one')
+
+
 class SpikeWatch:
   """Notices a loss or gradient-norm spike in the iteration it happens.
 
@@ -289,8 +323,21 @@ class MetricsWriter:
     self.tensorboard_dir = os.path.join(workdir, tensorboard_dir) if tensorboard_dir else ''
     self._tensorboard: dict[str, tensorboard.EventWriter] = {}
     self._purge_steps: dict[str, int] = {}
-    if enabled:
+    # Lines logged before the run started (`open`) are printed at once and kept for the log file:
+    # a run refused at start-up leaves no file behind.
+    self._pending: list[str] | None = []
+
+  @property
+  def opened(self) -> bool:
+    return self._pending is None
+
+  def open(self) -> None:
+    """The run starts: creates the log directory and writes the lines logged so far."""
+    pending, self._pending = self._pending, None
+    if self.enabled:
       os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+      with open(self.log_path, 'a') as f:
+        f.writelines(line + '\n' for line in pending or ())
 
   def __enter__(self) -> MetricsWriter:
     return self
@@ -327,6 +374,9 @@ class MetricsWriter:
     if not self.enabled:
       return
     print(message, flush=True)
+    if self._pending is not None:
+      self._pending.append(message)
+      return
     with open(self.log_path, 'a') as f:
       f.write(message + '\n')
 

@@ -15,6 +15,8 @@ forward pass casts the params to the compute dtype and constrains them to the ru
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 from collections.abc import Sequence
 
@@ -109,6 +111,11 @@ def zero_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> 
   return P(*spec)
 
 
+# The most virtual CPU devices a process creates: more take minutes to start and never make a
+# real run (a mesh that big needs accelerators).
+MAX_VIRTUAL_CPU_DEVICES = 4096
+
+
 def ensure_devices(num_devices: int) -> None:
   """Makes sure `num_devices` devices exist, creating virtual CPU devices before JAX starts.
 
@@ -117,6 +124,11 @@ def ensure_devices(num_devices: int) -> None:
   On GPU a mesh larger than the GPUs present is an error.
   """
   # In a multi-process run (distributed.py) each process already has its share of the devices.
+  if num_devices > MAX_VIRTUAL_CPU_DEVICES and cpu_only():
+    raise ConfigError(f'{num_devices} devices were asked for on a machine without '
+                      f'accelerators, and at most {MAX_VIRTUAL_CPU_DEVICES} virtual CPU devices '
+                      'are allowed (creating more takes minutes and tests nothing more); ask '
+                      'for fewer, or run on GPUs')
   backends_started = _backends_started()
   if not backends_started and cpu_only() and not jax.distributed.is_initialized():
     current = jax.config.jax_num_cpu_devices
@@ -169,21 +181,87 @@ def tree_shardings(mesh: Mesh, logical_names, shapes, zero: bool):
   return jax.tree.map(one, logical_names, shapes, is_leaf=is_names)
 
 
-def replica_mismatches(tree) -> list[str]:
-  """Paths of the arrays in `tree` whose copies on this process's devices differ (a replicated
-  LayerNorm that drifted apart across tensor ranks, as in the chronicles). Only arrays that have
-  copies are read: a slice held by one device has nothing to differ from."""
-  bad = []
+@dataclasses.dataclass(frozen=True)
+class ReplicaMismatch:
+  """A replicated array whose copies differ, and the processes that hold the differing copies:
+  those whose copy is not the one most processes hold (ties: process 0's side), and those whose
+  own devices disagree."""
+  path: str
+  processes: tuple[int, ...]
+
+
+# Per distinct shard of a replicated array, each process contributes one fixed-size row to the
+# all-gather: [holds a copy, its local copies differ, 128-bit digest as 4 uint32]. uint32 because
+# JAX's default integer width is 32 bits: uint64 would be truncated without jax_enable_x64.
+_DIGEST_WORDS = 4
+_ROW = 2 + _DIGEST_WORDS
+
+
+def _digest(data: np.ndarray) -> np.ndarray:
+  """The copy's bytes hashed: equal bytes, equal digest (stricter than ==, which equates -0 and 0
+  and never equates NaNs)."""
+  contiguous = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+  raw = hashlib.blake2b(contiguous, digest_size=4 * _DIGEST_WORDS).digest()
+  return np.frombuffer(raw, np.uint32)
+
+
+def _replicated_slots(tree):
+  """[(path, array, {shard index repr: its position})] of the arrays with copies somewhere in
+  the job. Derived from the global shardings, so every process lists the same slots in the same
+  order (its all-gather must match the others' or they hang)."""
+  slots = []
   for path, array in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    shards = array.addressable_shards
-    if len({repr(s.index) for s in shards}) == len(shards):
-      continue
-    by_index: dict[str, np.ndarray] = {}
-    for shard in shards:
-      key = repr(shard.index)
-      data = np.asarray(shard.data)
-      if key in by_index and not np.array_equal(by_index[key], data, equal_nan=True):
-        bad.append(jax.tree_util.keystr(path))
-        break
-      by_index.setdefault(key, data)
+    index_map = array.sharding.devices_indices_map(array.shape)
+    ordered = dict.fromkeys(repr(index_map[d]) for d in sorted(index_map, key=lambda d: d.id))
+    if len(ordered) < len(index_map):  # a slice held by one device has nothing to differ from
+      slots.append((jax.tree_util.keystr(path), array,
+                    {key: i for i, key in enumerate(ordered)}))
+  return slots
+
+
+def replica_report(tree) -> list[ReplicaMismatch]:
+  """The replicated arrays of `tree` whose copies differ, on this process's devices or across
+  processes (a replicated LayerNorm that drifted apart across tensor ranks, as in the
+  chronicles). Each process digests the copies it holds per distinct shard; one all-gather of
+  the digests gives every process the same table and so the same verdict. A collective: every
+  process of the job must call it with the same tree structure and shardings."""
+  slots = _replicated_slots(tree)
+  rows = np.zeros((sum(len(indices) for _, _, indices in slots), _ROW), np.uint32)
+  row = 0
+  for _, array, indices in slots:
+    digests: dict[str, np.ndarray] = {}
+    for shard in array.addressable_shards:
+      key, digest = repr(shard.index), _digest(np.asarray(shard.data))
+      at = row + indices[key]
+      if key in digests:
+        if not np.array_equal(digests[key], digest):
+          rows[at, 1] = 1
+      else:
+        digests[key] = digest
+        rows[at, 0] = 1
+        rows[at, 2:] = digest
+    row += len(indices)
+  if jax.process_count() > 1 and len(rows):
+    from jax.experimental import multihost_utils
+    everyone = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, *rows.shape)
+  else:
+    everyone = rows[None]
+  bad, row = [], 0
+  for path, _, indices in slots:
+    processes = set()
+    for table in everyone[:, row:row + len(indices)].transpose(1, 0, 2):  # one shard index
+      holders = [p for p in range(len(table)) if table[p, 0]]
+      processes.update(p for p in holders if table[p, 1])
+      digests = [tuple(table[p, 2:]) for p in holders]
+      # The most common copy is taken as the right one; max() keeps the first on a tie.
+      common = max(digests, key=digests.count)
+      processes.update(p for p, d in zip(holders, digests) if d != common)
+    row += len(indices)
+    if processes:
+      bad.append(ReplicaMismatch(path, tuple(sorted(processes))))
   return bad
+
+
+def replica_mismatches(tree) -> list[str]:
+  """Paths of the replicated arrays of `tree` whose copies differ (`replica_report`)."""
+  return [mismatch.path for mismatch in replica_report(tree)]

@@ -4,13 +4,21 @@ A job array resubmits a job until the run is done; the exit code tells it which 
 
   0  FINISHED     training reached its end, or the kill switch stopped it (saved first): do not
                   requeue. A run that finds the kill switch at start-up exits 0 without work.
-  1  (crash)      an uncaught exception; the traceback says why. The last checkpoint is intact.
+  1  CRASHED      an uncaught exception; the traceback says why. Or a checkpoint that could not
+                  be written (a full disk): one message. The last complete checkpoint is intact.
   2  BAD_INPUT    a bad config, command line or checkpoint; one message on stderr. Fix, then rerun.
   3  REQUEUE      saved before runtime.exit_duration_mins, or on SIGTERM / SIGUSR1 (SLURM's time
                   limit and `--signal=USR1@SECONDS` pre-timeout warning): requeue me to continue.
+  3  (also)       SIGTERM, SIGINT or SIGUSR1 before the first iteration (start-up, data
+                  preparation, restore, compilation): the process leaves at once, nothing to
+                  save; the last checkpoint is intact.
   4  HUNG         no progress for runtime.hang_timeout_mins (a collective that never completes,
                   a stuck save): every thread's Python stack was printed, then the process left
                   without saving. Requeue to resume from the last checkpoint.
+  5  DIVERGED     runtime.max_consecutive_nan non-finite iterations in a row, or non-finite
+                  params at a save: the state of the last finite iteration was kept (saved
+                  unless it already was, never a non-finite one). Do not requeue: roll back,
+                  skip the data, lower the learning rate or reset the optimizer first.
 
 SIGUSR2 prints every thread's Python stack to stderr and training goes on: with `scancel
 --signal=USR2 JOBID` every task of a job says where it is, the diagnosis the chronicles made by
@@ -46,9 +54,24 @@ def _now() -> float:
 
 class ExitCode(enum.IntEnum):
   FINISHED = 0
+  CRASHED = 1
   BAD_INPUT = 2
   REQUEUE = 3
   HUNG = 4
+  DIVERGED = 5
+
+
+class Interrupted(BaseException):
+  """SIGTERM, SIGINT or SIGUSR1 before the training loop started (start-up, data preparation,
+  restore, compilation): there is nothing to save, so the process leaves at once with exit code
+  3. A BaseException, as KeyboardInterrupt is: no `except Exception` on the way takes it for a
+  crash."""
+
+  def __init__(self, signum: int):
+    self.signum = signum
+    super().__init__(f'received {signal.Signals(signum).name} before the first iteration of this '
+                     'job: nothing was trained, the last checkpoint is intact; exit code '
+                     f'{int(ExitCode.REQUEUE)} (REQUEUE)')
 
 
 class StopReason(enum.IntEnum):
@@ -56,10 +79,14 @@ class StopReason(enum.IntEnum):
   TIME_LIMIT = 1
   SIGNAL = 2
   KILL_SWITCH = 3  # An operator's decision to stop beats "requeue me".
+  # runtime.max_consecutive_nan non-finite iterations in a row, or params that are not finite.
+  # Every process sees the same losses, so every process decides it at the same iteration.
+  DIVERGED = 4
 
   @property
   def exit_code(self) -> ExitCode:
-    return ExitCode.FINISHED if self is StopReason.KILL_SWITCH else ExitCode.REQUEUE
+    return {StopReason.KILL_SWITCH: ExitCode.FINISHED,
+            StopReason.DIVERGED: ExitCode.DIVERGED}.get(self, ExitCode.REQUEUE)
 
 
 def exit_code(reason: StopReason | None) -> ExitCode:
@@ -79,7 +106,11 @@ class StopConditions:
   side), and the limit is never knowingly crossed.
   """
 
-  SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+  SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+  # Before training, a signal raises Interrupted in the main thread; if that thread is inside a
+  # long native call (an XLA compilation), Python runs no handler until it returns, so after this
+  # long the process leaves from a watcher thread instead.
+  FORCE_EXIT_AFTER_S = 2.0
 
   def __init__(self, kill_switch_path: str = '', exit_duration_mins: float = 0.0,
                start: float | None = None, num_processes: int = 1):
@@ -89,22 +120,73 @@ class StopConditions:
     self.num_processes = num_processes
     self.received: int | None = None  # the signal number, once one arrived
     self.last_iteration_s = 0.0
+    self.training = False  # set by start_training(): the loop saves at a boundary from then on
     self._last_poll: float | None = None
     self._previous = {}
+    self._wakeup: tuple[int, int] | None = None
+    self._previous_wakeup_fd = -1
+    self._interrupt_handled = threading.Event()
+    self._watcher: threading.Thread | None = None
 
   def __enter__(self) -> StopConditions:
     for sig in self.SIGNALS:
       self._previous[sig] = signal.signal(sig, self._on_signal)
+    # CPython's C-level handler writes each signal's number to this pipe at once, whatever the
+    # main thread is doing: the watcher learns of a signal that no Python handler can run for.
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    self._wakeup = (read_fd, write_fd)
+    self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    self._watcher = threading.Thread(target=self._watch_signals, name='t5x_like-signals',
+                                     daemon=True)
+    self._watcher.start()
     return self
 
   def __exit__(self, *exc) -> None:
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
     self._previous.clear()
+    if self._wakeup is not None:
+      signal.set_wakeup_fd(self._previous_wakeup_fd)
+      read_fd, write_fd = self._wakeup
+      self._wakeup = None
+      os.write(write_fd, b'\0')  # not a signal number: the watcher ends
+      self._watcher.join(timeout=5)
+      os.close(read_fd)
+      os.close(write_fd)
+
+  def start_training(self) -> None:
+    """From here on a signal stops the run at the next iteration boundary, after a save."""
+    self.training = True
 
   def _on_signal(self, signum, frame) -> None:
+    if not self.training:
+      self._interrupt_handled.set()
+      raise Interrupted(signum)
+    if self.received is not None and signum in (signal.SIGTERM, signal.SIGINT):
+      # A second SIGTERM or Ctrl-C: the user will not wait for the save.
+      print(f'> received {signal.Signals(signum).name} again: leaving now without saving; the '
+            f'last complete checkpoint is intact; exit code {int(ExitCode.REQUEUE)} (REQUEUE)',
+            file=sys.stderr, flush=True)
+      os._exit(int(ExitCode.REQUEUE))
     # Only a flag: the loop saves at the next iteration boundary, outside the handler.
     self.received = signum
+
+  def _watch_signals(self) -> None:
+    read_fd = self._wakeup[0]
+    while True:
+      try:
+        data = os.read(read_fd, 1)
+      except OSError:
+        return
+      if not data or data == b'\0':
+        return
+      if self.training or data[0] not in [int(s) for s in self.SIGNALS]:
+        continue
+      if not self._interrupt_handled.wait(self.FORCE_EXIT_AFTER_S):
+        print(f'> {Interrupted(data[0])} (left during a native call, e.g. a compilation)',
+              file=sys.stderr, flush=True)
+        os._exit(int(ExitCode.REQUEUE))
 
   def elapsed_s(self) -> float:
     return _now() - self.start

@@ -8,20 +8,24 @@ Several processes (multi-host): under SLURM (`srun`, one task per GPU) they find
 themselves; any other launcher passes `--coordinator_address HOST:PORT --num_processes N
 --process_id I` to every process (distributed.py).
 
-A workdir that already holds checkpoints resumes from the latest one. Exit codes (runtime.py):
-0 finished (or stopped by the kill switch), 2 bad config, checkpoint or data, 3 saved before a
-time limit or on SIGTERM/SIGUSR1: requeue to continue, 4 no progress for
-runtime.hang_timeout_mins (stacks printed): requeue to resume from the last checkpoint.
+A workdir that already holds checkpoints resumes from the latest complete one. Exit codes
+(runtime.py): 0 finished (or stopped by the kill switch), 1 crashed or a checkpoint could not be
+written, 2 bad config, checkpoint, data or a workdir in use, 3 saved before a time limit or on
+SIGTERM/SIGINT/SIGUSR1 (or stopped by one before training began): requeue to continue, 4 no
+progress for runtime.hang_timeout_mins (stacks printed): requeue to resume from the last
+checkpoint, 5 diverged (non-finite iterations): fix, then rerun.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 # First, so that runtime.exit_duration_mins counts from process start.
 from t5x_like import runtime  # isort: skip
 from t5x_like import distributed
+from t5x_like import workdir as workdir_lib
 from t5x_like.config import CommandLineValue, Config, ConfigError, load_config_file, load_gin
 
 
@@ -54,6 +58,7 @@ def parse_command_line(argv: list[str]) -> tuple[Config, str, distributed.Proces
     cfg = load_gin(args.gin_file, args.gin_bindings)
   else:
     cfg = load_config_file(args.config, overrides)
+  workdir_lib.resolve(args.workdir)  # an empty --workdir (unset $WORKDIR) is refused now
   group = distributed.from_flags_or_environment(args.coordinator_address, args.num_processes,
                                                 args.process_id)
   return cfg.validate(), args.workdir, group
@@ -89,8 +94,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f'> kill switch {cfg.runtime.kill_switch_path} exists: exiting without training '
           '(remove the file to train)', flush=True)
     return runtime.ExitCode.FINISHED
+  # From here on SIGTERM, SIGINT and SIGUSR1 end the process at once until the training loop
+  # starts (runtime.Interrupted), and stop it at an iteration boundary after a save from then on.
+  stop = runtime.StopConditions(cfg.runtime.kill_switch_path, cfg.runtime.exit_duration_mins,
+                                num_processes=group.num_processes)
+  try:
+    with stop:
+      return _train(cfg, workdir, group, stop, command_line=argv is None)
+  except runtime.Interrupted as e:
+    print(f'> stopped: {e}', file=sys.stderr, flush=True)
+    return runtime.ExitCode.REQUEUE
+
+
+def _train(cfg: Config, workdir: str, group: distributed.ProcessGroup,
+           stop: runtime.StopConditions, command_line: bool = False) -> int:
   # JAX starts only once the config is known to be good.
-  from t5x_like.checkpoints import CheckpointError
+  from t5x_like.checkpoints import CheckpointError, SaveError
   from t5x_like.data.indexed import DataError
   from t5x_like.trainer import Trainer
   try:
@@ -98,12 +117,34 @@ def main(argv: list[str] | None = None) -> int:
     distributed.initialize(group, cfg.mesh.num_devices)
     distributed.check_same_run(cfg.to_json(), workdir)
     trainer = Trainer(cfg, workdir)
-    trainer.run()
+    trainer.run(stop)
   except (ConfigError, CheckpointError, DataError) as e:
     print(f'error: {e}', file=sys.stderr)
     return runtime.ExitCode.BAD_INPUT
+  except SaveError as e:
+    if command_line:
+      # Orbax's writer threads are still unwinding the same failure and print tracebacks of it
+      # as they go; the process's own stderr gets the one message, and cli() leaves at once.
+      sys.stderr.flush()
+      message_fd = os.dup(2)
+      os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+      os.write(message_fd, f'error: {e}\n'.encode())
+    else:
+      print(f'error: {e}', file=sys.stderr, flush=True)
+    return runtime.ExitCode.CRASHED
   return runtime.exit_code(trainer.stop_reason)
 
 
+def cli() -> None:
+  """The console script: after a failed save, Orbax's writer threads are still unwinding; the
+  process leaves without waiting for them."""
+  code = main()
+  if code == runtime.ExitCode.CRASHED:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))
+  sys.exit(code)
+
+
 if __name__ == '__main__':
-  sys.exit(main())
+  cli()

@@ -16,6 +16,7 @@ counted.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -32,7 +33,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from t5x_like import checkpoints, metrics, model as model_lib, optim, partitioning, pipeline
 from t5x_like import alerts, losses
-from t5x_like import provenance, runtime
+from t5x_like import distributed, provenance, runtime
+from t5x_like import workdir as workdir_lib
 from t5x_like.config import Config, ConfigError
 from t5x_like.data import replay, sources
 from t5x_like.data.indexed import DataError
@@ -184,18 +186,55 @@ def lower_train_step(cfg: Config, layout: StateLayout, num_microbatches: int,
 
 
 class Trainer:
-  """Owns a run: mesh, state layout, data, checkpoints, metrics; `run()` trains to the end."""
+  """Owns a run: mesh, state layout, data, checkpoints, metrics; `run()` trains to the end.
+
+  Constructing it checks everything that can refuse the run (config, workdir lock, the
+  checkpoint to resume and its metadata, the data, the writability of every output directory)
+  and writes nothing; `run()` restores the state and checks the data, and only then `start()`s
+  the run: the workdir changes from that moment on. A refused run leaves it as it was.
+  """
 
   def __init__(self, cfg: Config, workdir: str):
     self.cfg = cfg.validate()
-    self.workdir = os.path.abspath(workdir)
-    prepare_workdir(self.workdir)
+    self.workdir = workdir_lib.resolve(workdir)
     self.ckpt_root = os.path.join(self.workdir, 'checkpoints')
+    self.is_writer = distributed.joined().process_id == 0
+    self.lock = workdir_lib.Lock(self.workdir)
+    self.started = False
+    self._lock_workdir()
+    try:
+      self._plan(cfg)
+    except BaseException:
+      self.lock.release(started=False)
+      raise
+
+  def _lock_workdir(self) -> None:
+    """Process 0 locks the workdir; every process learns whether it could (one verdict, so none
+    goes on alone into a collective)."""
+    error = None
+    if self.is_writer:
+      try:
+        self.lock.acquire()
+      except ConfigError as e:
+        error = e
+    if distributed.joined().is_multi_process:
+      from jax.experimental import multihost_utils
+      locked = multihost_utils.process_allgather(np.int32(error is None))
+      if error is None and not np.all(locked):
+        error = ConfigError(f'process 0 could not lock workdir {self.workdir}; its message says '
+                            'why')
+    if error is not None:
+      self.lock.release(started=False)
+      raise error
+
+  def _plan(self, cfg: Config) -> None:
+    self.damaged = checkpoints.damaged_steps(self.ckpt_root)
     self.resume_step = checkpoints.available_steps(self.ckpt_root)
-    self.restart_notes: list[str] = []  # logged once the writer exists
+    self.restart_notes: list[str] = []  # logged once the run starts
     self.reset_done = False  # see checkpoint.load_optimizer below
     self.data_seed = cfg.train.seed
     self.software = provenance.software()
+    self.resume_meta: dict[str, Any] = {}
     if self.resume_step:
       what = f'the checkpoint in {self.ckpt_root} (this workdir resumes it)'
       saved_cfg = checkpoints.read_config(self.ckpt_root)
@@ -206,6 +245,7 @@ class Trainer:
                          not saved_cfg.checkpoint.load_optimizer and
                          checkpoints.has_optimizer_state(self.ckpt_root))
       self.resume_meta = checkpoints.read_meta(self.ckpt_root)
+      self.resume_progress = checkpoints.read_progress(self.ckpt_root)
       checkpoints.check_lr_schedule(self.resume_meta, cfg, what)
       cfg = self.cfg = self._resumed_config(cfg, self.resume_meta)
       # Every difference from the checkpoint's run in the log, before training: edits between
@@ -215,26 +255,22 @@ class Trainer:
       self.restart_notes += [f'> software changed since the checkpoint: {change}' for change in
                              provenance.software_changes(self.resume_meta.get('software'),
                                                          self.software)]
-    elif cfg.checkpoint.init_from:
-      checkpoints.check_compatible(checkpoints.read_config(cfg.checkpoint.init_from), cfg,
-                                   f'checkpoint.init_from={cfg.checkpoint.init_from}')
+    else:
+      self.resume_progress = Progress()
+      if cfg.checkpoint.init_from:
+        checkpoints.check_compatible(checkpoints.read_config(cfg.checkpoint.init_from), cfg,
+                                     f'checkpoint.init_from={cfg.checkpoint.init_from}')
+    self._check_output_dirs(cfg)
     # The data next: a bad path, file or split is one error before JAX starts a backend.
     self.data = self._open_data(cfg)
     self.source = self.data.train
     # The mesh comes first among JAX objects: it creates virtual CPU devices before anything
     # starts the backend.
     self.mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
-    self.compilation_cache = use_compilation_cache(self.workdir, cfg.runtime.compilation_cache_dir)
-    self.is_writer = jax.process_index() == 0
+    self.compilation_cache: str | None = None  # set by start()
     self.alerts = alerts.Alerts(cfg.runtime.alert_command, self.workdir, jax.process_index())
     self.writer = metrics.MetricsWriter(self.workdir, enabled=self.is_writer,
                                         tensorboard_dir=cfg.runtime.tensorboard_dir)
-    if self.is_writer:
-      _atomic_write(os.path.join(self.workdir, 'config.json'), cfg.to_json() + '\n')
-      # The config and data seed of each job, from its first iteration on: the batch of any
-      # iteration can be rebuilt after the config changed between jobs (data/replay.py).
-      replay.record_job(self.workdir, self.resume_meta['rng']['iteration'] + 1
-                        if self.resume_step else 1, cfg, self.data_seed)
     self.layout = make_layout(cfg, self.mesh)
     self.batch_sharding = batch_sharding(self.layout)
     # optimizer.decay_tokens counts from here (a pure function of the config).
@@ -252,10 +288,68 @@ class Trainer:
     self.watchdog = runtime.Watchdog(0.0)  # run() installs the configured one
     self.spikes = metrics.SpikeWatch(cfg.runtime.spike_window, cfg.runtime.spike_loss_threshold,
                                      cfg.runtime.spike_grad_factor)
+    self.divergence = metrics.DivergenceWatch(cfg.runtime.max_consecutive_nan,
+                                              dataclasses.replace(self.resume_progress))
+    self.checkpointer: checkpoints.Checkpointer | None = None  # created by start()
+    self.adam_count_base = {'iteration': 0, 'skipped_iterations': 0}  # set by initial_state()
+    self.peak_tflops = 1.0  # measured by _train()
+    self.stop_reason: runtime.StopReason | None = None
+    self.diverged = False
+    self.final_state: TrainState | None = None
+
+  def _check_output_dirs(self, cfg: Config) -> None:
+    """Every directory the run writes to can be written, before anything is."""
+    outputs = [(self.workdir, 'the workdir', 'pass a --workdir that you can write to'),
+               (os.path.join(self.workdir, 'logs'), 'the log directory',
+                'remove what is in its way in the workdir')]
+    if cfg.runtime.tensorboard_dir:
+      outputs.append((os.path.join(self.workdir, cfg.runtime.tensorboard_dir),
+                      'runtime.tensorboard_dir', "point it at a writable directory or set it to "
+                      "'' for no TensorBoard files"))
+    if cfg.runtime.compilation_cache_dir:
+      outputs.append((os.path.join(self.workdir, cfg.runtime.compilation_cache_dir),
+                      'runtime.compilation_cache_dir', "point it at a writable directory or set "
+                      "it to '' for no cache"))
+    outputs.append((self.ckpt_root, 'the checkpoint directory',
+                    'remove what is in its way in the workdir'))
+    for path, what, fix in outputs:
+      workdir_lib.check_writable(path, what, fix)
+
+  def start(self, progress: Progress) -> None:
+    """The run really starts: from here on the workdir changes. Damaged checkpoints are moved
+    aside, the checkpoint manager opens, records past the resumed iteration are dropped, and the
+    config and this job are recorded."""
+    cfg = self.cfg
+    self.started = True
+    self.writer.open()
+    if self.is_writer:
+      for step, problem in sorted(self.damaged.items()):
+        moved = checkpoints.move_damaged_aside(self.ckpt_root, step)
+        self.writer.info(f'> checkpoint {step} is damaged ({problem}): moved aside to {moved}; '
+                         f'it is not restored and not counted by the keep policy')
+      if self.damaged:
+        self.writer.info(f'> the run resumes from '
+                         f'{f"checkpoint {progress.iteration}" if self.resume_step else "scratch"}'
+                         f' (complete checkpoints: {self.resume_step or "none"})')
     self.checkpointer = checkpoints.Checkpointer(
         self.ckpt_root, cfg.checkpoint.save_interval, cfg.checkpoint.max_to_keep, self.layout,
         keep_period=cfg.checkpoint.keep_period,
         kept_steps=self.resume_meta.get('kept_steps', []) if self.resume_step else ())
+    self.compilation_cache = use_compilation_cache(self.workdir, cfg.runtime.compilation_cache_dir)
+    # Records after the resumed iteration were written by a job that died before saving again;
+    # with no checkpoint at all, the run starts its records afresh.
+    self.writer.truncate_after(progress.iteration, progress.consumed_samples,
+                               progress.consumed_tokens)
+    if self.is_writer:
+      workdir_lib.atomic_write_text(os.path.join(self.workdir, 'config.json'),
+                                    cfg.to_json() + '\n')
+      # The config and data seed of each job, from its first iteration on: the batch of any
+      # iteration can be rebuilt after the config changed between jobs (data/replay.py).
+      replay.record_job(self.workdir, progress.iteration + 1, cfg, self.data_seed)
+
+  def release(self) -> None:
+    """Ends the run's hold on its workdir (its lock); no-op when already released."""
+    self.lock.release(started=self.started)
 
   # ---------------------------------------------------------------------------------- set-up
 
@@ -343,8 +437,6 @@ class Trainer:
       load_optimizer = cfg.checkpoint.load_optimizer or self.reset_done
       state, progress = checkpoints.restore(self.ckpt_root, self.layout, cfg,
                                             load_optimizer=load_optimizer)
-      self.writer.truncate_after(progress.iteration, progress.consumed_samples,
-                                 progress.consumed_tokens)
       self.writer.info(f'> resumed from {self.ckpt_root}/{progress.iteration}: '
                        f'{progress.consumed_samples} samples consumed')
       self.adam_count_base = dict(self.resume_meta['adam_count_base'])
@@ -518,6 +610,8 @@ class Trainer:
     gbs = self.cfg.train.global_batch_size_at(progress.consumed_samples)
     self.global_batch(progress.consumed_samples, gbs)
     if self.cfg.eval.interval:
+      # Evaluations use the batch size of their time: at most the full one.
+      self.data.check_evaluation(self.cfg.eval.iters, self.cfg.train.global_batch_size)
       for name, source in {**self.data.valid, 'test': self.data.test}.items():
         if source is not None:
           self.global_batch(0, gbs, source, f'{name!r}')
@@ -544,8 +638,10 @@ class Trainer:
     progress.consumed_tokens += gbs * self.cfg.seq_len_at(progress.iteration)
     progress.skipped_iterations += 1
 
-  def train_iteration(self, state: TrainState, progress: Progress, total: int) -> TrainState:
-    """One train step on the next global batch; logs the Megatron line and a metrics record."""
+  def train_iteration(self, state: TrainState, progress: Progress,
+                      total: int) -> tuple[TrainState, bool]:
+    """One train step on the next global batch; logs the Megatron line and a metrics record.
+    Returns the new state and whether the step was finite (a non-finite one changed nothing)."""
     cfg = self.cfg
     self._skipping = False
     seq = cfg.seq_len_at(progress.iteration + 1)
@@ -595,6 +691,7 @@ class Trainer:
     if cfg.train.rampup_microbatch_multiple:
       record['padded_microbatches'] = step_micro
     self.writer.record(record, total)
+    finite = bool(stats['finite'])
     # The step time follows the length the step runs at (model FLOPs count the trained one).
     slowdown = self.throughput.add(progress.iteration, gbs, elapsed,
                                    padded_seq if cfg.curriculum.enabled else 0)
@@ -604,28 +701,35 @@ class Trainer:
     spike = self.spikes.add(progress.iteration, record['lm_loss'], record['grad_norm'])
     if spike:
       self.report_spike(spike, progress.iteration)
-    return state
+    return state, finite
 
   def check_replicas(self, state: TrainState, iteration: int) -> list[str]:
-    """runtime.replica_check_interval: the replicated arrays whose copies on this process's
-    devices differ (the chronicles' LayerNorm weights that drifted apart across tensor ranks,
-    found weeks later). One SPMD program updates every copy alike, so this should never find one;
-    the check makes that a measured fact of the run, not an assumption."""
-    drifted = partitioning.replica_mismatches(state)
-    devices = sum(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
+    """runtime.replica_check_interval: the replicated arrays whose copies differ, on this
+    process's devices or across processes (the chronicles' LayerNorm weights that drifted apart
+    across tensor ranks, found weeks later). One SPMD program updates every copy alike, so this
+    should never find one; the check makes that a measured fact of the run, not an assumption.
+    Every process calls it at the same iteration (a collective) and reaches the same verdict."""
+    drifted = partitioning.replica_report(state)
     if drifted:
-      message = (f'> replica check at iteration {iteration}: the copies of {", ".join(drifted)} '
-                 f'differ across devices. Resume from the last checkpoint (a restore reads one '
-                 'copy) and report it with this log')
+      where = '; '.join(f'{m.path} on process{"es" * (len(m.processes) > 1)} '
+                        f'{", ".join(map(str, m.processes))}' for m in drifted)
+      message = (f'> replica check at iteration {iteration}: the copies of '
+                 f'{", ".join(m.path for m in drifted)} differ across devices. Resume from the '
+                 'last checkpoint (a restore reads one copy) and report it with this log. The '
+                 f'differing copies: {where}')
       self.writer.info(message)
       self.alerts.send('replica_mismatch', message, iteration)
       if not self.is_writer:
         print(message, file=sys.stderr, flush=True)
+    elif jax.process_count() == 1:
+      self.writer.info(f'> replica check at iteration {iteration}: every replicated array of the '
+                       f'params and optimizer state is identical on this process\'s '
+                       f'{self.mesh.devices.size} devices')
     else:
       self.writer.info(f'> replica check at iteration {iteration}: every replicated array of the '
-                       f'params and optimizer state is identical on this process\'s {devices} '
-                       'devices')
-    return drifted
+                       'params and optimizer state is identical on all '
+                       f'{self.mesh.devices.size} devices of the {jax.process_count()} processes')
+    return [m.path for m in drifted]
 
   def report_spike(self, message: str, iteration: int) -> None:
     """Logs a spike with what a user needs next: the checkpoint from before it, kept past the
@@ -637,34 +741,94 @@ class Trainer:
                      f'{self.workdir} --iteration {iteration}')
     self.alerts.send('spike', message, iteration)
 
-  def run(self) -> Progress:
+  def run(self, stop: runtime.StopConditions | None = None) -> Progress:
     """Trains to the end or until a stop condition; `stop_reason` says which (None: the end).
 
-    A kill switch present at start-up stops the run before any work. SIGTERM and SIGUSR1 are
-    caught for the whole run, so one arriving during compilation stops it cleanly too.
+    A kill switch present at start-up stops the run before any work. `stop` (entered by the
+    caller, `train.main`, at process start) handles the signals; without one, run() installs
+    its own. Before the training loop a signal ends the run at once (runtime.Interrupted: there
+    is nothing to save), in the loop at the next iteration boundary, after a save.
     """
     rt = self.cfg.runtime
     self.stop_reason = None
     if runtime.kill_switch_present(rt.kill_switch_path):
+      self.release()
       self.stop_reason = runtime.StopReason.KILL_SWITCH
       self.writer.info(f'> kill switch {rt.kill_switch_path} exists: exiting without training '
                        '(remove the file to train)')
-      return (checkpoints.read_progress(self.ckpt_root) if self.resume_step else Progress())
+      return self.resume_progress
     # Only the process that writes the log appends the stacks of a hang to it; every process
     # prints its own to stderr.
     log_path = self.writer.log_path if self.is_writer else None
     on_hang = functools.partial(self.alerts.send, 'hang')
+    own_stop = stop is None
+    stop_context = (runtime.StopConditions(rt.kill_switch_path, rt.exit_duration_mins,
+                                           num_processes=jax.process_count())
+                    if own_stop else contextlib.nullcontext(stop))
     try:
-      with runtime.StopConditions(rt.kill_switch_path, rt.exit_duration_mins,
-                                  num_processes=jax.process_count()) as stop, \
+      with stop_context as stop, \
           runtime.Watchdog(rt.hang_timeout_mins * 60.0, log_path, on_hang) as self.watchdog, \
           self.writer:
-        return self._train(stop)
+        try:
+          return self._train(stop)
+        finally:
+          self._close_checkpointer()
+    except runtime.Interrupted as e:
+      self.stop_reason = runtime.StopReason.SIGNAL
+      if self.started:
+        self.writer.info(f'> stopped: {e}')
+        self.alerts.send('stopped', f'> stopped: {e}', self.resume_progress.iteration)
+      if own_stop:
+        return self.resume_progress
+      raise
     except Exception as e:
-      self.alerts.send('crashed', f'{type(e).__name__}: {e}')
+      if self.started:
+        self.alerts.send('crashed', f'{type(e).__name__}: {e}')
       raise
     finally:
       self.alerts.wait()
+      self.release()
+
+  def _close_checkpointer(self) -> None:
+    """Waits for the save in flight (a SaveError if it failed, unless another error is already
+    on its way out)."""
+    if self.checkpointer is None:
+      return
+    checkpointer, self.checkpointer = self.checkpointer, None
+    failing = sys.exc_info()[1] is not None
+    try:
+      checkpointer.close()
+    except checkpoints.SaveError:
+      if not failing:
+        raise
+
+  def save_or_stop(self, state: TrainState, progress: Progress) -> bool:
+    """Saves; a state with non-finite params is never written: the run then stops as diverged.
+    Returns whether the run goes on."""
+    try:
+      self.save_checkpoint(state, progress)
+      return True
+    except checkpoints.NonFiniteStateError as e:
+      self.stop_diverged(f'> {e}')
+      return False
+
+  def stop_diverged(self, message: str) -> None:
+    """Marks the run diverged and says what to do, with the chronicles' remedies."""
+    self.stop_reason = runtime.StopReason.DIVERGED
+    saved = self.checkpointer.saved_steps()
+    before = saved[-1] if saved else None
+    first = self.divergence.first_non_finite or self.divergence.last_finite.iteration + 1
+    rollback = (f'roll back to checkpoint {before} (delete or move the later steps of '
+                f'{self.ckpt_root}) and rerun' if before is not None else
+                'no checkpoint was saved: rerun from scratch')
+    self.writer.info(
+        f'{message}. What to try (the BLOOM runs\' remedies): {rollback}; skip the data that '
+        f'diverged with --config.data.skip_train_iteration_range="(\'{first}-{first + 99}\',)" '
+        f'(its batch: python -m t5x_like.data batch {self.workdir} --iteration {first}); lower '
+        'optimizer.lr (with checkpoint.override_lr_scheduler=True); or reset the optimizer '
+        '(checkpoint.load_optimizer=False with lr 0 while the Adam moments warm up, README '
+        '"Restart controls")')
+    self.alerts.send('diverged', message, self.divergence.last_finite.iteration)
 
   def _train(self, stop: runtime.StopConditions) -> Progress:
     cfg = self.cfg
@@ -675,6 +839,10 @@ class Trainer:
                      f'devices); {cfg.num_microbatches} micro-batch(es) of '
                      f'{cfg.train.micro_batch_size} per data rank')
     self.writer.info(f'> software: {provenance.describe(self.software)}')
+    # Everything that can refuse the run comes before start(): the restore and the data check.
+    state, progress = self.initial_state()
+    self.check_data(progress)
+    self.start(progress)
     if self.compilation_cache:
       entries = len(os.listdir(self.compilation_cache))
       self.writer.info(f'> compilation cache: {self.compilation_cache} ({entries} programs stored; '
@@ -699,14 +867,18 @@ class Trainer:
       self.writer.info(f'> ramp-up: micro-batch counts rounded up to multiples of '
                        f'{cfg.train.rampup_microbatch_multiple}, {padding} of the run\'s {runs} '
                        f'micro-batches ({100 * padding / max(runs, 1):.2f}%) padding ({cost})')
-    state, progress = self.initial_state()
     start_iteration = progress.iteration
     total = self.cfg.train.total_iterations()
-    self.check_data(progress)
     evaluate_every = cfg.eval.interval
-    if evaluate_every and progress.iteration < total:
-      # Compiled now rather than at the first evaluation, hours in: a failure shows at once.
-      self.eval_step_for(cfg.train.global_batch_size_at(progress.consumed_samples))
+    if progress.iteration < total:
+      # Compiled now rather than in the loop: a signal during compilation ends the run at once,
+      # and a failure shows in the first minutes rather than at iteration 1000.
+      next_iteration = progress.iteration + 1
+      self.step_for(cfg.train.global_batch_size_at(progress.consumed_samples),
+                    cfg.padded_seq_len_at(next_iteration))
+      if evaluate_every:
+        self.eval_step_for(cfg.train.global_batch_size_at(progress.consumed_samples))
+    stop.start_training()
     last_evaluated = None
     while progress.iteration < total:
       # The job's first step also sets up the communicators of its collectives: more time.
@@ -721,34 +893,47 @@ class Trainer:
       if cfg.data.skips(progress.iteration + 1):
         self.skip_iteration(progress, total)
       else:
-        state = self.train_iteration(state, progress, total)
+        state, finite = self.train_iteration(state, progress, total)
+        diverged = self.divergence.add(progress, finite)
+        if diverged:
+          # The skipped iterations left the state as the last finite one left it: keep that.
+          last = self.divergence.last_finite
+          if last.iteration > start_iteration:
+            self.save_or_stop(state, last)
+          self.stop_diverged(diverged)
+          break
         replica_every = cfg.runtime.replica_check_interval
         if replica_every and progress.iteration % replica_every == 0:
           self.check_replicas(state, progress.iteration)
-      if self.checkpointer.should_save(progress.iteration):
-        self.save_checkpoint(state, progress)
+      # Not in the middle of non-finite iterations: a divergence keeps the last finite state.
+      if self.checkpointer.should_save(progress.iteration) and not self.divergence.consecutive:
+        if not self.save_or_stop(state, progress):
+          break
       if evaluate_every and progress.iteration % evaluate_every == 0:
         self.evaluate(state, progress, self.data.valid)
         last_evaluated = progress.iteration
     trained = progress.iteration > start_iteration
-    if trained:  # at the end, or before leaving early
+    diverged = self.stop_reason is runtime.StopReason.DIVERGED
+    if trained and not diverged:  # at the end, or before leaving early
       self.watchdog.beat(f'saving the checkpoint of iteration {progress.iteration}')
-      self.save_checkpoint(state, progress)
-    if evaluate_every and trained and progress.iteration >= total:
+      self.save_or_stop(state, progress)
+    diverged = self.stop_reason is runtime.StopReason.DIVERGED
+    if evaluate_every and trained and not diverged and progress.iteration >= total:
       # The end of training (not an early stop): the validation sets unless just done, and the
       # test split, as Megatron evaluates after its last iteration.
       if last_evaluated != progress.iteration:
         self.evaluate(state, progress, self.data.valid)
       if self.data.test is not None:
         self.evaluate(state, progress, {'test': self.data.test}, at_end=True)
-    self.checkpointer.close()
+    self._close_checkpointer()
     code = runtime.exit_code(self.stop_reason)
     ended = (f'> {"done" if self.stop_reason is None else "stopped"}: '
              f'{progress.iteration} iterations, {progress.consumed_samples} samples; '
              f'exit code {int(code)} ({code.name})')
     self.writer.info(ended)
-    self.alerts.send('finished' if self.stop_reason is None else 'stopped', ended,
-                     progress.iteration)
+    if not diverged:
+      self.alerts.send('finished' if self.stop_reason is None else 'stopped', ended,
+                       progress.iteration)
     self.final_state = state
     return progress
 
@@ -771,26 +956,6 @@ def use_compilation_cache(workdir: str, cache_dir: str) -> str | None:
     # a cache opened before this (another Trainer in the same process) would keep its directory.
     compilation_cache.reset_cache()
   return path
-
-
-def prepare_workdir(workdir: str) -> None:
-  """Creates the workdir or checks it is writable, before anything expensive happens."""
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f'.write_probe_{os.getpid()}')
-    with open(probe, 'w') as f:
-      f.write('ok')
-    os.remove(probe)
-  except OSError as e:
-    raise ConfigError(f'workdir {workdir} is not writable ({e.strerror}); pass a --workdir that '
-                      'you can write to') from None
-
-
-def _atomic_write(path: str, text: str) -> None:
-  tmp = f'{path}.tmp{os.getpid()}'
-  with open(tmp, 'w') as f:
-    f.write(text)
-  os.replace(tmp, path)
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

@@ -14,9 +14,11 @@ job waiting for nodes is not taken for a dead run. States, and the exit code:
   stopped   nothing written lately, the log's last word is a `> stopped: ...` line asking for
             a requeue, and no job of that name is queued                                    1
   stale     nothing written lately, and the run did not say it ended: it died or hangs       1
+  diverged  the log's last word is a stop with exit code 5 (non-finite iterations): fix the
+            run (roll back, skip data, lower the learning rate) before resubmitting          1
 
-On `stopped` and `stale` the run's `runtime.alert_command` (from WORKDIR/config.json, or
-`--alert-command`) is sent the event `stale` or `stopped` (t5x_like/alerts.py), once per episode:
+On `stopped`, `stale` and `diverged` the run's `runtime.alert_command` (from WORKDIR/config.json, or
+`--alert-command`) is sent the event of that name (t5x_like/alerts.py), once per episode:
 the next cron tick alerts again only after the run wrote something in between.
 """
 
@@ -37,6 +39,10 @@ STATE_FILE = os.path.join('logs', 'watch_state.json')
 # squeue states of a job that is about to run or is running.
 SLURM_ALIVE = ('PENDING', 'CONFIGURING', 'RUNNING', 'COMPLETING', 'REQUEUED', 'RESIZING',
                'SUSPENDED')
+
+
+# The states an operator must act on: exit code 1, and the alert command.
+ALERTED = ('stale', 'stopped', 'diverged')
 
 
 class WatchError(Exception):
@@ -86,6 +92,8 @@ def status(workdir: str, stale_mins: float, job_name: str = '', now: float | Non
   queued = any(s in SLURM_ALIVE for s in queue)
   if end.startswith('> done:') or end.endswith('exit code 0 (FINISHED)'):
     state = 'finished'
+  elif end.endswith('(DIVERGED)'):
+    state = 'diverged'
   elif idle_mins < stale_mins:
     state = 'running'
   elif queued:
@@ -105,6 +113,8 @@ def describe(s: dict) -> str:
       'queued': f"not writing, but a job of it is queued ({', '.join(s['slurm_states'])})",
       'stopped': 'stopped and no job of it is queued: resubmit it to continue',
       'stale': 'wrote nothing lately and did not say it ended: it died or hangs',
+      'diverged': ('stopped after non-finite iterations: roll back, skip the data or lower the '
+                   'learning rate before resubmitting (see its log)'),
   }[s['state']]
   return (f"{s['workdir']}: {s['state']}, last write {s['idle_mins']:.1f} minutes ago; {what}" +
           (f"; its log ends with: {s['last_end_line']}" if s['last_end_line'] else ''))
@@ -154,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         command = json.load(f).get('runtime', {}).get('alert_command', '')
     except (OSError, ValueError):
       command = ''
-  if s['state'] in ('stale', 'stopped') and command:
+  if s['state'] in ALERTED and command:
     s['alerted'] = alert_once(args.workdir, s, command)
   print(json.dumps(s) if args.json else describe(s), flush=True)
-  return 1 if s['state'] in ('stale', 'stopped') else 0
+  return 1 if s['state'] in ALERTED else 0
 
 
 if __name__ == '__main__':

@@ -157,51 +157,118 @@ TINY = ['--config', 'configs/tiny.py', '--config.eval.interval=0', '--config.mod
         '--config.optimizer.warmup_samples=16']
 
 
-def _cache_env(tmp_path):
-  # Later processes load the step the first one compiled: the same executable, seconds saved.
-  return {'JAX_COMPILATION_CACHE_DIR': str(tmp_path / 'jax_cache'),
-          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+# `python -m t5x_like.train ARGS` that stops at one point of its work ($KILL_POINT): it creates
+# the file $REACHED there and waits, for the test to SIGKILL it. The points: start-up (the first
+# compilation, before any iteration or checkpoint); between iterations 3 and 4 (checkpoint 2 may
+# be in flight); during checkpoint 4's asynchronous save (its arrays written in the background,
+# not committed: training goes on meanwhile); and in its finalisation, with the commit marker
+# written in `4.orbax-checkpoint-tmp` but the rename to `4` not done (Orbax's own functions).
+_STOPPING_TRAINER = r'''
+import os, sys, threading
+from orbax.checkpoint._src.path import atomicity
+from t5x_like import checkpoints, train, trainer
+
+point = os.environ['KILL_POINT']
 
 
-def _records_written(workdir) -> int:
-  try:
-    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-      return sum(1 for line in f if line.endswith('\n'))
-  except FileNotFoundError:
-    return 0
+def arrive():
+  open(os.environ['REACHED'], 'w').close()
+  threading.Event().wait()  # until SIGKILL
 
 
-def _start_and_signal(workdir, env, after_records: int, sig) -> subprocess.Popen:
-  """Starts training; sends `sig` once `after_records` iterations are in metrics.jsonl."""
+if point == 'start-up':
+  def compile_step(self, shape):
+    arrive()
+  trainer.Trainer.compile = compile_step
+elif point == 'between iterations':
+  train_iteration = trainer.Trainer.train_iteration
+  def iteration_then_stop(self, state, progress, total):
+    out = train_iteration(self, state, progress, total)
+    if progress.iteration == 3:
+      arrive()
+    return out
+  trainer.Trainer.train_iteration = iteration_then_stop
+elif point == 'asynchronous save':
+  on_commit = atomicity.on_commit_callback
+  async def commit_then_stop(tmp_dir, **kwargs):
+    if tmp_dir.get_final().name == '4':
+      arrive()
+    return await on_commit(tmp_dir, **kwargs)
+  atomicity.on_commit_callback = commit_then_stop
+elif point == 'finalisation':
+  rename = atomicity.async_path.rename
+  async def rename_then_stop(source, destination, *args, **kwargs):
+    if checkpoints.TMP_MARKER in str(source) and os.path.basename(str(destination)) == '4':
+      arrive()
+    return await rename(source, destination, *args, **kwargs)
+  atomicity.async_path.rename = rename_then_stop
+sys.exit(train.main(sys.argv[1:]))
+'''
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  """TINY's run without interruption, and the environment of every run it is compared with:
+  later processes load the programs the first compiled (the same executables, seconds saved)."""
+  cache = tmp_path_factory.mktemp('jax_cache')
+  env = {'JAX_COMPILATION_CACHE_DIR': str(cache), 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+  workdir = tmp_path_factory.mktemp('uninterrupted') / 'run'
+  r = run_cli(['-m', 't5x_like.train', *TINY, '--workdir', str(workdir)], env=env)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return losses_of(workdir), env
+
+
+def _kill_9_at(point: str, workdir, env) -> None:
+  """Starts TINY's run stopping at `point`, and SIGKILLs it there."""
+  reached = str(workdir) + '.reached'
   log_path = str(workdir) + '.log'
   with open(log_path, 'w') as log:
-    process = subprocess.Popen([sys.executable, '-m', 't5x_like.train', *TINY, '--workdir',
-                                str(workdir)], cwd=REPO, env={**os.environ, **env}, stdout=log,
-                               stderr=subprocess.STDOUT)
-    deadline = time.time() + 400
-    while _records_written(workdir) < after_records:
-      assert process.poll() is None, f'training ended early: {open(log_path).read()[-3000:]}'
-      assert time.time() < deadline
-      time.sleep(0.02)
-    process.send_signal(sig)
-    process.wait(timeout=300)
-  return process
+    process = subprocess.Popen(
+        [sys.executable, '-c', _STOPPING_TRAINER, *TINY, '--workdir', str(workdir)], cwd=REPO,
+        env={**os.environ, **env, 'KILL_POINT': point, 'REACHED': reached}, stdout=log,
+        stderr=subprocess.STDOUT)
+    try:
+      deadline = time.monotonic() + 400  # a guard against a point never reached
+      while not os.path.exists(reached):
+        assert process.poll() is None, f'training ended early: {open(log_path).read()[-3000:]}'
+        assert time.monotonic() < deadline, f'{point} not reached'
+        time.sleep(0.02)
+      process.send_signal(signal.SIGKILL)
+    finally:
+      process.kill()
+      process.wait(timeout=60)
+  assert process.returncode == -signal.SIGKILL
 
 
-def test_kill_9_then_restart_reproduces_the_uninterrupted_run(tmp_path):
-  """SIGKILL after iteration 5 (checkpoint 4 may still be in flight), then the same command."""
-  env = _cache_env(tmp_path)
-  straight = tmp_path / 'straight'
-  r = run_cli(['-m', 't5x_like.train', *TINY, '--workdir', str(straight)], env=env)
-  assert r.returncode == 0, r.stderr[-3000:]
-  interrupted = tmp_path / 'interrupted'
-  killed = _start_and_signal(interrupted, env, after_records=5, sig=signal.SIGKILL)
-  assert killed.returncode == -signal.SIGKILL
-  r = run_cli(['-m', 't5x_like.train', *TINY, '--workdir', str(interrupted)], env=env)
+@pytest.mark.parametrize('point', ['start-up', 'between iterations', 'asynchronous save',
+                                   'finalisation'])
+def test_kill_9_then_restart_reproduces_the_uninterrupted_run(uninterrupted, point, tmp_path):
+  """SIGKILL at `point` (see _STOPPING_TRAINER), then the same command: it resumes from the last
+  complete checkpoint (none after a kill at start-up) and its losses and gradient norms are the
+  uninterrupted run's, bitwise."""
+  straight, env = uninterrupted
+  workdir = tmp_path / 'interrupted'
+  _kill_9_at(point, workdir, env)
+  root = os.path.join(workdir, 'checkpoints')
+  on_disk = sorted(os.listdir(root)) if os.path.isdir(root) else []
+  complete = checkpoints.available_steps(root) if on_disk else []
+  if point == 'start-up':
+    assert complete == []
+  elif point == 'between iterations':
+    assert complete in ([], [2])  # checkpoint 2's save may still have been in flight
+  else:  # checkpoint 4's save starts once 2's is complete
+    assert complete == [2]
+    assert '4' + checkpoints.TMP_MARKER in on_disk, on_disk  # what the restart must ignore
+  if point == 'finalisation':
+    assert os.path.exists(os.path.join(root, '4' + checkpoints.TMP_MARKER, 'commit_success.txt'))
+  r = run_cli(['-m', 't5x_like.train', *TINY, '--workdir', str(workdir)], env=env)
   assert r.returncode == runtime.ExitCode.FINISHED, r.stderr[-3000:]
-  assert 'resumed from' in r.stdout
-  assert [x[0] for x in losses_of(interrupted)] == list(range(1, 9))
-  assert losses_of(interrupted) == losses_of(straight)  # bitwise: lm_loss and grad_norm
+  if complete:
+    assert f'resumed from {root}/2' in r.stdout, r.stdout[-3000:]
+  else:
+    assert 'resumed from' not in r.stdout
+  assert [x[0] for x in losses_of(workdir)] == list(range(1, 9))
+  assert losses_of(workdir) == straight  # bitwise: lm_loss and grad_norm
 
 
 # ---------------------------------------------------------------------------- any-mesh restore
@@ -306,6 +373,7 @@ def test_load_optimizer_false_starts_fresh_moments_and_count(base_run, tmp_path)
   assert progress.iteration == 4 and int(optim.adam_count(state.opt_state)) == 2
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.opt_state),
                jax.device_get(restored.opt_state))
+  again.writer.open()  # as the run's start does: the lines logged so far reach the log file
   assert 'already applied at iteration 2 by the job that saved this checkpoint' in open(
       os.path.join(workdir, 'logs', 'main_log.txt')).read()
   assert again.adam_count_base == {'iteration': 2, 'skipped_iterations': 0}
@@ -413,9 +481,8 @@ def test_kill_switch_saves_and_exits_0_then_blocks_new_starts(tmp_path):
                      f'--config.runtime.kill_switch_path={switch}']) == 0
   again = Trainer(cfg, workdir)
   assert again.run().iteration == 1 and again.stop_reason is runtime.StopReason.KILL_SWITCH
-  log_after = open(os.path.join(workdir, 'logs', 'main_log.txt')).read()
-  assert 'compiled' not in log_after[len(log_before):]
-  assert 'exiting without training' in log_after[len(log_before):]
+  # Printed, not logged: a run that never starts leaves the workdir as it was.
+  assert open(os.path.join(workdir, 'logs', 'main_log.txt')).read() == log_before
 
 
 def test_time_limit_saves_and_asks_for_a_requeue(tmp_path, monkeypatch):

@@ -10,18 +10,24 @@ from t5x_like.data.tokenizer import Tokenizer
 from conftest import random_bloom, run_cli
 
 
-def imported(tmp_path, n_head, vocab, hidden):
+def imported(tmp_path, n_head, vocab, hidden, swap=None):
   """A random BLOOM whose layers outweigh its embedding LayerNorm (their weights x 30): at HF's
   init std the output is the last input token's embedding, and greedy decoding would only
-  repeat it, which any model that keeps the residual would match."""
+  repeat it, which any model that keeps the residual would match. `swap`: two token ids whose
+  (tied) embedding rows trade places, so the model writes each where it wrote the other while
+  neither has been read."""
   model, hf_dir = random_bloom(tmp_path, n_head, vocab, hidden=hidden)
   with torch.no_grad():
     for name, p in model.named_parameters():
       if 'dense' in name and name.endswith('weight'):
         p.mul_(30.0)
-  hf_dir += '_x30'
+    if swap:
+      table = model.transformer.word_embeddings.weight
+      table[list(swap)] = table[list(reversed(swap))].clone()
+  suffix = '_x30' + (f'_swap{swap[0]}_{swap[1]}' if swap else '')
+  hf_dir += suffix
   model.save_pretrained(hf_dir, safe_serialization=True)
-  out = str(tmp_path / f'ckpt_{vocab}')
+  out = str(tmp_path / f'ckpt_{vocab}{suffix}')
   assert ckpt.main(['import-hf', hf_dir, out]) == 0
   return model, out
 
@@ -61,3 +67,32 @@ def test_cli_continues_text_with_the_shipped_tokenizer_and_refuses_a_smaller_mod
   r = run_cli(['-m', 't5x_like.generate', '--checkpoint', small, '--prompt', 'x'])
   assert r.returncode == 2 and 'the tokenizer has 8192 tokens' in r.stderr
   assert generate.main(['--checkpoint', small, '--prompt', 'x', '--max_new_tokens', '0']) == 2
+
+
+def generated(capsys, argv):
+  """`python -m t5x_like.generate ARGV`'s JSON line (in this process, on its 8 CPU devices)."""
+  assert generate.main(argv) == 0
+  return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_cli_stops_at_the_end_of_document_and_runs_tensor_parallel(tmp_path, capsys):
+  """The same greedy continuation on --mesh.tensor 2 as on 1. Then a copy of the model whose
+  embedding rows of the end-of-document token and the continuation's third token are swapped:
+  it writes the first two tokens as before, then the end-of-document token where it wrote the
+  third, and the generation stops there (the token is kept in the ids, not in the text)."""
+  eod = Tokenizer.load_default().eod_id
+  _, out = imported(tmp_path, 4, 8192, hidden=32)
+  # (This prompt's continuation varies; at hidden 32 others repeat one token.)
+  args = ['--prompt', 'import os', '--max_new_tokens', '6', '--dtype', 'float32']
+  one = generated(capsys, ['--checkpoint', out, *args])
+  two = generated(capsys, ['--checkpoint', out, *args, '--mesh.tensor', '2'])
+  assert two == one
+  ids = one['completion_ids']
+  assert len(ids) == 6 and len(set(ids)) > 3
+  assert eod not in ids and eod not in one['prompt_ids']
+  third = ids[2]
+  assert third not in ids[:2] + one['prompt_ids']  # the swap changes nothing before it
+  _, swapped = imported(tmp_path, 4, 8192, hidden=32, swap=(eod, third))
+  stopped = generated(capsys, ['--checkpoint', swapped, *args])
+  assert stopped['completion_ids'] == ids[:2] + [eod]
+  assert stopped['completion'] == Tokenizer.load_default().decode(ids[:2])

@@ -64,21 +64,52 @@ def test_sharded_run_matches_single_device(single_device_run, data, tensor):
                ref_params)
 
 
-def test_cross_entropy_never_gathers_the_vocabulary():
-  """On a tensor-split mesh no all-gather produces a full-vocabulary tensor."""
-  cfg = small_config(mesh=dict(data=1, tensor=8), model=dict(vocab_size=3000))
+# An all-gather's line in compiled HLO text: `%name = f32[3000,64]{1,0} all-gather(%x), ...`, the
+# result's shape (with its layout, or a tuple of shapes) between `=` and the op; on GPU the async
+# form `all-gather-start(` carries the shape.
+_ALL_GATHER = re.compile(r'= (?P<result>.+?) all-gather(?:-start)?\(')
+
+
+def gathers_of_dim(hlo_text: str, size: int) -> list[str]:
+  """The lines of `hlo_text` whose all-gather produces an array with a dimension of `size`."""
+  found = []
+  for line in hlo_text.splitlines():
+    match = _ALL_GATHER.search(line)
+    if match and any(str(size) in shape.split(',')
+                     for shape in re.findall(r'\[([\d,]*)\]', match.group('result'))):
+      found.append(line.strip())
+  return found
+
+
+def test_the_gather_check_finds_a_gathered_vocabulary():
+  """What test_cross_entropy_never_gathers_the_vocabulary looks for, in a program that does it:
+  a vocabulary-split embedding gathered whole (and nothing in one that keeps it split)."""
   mesh = partitioning.make_mesh(1, 1, 8)
+  split = NamedSharding(mesh, P('tensor', None))
+  table = jax.ShapeDtypeStruct((3008, 64), jnp.float32, sharding=split)
+  gather = jax.jit(lambda t: t * 2, out_shardings=NamedSharding(mesh, P()))
+  found = gathers_of_dim(gather.lower(table).compile().as_text(), 3008)
+  assert len(found) == 1 and 'f32[3008,64]' in found[0], found
+  keep = jax.jit(lambda t: t * 2, out_shardings=split)
+  assert gathers_of_dim(keep.lower(table).compile().as_text(), 3008) == []
+
+
+def test_cross_entropy_never_gathers_the_vocabulary():
+  """On a tensor-split mesh no all-gather produces a full-vocabulary tensor. With data=2 the
+  program does gather (ZeRO-1's params, over data), so the check has gathers to look at."""
+  cfg = small_config(mesh=dict(data=2, tensor=4), model=dict(vocab_size=3000))
+  mesh = partitioning.make_mesh(2, 1, 4)
   layout = make_layout(cfg, mesh)
   batch_sharding = NamedSharding(mesh, P(None, 'data', None))
   step = jax.jit(make_train_step(cfg, layout), in_shardings=(layout.shardings, batch_sharding,
                                                              None, None))
-  batch = jax.ShapeDtypeStruct((cfg.num_microbatches, 1, cfg.train.seq_len + 1), jnp.int32,
+  batch = jax.ShapeDtypeStruct((cfg.num_microbatches, 2, cfg.train.seq_len + 1), jnp.int32,
                                sharding=batch_sharding)
   hlo = step.lower(layout.abstract, batch, jax.ShapeDtypeStruct((), jnp.float32),
                    jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
-  vocab = cfg.padded_vocab_size
-  gathers = [line for line in hlo.splitlines() if re.search(r'= \S+\[[^\]]*\] all-gather', line)]
-  full_vocab = [g for g in gathers if re.search(rf'\[[^\]]*\b{vocab}\b[^\]]*\] all-gather', g)]
+  # ZeRO's gather of the embedding: a tensor rank's quarter of the vocabulary, whole hidden.
+  assert any('[768,64]' in g for g in gathers_of_dim(hlo, cfg.padded_vocab_size // 4))
+  full_vocab = gathers_of_dim(hlo, cfg.padded_vocab_size)
   assert not full_vocab, full_vocab[:3]
 
 

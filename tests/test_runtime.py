@@ -1,5 +1,9 @@
 """runtime.Watchdog's decision: how long a step may be silent before it is a hang."""
 
+import queue
+import threading
+import time
+
 from t5x_like import runtime
 
 
@@ -27,3 +31,51 @@ def test_first_iteration_grace_and_suspension(monkeypatch):
     assert not watchdog.overdue()
   clock[0] += 59
   assert not watchdog.overdue()
+
+
+def test_the_watchdog_thread_ends_the_process_after_the_timeout_and_not_before(
+    monkeypatch, tmp_path):
+  """The thread's side of the decision above, on a fake clock: silent for just under the timeout,
+  the process lives on; just over it, the thread reports (message, stacks in the log) and exits
+  with code 4. `os._exit` is replaced so that the test process survives the exit."""
+  clock, reads = [1000.0], [0]
+
+  def now():
+    reads[0] += 1
+    return clock[0]
+
+  exits, test_over = queue.Queue(), threading.Event()
+
+  def fake_exit(code):
+    exits.put(code)
+    test_over.wait(30)  # then the stopped watchdog's thread ends
+
+  monkeypatch.setattr(runtime, '_now', now)
+  monkeypatch.setattr(runtime.os, '_exit', fake_exit)
+  monkeypatch.setattr(runtime.Watchdog, 'CHECK_EVERY_S', 0.01)
+  hangs, log_path = [], str(tmp_path / 'main_log.txt')
+
+  def checks_at_this_time(count=3):
+    """Lets the thread look at the clock `count` more times (real time is only a guard)."""
+    target, deadline = reads[0] + count, time.monotonic() + 30
+    while reads[0] < target and exits.empty() and time.monotonic() < deadline:
+      time.sleep(0.01)
+    return reads[0] >= target
+
+  with runtime.Watchdog(60.0, log_path, on_hang=hangs.append) as watchdog:
+    watchdog.beat('in iteration 5')
+    clock[0] += 59.9
+    checked = checks_at_this_time()
+    assert exits.empty() and not hangs  # not before the timeout
+    assert checked, 'the watchdog thread stopped checking the clock'
+    clock[0] += 0.2
+    try:
+      assert exits.get(timeout=30) == runtime.ExitCode.HUNG
+    finally:
+      test_over.set()
+  (message,) = hangs
+  assert message.startswith('> hang: no progress for 1.00 minutes (runtime.hang_timeout_mins=1) '
+                            'while in iteration 5;')
+  with open(log_path) as f:
+    log = f.read()
+  assert log.startswith(message) and '(most recent call first)' in log

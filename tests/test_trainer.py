@@ -1,10 +1,12 @@
 """The training loop on the embedded corpus: outputs, resume, init_from, skipped steps, bad
 input."""
 
+import functools
 import json
 import os
 import re
 import shutil
+import signal
 import time
 
 import jax
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 from t5x_like import checkpoints, metrics, optim, partitioning, provenance, watch
+from t5x_like import trainer as trainer_lib
 from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import TrainState, make_layout
 from t5x_like.trainer import Trainer, make_train_step, read_metrics
@@ -188,6 +191,121 @@ def test_non_finite_step_is_skipped_and_counted():
                state.opt_state)
 
 
+class RecordedStep:
+  """The compiled step, keeping a host copy of the state before and after each call (the step
+  donates its input state, so the copy is taken first)."""
+
+  def __init__(self, compiled):
+    self.compiled, self.calls = compiled, []
+
+  def __call__(self, state, *args):
+    before = jax.device_get(state)
+    new_state, stats = self.compiled(state, *args)
+    self.calls.append((before, jax.device_get(new_state)))
+    return new_state, stats
+
+
+def poisoned_mean_loss(mean_loss, nan_loss_rows, inf_grad_rows):
+  """losses.mean_loss, except on micro-batches holding a row of `nan_loss_rows` (the loss is
+  NaN) or of `inf_grad_rows` (the loss is the real, finite one; its gradient is the real one
+  times inf): what an overflow in the forward or only in the backward pass gives. A custom_vjp
+  so that the backward pass alone is non-finite."""
+  nan_rows, inf_rows = jnp.asarray(nan_loss_rows), jnp.asarray(inf_grad_rows)
+
+  def holds(tokens, rows):
+    return jnp.any(jnp.all(tokens[:, None, :] == rows[None, :, :], axis=-1))
+
+  def patched(model, params, tokens, **kwargs):
+    @jax.custom_vjp
+    def loss(params, tokens):
+      return jnp.where(holds(tokens, nan_rows), jnp.nan,
+                       mean_loss(model, params, tokens, **kwargs))
+
+    def forward(params, tokens):
+      value, vjp = jax.vjp(lambda p: mean_loss(model, p, tokens, **kwargs), params)
+      return jnp.where(holds(tokens, nan_rows), jnp.nan, value), (vjp, holds(tokens, inf_rows))
+
+    def backward(residuals, cotangent):
+      vjp, inf_grad = residuals
+      (grads,) = vjp(cotangent)
+      scale = jnp.where(inf_grad, jnp.inf, 1.0)
+      return jax.tree.map(lambda g: g * scale.astype(g.dtype), grads), None
+
+    loss.defvjp(forward, backward)
+    return loss(params, tokens)
+
+  return patched
+
+
+def test_a_run_skips_and_counts_non_finite_iterations(tmp_path, monkeypatch):
+  """Through a real run: iteration 2's loss is NaN (skipped and a nan iteration), iteration 4's
+  loss is finite but its gradient is not (skipped, not a nan iteration); neither changes the
+  params or the Adam state (its step count included), and metrics.jsonl and the log carry the
+  counters. The non-finite values come from `poisoned_mean_loss` in place of the loss the step
+  traces, chosen by the rows of those iterations' batches (as the data replay rebuilds them)."""
+  from t5x_like import losses
+  from t5x_like.data import replay
+  cfg = corpus_config(train=dict(steps=5), mesh=dict(data=1, tensor=1),
+                      runtime=dict(replica_check_interval=0))
+  rows = {i: replay.iteration_batch(cfg, cfg.train.seed, i).rows for i in (2, 4)}
+  monkeypatch.setattr(losses, 'mean_loss', poisoned_mean_loss(losses.mean_loss, rows[2], rows[4]))
+  workdir = str(tmp_path / 'run')
+  trainer = Trainer(cfg, workdir)
+  steps = []
+  compile_step = trainer.compile
+  monkeypatch.setattr(trainer, 'compile',
+                      lambda shape: steps.append(RecordedStep(compile_step(shape))) or steps[-1])
+  trainer.run()
+  records = read_metrics(workdir)
+  assert [r['skipped_iterations'] for r in records] == [0, 1, 1, 2, 2]
+  assert [r['nan_iterations'] for r in records] == [0, 1, 1, 1, 1]
+  assert np.isnan(records[1]['lm_loss'])
+  assert np.isfinite(records[3]['lm_loss']) and not np.isfinite(records[3]['grad_norm'])
+  with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
+    log = f.read()
+  assert 'number of skipped iterations:   2 | number of nan iterations:   1 |' in log
+  (step,) = steps
+  counts = [(int(optim.adam_count(before.opt_state)), int(optim.adam_count(after.opt_state)))
+            for before, after in step.calls]
+  assert counts == [(0, 1), (1, 1), (1, 2), (2, 2), (2, 3)]
+  for iteration, (before, after) in enumerate(step.calls, 1):
+    same = jax.tree.leaves(jax.tree.map(np.array_equal, before, after))
+    if iteration in (2, 4):  # skipped: params, moments and count exactly as they were
+      assert all(same), iteration
+    else:
+      assert not all(same), iteration
+
+
+@pytest.mark.parametrize('how, code', [('kill switch', 'exit code 0 (FINISHED)'),
+                                       ('SIGTERM', 'exit code 3 (REQUEUE)')])
+def test_an_early_stop_sends_the_stopped_alert_with_its_iteration(
+    how, code, tmp_path, monkeypatch, persistent_compilation_cache):
+  """The kill switch appears, or SIGTERM arrives, during iteration 2: the run stops after it
+  and runtime.alert_command hears `stopped` with iteration 2 (not `finished`)."""
+  workdir, kill_switch = str(tmp_path / 'run'), str(tmp_path / 'STOP')
+  cfg = corpus_config(runtime=dict(kill_switch_path=kill_switch, alert_command=ALERT_RECORD,
+                                   replica_check_interval=0))
+  trainer = Trainer(cfg, workdir)
+  calls = []
+
+  def stop_in_iteration_2(compiled, *args):
+    calls.append(len(calls) + 1)
+    if len(calls) == 2:
+      if how == 'kill switch':
+        open(kill_switch, 'w').close()
+      else:
+        os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler only sets a flag
+    return compiled(*args)
+
+  compile_step = trainer.compile
+  monkeypatch.setattr(trainer, 'compile', lambda shape: functools.partial(
+      stop_in_iteration_2, compile_step(shape)))
+  progress = trainer.run()
+  assert progress.iteration == 2 and len(calls) == 2
+  assert read_alerts(workdir) == [
+      ['stopped', '2', '0', f'> stopped: 2 iterations, 16 samples; {code}']]
+
+
 def test_bad_inputs_fail_before_compiling_and_touch_nothing(six_steps, tmp_path):
   workdir, _ = six_steps
   config_before = open(os.path.join(workdir, 'config.json')).read()
@@ -200,7 +318,7 @@ def test_bad_inputs_fail_before_compiling_and_touch_nothing(six_steps, tmp_path)
     Trainer(corpus_config(model=dict(num_layers=3),
                           checkpoint=dict(init_from=os.path.join(workdir, 'checkpoints'))),
             str(tmp_path / 'new'))
-  assert not os.listdir(tmp_path / 'new')
+  assert not (tmp_path / 'new').exists() or not os.listdir(tmp_path / 'new')
   blocker = tmp_path / 'a_file'
   blocker.write_text('x')
   with pytest.raises(ConfigError, match='not writable'):
@@ -382,31 +500,52 @@ class SpikeAt:
     return '> spike at iteration 5: test' if iteration == self.iteration else None
 
 
-class SlowDevice:
-  """The compiled step of a job whose device is slow from its start: each step waits first."""
+class FakeClock:
+  """Stands in for the `time` module of t5x_like.trainer: `perf_counter()` reads a clock that
+  only the steps below advance, so each step lasts exactly what the test says, whatever the
+  machine's speed."""
 
-  def __init__(self, compiled, seconds):
-    self.compiled, self.seconds = compiled, seconds
+  def __init__(self):
+    self.now = 1000.0
+
+  def perf_counter(self):
+    return self.now
+
+  def __getattr__(self, name):
+    return getattr(time, name)
+
+
+class StepTakes:
+  """The compiled step of a device on which each step takes `seconds` (on the fake clock)."""
+
+  def __init__(self, compiled, clock, seconds):
+    self.compiled, self.clock, self.seconds = compiled, clock, seconds
 
   def __call__(self, *args):
-    time.sleep(self.seconds)
+    self.clock.now += self.seconds
     return self.compiled(*args)
 
 
 def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
     tmp_path, monkeypatch, persistent_compilation_cache):
   """What a job array's next job inherits through the checkpoint's meta: the checkpoint kept from
-  before a loss spike, and the step-time baseline that finds a device slow from the job's start."""
-  # Baselines over 3 iterations after 1 (the trainer's watch takes 20 after 3), and a slowdown
-  # only above 200%: 3-step medians of these 0.05 s steps move by 50%; the slow device adds 1 s.
+  before a loss spike, and the step-time baseline that finds a device slow from the job's start.
+  Step times come from a fake clock: 0.05 s per step in the first job (steady: no slowdown is
+  reported), 0.07 s in the next (40% slower, above the trainer's CPU threshold of 25%)."""
+  # Baselines over 3 iterations after 1 (the trainer's watch takes 20 after 3); the trainer's
+  # own threshold.
   watch_class = metrics.ThroughputWatch
   monkeypatch.setattr(metrics, 'ThroughputWatch',
-                      lambda threshold: watch_class(window=3, threshold=2.0, warmup=1))
+                      lambda threshold: watch_class(window=3, threshold=threshold, warmup=1))
+  clock = FakeClock()
+  monkeypatch.setattr(trainer_lib, 'time', clock)
   workdir = str(tmp_path / 'run')
   cfg = corpus_config(train=dict(steps=8), checkpoint=dict(save_interval=2, max_to_keep=1),
                       runtime=dict(replica_check_interval=0, alert_command=ALERT_RECORD))
   first = Trainer(cfg, workdir)
   first.spikes = SpikeAt(5)
+  compile_first = first.compile
+  monkeypatch.setattr(first, 'compile', lambda shape: StepTakes(compile_first(shape), clock, 0.05))
   first.run()
   # Outside the log too: runtime.alert_command heard of the spike and of the end.
   alerted = {a[0]: a for a in read_alerts(workdir)}
@@ -427,23 +566,25 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
   (baseline,) = meta['throughput']['baselines']
   assert (baseline['global_batch_size'], baseline['seq_len'], baseline['first'],
           baseline['last']) == (8, 0, 2, 4)
+  assert baseline['step_s'] == pytest.approx(0.05)
   assert meta['throughput']['setup'] == first.throughput_setup
 
-  # The next job lands on a slow device: every step takes 1 s longer.
+  # The next job lands on a slow device: every step takes 40% longer.
   resumed = Trainer(corpus_config(train=dict(steps=12),
                                   checkpoint=dict(save_interval=2, max_to_keep=1),
                                   runtime=dict(replica_check_interval=0,
                                                alert_command=ALERT_RECORD)), workdir)
   compile_step = resumed.compile
-  monkeypatch.setattr(resumed, 'compile', lambda shape: SlowDevice(compile_step(shape), 1.0))
+  monkeypatch.setattr(resumed, 'compile', lambda shape: StepTakes(compile_step(shape), clock, 0.07))
   resumed.run()
   assert checkpoints.available_steps(root) == [4, 12]  # 4 is still kept (the meta's list)
   with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
     log = f.read()
   assert "> throughput: step times are compared with the earlier job's baseline" in log
   # Its own first window (iterations 10-12) is already slow; against the earlier job's it shows.
-  assert re.search(r"> throughput: the median step time of iterations 10-12 is [\d.]+ s, [\d.]+% "
-                   r"above an earlier job's [\d.]+ s \(iterations 2-4, global batch size 8\)", log)
+  assert ("> throughput: the median step time of iterations 10-12 is 0.07 s, 40.0% above an "
+          "earlier job's 0.05 s (iterations 2-4, global batch size 8)") in log
+  assert log.count('> throughput: the median step time') == 1  # not in the steady first job
   # (Two commands sent within a second may finish in either order.)
   assert sorted(a[:2] for a in read_alerts(workdir)[2:]) == [['finished', '12'],
                                                                ['slowdown', '12']]
@@ -461,6 +602,7 @@ def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
   trainer = Trainer(corpus_config(runtime=dict(replica_check_interval=3,
                                                alert_command=ALERT_RECORD)),
                     str(tmp_path))  # nothing trains
+  trainer.writer.open()  # the log file, as when the run starts
   mesh = trainer.mesh
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   copies = [jax.device_put(np.full(4, 1.0 + (i == 2) * 1e-6, np.float32), d)
@@ -475,8 +617,9 @@ def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
   trainer.alerts.wait()
   assert [a[:2] for a in read_alerts(tmp_path)] == [['replica_mismatch', '7']]
 
-  # An exception out of training is sent as 'crashed' and still raised.
+  # An exception out of training (once it started) is sent as 'crashed' and still raised.
   def fail(stop):
+    trainer.start(trainer.resume_progress)
     raise OSError('disk full')
   trainer._train = fail
   with pytest.raises(OSError, match='disk full'):
@@ -487,11 +630,13 @@ def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
 @pytest.fixture(scope='module')
 def curriculum_run(tmp_path_factory):
   """tr8b's curriculum run in small: lengths 8, 16, 24 over iterations 1-3 (multiples of 8), the
-  learning rate decaying by tokens; resumed half-way from a checkpoint."""
+  learning rate decaying by tokens, evaluated every 2 iterations; resumed half-way from a
+  checkpoint."""
   cfg = corpus_config(train=dict(steps=2, seq_len=24), checkpoint=dict(save_interval=2),
                       mesh=dict(data=2, tensor=1),
                       curriculum=dict(min_seq_len=8, total_iterations=3),
-                      optimizer=dict(decay_tokens=2000), runtime=dict(replica_check_interval=0))
+                      optimizer=dict(decay_tokens=2000), eval=dict(interval=2),
+                      runtime=dict(replica_check_interval=0))
   workdir = str(tmp_path_factory.mktemp('curriculum') / 'cl')
   first = Trainer(cfg, workdir)
   first.run()
@@ -539,6 +684,32 @@ def test_curriculum_truncates_samples_counts_tokens_and_decays_by_tokens(curricu
       layout.model, initial, jnp.asarray(first.source.rows(0, 8)[:, :17]))), rel=1e-3)
 
 
+def test_curriculum_evaluates_at_the_full_sequence_length(curriculum_run):
+  """At iteration 2 the curriculum trains at length 16; the evaluation then runs at
+  train.seq_len (24): its loss is the loss of the iteration-2 params on the validation set's
+  first batch at full length, computed here independently on one device, and not the loss of
+  that batch cut to 16."""
+  from t5x_like import losses
+  cfg, workdir, first = curriculum_run
+  assert read_metrics(workdir)[1]['curriculum_seq_len'] == 16
+  with open(os.path.join(workdir, 'eval_metrics.jsonl')) as f:
+    (evaluated,) = [r for r in map(json.loads, f) if (r['iteration'], r['set']) == (2, 'valid')]
+  layout = make_layout(cfg, partitioning.make_mesh(1, 1, 1))
+  params = jax.device_get(first.final_state.params)  # the first job ended at iteration 2
+  (valid,) = first.data.valid.values()
+  rows = valid.rows(0, cfg.train.global_batch_size)
+  assert rows.shape[1] == 25
+  full = float(losses.mean_loss(layout.model, params, jnp.asarray(rows)))
+  cut = float(losses.mean_loss(layout.model, params, jnp.asarray(rows[:, :17])))
+  # A barely trained model's losses are all near ln(8192), so the lengths differ by only ~3e-4
+  # of the loss; the mesh's reduction order moves it by about 1e-7.
+  assert abs(full - cut) > 1e-4 * full
+  assert evaluated['lm_loss'] == pytest.approx(full, rel=1e-5, abs=0)
+  # The one evaluation program compiled: [micro-batches, rows, 24 + 1].
+  _, batch_info = first.eval_step_for(cfg.train.global_batch_size).args_info[0]
+  assert batch_info.shape == (2, 4, 25)
+
+
 def test_curriculum_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_same(
     curriculum_run, tmp_path):
   """curriculum.pad_to_multiple=16: lengths 8, 16, 24, 24 run at 16, 16, 24, 24 (at most
@@ -546,7 +717,8 @@ def test_curriculum_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_sam
   losses, gradient norms, tokens and learning rates as the unpadded run, in one job."""
   cfg, exact_workdir, _ = curriculum_run
   workdir = str(tmp_path / 'padded')
-  Trainer(cfg.replace(train={'steps': 4}, curriculum={'pad_to_multiple': 16}), workdir).run()
+  Trainer(cfg.replace(train={'steps': 4}, curriculum={'pad_to_multiple': 16}, eval={'interval': 0}),
+          workdir).run()
   exact, records = read_metrics(exact_workdir), read_metrics(workdir)
   assert [r['padded_seq_len'] for r in records] == [16, 16, 24, 24]
   for key in ('seq_len', 'curriculum_seq_len', 'consumed_tokens', 'learning_rate'):

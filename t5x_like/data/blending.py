@@ -29,8 +29,16 @@ class Blend:
     weights = np.asarray(weights, dtype=np.float64)
     if weights.ndim != 1 or len(weights) < 1 or not np.all(np.isfinite(weights)) or np.any(
         weights <= 0):
-      raise ValueError(f'blend weights must be positive and finite, got {list(weights)}')
-    self.weights = weights / weights.sum()
+      raise ValueError(f'blend weights must be positive and finite, got {weights.tolist()}')
+    with np.errstate(over='ignore', divide='ignore'):
+      total = weights.sum()
+      shares = weights / total
+      # An infinite sum makes every share 0 (and an overflowing 1/share an infinite key): the
+      # threshold searches of _ordered_window would then never end.
+      if not np.isfinite(total) or not np.all(np.isfinite(1.0 / shares)):
+        raise ValueError(f'blend weights must have a finite sum and shares whose inverse is '
+                         f'finite, got {weights.tolist()}; scale them to moderate values')
+    self.weights = shares
 
   def keys_below(self, threshold: float) -> np.ndarray:
     """Per dataset, how many of its keys (k + 1/2) / w_d are <= threshold: int64 [D]."""
@@ -90,6 +98,23 @@ class BlendedSource:
     self.seq_len = self.sources[0].seq_len
     if any(s.seq_len != self.seq_len for s in self.sources):
       raise ValueError('blended sources must share one seq_len')
+
+  @property
+  def num_samples(self) -> int:
+    """How many samples from the start of the blend come before any source repeats one of its
+    own (as SampleSource.num_samples counts an epoch): the largest n whose counts(n) stay within
+    every source's samples, found by bisection (counts grows with n)."""
+    if not hasattr(self, '_num_samples'):
+      sizes = np.asarray([s.num_samples for s in self.sources])
+      low, high = 0, int(sizes.sum())  # counts(high) must exceed some size, or equal all
+      while low < high:
+        middle = (low + high + 1) // 2
+        if np.all(self.blend.counts(middle) <= sizes):
+          low = middle
+        else:
+          high = middle - 1
+      self._num_samples = low
+    return self._num_samples
 
   def rows(self, start: int, stop: int) -> np.ndarray:
     """Global samples start..stop-1 as int32 [stop - start, seq_len + 1]."""

@@ -23,6 +23,7 @@ Exit codes: 0 done, 2 bad input (one message naming the file and the fix; nothin
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -44,8 +45,9 @@ def read_documents(paths: Sequence[str], json_key: str) -> Iterator[str]:
     if not os.path.isfile(path):
       raise DataError(f'input {path!r} not found')
     if path.endswith(('.jsonl', '.json')):
-      with open(path, encoding='utf-8') as f:
-        for number, line in enumerate(f, 1):
+      with open(path, 'rb') as f:
+        for number, raw_line in enumerate(f, 1):
+          line = _decoded(raw_line, path, number)
           if not line.strip():
             continue
           try:
@@ -59,8 +61,26 @@ def read_documents(paths: Sequence[str], json_key: str) -> Iterator[str]:
                             'key that holds the text with --json_key')
           yield text
     else:
-      with open(path, encoding='utf-8') as f:
-        yield f.read()
+      with open(path, 'rb') as f:
+        data = f.read()
+      try:
+        yield data.decode('utf-8')
+      except UnicodeDecodeError as e:
+        number = data.count(b'\n', 0, e.start) + 1
+        raise _not_utf8(path, number, e) from None
+
+
+def _not_utf8(path: str, number: int, error: UnicodeDecodeError) -> DataError:
+  return DataError(f'{path}:{number}: not UTF-8 text ({error.reason} at byte '
+                   f'{error.object[error.start:error.start + 1]!r}); convert the file to UTF-8, '
+                   'e.g. iconv -f latin1 -t utf-8')
+
+
+def _decoded(raw_line: bytes, path: str, number: int) -> str:
+  try:
+    return raw_line.decode('utf-8')
+  except UnicodeDecodeError as e:
+    raise _not_utf8(path, number, e) from None
 
 
 def _batches(documents: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -84,15 +104,26 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer |
                     'or choose another --output_prefix')
   dtype = indexed.best_dtype(tokenizer.vocab_size)
   start = time.perf_counter()
-  documents = tokens = 0
-  with indexed.IndexedDatasetWriter(output_prefix, dtype) as writer:
-    for batch in _batches(read_documents(inputs, json_key), _BATCH_DOCUMENTS):
-      for ids in tokenizer.encode_batch(batch):
-        if append_eod:
-          ids.append(tokenizer.eod_id)
-        writer.add_document(ids)
-        documents += 1
-        tokens += len(ids)
+  documents = tokens = text_tokens = 0
+  try:
+    with indexed.IndexedDatasetWriter(output_prefix, dtype) as writer:
+      for batch in _batches(read_documents(inputs, json_key), _BATCH_DOCUMENTS):
+        for ids in tokenizer.encode_batch(batch):
+          text_tokens += len(ids)
+          if append_eod:
+            ids.append(tokenizer.eod_id)
+          writer.add_document(ids)
+          documents += 1
+          tokens += len(ids)
+      if not text_tokens:  # raised inside the block: the writer discards its temporary files
+        raise DataError(f'{", ".join(inputs)}: no text to tokenize ({documents} document(s), all '
+                        'empty); check --input and --json_key')
+  except OSError as e:
+    if e.errno != errno.ENOSPC:
+      raise
+    raise DataError(f'no space left on the device of {output_prefix} while writing it; nothing '
+                    'was written (the temporary files are removed): free some space or choose '
+                    'another --output_prefix') from None
   return {'output_prefix': output_prefix, 'documents': documents, 'tokens': tokens,
           'dtype': dtype.name, 'vocab_size': tokenizer.vocab_size,
           'eod_id': tokenizer.eod_id if append_eod else None,

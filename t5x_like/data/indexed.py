@@ -170,16 +170,17 @@ class IndexedDatasetWriter:
     if self._closed:
       return
     self._closed = True
-    self._bin.close()
-    sizes = np.asarray(self._sizes, dtype=np.int32)
-    pointers = np.zeros(len(sizes), dtype=np.int64)
-    if len(sizes) > 1:
-      pointers[1:] = np.cumsum(sizes[:-1], dtype=np.int64) * self.dtype.itemsize
-    doc_idx = np.arange(len(sizes) + 1, dtype=np.int64)  # one sequence per document
-    bin_path, idx_path = paths(self.prefix)
-    directory = os.path.dirname(os.path.abspath(self.prefix))
-    fd, idx_tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-', suffix='.idx')
+    idx_tmp = None
     try:
+      self._bin.close()  # flushes: a full disk can fail here
+      sizes = np.asarray(self._sizes, dtype=np.int32)
+      pointers = np.zeros(len(sizes), dtype=np.int64)
+      if len(sizes) > 1:
+        pointers[1:] = np.cumsum(sizes[:-1], dtype=np.int64) * self.dtype.itemsize
+      doc_idx = np.arange(len(sizes) + 1, dtype=np.int64)  # one sequence per document
+      bin_path, idx_path = paths(self.prefix)
+      directory = os.path.dirname(os.path.abspath(self.prefix))
+      fd, idx_tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-', suffix='.idx')
       with os.fdopen(fd, 'wb') as f:
         f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(sizes), len(doc_idx)))
         f.write(sizes.astype('<i4').tobytes())
@@ -191,15 +192,19 @@ class IndexedDatasetWriter:
       os.replace(idx_tmp, idx_path)
     except BaseException:
       for tmp in (self._bin_tmp, idx_tmp):
-        if os.path.exists(tmp):
+        if tmp and os.path.exists(tmp):
           os.unlink(tmp)
       raise
 
   def abort(self) -> None:
     if not self._closed:
       self._closed = True
-      self._bin.close()
-      os.unlink(self._bin_tmp)
+      try:
+        self._bin.close()  # may fail to flush (a full disk): the file goes anyway
+      except OSError:
+        pass
+      finally:
+        os.unlink(self._bin_tmp)
 
   def __enter__(self) -> IndexedDatasetWriter:
     return self

@@ -55,6 +55,9 @@ def record_job(workdir: str, first_iteration: int, cfg: Config, data_seed: int) 
 
 
 def _parsed_config(raw, where: str) -> Config:
+  if not isinstance(raw, dict):
+    raise DataError(f'{where} is not a t5x_like config (a {type(raw).__name__}, not a mapping '
+                    'of sections to their keys)')
   try:
     return Config.from_dict(raw).validate()
   except ConfigError as e:
@@ -77,6 +80,14 @@ def run_config(workdir: str, iteration: int | None = None) -> tuple[Config, int]
         jobs = [json.loads(line) for line in f if line.strip()]
       except json.JSONDecodeError as e:
         raise DataError(f'{history} is damaged ({e}); remove it to use config.json') from None
+    for number, job in enumerate(jobs, start=1):
+      if not (isinstance(job, dict) and
+              all(isinstance(job.get(k), int) and not isinstance(job.get(k), bool)
+                  for k in ('first_iteration', 'data_seed')) and
+              isinstance(job.get('config'), dict)):
+        raise DataError(f'{history} is damaged: record {number} is not a job (a mapping with an '
+                        f'int first_iteration, an int data_seed and a config); remove that '
+                        'line, or the file to use config.json')
     started = [job for job in jobs if job['first_iteration'] <= iteration]
     if started:
       job = started[-1]
@@ -90,7 +101,10 @@ def run_config(workdir: str, iteration: int | None = None) -> tuple[Config, int]
   from t5x_like import checkpoints  # jax and orbax only when there are checkpoints to read
   root = os.path.join(workdir, 'checkpoints')
   if checkpoints.available_steps(root):
-    return cfg, int(checkpoints.read_meta(root)['data']['seed'])
+    try:
+      return cfg, int(checkpoints.read_meta(root)['data']['seed'])
+    except checkpoints.CheckpointError as e:
+      raise DataError(str(e)) from None
   return cfg, cfg.train.seed
 
 

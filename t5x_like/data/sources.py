@@ -50,6 +50,15 @@ def parse_data_path(spec: str, key: str = 'data.train_path') -> list[tuple[float
       raise DataError(f'{key}={spec!r}: {weight!r} is not a positive weight; weight/prefix pairs '
                       'alternate, weight first')
     pairs.append((value, prefix))
+  total = sum(value for value, _ in pairs)
+  # The blend divides by the sum and by each share: both must be finite numbers.
+  tiny = [weight for weight, (value, _) in zip(words[0::2], pairs)
+          if not np.isfinite(total / value)]
+  if not np.isfinite(total) or tiny:
+    problem = (f'the weights sum to {total:g}' if not np.isfinite(total) else
+               f'the weight {tiny[0]} is too small a share of their sum {total:g}')
+    raise DataError(f'{key}={spec!r}: {problem}; only the ratios of the weights matter, so use '
+                    'moderate values such as "0.7 A 0.3 B"')
   return pairs
 
 
@@ -117,6 +126,28 @@ class DataSources:
       return [(name, int(count), source.num_samples)
               for name, count, source in zip(self.train_names, counts, self.train.sources)]
     return [(self.train_names[0], total_samples, self.train.num_samples)]
+
+
+  def check_evaluation(self, eval_iters: int, global_batch_size: int) -> None:
+    """One DataError when an evaluation (eval.iters batches of `global_batch_size` samples from
+    the start of each set) needs more samples than a validation set (or the test split) holds:
+    it would silently count some samples twice."""
+    sets = dict(self.valid)
+    if self.test is not None:
+      sets['test'] = self.test
+    needed = eval_iters * global_batch_size
+    for name, source in sets.items():
+      held = source.num_samples
+      if needed <= held:
+        continue
+      fits = held // global_batch_size
+      fix = (f'set eval.iters <= {fits}' if fits else
+             f'it holds less than one global batch ({global_batch_size}): give it more data '
+             '(a larger share of data.split, or a larger data.valid_path set) or lower '
+             'train.global_batch_size')
+      raise DataError(f'the evaluation set {name!r} holds {held} samples, fewer than the '
+                      f'{needed} an evaluation reads (eval.iters={eval_iters} x global batch '
+                      f'{global_batch_size}), so it would repeat samples; {fix}')
 
 
 def _source(stream: DocumentStream, documents: tuple[int, int], seq_len: int, seed: int,

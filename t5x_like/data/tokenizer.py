@@ -26,6 +26,7 @@ import sentencepiece as spm
 
 from t5x_like.data import corpus
 from t5x_like.data import files
+from t5x_like.data.indexed import DataError
 
 DEFAULT_MODEL_PATH = os.path.join(os.path.dirname(__file__), 'assets', 'tokenizer.model')
 DEFAULT_VOCAB_SIZE = 8192
@@ -89,7 +90,12 @@ class Tokenizer:
     self.path = path
     # Hash of the exact bytes loaded: it keys caches of text encoded with this model.
     self.fingerprint = hashlib.sha256(model_bytes).hexdigest()[:16]
-    self._processor = spm.SentencePieceProcessor(model_proto=model_bytes)
+    try:
+      self._processor = spm.SentencePieceProcessor(model_proto=model_bytes)
+    except RuntimeError:  # SentencePiece's only word on it: "ParseFromArray" failed
+      raise DataError(f'{path or "the tokenizer model"} is not a SentencePiece model; pass a '
+                      '.model file that SentencePiece wrote (a Hugging Face tokenizer.json goes '
+                      'to --tokenizer_json)') from None
 
   @classmethod
   def from_file(cls, path: str) -> Tokenizer:

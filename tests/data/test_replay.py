@@ -28,6 +28,12 @@ def blended_run(tmp_path, seed=7):
       eval=dict(interval=0))
 
 
+def started(trainer):
+  """A Trainer whose run has started (config.json and the job record written), not trained."""
+  trainer.start(trainer.resume_progress)
+  return trainer
+
+
 def trained_rows(trainer, iteration):
   """What the trainer feeds its step at `iteration`: [global batch, seq_len + 1] in sample order."""
   first, size = replay.first_sample_of(trainer.cfg, iteration)
@@ -36,7 +42,7 @@ def trained_rows(trainer, iteration):
 
 def test_the_batch_of_any_iteration_is_the_one_the_trainer_reads(tmp_path):
   workdir = str(tmp_path / 'run')
-  trainer = Trainer(blended_run(tmp_path), workdir)  # writes config.json; nothing trains
+  trainer = started(Trainer(blended_run(tmp_path), workdir))  # config.json; nothing trains
   cfg, seed = replay.run_config(workdir)
   assert seed == 7
   sizes = []
@@ -103,7 +109,7 @@ def test_each_iteration_is_rebuilt_with_the_job_that_trained_it(tmp_path):
 
 def test_command_line_prints_ids_text_and_the_skip_override(tmp_path):
   workdir = str(tmp_path / 'run')
-  trainer = Trainer(blended_run(tmp_path), workdir)
+  trainer = started(Trainer(blended_run(tmp_path), workdir))
   r = run_cli(['-m', 't5x_like.data', 'batch', workdir, '--iteration', '6', '--json'])
   assert r.returncode == 0, r.stderr
   result = json.loads(r.stdout)
@@ -125,6 +131,6 @@ def test_bad_workdir_or_iteration_is_exit_2_with_the_fix(tmp_path):
   r = run_cli(['-m', 't5x_like.data', 'batch', str(tmp_path), '--iteration', '1'])
   assert r.returncode == 2 and 'config.json not found: pass the workdir of a run' in r.stderr
   workdir = str(tmp_path / 'run')
-  Trainer(blended_run(tmp_path), workdir)
+  started(Trainer(blended_run(tmp_path), workdir)).release()
   r = run_cli(['-m', 't5x_like.data', 'batch', workdir, '--iteration', '11'])
   assert r.returncode == 2 and 'outside the run, which has iterations 1..10' in r.stderr

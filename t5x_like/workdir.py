@@ -1,0 +1,132 @@
+"""The run's workdir: its path, its lock, and what must be writable before a run starts.
+
+A run changes its workdir only once every check that can refuse it has passed (Trainer.start):
+a refused run leaves the workdir as it found it. Two trainers on one workdir would interleave
+their records and checkpoints, so the workdir is locked for the whole run: an exclusive
+`flock` on WORKDIR/trainer.lock, held by process 0 (the lock is released by the kernel when
+the process dies, so a lock left by a killed trainer never blocks the next one). The lock file
+says which host and process hold it, for the message that refuses a second trainer.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+
+from t5x_like.config import ConfigError
+from t5x_like.data.files import atomic_write
+
+LOCK_FILE = 'trainer.lock'
+
+
+def resolve(workdir: str | None) -> str:
+  """The absolute workdir; an empty or blank one (an unset $WORKDIR) or a file is refused."""
+  if workdir is None or not str(workdir).strip():
+    raise ConfigError('--workdir is empty (an unset shell variable?): pass the directory the run '
+                      'writes its checkpoints and logs to, e.g. --workdir /shared/runs/tr11')
+  path = os.path.abspath(os.path.expanduser(workdir))
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ConfigError(f'workdir {path} is a file, not a directory; pass a directory')
+  return path
+
+
+def nearest_existing(path: str) -> str:
+  while not os.path.exists(path):
+    parent = os.path.dirname(path)
+    if parent == path:
+      break
+    path = parent
+  return path
+
+
+def check_writable(path: str, what: str, fix: str) -> None:
+  """Refuses `path` (a directory the run will create or write to) when it cannot be: a file in
+  its way, or a read-only or unwritable directory. Nothing is left behind."""
+  existing = nearest_existing(path)
+  if not os.path.isdir(existing):
+    raise ConfigError(f'{what} {path} cannot be created: {existing} is a file; {fix}')
+  try:
+    probe = os.path.join(existing, f'.t5x_like_write_probe_{os.getpid()}')
+    with open(probe, 'w') as f:
+      f.write('ok')
+    os.remove(probe)
+  except OSError as e:
+    raise ConfigError(f'{what} {path} is not writable ({e.strerror} in {existing}); '
+                      f'{fix}') from None
+
+
+class Lock:
+  """The exclusive lock of a workdir; `acquire()` refuses a second trainer with a ConfigError
+  naming the host and process that hold it. Creates the workdir if needed; `release()` removes
+  what `acquire()` created when the run never started (`started=False`)."""
+
+  def __init__(self, workdir: str):
+    self.workdir = workdir
+    self.path = os.path.join(workdir, LOCK_FILE)
+    self._file = None
+    self._created_workdir = False
+    self._created_file = False
+
+  @property
+  def held(self) -> bool:
+    return self._file is not None
+
+  def acquire(self) -> None:
+    self._created_workdir = not os.path.exists(self.workdir)
+    try:
+      os.makedirs(self.workdir, exist_ok=True)
+      self._created_file = not os.path.exists(self.path)
+      f = open(self.path, 'a+')  # pylint: disable=consider-using-with
+    except OSError as e:
+      raise ConfigError(f'workdir {self.workdir} is not writable ({e.strerror}); pass a '
+                        '--workdir that you can write to') from None
+    try:
+      fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      f.seek(0)
+      holder = f.read().strip()
+      f.close()
+      if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+        raise ConfigError(f'cannot lock workdir {self.workdir} ({e.strerror}); the filesystem '
+                          'may not support file locks: use a workdir on one that does') from None
+      raise ConfigError(f'workdir {self.workdir} is in use by another trainer '
+                        f'({describe_holder(holder)}); wait for it to end, stop it, or pass '
+                        'another --workdir') from None
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({'host': socket.gethostname(), 'pid': os.getpid(),
+                        'since': time.strftime('%Y-%m-%d %H:%M:%S')}) + '\n')
+    f.flush()
+    self._file = f
+
+  def release(self, started: bool = True) -> None:
+    """Lets the lock go. A run that never started removes the lock file and the workdir it
+    created, so a refused run leaves no trace."""
+    if self._file is None:
+      return
+    if not started and self._created_file:
+      try:
+        os.remove(self.path)
+        if self._created_workdir:
+          os.rmdir(self.workdir)
+      except OSError:
+        pass  # someone else's files appeared meanwhile: leave them
+    self._file.close()  # closing the only descriptor releases the flock
+    self._file = None
+
+
+def atomic_write_text(path: str, text: str) -> None:
+  """Writes `text` to `path` through a temporary file and a rename: never a half-written file."""
+  atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def describe_holder(text: str) -> str:
+  try:
+    holder = json.loads(text)
+    return f"host {holder['host']}, pid {holder['pid']}, since {holder['since']}"
+  except (ValueError, KeyError, TypeError):
+    return f'see {LOCK_FILE}'

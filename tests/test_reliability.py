@@ -1,0 +1,361 @@
+"""Nothing lost, nothing hung: damaged checkpoints moved aside, a workdir that changes only once
+the run starts, its lock, the divergence stop, failed saves, and signals outside the loop."""
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from t5x_like import checkpoints, runtime, train, watch
+from t5x_like import workdir as workdir_lib
+from t5x_like.config import ConfigError
+from t5x_like.train_state import TrainState
+from t5x_like.trainer import Trainer, read_metrics
+
+from conftest import ALERT_RECORD, REPO, read_alerts
+from test_checkpoints import corpus_config, losses_of
+
+pytestmark = pytest.mark.usefixtures('persistent_compilation_cache')
+
+
+@pytest.fixture(scope='module')
+def four_steps(tmp_path_factory):
+  """4 iterations of the one-layer corpus config, checkpoints at 2 and 4."""
+  workdir = str(tmp_path_factory.mktemp('four'))
+  Trainer(corpus_config(), workdir).run()
+  return workdir
+
+
+def snapshot(directory) -> dict:
+  """{relative path: content hash} of every file and directory under `directory`, but the lock
+  file's content (the last process that held the lock)."""
+  result = {}
+  for root, dirs, files in os.walk(directory):
+    for name in dirs:
+      result[os.path.relpath(os.path.join(root, name), directory)] = 'dir'
+    for name in files:
+      if name == workdir_lib.LOCK_FILE:
+        result[name] = 'lock'
+        continue
+      with open(os.path.join(root, name), 'rb') as f:
+        result[os.path.relpath(os.path.join(root, name), directory)] = hashlib.sha256(
+            f.read()).hexdigest()
+  return result
+
+
+def corpus_args(workdir, *overrides):
+  """train.main's command line for corpus_config(): a config file beside the workdir."""
+  path = os.path.join(os.path.dirname(os.path.abspath(str(workdir))), 'corpus_config.py')
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'w') as f:
+    f.write(f'import json\n\ndef get_config():\n  return json.loads('
+            f'{json.dumps(corpus_config().to_dict())!r})\n')
+  return ['--config', path, '--workdir', str(workdir), *overrides]
+
+
+# ----------------------------------------------------------------------- damaged checkpoints
+
+
+def test_a_damaged_latest_checkpoint_is_moved_aside_and_costs_no_good_step(four_steps, tmp_path):
+  """The issue's reproduction: step 4 loses its params; the run resumes from 2, says so, keeps
+  the damaged step under .damaged/, saves 4 and 6 afresh, and the keep policy (2 here) never
+  counts the broken step: no good step is lost."""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(four_steps, workdir)
+  shutil.rmtree(os.path.join(workdir, 'checkpoints', '4', 'params'))
+  root = os.path.join(workdir, 'checkpoints')
+  assert checkpoints.damaged_steps(root) == {4: 'missing params'}
+  trainer = Trainer(corpus_config(train=dict(steps=6), checkpoint=dict(max_to_keep=2)), workdir)
+  assert os.path.isdir(os.path.join(root, '4'))  # nothing moved before the run starts
+  trainer.run()
+  with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
+    log = f.read()
+  assert '> checkpoint 4 is damaged (missing params): moved aside to' in log
+  assert '> the run resumes from checkpoint 2 (complete checkpoints: [2])' in log
+  assert checkpoints.available_steps(root) == [4, 6]
+  assert checkpoints.damaged_steps(root) == {}
+  [moved] = glob.glob(os.path.join(root, checkpoints.DAMAGED_SUBDIR, '4-*'))
+  assert sorted(os.listdir(moved)) == ['_CHECKPOINT_METADATA', 'commit_success.txt', 'config',
+                                       'meta', 'opt_state', 'progress']
+  # Iterations 3 and 4 trained again from checkpoint 2, exactly as the first time.
+  assert losses_of(workdir)[:4] == losses_of(four_steps)
+
+
+def test_a_step_with_unreadable_metadata_is_damaged_too(four_steps, tmp_path):
+  root = str(tmp_path / 'ckpt')
+  shutil.copytree(os.path.join(four_steps, 'checkpoints'), root)
+  with open(os.path.join(root, '4', 'progress', 'metadata'), 'w') as f:
+    f.write('{"iteration": 4, "consu')  # torn
+  with open(os.path.join(root, '2', checkpoints.STEP_METADATA), 'w') as f:
+    f.write('')
+  problems = checkpoints.damaged_steps(root)
+  assert problems[4].startswith('the metadata of progress cannot be read')
+  assert problems[2].startswith(f'its {checkpoints.STEP_METADATA} cannot be read')
+  assert checkpoints.available_steps(root) == []
+
+
+# ------------------------------------------------------------------------------- the workdir
+
+
+def test_a_refused_resume_leaves_the_workdir_as_it_was(four_steps, tmp_path):
+  """Exit 2 from a bad resume (another model shape; a step whose tensors cannot be read)
+  changes nothing: not config.json, not the job history, not the records."""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(four_steps, workdir)
+  before = snapshot(workdir)
+  assert train.main(corpus_args(workdir, '--config.model.hidden_size=64')) == 2
+  assert snapshot(workdir) == before
+  data = os.path.join(workdir, 'checkpoints', '4', 'params', 'ocdbt.process_0', 'd')
+  biggest = max((os.path.join(data, f) for f in os.listdir(data)), key=os.path.getsize)
+  os.truncate(biggest, 100)
+  before = snapshot(workdir)
+  assert train.main(corpus_args(workdir, '--config.train.steps=6')) == 2
+  assert snapshot(workdir) == before
+
+
+def test_a_refused_run_does_not_create_its_workdir(tmp_path, capsys):
+  workdir = tmp_path / 'new' / 'run'
+  assert train.main(corpus_args(workdir, '--config.data.train_path=/nonexistent/prefix')) == 2
+  assert not os.path.exists(tmp_path / 'new' / 'run')
+  assert 'nonexistent' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('workdir', ['', '   '])
+def test_an_empty_workdir_is_refused(workdir, capsys):
+  assert train.main(['--config', 'configs/tiny.py', '--workdir', workdir]) == 2
+  assert '--workdir is empty' in capsys.readouterr().err
+
+
+def test_an_unwritable_tensorboard_dir_is_refused_before_anything(tmp_path, capsys):
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('x')
+  workdir = tmp_path / 'run'
+  assert train.main(corpus_args(workdir, f'--config.runtime.tensorboard_dir={blocker}/tb')) == 2
+  assert f'runtime.tensorboard_dir {blocker}/tb cannot be created: {blocker} is a file' in (
+      capsys.readouterr().err)
+  assert not os.path.exists(workdir)
+
+
+def test_a_second_trainer_on_a_workdir_is_refused_and_a_stale_lock_does_not_block(
+    four_steps, tmp_path):
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(four_steps, workdir)
+  holder = Trainer(corpus_config(train=dict(steps=6)), workdir)  # holds the lock until run ends
+  before = snapshot(workdir)
+  r = subprocess.run([sys.executable, '-m', 't5x_like.train', *corpus_args(workdir)], cwd=REPO,
+                     capture_output=True, text=True, timeout=300, check=False)
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert (f'workdir {workdir} is in use by another trainer (host {socket.gethostname()}, pid '
+          f'{os.getpid()}, since ') in r.stderr
+  assert snapshot(workdir) == before
+  with pytest.raises(ConfigError, match='is in use by another trainer'):
+    Trainer(corpus_config(train=dict(steps=6)), workdir)  # in the same process too
+  holder.run()
+  assert read_metrics(workdir)[-1]['iteration'] == 6
+  # A lock file left by a killed trainer (its content says who, but no process holds the lock).
+  with open(os.path.join(workdir, workdir_lib.LOCK_FILE), 'w') as f:
+    f.write('{"host": "dead-node", "pid": 1, "since": "2026-01-01 00:00:00"}\n')
+  Trainer(corpus_config(train=dict(steps=7)), workdir).run()
+  assert read_metrics(workdir)[-1]['iteration'] == 7
+
+
+def test_a_restart_with_no_checkpoint_starts_its_records_afresh(four_steps, tmp_path):
+  """A job killed before its first checkpoint left records; the next job starts from scratch
+  and so drops them: iteration 1 appears once."""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(four_steps, workdir)
+  shutil.rmtree(os.path.join(workdir, 'checkpoints'))
+  Trainer(corpus_config(train=dict(steps=2)), workdir).run()
+  assert [r['iteration'] for r in read_metrics(workdir)] == [1, 2]
+  assert losses_of(workdir) == losses_of(four_steps)[:2]
+
+
+# -------------------------------------------------------------------------------- divergence
+
+
+def test_a_run_whose_every_step_is_nan_stops_as_diverged(tmp_path):
+  """lr 1e30 (the issue's reproduction): iteration 1's update makes the params huge, every
+  later loss is NaN. The run stops after runtime.max_consecutive_nan of them with exit code 5
+  instead of going on to its last iteration, keeps (saves) iteration 1's state, the last finite
+  one, says what to do, and alerts."""
+  workdir = str(tmp_path / 'run')
+  code = train.main(corpus_args(
+      workdir, '--config.optimizer.lr=1e30', '--config.optimizer.min_lr=0',
+      '--config.optimizer.warmup_samples=0', '--config.train.steps=20',
+      '--config.runtime.max_consecutive_nan=3', f'--config.runtime.alert_command={ALERT_RECORD}'))
+  assert code == runtime.ExitCode.DIVERGED == 5
+  records = read_metrics(workdir)
+  assert [r['iteration'] for r in records] == [1, 2, 3, 4]
+  assert [r['nan_iterations'] for r in records] == [0, 1, 2, 3]
+  with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
+    log = f.read()
+  assert ('> diverged: iterations 2-4 (3 in a row, runtime.max_consecutive_nan=3) had a '
+          'non-finite loss or gradient norm') in log
+  assert 'roll back to checkpoint 1' in log
+  assert 'data.skip_train_iteration_range' in log and 'override_lr_scheduler' in log
+  assert log.rstrip().endswith('exit code 5 (DIVERGED)')
+  root = os.path.join(workdir, 'checkpoints')
+  assert checkpoints.available_steps(root) == [1]  # not 2 (periodic) nor 4: non-finite ones
+  assert checkpoints.read_progress(root).nan_iterations == 0
+  assert [a[0] for a in read_alerts(workdir)] == ['diverged']
+  assert watch.status(workdir, stale_mins=30, now=time.time() + 3600)['state'] == 'diverged'
+
+
+def test_a_divergence_keeps_the_last_finite_state(four_steps, tmp_path, monkeypatch):
+  """Iterations 4.. report non-finite (the step skipped them, so the state is iteration 3's):
+  the run saves iteration 3's state, not one labelled with a non-finite iteration."""
+  workdir = str(tmp_path / 'run')
+  real = Trainer.train_iteration
+
+  def non_finite_from_4(self, state, progress, total):
+    if progress.iteration + 1 < 4:
+      return real(self, state, progress, total)
+    progress.iteration += 1  # what a skipped step does to the counters
+    progress.skipped_iterations += 1
+    return state, False
+
+  monkeypatch.setattr(Trainer, 'train_iteration', non_finite_from_4)
+  trainer = Trainer(corpus_config(train=dict(steps=20), checkpoint=dict(save_interval=5),
+                                  runtime=dict(max_consecutive_nan=2)), workdir)
+  trainer.run()
+  assert trainer.stop_reason is runtime.StopReason.DIVERGED
+  root = os.path.join(workdir, 'checkpoints')
+  assert checkpoints.available_steps(root) == [3]
+  assert checkpoints.read_progress(root).iteration == 3
+
+
+def test_a_save_never_writes_non_finite_params(tmp_path):
+  from test_checkpoints import save_step, tiny_state
+  cfg, layout, state = tiny_state()
+  root = str(tmp_path / 'ckpt')
+  checkpointer = checkpoints.Checkpointer(root, 1, max_to_keep=3, layout=layout)
+  assert save_step(checkpointer, cfg, state, 1)
+  params = dict(state.params)
+  params['final_ln'] = {**params['final_ln'], 'scale': params['final_ln']['scale'] * float('inf')}
+  with pytest.raises(checkpoints.NonFiniteStateError,
+                     match='checkpoint 2 not saved: the params hold non-finite values .* The '
+                           'latest checkpoint, 1, is unchanged'):
+    save_step(checkpointer, cfg, TrainState(params, state.opt_state), 2)
+  checkpointer.close()
+  assert checkpoints.available_steps(root) == [1]
+  assert not [d for d in os.listdir(root) if d.startswith('2')]
+
+
+def test_divergence_watch_counts_consecutive_non_finite_iterations():
+  from t5x_like.metrics import DivergenceWatch
+  from t5x_like.train_state import Progress
+  watch_ = DivergenceWatch(3, Progress())
+  verdicts = []
+  for iteration, finite in enumerate([True, False, False, True, False, False, False], start=1):
+    verdicts.append(watch_.add(Progress(iteration=iteration), finite))
+  assert verdicts[:6] == [None] * 6
+  assert verdicts[6].startswith('> diverged: iterations 5-7 (3 in a row')
+  assert watch_.last_finite.iteration == 4
+  assert all(DivergenceWatch(0, Progress()).add(Progress(iteration=i), False) is None
+             for i in range(1, 50))
+
+
+# ----------------------------------------------------------------------------- failed saves
+
+
+def test_a_save_that_cannot_be_written_stops_the_run_and_keeps_the_earlier_ones(four_steps,
+                                                                              tmp_path):
+  """A write limit below a checkpoint's size (RLIMIT_FSIZE: every larger write fails with EFBIG,
+  as a full disk fails with ENOSPC) makes checkpoint 6 fail: exit 1, one message, and the
+  checkpoints before it intact; the next run, without the limit, resumes from 4."""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(four_steps, workdir)
+  limit = 64 * 1024  # above every log and metrics file here, below the checkpoint's data files
+
+  def limit_writes():
+    import resource
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+  r = subprocess.run([sys.executable, '-m', 't5x_like.train', *corpus_args(
+      workdir, '--config.train.steps=6')], cwd=REPO, capture_output=True, text=True,
+                     timeout=300, check=False, preexec_fn=limit_writes)
+  assert r.returncode == 1, r.stderr[-3000:]
+  errors = [line for line in r.stderr.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1
+  assert 'checkpoint 6 could not be written to' in errors[0]
+  assert 'File too large' in errors[0]
+  assert 'resumes from the latest complete checkpoint (4; complete: [2, 4])' in errors[0]
+  assert 'Traceback' not in r.stderr.split(errors[0])[1]  # nothing after the message
+  root = os.path.join(workdir, 'checkpoints')
+  assert checkpoints.available_steps(root) == [2, 4]
+  Trainer(corpus_config(train=dict(steps=6)), workdir).run()
+  assert checkpoints.available_steps(root) == [2, 4, 6]
+  assert [r['iteration'] for r in read_metrics(workdir)] == [1, 2, 3, 4, 5, 6]
+
+
+# ------------------------------------------------------------------ signals outside the loop
+
+STUCK_IN_START_UP = '''
+import os, signal, sys, time
+sys.path.insert(0, {tests!r})
+from t5x_like import train
+from t5x_like.data import sources
+real_build = sources.build
+
+def slow_build(*args, **kwargs):
+  open({marker!r}, 'w').close()
+  if {native!r}:
+    # As a thread inside a native call (an XLA compilation) is: no Python signal handler runs
+    # in it until the call returns.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM, signal.SIGINT}})
+  time.sleep(600)
+  return real_build(*args, **kwargs)
+
+sources.build = slow_build
+sys.exit(train.main({args!r}))
+'''
+
+
+@pytest.mark.parametrize('sig,native', [(signal.SIGTERM, False), (signal.SIGINT, False),
+                                        (signal.SIGTERM, True)])
+def test_a_signal_during_start_up_ends_the_process_at_once(tmp_path, sig, native):
+  """SIGTERM or SIGINT while the trainer prepares its data (here: a data preparation that would
+  take 10 minutes) ends it with exit code 3 and one message, and the workdir stays untouched;
+  also when the main thread is inside a native call that runs no Python handler."""
+  workdir = tmp_path / 'run'
+  marker = str(tmp_path / 'preparing')
+  script = STUCK_IN_START_UP.format(tests=os.path.join(REPO, 'tests'), marker=marker,
+                                    native=native, args=corpus_args(workdir))
+  process = subprocess.Popen([sys.executable, '-c', script], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+  try:
+    for _ in range(1200):
+      if os.path.exists(marker) or process.poll() is not None:
+        break
+      time.sleep(0.1)
+    assert os.path.exists(marker), process.communicate()[1][-3000:]
+    process.send_signal(sig)
+    _, err = process.communicate(timeout=120)  # the data preparation alone would take 600 s
+  finally:
+    process.kill()
+  assert process.returncode == runtime.ExitCode.REQUEUE, err[-3000:]
+  assert f'received {signal.Signals(sig).name} before the first iteration' in err
+  assert 'Traceback' not in err
+  # Locked (and so created), then removed again; a process that left from a native call can
+  # only leave its lock file, which blocks nobody.
+  assert not os.path.exists(workdir) or os.listdir(workdir) == [workdir_lib.LOCK_FILE]
+
+
+def test_the_watch_reports_a_diverged_run(tmp_path):
+  logs = tmp_path / 'logs'
+  logs.mkdir()
+  (logs / 'main_log.txt').write_text('> stopped: 4 iterations, 16 samples; exit code 5 '
+                                     '(DIVERGED)\n')
+  s = watch.status(str(tmp_path), stale_mins=30, now=time.time() + 3600)
+  assert s['state'] == 'diverged'
+  assert watch.main([str(tmp_path), '--json']) == 1
+  assert json.loads(json.dumps(s))['state'] == 'diverged'
