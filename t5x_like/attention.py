@@ -125,6 +125,6 @@ def _per_shard(kernel, q, k, v, alibi_slopes, mesh: Mesh):
 
 def _platform_if_known() -> str | None:
   """The device platform without starting a backend (which would fix the CPU device count)."""
-  if partitioning._backends_started():
+  if partitioning.backends_started():
     return jax.devices()[0].platform
   return 'cpu' if partitioning.cpu_only() else None

@@ -127,13 +127,22 @@ def resolve(path: str, step: int | None = None) -> tuple[str, int]:
                           'WORKDIR/checkpoints directory or one step directory inside it')
   if os.path.basename(path).isdigit() and _is_step_dir(path):
     root, own_step = os.path.dirname(path), int(os.path.basename(path))
-    if not _is_complete(path):
-      raise CheckpointError(f'{path} is an incomplete checkpoint (missing '
-                            f'{", ".join(_missing_items(path))}); use another step')
+    problem = step_problem(path)
+    if problem is not None:
+      raise CheckpointError(f'{path} is an incomplete checkpoint ({problem}); use another step')
     if step is not None and step != own_step:
       raise CheckpointError(f'{path} is step {own_step}, but step {step} was asked for')
     return root, own_step
   steps = available_steps(path)
+  if step is None:
+    # The latest step directory, when it is damaged, is named rather than silently passed over.
+    damaged = damaged_steps(path)
+    if damaged and (not steps or max(damaged) > steps[-1]):
+      latest = max(damaged)
+      raise CheckpointError(f'{os.path.join(path, str(latest))} is damaged: {damaged[latest]}. '
+                            f'Complete steps: {steps}; pass --step to use one of them (a '
+                            'training run moves the damaged step aside and resumes from the '
+                            'latest complete one)')
   if not steps:
     raise CheckpointError(f'{path} holds no complete checkpoint (no step directory with '
                           f'{", ".join(REQUIRED_ITEMS)}); point at a checkpoint root written by '
@@ -187,7 +196,7 @@ def step_problem(step_dir: str) -> str | None:
     try:
       _read_json_file(metadata)
     except (OSError, ValueError) as e:
-      return f'the metadata of {item} cannot be read ({type(e).__name__}: {e})'
+      return f'the metadata of its {item} item cannot be read ({type(e).__name__}: {e})'
   return None
 
 
@@ -508,7 +517,7 @@ class Checkpointer:
     # TensorStore names the operating system's error (no space left, file too large, permission
     # denied) deep inside a long line; it is what the user needs first.
     os_error = re.search(r'Failed to \w+ \d+ bytes to file \d+: ([^\[]+)', str(error))
-    reason = _error_reason(error)
+    reason = error_reason(error)
     if os_error:
       reason = f'{os_error.group(1).strip()} ({reason})'
     return SaveError(
@@ -590,7 +599,7 @@ class Checkpointer:
       self._purger.join()
 
 
-def _error_reason(error: BaseException) -> str:
+def error_reason(error: BaseException) -> str:
   """The most specific line of an Orbax/TensorStore error chain (they nest the useful one)."""
   chain, seen = [], set()
   while error is not None and id(error) not in seen:
@@ -613,7 +622,7 @@ def _orbax_restore(root: str, step: int, items: dict[str, Any]) -> dict[str, Any
   except Exception as e:  # TensorStore raises bare Exceptions for missing or truncated files.
     others = [s for s in available_steps(root) if s != step]
     raise CheckpointError(f'{step_dir} is damaged or incomplete and cannot be restored: '
-                          f'{_error_reason(e)}. Restore another step (available: {others}) or '
+                          f'{error_reason(e)}. Restore another step (available: {others}) or '
                           'move this one away') from None
   finally:
     mgr.close()

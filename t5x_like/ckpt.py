@@ -97,7 +97,7 @@ def run_tool(args) -> int:
 def _use_cpu() -> None:
   """Unless JAX_PLATFORMS says otherwise, the tools never take a GPU (a job may be using it)."""
   from t5x_like import partitioning
-  if not os.environ.get('JAX_PLATFORMS') and not partitioning._backends_started():
+  if not os.environ.get('JAX_PLATFORMS') and not partitioning.backends_started():
     import jax
     jax.config.update('jax_platforms', 'cpu')
   import absl.logging

@@ -83,7 +83,7 @@ class CheckpointReader:
         tree = reader.metadata(os.path.join(self.dir, item)).item_metadata.tree
     except Exception as e:  # a missing or truncated _METADATA, or not an Orbax item at all
       raise CheckpointError(f'{self.dir} is damaged: the metadata of its {item} item cannot be '
-                            f'read ({checkpoints._error_reason(e)})') from None
+                            f'read ({checkpoints.error_reason(e)})') from None
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, ArrayMetadata))
     infos = []
     for leaf in leaves:
@@ -117,7 +117,7 @@ class CheckpointReader:
         self._stores[info.key] = ts.open(spec, open=True, read=True).result()
       except Exception as e:
         raise CheckpointError(f'{self.dir} is damaged: {info.key} cannot be opened '
-                              f'({checkpoints._error_reason(e)})') from None
+                              f'({checkpoints.error_reason(e)})') from None
     return self._stores[info.key]
 
   def chunks(self, info: TensorInfo) -> Iterator[np.ndarray]:
@@ -134,7 +134,7 @@ class CheckpointReader:
         yield np.asarray(store[start:min(rows, start + step)].read().result())
     except Exception as e:
       raise CheckpointError(f'{self.dir} is damaged: {info.key} cannot be read '
-                            f'({checkpoints._error_reason(e)})') from None
+                            f'({checkpoints.error_reason(e)})') from None
 
 
 def _progress_bar(total_bytes: int, description: str):

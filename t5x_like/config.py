@@ -836,8 +836,8 @@ def load_config_file(path: str, overrides: dict[str, Any] | None = None) -> Conf
   if not isinstance(raw, dict) or not all(isinstance(v, dict) or v is None
                                           for v in raw.values()):
     raise ConfigError(f'{path}: get_config() returned {_one_line(repr(raw))[:60]}, not a '
-                      'mapping of sections to their keys (an ml_collections.ConfigDict or dict such as '
-                      "{'train': {'steps': 10}}); return one, as configs/tiny.py does")
+                      'mapping of sections to their keys (an ml_collections.ConfigDict or dict '
+                      "such as {'train': {'steps': 10}}); return one, as configs/tiny.py does")
   raw = dict(raw)
   for dotted, value in (overrides or {}).items():
     apply_override(raw, dotted, value)

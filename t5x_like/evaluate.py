@@ -169,13 +169,12 @@ def load_for_inference(checkpoint: str, dtype: str | None = None, step: int | No
   The params are restored into the mesh's compute shardings: split over `tensor` as training
   splits them, replicated over `data` (no ZeRO split: every data shard runs the whole model).
   """
-  import jax
   from t5x_like import checkpoints, partitioning
   from t5x_like.train_state import make_layout
   cfg = inference_config(checkpoints.read_config(checkpoint, step), dtype, data, tensor)
   layout = make_layout(cfg, partitioning.make_mesh(data, 1, tensor))
   params = checkpoints.restore_params(checkpoint, layout, cfg, step)
-  return cfg, jax.device_put(params, layout.compute_param_shardings)
+  return cfg, layout.compute_params(params)
 
 
 def load_data(args: argparse.Namespace, saved: Config) -> np.ndarray:

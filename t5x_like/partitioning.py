@@ -10,13 +10,17 @@ and the logits on `vocab`.
 ZeRO-1: fp32 master params and Adam moments are additionally split over `data` on one dimension that
 the rules leave unsharded (never `layers`, so the layer scan never gathers the whole stack). The
 forward pass casts the params to the compute dtype and constrains them to the rule sharding (no
-`data`), which all-gathers the bf16 copy, as DeepSpeed does.
+`data`), which all-gathers the bf16 copy, as DeepSpeed does. When `data` divides no dimension
+(DP 12 or 24 against a hidden size of 14,336), the state holds that dimension padded with zeros to
+a multiple of `data` (`zero_split`), as DeepSpeed pads its flat buffer; checkpoints keep the
+unpadded shapes (train_state.StateLayout converts).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 from collections.abc import Sequence
 
@@ -87,11 +91,12 @@ def spec_for(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P
 
 
 def zero_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
-  """Rule spec plus a `data` split (ZeRO-1) on one dim that `data` divides.
+  """Rule spec plus a `data` split (ZeRO-1) on one dim that `data` divides, without padding.
 
   Prefers the largest dim the rules leave unsplit; otherwise splits an already tensor-split dim
-  further (`('tensor', 'data')`). Never the stacked `layers` dim. Tiny tensors that nothing
-  divides stay replicated over `data`.
+  further (`('tensor', 'data')`). Never the stacked `layers` dim. A tensor that `data` divides
+  nowhere stays replicated over `data` (checkpoints' canonical layout; the train state pads
+  instead, `zero_split`).
   """
   spec = list(spec_for(names, shape, mesh))
   data = mesh.shape['data']
@@ -109,6 +114,96 @@ def zero_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> 
     axes = spec[best] if isinstance(spec[best], tuple) else (spec[best],)
     spec[best] = axes + ('data',)
   return P(*spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroSplit:
+  """Where the train state holds one tensor: `spec` over the mesh, for an array of
+  `padded_shape` (the tensor's shape with zeros appended to the `data`-split dim, or the same
+  shape when nothing needs padding)."""
+  spec: P
+  padded_shape: tuple[int, ...]
+
+
+def zero_split(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> ZeroSplit:
+  """The ZeRO-1 layout of a tensor in the train state: `zero_spec` where `data` divides a dim;
+  otherwise the largest dim the rules leave unsplit (never `layers`), padded with zeros up to a
+  multiple of `data` and split over it. Only a tensor whose every free dim is smaller than
+  `data` (padding would more than double it) stays replicated over `data`."""
+  shape = tuple(int(n) for n in shape)
+  spec = zero_spec(names, shape, mesh)
+  data = mesh.shape['data']
+  if data == 1 or 'data' in _mesh_axes(spec):
+    return ZeroSplit(spec, shape)
+  spec = list(spec) + [None] * (len(shape) - len(spec))
+  # A tensor-split dim is never padded: padding would move its tensor shards' boundaries, and
+  # the compute copy (no padding) would then be gathered across tensor ranks too.
+  free = [i for i, n in enumerate(names)
+          if n != 'layers' and spec[i] is None and shape[i] >= data]
+  if not free:
+    return ZeroSplit(P(*spec), shape)
+  dim = max(free, key=lambda i: shape[i])
+  spec[dim] = 'data'
+  padded = list(shape)
+  padded[dim] = -(-shape[dim] // data) * data
+  return ZeroSplit(P(*spec), tuple(padded))
+
+
+def checkpoint_sharding(names: Sequence[str | None], shape: Sequence[int],
+                        mesh: Mesh) -> NamedSharding:
+  """Where a tensor of the checkpoint (true, unpadded shape) lives while saved or restored:
+  `zero_spec` where `data` divides a dim; otherwise split over the largest factor of `data` that
+  a dim (never `layers`) still divides, on a mesh whose `data` axis is cut into that factor and
+  `data_rest` (replicated), so that a DP-24 save holds hidden-size tensors split 8 ways, not whole.
+  """
+  spec = list(zero_spec(names, shape, mesh))
+  data = mesh.shape['data']
+  if data == 1 or 'data' in _mesh_axes(P(*spec)):
+    return NamedSharding(mesh, P(*spec))
+  per_shard = lambda i: shape[i] // _axis_size(mesh, spec[i])
+  dims = [i for i, n in enumerate(names) if n != 'layers']
+  best = max(dims, key=lambda i: (math.gcd(data, per_shard(i)), shape[i]), default=None)
+  factor = math.gcd(data, per_shard(best)) if best is not None else 1
+  if factor == 1:
+    return NamedSharding(mesh, P(*spec))
+  devices = mesh.devices.reshape(factor, data // factor, *mesh.devices.shape[1:])
+  factored = Mesh(devices, ('data', 'data_rest') + MESH_AXES[1:])
+  axes = () if spec[best] is None else (
+      spec[best] if isinstance(spec[best], tuple) else (spec[best],))
+  spec[best] = 'data' if not axes else axes + ('data',)
+  return NamedSharding(factored, P(*spec))
+
+
+def tree_checkpoint_shardings(mesh: Mesh, logical_names, shapes):
+  """`checkpoint_sharding` of every tensor of a pytree of logical-name tuples and shapes."""
+  return jax.tree.map(lambda names, shape: checkpoint_sharding(names, shape, mesh),
+                      logical_names, shapes, is_leaf=is_names)
+
+
+def _mesh_axes(spec: P) -> list[str]:
+  return [a for axes in spec if axes is not None
+          for a in (axes if isinstance(axes, tuple) else (axes,))]
+
+
+def is_names(x) -> bool:
+  """A tuple of logical axis names (a leaf of a params' logical-names tree)."""
+  return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+
+def tree_zero_splits(mesh: Mesh, logical_names, shapes):
+  """`zero_split` of every tensor of a pytree of logical-name tuples and matching shapes."""
+  return jax.tree.map(lambda names, shape: zero_split(names, shape, mesh), logical_names,
+                      shapes, is_leaf=is_names)
+
+
+def replicated_over_data(mesh: Mesh, shardings) -> list[str]:
+  """Paths of a pytree of NamedShardings whose tensors are whole on every `data` rank (none when
+  `data` is 1: there is one copy)."""
+  if mesh.shape['data'] == 1:
+    return []
+  return [jax.tree_util.keystr(path)
+          for path, sharding in jax.tree_util.tree_flatten_with_path(shardings)[0]
+          if 'data' not in _mesh_axes(sharding.spec)]
 
 
 # The most virtual CPU devices a process creates: more take minutes to start and never make a
@@ -129,8 +224,7 @@ def ensure_devices(num_devices: int) -> None:
                       f'accelerators, and at most {MAX_VIRTUAL_CPU_DEVICES} virtual CPU devices '
                       'are allowed (creating more takes minutes and tests nothing more); ask '
                       'for fewer, or run on GPUs')
-  backends_started = _backends_started()
-  if not backends_started and cpu_only() and not jax.distributed.is_initialized():
+  if not backends_started() and cpu_only() and not jax.distributed.is_initialized():
     current = jax.config.jax_num_cpu_devices
     if current is None or current < num_devices:
       jax.config.update('jax_num_cpu_devices', max(num_devices, 1))
@@ -143,7 +237,8 @@ def ensure_devices(num_devices: int) -> None:
                        f'{platform.upper()} device(s) are present; {hint}')
 
 
-def _backends_started() -> bool:
+def backends_started() -> bool:
+  """Whether a JAX backend has started (after which the virtual CPU device count is fixed)."""
   from jax._src import xla_bridge
   return bool(xla_bridge._backends)
 
@@ -172,8 +267,6 @@ def named(mesh: Mesh, spec: P) -> NamedSharding:
 
 def tree_shardings(mesh: Mesh, logical_names, shapes, zero: bool):
   """NamedShardings for a pytree of logical-name tuples and a matching pytree of shapes."""
-  is_names = lambda x: isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
-
   def one(names, shape):
     spec = zero_spec(names, shape, mesh) if zero else spec_for(names, shape, mesh)
     return NamedSharding(mesh, spec)

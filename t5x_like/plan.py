@@ -58,6 +58,9 @@ def plan(cfg: Config) -> dict:
       'temp_gib': memory.temp_size_in_bytes / gib,
       'peak_gib': (memory.argument_size_in_bytes + memory.output_size_in_bytes +
                    memory.temp_size_in_bytes - memory.alias_size_in_bytes) / gib,
+      # ZeRO-1 leaves these params' fp32 copy and Adam moments whole on every `data` rank (only
+      # ones with no dim to pad: every dim split by the rules, or smaller than `data`).
+      'replicated_over_data': layout.replicated_over_data(),
   }
   if cfg.train.rampup_microbatch_multiple:
     # What the fewer programs cost: the share of the micro-batches the step runs over the run

@@ -39,7 +39,7 @@ from t5x_like.config import Config, ConfigError
 from t5x_like.data import replay, sources
 from t5x_like.data.indexed import DataError
 from t5x_like.data.tokenizer import Tokenizer
-from t5x_like.train_state import Progress, StateLayout, TrainState, make_layout
+from t5x_like.train_state import Progress, StateLayout, TrainState, describe_zero, make_layout
 
 
 def _compute_params(params, layout: StateLayout, dtype):
@@ -114,6 +114,7 @@ def make_train_step(cfg: Config, layout: StateLayout):
 
   def step(state: TrainState, batch, lr, iteration):
     rng = jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), iteration)
+    state = layout.unpad(state, None)  # ZeRO's padding (partitioning.zero_split) stays outside
     loss, grads = loss_and_grads(state.params, batch, rng)
     grads, grad_norm = optim.clip_by_global_norm(grads, cfg.optimizer.clip_grad)
     num_zeros = sum(jnp.sum(g == 0) for g in jax.tree.leaves(grads))
@@ -132,7 +133,7 @@ def make_train_step(cfg: Config, layout: StateLayout):
     stats = {'lm_loss': loss, 'grad_norm': grad_norm,
              'num_zeros': num_zeros.astype(jnp.float32), 'finite': finite,
              'loss_finite': jnp.isfinite(loss)}
-    return new_state, stats
+    return layout.pad(new_state, None), stats
 
   return step
 
@@ -144,6 +145,7 @@ def make_eval_step(cfg: Config, layout: StateLayout):
   dtype = jnp.dtype(cfg.model.dtype)
 
   def step(params, batch):
+    params = layout.unpad(params, 'params')
     if cfg.mesh.pipeline > 1:
       ctx = model_lib.Context(cfg.model, layout.mesh)
       return pipeline.pipeline_loss(_gathered_params(params, layout), batch,
@@ -237,15 +239,16 @@ class Trainer:
     self.resume_meta: dict[str, Any] = {}
     if self.resume_step:
       what = f'the checkpoint in {self.ckpt_root} (this workdir resumes it)'
-      saved_cfg = checkpoints.read_config(self.ckpt_root)
+      step = self.resume_step[-1]  # the latest complete step (damaged ones are moved aside)
+      saved_cfg = checkpoints.read_config(self.ckpt_root, step)
       checkpoints.check_compatible(saved_cfg, cfg, what)
       # checkpoint.load_optimizer=False resets Adam once: a checkpoint its own job saved (a
       # requeue, the next job of an array with the same flags) already has the fresh state.
       self.reset_done = (not cfg.checkpoint.load_optimizer and
                          not saved_cfg.checkpoint.load_optimizer and
-                         checkpoints.has_optimizer_state(self.ckpt_root))
-      self.resume_meta = checkpoints.read_meta(self.ckpt_root)
-      self.resume_progress = checkpoints.read_progress(self.ckpt_root)
+                         checkpoints.has_optimizer_state(self.ckpt_root, step))
+      self.resume_meta = checkpoints.read_meta(self.ckpt_root, step)
+      self.resume_progress = checkpoints.read_progress(self.ckpt_root, step)
       checkpoints.check_lr_schedule(self.resume_meta, cfg, what)
       cfg = self.cfg = self._resumed_config(cfg, self.resume_meta)
       # Every difference from the checkpoint's run in the log, before training: edits between
@@ -294,7 +297,6 @@ class Trainer:
     self.adam_count_base = {'iteration': 0, 'skipped_iterations': 0}  # set by initial_state()
     self.peak_tflops = 1.0  # measured by _train()
     self.stop_reason: runtime.StopReason | None = None
-    self.diverged = False
     self.final_state: TrainState | None = None
 
   def _check_output_dirs(self, cfg: Config) -> None:
@@ -331,6 +333,10 @@ class Trainer:
         self.writer.info(f'> the run resumes from '
                          f'{f"checkpoint {progress.iteration}" if self.resume_step else "scratch"}'
                          f' (complete checkpoints: {self.resume_step or "none"})')
+    if distributed.joined().is_multi_process:
+      # No process opens the checkpoint manager while process 0 still moves damaged steps.
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices('t5x_like: damaged checkpoints moved aside')
     self.checkpointer = checkpoints.Checkpointer(
         self.ckpt_root, cfg.checkpoint.save_interval, cfg.checkpoint.max_to_keep, self.layout,
         keep_period=cfg.checkpoint.keep_period,
@@ -436,6 +442,7 @@ class Trainer:
     if self.resume_step:
       load_optimizer = cfg.checkpoint.load_optimizer or self.reset_done
       state, progress = checkpoints.restore(self.ckpt_root, self.layout, cfg,
+                                            step=self.resume_step[-1],
                                             load_optimizer=load_optimizer)
       self.writer.info(f'> resumed from {self.ckpt_root}/{progress.iteration}: '
                        f'{progress.consumed_samples} samples consumed')
@@ -569,7 +576,7 @@ class Trainer:
     """Stage plan, and parameters held per stage (all of a stage's tensor ranks together)."""
     plan, sizes = self.layout.plan, []
     per_slot, shared = 0, 0
-    for path, a in jax.tree_util.tree_flatten_with_path(self.layout.abstract.params)[0]:
+    for path, a in jax.tree_util.tree_flatten_with_path(self.layout.logical.params)[0]:
       if pipeline.is_layer_leaf(path):
         per_slot += a.size // plan.num_slots
       else:
@@ -839,6 +846,7 @@ class Trainer:
                      f'devices); {cfg.num_microbatches} micro-batch(es) of '
                      f'{cfg.train.micro_batch_size} per data rank')
     self.writer.info(f'> software: {provenance.describe(self.software)}')
+    self.writer.info(describe_zero(self.layout))
     # Everything that can refuse the run comes before start(): the restore and the data check.
     state, progress = self.initial_state()
     self.check_data(progress)

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from t5x_like import partitioning
 from t5x_like.trainer import make_train_step
-from t5x_like.train_state import make_layout
+from t5x_like.train_state import describe_zero, make_layout
 
 from conftest import run_steps, small_config
 
@@ -123,3 +123,104 @@ def test_replica_check_finds_a_drifted_layernorm():
   same = jax.device_put(np.ones(8, np.float32), sharding)
   assert partitioning.replica_mismatches({'ln': {'scale': drifted, 'bias': same}}) == [
       "['ln']['scale']"]
+
+
+
+@pytest.fixture(scope='module')
+def single_device_run_of_6():
+  return run_steps(small_config(train=dict(global_batch_size=6)))
+
+
+@pytest.mark.parametrize('tensor', [1, 2])
+def test_zero1_pads_where_data_divides_nothing_and_matches_single_device(single_device_run_of_6,
+                                                                          tensor):
+  """mesh.data=3 divides none of hidden 64, 4h 256 and the 1,024-row vocabulary: ZeRO-1 still
+  splits every tensor over `data` (padded with zeros to a multiple of 3 inside the state), and
+  training gives the single-device run's losses, norms and params; the padding stays zero."""
+  cfg = small_config(mesh=dict(data=3, tensor=tensor), train=dict(global_batch_size=6))
+  layout = make_layout(cfg, partitioning.make_mesh(3, 1, tensor))
+  # The h->4h bias [layers, 4h] has no dim to pad: 4h is tensor-split (and 6 does not divide it).
+  assert layout.replicated_over_data() == ([] if tensor == 1 else ["['layers']['mlp']['wi_bias']"])
+  # 4h->h: the rules split 4h over tensor when there is one, so the hidden dim is the one padded.
+  wo = layout.abstract.params['layers']['mlp']['wo_kernel']
+  assert (wo.shape, wo.sharding.spec) == (
+      ((2, 258, 64), P(None, 'data', None)) if tensor == 1 else
+      ((2, 256, 66), P(None, 'tensor', 'data')))
+  losses, norms, params = run_steps(cfg)
+  ref_losses, ref_norms, ref_params = single_device_run_of_6
+  assert losses[-1] < losses[0]
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
+  true_part = lambda a, want: a[tuple(slice(0, n) for n in want.shape)]
+  padding_values = []
+  for a, want in zip(jax.tree.leaves(params), jax.tree.leaves(layout.logical.params)):
+    is_padding = np.ones(a.shape, bool)
+    is_padding[tuple(slice(0, n) for n in want.shape)] = False
+    padding_values.append(a[is_padding])
+  padding_values = np.concatenate(padding_values)
+  assert padding_values.size and not padding_values.any()  # padding there, and all zeros
+  unpadded = jax.tree.map(true_part, params, layout.logical.params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), unpadded,
+               ref_params)
+
+
+@pytest.mark.parametrize('model, pairs', [
+    ({}, [((3, 2, 1), (1, 1, 1)), ((1, 1, 1), (3, 1, 2))]),
+    # Hidden 54 over data 4: the checkpoint copy of [layers, 54] is split over 2 of the 4.
+    (dict(hidden_size=54, num_heads=6), [((4, 1, 2), (1, 1, 1)), ((1, 1, 1), (4, 1, 1))]),
+], ids=['data3', 'data4_hidden54'])
+def test_zero1_padded_state_checkpoints_in_true_shapes_onto_any_mesh(tmp_path, model, pairs):
+  """A state saved from a padded (and stage-ordered) layout holds the true shapes on disk and
+  restores bitwise onto one device, and the other way round onto a padded layout."""
+  from t5x_like import checkpoints
+  from t5x_like.train_state import Progress, TrainState
+
+  def mesh_layout(data, pipe, tensor):
+    cfg = small_config(mesh=dict(data=data, pipeline=pipe, tensor=tensor), model=model,
+                       train=dict(global_batch_size=6 if data == 3 else 8)).validate()
+    return cfg, make_layout(cfg, partitioning.make_mesh(data, pipe, tensor))
+
+  rng = np.random.default_rng(0)
+  random_like = lambda a: (np.full(a.shape, 5, a.dtype) if jnp.issubdtype(a.dtype, jnp.integer)
+                           else rng.standard_normal(a.shape).astype(a.dtype))
+  canonical = jax.tree.map(random_like, mesh_layout(1, 1, 1)[1].canonical)
+
+  def save(data, pipe, tensor):
+    cfg, layout = mesh_layout(data, pipe, tensor)
+    placed = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), canonical, layout.canonical)
+    state = TrainState(layout.from_canonical(placed.params, 'params'),
+                       layout.from_canonical(placed.opt_state, 'opt_state'))
+    root = str(tmp_path / f'{data}x{pipe}x{tensor}')
+    checkpointer = checkpoints.Checkpointer(root, 1, 1, layout)
+    progress = Progress(iteration=5)
+    checkpointer.save(state, progress, cfg, checkpoints.make_meta(
+        cfg, progress, cfg.train.seed, {'iteration': 0, 'skipped_iterations': 0}))
+    checkpointer.close()
+    return root, layout
+
+  for saved_on, restored_on in pairs:
+    root, save_layout = save(*saved_on)
+    cfg, layout = mesh_layout(*restored_on)
+    assert save_layout.is_padded or layout.is_padded
+    if 'hidden_size' in model:  # the checkpoint copy: split over part of data, not whole
+      ln = (save_layout if saved_on[0] == 4 else layout).canonical.params['layers']['ln1']['scale']
+      assert ln.sharding.shard_shape(ln.shape) == (2, 27)
+    state, _ = checkpoints.restore(root, layout, cfg)
+    # Restored straight into the padded storage shapes and their shardings.
+    assert all(jax.tree.leaves(jax.tree.map(
+        lambda a, want: a.shape == want.shape and a.sharding == want.sharding, state,
+        layout.abstract)))
+    for which in ('params', 'opt_state'):
+      jax.tree.map(np.testing.assert_array_equal,
+                   jax.device_get(layout.to_canonical(getattr(state, which), which)),
+                   getattr(canonical, which))  # bitwise
+
+
+def test_zero1_start_up_line_names_what_stays_replicated_over_data():
+  cfg = small_config(mesh=dict(data=3, tensor=2), train=dict(global_batch_size=6))
+  line = describe_zero(make_layout(cfg, partitioning.make_mesh(3, 1, 2)))
+  assert 'split over data=3' in line
+  assert line.endswith("replicated over data: ['layers']['mlp']['wi_bias']")
+  assert "['word_embeddings']" in line  # padded: 1,024 rows / tensor 2 = 512, not a multiple of 3
+  line = describe_zero(make_layout(small_config(), partitioning.make_mesh(1, 1, 1)))
+  assert line == '> ZeRO-1: mesh.data is 1, nothing to split'

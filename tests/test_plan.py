@@ -22,10 +22,26 @@ def test_bloom_176b_lowers_and_compiles_on_384_virtual_devices():
   layers = 72 * (12 * h * h + 13 * h) * 12 / 384
   embedding = 250880 * h * 12 / (4 * 8)
   assert abs(report['argument_gib'] - (layers + embedding) / 2**30) < 0.01
+  assert report['replicated_over_data'] == []  # data 8 divides a dim of every tensor
   # XLA's peak per device fits an 80 GB GPU with room for CUDA's own memory (64.4 GiB in this
   # compile; 145.7 GiB while the last stage's outputs were stacked over all 139 ticks and the
   # kept bf16 stage inputs were widened to f32 on CPU, docs/benchmarks.md).
   assert report['peak_gib'] < 72, report
+
+
+def test_zero1_splits_the_state_over_a_data_that_divides_no_dim():
+  """tiny on data=3: 3 divides neither hidden 256, 4h 1,024 nor the 8,192-row vocabulary, and
+  ZeRO-1 still splits the fp32 params and both Adam moments (12 bytes/param) three ways: the
+  step's arguments are a third of the state plus the padding and a 4 x 129 batch (2.7 times
+  that when those tensors stayed whole on every data rank)."""
+  r = run_cli(['-m', 't5x_like.plan', '--config', 'configs/tiny.py', '--json',
+               '--config.mesh.data=3', '--config.mesh.tensor=1',
+               '--config.train.global_batch_size=12'])
+  assert r.returncode == 0, r.stderr[-3000:]
+  report = json.loads(r.stdout.strip().splitlines()[-1])
+  assert report['replicated_over_data'] == []
+  third = 12 * report['params'] / 3
+  assert third < report['argument_gib'] * 2**30 < third * 1.01, report
 
 
 def test_ramp_up_padded_to_the_full_micro_batch_count_is_one_program():

@@ -97,7 +97,7 @@ def test_a_step_with_unreadable_metadata_is_damaged_too(four_steps, tmp_path):
   with open(os.path.join(root, '2', checkpoints.STEP_METADATA), 'w') as f:
     f.write('')
   problems = checkpoints.damaged_steps(root)
-  assert problems[4].startswith('the metadata of progress cannot be read')
+  assert problems[4].startswith('the metadata of its progress item cannot be read')
   assert problems[2].startswith(f'its {checkpoints.STEP_METADATA} cannot be read')
   assert checkpoints.available_steps(root) == []
 

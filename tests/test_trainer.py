@@ -397,13 +397,13 @@ def write_random_dataset(prefix, num_documents, seed, vocab=8192):
 def megatron_data(tmp_path_factory):
   root = tmp_path_factory.mktemp('megatron_data')
   return {name: write_random_dataset(str(root / f'{name}_text_document'), n, seed)
-          for name, n, seed in (('en', 60, 1), ('fr', 40, 2), ('held_out', 20, 3))}
+          for name, n, seed in (('en', 150, 1), ('fr', 100, 2), ('held_out', 20, 3))}
 
 
 def data_config(megatron_data, **sections):
   return corpus_config(**{
       'data': dict(train_path=f"0.6 {megatron_data['en']} 0.4 {megatron_data['fr']}",
-                   split='80,15,5', valid_path={'held_out': megatron_data['held_out']},
+                   split='70,15,15', valid_path={'held_out': megatron_data['held_out']},
                    skip_train_iteration_range=('2-3',)),
       'eval': dict(interval=3, iters=2),
       **sections})
@@ -440,7 +440,7 @@ def test_megatron_data_evaluation_and_skipped_ranges(megatron_data, tmp_path,
   assert re.search(r' valid loss at iteration 3 \| lm loss value: [\d.]+E\+00 \| '
                    r'lm loss PPL: [\d.]+E\+0\d \|', log)
   assert ' test loss at the end of training (iteration 6) |' in log
-  assert f"> data: {megatron_data['en']} (weight 0.6000): 60 documents" in log
+  assert f"> data: {megatron_data['en']} (weight 0.6000): 150 documents" in log
   # How much of each dataset the whole run reads: 6 iterations x 8 samples, blended 0.6 / 0.4.
   drawn = trainer.data.train.blend.counts(48)
   assert sorted(drawn) == [19, 29]
