@@ -1,7 +1,7 @@
 """`python -m t5x_like.plan`: compile a config's train step ahead of time and report its cost.
 
   python -m t5x_like.plan --config configs/bloom_176b.py [--config.key=value ...]
-      [--unroll] [--json]
+      [--unroll] [--json] [--breakdown]
 
 Nothing is allocated: the step is lowered for abstract (shape-only) state and batch on the
 config's mesh (virtual CPU devices when no accelerator is present) and compiled by XLA. The report
@@ -9,6 +9,11 @@ gives XLA's FLOPs and memory per device against the ideal: the Megatron model FL
 over the devices, so the pipeline bubble's and recomputation's costs are numbers. XLA's cost
 analysis counts a loop body once, not once per trip: pass --unroll for FLOP counts (the rolled
 compile is what training runs and what the memory figures describe).
+
+--breakdown prints where the peak memory goes (`memory_breakdown` in --json), read from XLA's
+buffer assignment for this compile (t5x_like/memory_report.py): the state by kind, the buffers
+live at XLA's peak by what they hold, the heap's packing loss, the largest temporaries, and what
+the CPU compile overstates by keeping bf16 values in f32 buffers.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import sys
 import time
 
+from t5x_like import memory_report
 from t5x_like.config import Config, ConfigError, load_config_file
 from t5x_like.train import parse_overrides
 
@@ -30,7 +36,7 @@ def plan(cfg: Config) -> dict:
   layout = make_layout(cfg, mesh)
   start = time.perf_counter()
   lowered = lower_train_step(cfg, layout, cfg.num_microbatches)
-  compiled = lowered.compile()
+  compiled, dump = memory_report.compile_with_buffer_dump(lowered)
   compile_s = time.perf_counter() - start
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -70,7 +76,53 @@ def plan(cfg: Config) -> dict:
   if cfg.mesh.pipeline > 1:
     report['pipeline_bubble'] = layout.plan.bubble_fraction(cfg.num_microbatches)
     report['stage_plan'] = layout.plan.describe()
+  with dump:
+    report.update(_memory_breakdown(cfg, dump.name, memory, report['peak_gib']))
   return report
+
+
+def _memory_breakdown(cfg: Config, dump_dir: str, memory, peak_gib: float) -> dict:
+  gib = 1024**3
+  stage_input = None
+  if cfg.mesh.pipeline > 1:
+    # A pipeline keeps each tick's stage inputs: [ticks, stages on a device, rows, seq, hidden].
+    ticks = cfg.num_microbatches * cfg.pipeline.repeats + cfg.mesh.pipeline - 1
+    stage_input = (ticks, cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.hidden_size)
+  try:
+    found = memory_report.breakdown(dump_dir, memory, stage_input=stage_input,
+                                    data=cfg.mesh.data)
+  except memory_report.DumpError as e:
+    return {'memory_breakdown': {'error': str(e)}}
+  overstated = found['cpu_overstatement_bytes'] / gib
+  breakdown = {
+      'gib': {name: value / gib for name, value in found['bytes'].items()},
+      'peak_phase': found['peak_phase'],
+      'largest_temporaries': [dict(t, gib=t.pop('bytes') / gib)
+                              for t in found['largest_temporaries']],
+      'cpu_overstatement_note': memory_report.OVERSTATEMENT_NOTE,
+  }
+  return {'memory_breakdown': breakdown, 'cpu_overstatement_gib': overstated,
+          'gpu_estimate_peak_gib': peak_gib - overstated}
+
+
+def print_breakdown(report: dict) -> None:
+  breakdown = report['memory_breakdown']
+  if 'error' in breakdown:
+    print(f'memory breakdown unavailable: {breakdown["error"]}')
+    return
+  print(f'\nWhere the peak goes (GiB per device; XLA\'s peak {report["peak_gib"]:.2f}, in the '
+        f'{breakdown["peak_phase"]} pass):')
+  for name, value in breakdown['gib'].items():
+    print(f'{name:>40}: {value:9.3f}')
+  print(f'{"total":>40}: {sum(breakdown["gib"].values()):9.3f}')
+  print('\nLargest temporaries:')
+  print(f'{"GiB":>9}  {"shape":<32} {"category":<28} {"at peak":<7} op')
+  for t in breakdown['largest_temporaries']:
+    widened = ' (bf16 held as f32)' if t['widened_from_bf16'] else ''
+    print(f'{t["gib"]:9.3f}  {t["shape"]:<32} {t["category"]:<28} '
+          f'{"yes" if t["live_at_peak"] else "no":<7} {t["op"][-70:]}{widened}')
+  print(f'\nCPU overstatement: {report["cpu_overstatement_gib"]:.3f} GiB; GPU estimate of the '
+        f'peak: {report["gpu_estimate_peak_gib"]:.2f} GiB. {breakdown["cpu_overstatement_note"]}')
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--config', required=True)
   parser.add_argument('--json', action='store_true', help='print one JSON object')
+  parser.add_argument('--breakdown', action='store_true',
+                      help='print where the peak memory goes (always in --json)')
   parser.add_argument('--unroll', action='store_true',
                       help='unroll every scan so XLA counts each FLOP (slower compile)')
   args, rest = parser.parse_known_args(argv)
@@ -94,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report))
   else:
     for key, value in report.items():
+      if key == 'memory_breakdown':
+        continue
       print(f'{key:>24}: {value:.4g}' if isinstance(value, float) else f'{key:>24}: {value}')
+    if args.breakdown:
+      print_breakdown(report)
   return 0
 
 

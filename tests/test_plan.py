@@ -62,3 +62,41 @@ def test_bad_config_is_refused_before_compiling():
   r = run_cli(['-m', 't5x_like.plan', '--config', 'configs/bloom_176b.py',
                '--config.pipeline.repeats=4'])
   assert r.returncode == 2 and 'does not fit 70 layers' in r.stderr
+
+
+def _plan_json(*overrides):
+  r = run_cli(['-m', 't5x_like.plan', '--config', 'configs/tiny.py', '--json',
+               '--config.mesh.data=1', '--config.model.dtype=bfloat16',
+               '--config.model.remat_policy=full', *overrides])
+  assert r.returncode == 0, r.stderr[-3000:]
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_memory_breakdown_of_a_pipeline_adds_up_and_names_the_kept_stage_inputs(capsys):
+  """tiny on pipeline 2 x tensor 2, 4 micro-batches: the step keeps 4 + 2 - 1 = 5 ticks' stage
+  inputs of 4 x 128 x 256 as bf16 bits on each device, and the categories add up to XLA's peak."""
+  from t5x_like.plan import print_breakdown
+  report = _plan_json('--config.mesh.pipeline=2', '--config.mesh.tensor=2')
+  gib = report['memory_breakdown']['gib']
+  assert abs(sum(gib.values()) - report['peak_gib']) < 1e-9, report
+  assert gib['kept stage inputs'] * 2**30 == 5 * 4 * 128 * 256 * 2
+  assert gib['master weights (fp32 params)'] > 0 and gib['Adam moments'] > 0
+  assert gib['gradient accumulators'] > 0 and gib['recomputation workspace'] > 0
+  assert report['gpu_estimate_peak_gib'] == report['peak_gib'] - report['cpu_overstatement_gib']
+  assert 0 <= report['cpu_overstatement_gib'] < report['peak_gib']
+  largest = report['memory_breakdown']['largest_temporaries']
+  assert len(largest) == 10 and largest[0]['gib'] >= largest[-1]['gib'] > 0
+  print_breakdown(report)
+  text = capsys.readouterr().out
+  assert 'kept stage inputs' in text and 'GPU estimate of the peak' in text
+
+
+def test_memory_breakdown_without_a_pipeline_keeps_no_stage_inputs():
+  """Without recomputation the step keeps activations for the backward pass, none of them a
+  pipeline's stage inputs."""
+  report = _plan_json('--config.mesh.tensor=1', '--config.model.remat_policy=none')
+  gib = report['memory_breakdown']['gib']
+  assert abs(sum(gib.values()) - report['peak_gib']) < 1e-9, report
+  assert gib['kept stage inputs'] == 0 and gib['kept activations'] > 0
+  # 12 bytes/param of state: the fp32 params and both Adam moments.
+  assert abs(gib['Adam moments'] - 2 * gib['master weights (fp32 params)']) < 1e-9
