@@ -20,7 +20,11 @@ def get_config() -> ml_collections.ConfigDict:
       attention_dropout=0.0,
       init_std=0.0127,  # sqrt(1 / (3 * 2048))
       dtype='bfloat16',
-      remat_policy='full',
+      # Per device (plan, CPU compile, 2026-11-24): chunked + save_dots peak 26.4 GiB (dense 32.5),
+      # chunked + full 12.3 (dense 23.1). save_dots skips the layers' recomputation: 15.8% fewer
+      # FLOPs than dense + full (plan --unroll); chunked + full costs 5.9% more (global batch 64).
+      cross_entropy_impl='chunked',
+      remat_policy='save_dots',
   )
   c.train = dict(steps=0, train_samples=220_000_000, global_batch_size=512, micro_batch_size=4,
                  seq_len=2048, seed=42)

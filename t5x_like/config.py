@@ -62,6 +62,10 @@ class ModelConfig:
   # Unroll the layer, micro-batch and pipeline scans. Compile time then grows with depth; XLA's
   # cost analysis counts a loop body once, so `plan --unroll` uses this to count every FLOP.
   scan_unroll: bool = False
+  # Megatron-LM's sequence parallelism: between the tensor-parallel matmuls the residual stream,
+  # LayerNorms and dropout (and the pipeline's kept stage inputs) are split over mesh.tensor
+  # along the sequence; all-gather before QKV / h->4h, reduce-scatter after attn-out / 4h->h.
+  sequence_parallel: bool = False
 
   @property
   def ffn_size(self) -> int:
@@ -268,6 +272,12 @@ class PipelineConfig:
   # Circular (interleaved) schedule: each stage holds `repeats` groups of layers and micro-batches
   # loop `repeats` times, shrinking the bubble to (P-1)/(M*repeats + P-1).
   repeats: int = 1
+  # 0: one schedule over all M micro-batches (each one's stage inputs kept until the backward
+  # pass). G > 0: the step runs the schedule over groups of G micro-batches one after another,
+  # each group's forward and backward done before the next starts, so only G*repeats + P-1
+  # ticks of stage inputs are kept, at a bubble of (P-1)/(G*repeats + P-1). G >= P, and G must
+  # divide every micro-batch count of the run.
+  microbatch_group: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,6 +488,10 @@ class Config:
          'tensor parallelism splits whole heads; use a mesh.tensor that divides the head count')
     need(m.ffn_size % mesh.tensor == 0,
          f'the FFN size ({m.ffn_size}) must be divisible by mesh.tensor ({mesh.tensor})')
+    need(not m.sequence_parallel or t.seq_len % mesh.tensor == 0,
+         f'model.sequence_parallel splits the sequence over mesh.tensor, so train.seq_len '
+         f'({t.seq_len}) must be divisible by mesh.tensor ({mesh.tensor}); change one of them '
+         'or set model.sequence_parallel=False')
     padded = self.padded_vocab_size
     need(padded >= m.vocab_size,
          f'model.pad_vocab_size_to ({m.pad_vocab_size_to}) is smaller than model.vocab_size '
@@ -569,6 +583,7 @@ class Config:
            f'{fewest} micro-batch(es) per step is fewer than the {p} pipeline stages (global '
            f'batch / (micro_batch_size x mesh.data)); raise train.global_batch_size (or the '
            'ramp-up start) or lower train.micro_batch_size')
+    _validate_microbatch_group(self)
     need(o.decay_style in ('cosine', 'linear', 'constant'),
          f"optimizer.decay_style must be 'cosine', 'linear' or 'constant', got {o.decay_style!r}")
     need(o.min_lr <= o.lr,
@@ -672,6 +687,35 @@ def describe_range(low: float, high: float, bounds: str) -> str:
   if high == _INF:
     return f'{">=" if bounds[0] == "[" else ">"} {low}'
   return f'in {bounds[0]}{low}, {high}{bounds[1]}'
+
+
+def _validate_microbatch_group(cfg: Config) -> None:
+  """pipeline.microbatch_group: at least the stages, and a divisor of every micro-batch count the
+  step runs with (the batch ramp-up's, as train.rampup_microbatch_multiple rounds them)."""
+  group, stages = cfg.pipeline.microbatch_group, cfg.mesh.pipeline
+  if not group:
+    return
+  if stages == 1:
+    raise ConfigError(f'pipeline.microbatch_group={group} groups the micro-batches of a pipeline '
+                      'schedule, and mesh.pipeline is 1; set pipeline.microbatch_group=0 or '
+                      'mesh.pipeline > 1')
+  counts = sorted({cfg.step_microbatches(g) for g in cfg.train.ramp_batch_sizes()})
+  common = math.gcd(*counts)
+  fits = [g for g in range(stages, common + 1) if common % g == 0]
+  fixes = [f'groups that fit: {fits}' if fits else
+           f'no group of at least {stages} divides them all']
+  if cfg.train.rampup_batch_size and cfg.num_microbatches % group == 0 and group >= stages:
+    fixes.append(f'set train.rampup_microbatch_multiple to a multiple of {group}')
+  fixes.append('set pipeline.microbatch_group=0')
+  if group < stages:
+    raise ConfigError(f'pipeline.microbatch_group ({group}) is fewer than the {stages} pipeline '
+                      f'stages: each group must fill the pipeline; {"; ".join(fixes)}')
+  uneven = [c for c in counts if c % group]
+  if uneven:
+    raise ConfigError(f'pipeline.microbatch_group ({group}) does not divide the step\'s '
+                      f'micro-batch count(s) {uneven[:5]}{" ..." if len(uneven) > 5 else ""} '
+                      '(global batch / (micro_batch_size x mesh.data), rounded up to '
+                      f'train.rampup_microbatch_multiple); {"; ".join(fixes)}')
 
 
 def _validate_ranges(cfg: Config) -> None:

@@ -64,6 +64,10 @@ class Context:
     self.cfg = cfg
     self.dtype = jnp.dtype(cfg.dtype)
     self.mesh = mesh
+    # The residual stream [batch, length, embed] between the tensor-parallel matmuls (and the
+    # LayerNorms and dropout on it): split along the sequence under model.sequence_parallel.
+    self.residual_names = ('batch', 'length_sp' if cfg.sequence_parallel else 'length',
+                           'act_embed')
 
   def constrain(self, x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     if self.mesh is None:
@@ -151,8 +155,10 @@ class Attention(nn.Module):
     ctx = attention_lib.attention(q, k, v, cfg=cfg, mesh=self.ctx.mesh, alibi_slopes=slopes,
                                   dropout_rng=dropout_rng)
     ctx = self.ctx.constrain(ctx, ('batch', 'length', 'act_heads', None))
-    out = jnp.einsum('bsnd,nde->bse', ctx, wout.astype(dtype)) + bout.astype(dtype)
-    return self.ctx.constrain(out, ('batch', 'length', 'act_embed'))
+    out = jnp.einsum('bsnd,nde->bse', ctx, wout.astype(dtype))
+    # Sequence parallel: the partial sums are reduce-scattered, not all-reduced; bias after.
+    out = self.ctx.constrain(out, self.ctx.residual_names) + bout.astype(dtype)
+    return self.ctx.constrain(out, self.ctx.residual_names)
 
 
 class Mlp(nn.Module):
@@ -172,8 +178,9 @@ class Mlp(nn.Module):
     y = jnp.einsum('bse,ef->bsf', x, wi.astype(dtype)) + bi.astype(dtype)
     y = self.ctx.constrain(y, ('batch', 'length', 'act_mlp'))
     y = gelu_tanh(y)
-    out = jnp.einsum('bsf,fe->bse', y, wo.astype(dtype)) + bo.astype(dtype)
-    return self.ctx.constrain(out, ('batch', 'length', 'act_embed'))
+    out = jnp.einsum('bsf,fe->bse', y, wo.astype(dtype))
+    out = self.ctx.constrain(out, self.ctx.residual_names) + bo.astype(dtype)
+    return self.ctx.constrain(out, self.ctx.residual_names)
 
 
 class Block(nn.Module):
@@ -186,9 +193,11 @@ class Block(nn.Module):
     cfg = self.ctx.cfg
     drop = nn.Dropout(cfg.hidden_dropout, deterministic=self.deterministic)
     ln = lambda name: LayerNorm(cfg.layernorm_epsilon, self.ctx.dtype, name=name)
-    x = x + drop(Attention(self.ctx, name='attn')(ln('ln1')(x), self.deterministic))
-    x = x + drop(Mlp(self.ctx, name='mlp')(ln('ln2')(x)))
-    return self.ctx.constrain(x, ('batch', 'length', 'act_embed')), None
+    residual = lambda y: self.ctx.constrain(y, self.ctx.residual_names)
+    x = residual(x)
+    x = x + drop(Attention(self.ctx, name='attn')(residual(ln('ln1')(x)), self.deterministic))
+    x = x + drop(Mlp(self.ctx, name='mlp')(residual(ln('ln2')(x))))
+    return residual(x), None
 
 
 _REMAT_POLICIES = {
@@ -219,8 +228,9 @@ class Transformer(nn.Module):
                    (cfg.max_position_embeddings, cfg.hidden_size), ('positions', 'embed'))
       x = x + pos[:tokens.shape[1]].astype(ctx.dtype)[None]
     else:
-      x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype, name='embed_ln')(x)
-    x = ctx.constrain(x, ('batch', 'length', 'act_embed'))
+      x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype, name='embed_ln')(ctx.constrain(
+          x, ctx.residual_names))
+    x = ctx.constrain(x, ctx.residual_names)
     x = nn.Dropout(cfg.hidden_dropout, deterministic=deterministic)(x)
 
     block = Block
@@ -235,7 +245,8 @@ class Transformer(nn.Module):
         metadata_params={nn.PARTITION_NAME: 'layers'},
     )(ctx, deterministic, name='layers')
     x, _ = layers(x, None)
-    x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype, name='final_ln')(x)
+    x = ctx.constrain(LayerNorm(cfg.layernorm_epsilon, ctx.dtype, name='final_ln')(x),
+                      ctx.residual_names)
     if return_hidden:
       return x
     return tied_logits(x, emb, cfg.vocab_size, ctx)
@@ -256,13 +267,17 @@ def embed_tokens(params, tokens, cfg: ModelConfig, ctx: Context):
   if cfg.architecture == 'gpt2':
     x = x + params['position_embeddings'][:tokens.shape[1]].astype(ctx.dtype)[None]
   else:
-    x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply({'params': params['embed_ln']}, x)
-  return ctx.constrain(x, ('batch', 'length', 'act_embed'))
+    x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply({'params': params['embed_ln']},
+                                                          ctx.constrain(x, ctx.residual_names))
+  return ctx.constrain(x, ctx.residual_names)
 
 
 def final_norm(params, x, cfg: ModelConfig, ctx: Context):
   """The final LayerNorm on a param tree."""
-  return LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply({'params': params['final_ln']}, x)
+  x = ctx.constrain(x, ctx.residual_names)
+  return ctx.constrain(
+      LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply({'params': params['final_ln']}, x),
+      ctx.residual_names)
 
 
 def output_logits(params, x, cfg: ModelConfig, ctx: Context):

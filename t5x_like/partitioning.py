@@ -47,6 +47,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ('batch', 'data'),
     ('stages', 'pipeline'),
     ('length', None),
+    # The sequence dim of the residual stream under model.sequence_parallel (Megatron-LM's
+    # sequence parallelism): split over the same ranks as the heads and the FFN.
+    ('length_sp', 'tensor'),
     ('act_embed', None),
     ('act_heads', 'tensor'),
     ('act_mlp', 'tensor'),

@@ -82,8 +82,11 @@ class StagePlan:
   def layers_per_stage(self) -> list[int]:
     return [int((self.slot_layer[s] >= 0).sum()) for s in range(self.stages)]
 
-  def bubble_fraction(self, num_microbatches: int) -> float:
-    return (self.stages - 1) / (num_microbatches * self.repeats + self.stages - 1)
+  def bubble_fraction(self, num_microbatches: int, microbatch_group: int = 0) -> float:
+    """The idle share of the stages' ticks. `microbatch_group` G > 0 (pipeline.microbatch_group):
+    the schedule runs over groups of G micro-batches, each with its own fill and drain."""
+    per_schedule = microbatch_group or num_microbatches
+    return (self.stages - 1) / (per_schedule * self.repeats + self.stages - 1)
 
   def describe(self) -> str:
     padding = self.num_slots - self.num_layers
@@ -265,7 +268,7 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
     return x
 
   stages = jax.vmap(run_stage, in_axes=(0, 0, 0, 0, 0, 0, None), spmd_axis_name='pipeline')
-  buffer_names = ('stages', 'batch', 'length', 'act_embed')
+  buffer_names = ('stages',) + ctx.residual_names  # split along seq under sequence_parallel
 
   # Computed at every tick (a lookup and a LayerNorm, cheap next to a stage) and recomputed in
   # the backward pass: only the token ids are kept per tick, and the table, a loop invariant of
@@ -340,6 +343,7 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
 
   buffer = ctx.constrain(jnp.zeros((P, rows, seq, hidden), dtype), buffer_names)
   waiting = jnp.zeros((M if R > 1 else 1, rows, seq, hidden), dtype)
+  waiting = ctx.constrain(waiting, (None,) + ctx.residual_names)  # sequence_parallel: split too
   _, tick_losses = jax.lax.scan(tick, (buffer, waiting), jnp.arange(M * R + P - 1),
                                 unroll=cfg.model.scan_unroll)
   if cfg.train.rampup_microbatch_multiple:

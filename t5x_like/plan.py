@@ -74,7 +74,8 @@ def plan(cfg: Config) -> dict:
     padding, runs = cfg.padding_microbatches()
     report['padding_microbatch_share'] = padding / runs
   if cfg.mesh.pipeline > 1:
-    report['pipeline_bubble'] = layout.plan.bubble_fraction(cfg.num_microbatches)
+    report['pipeline_bubble'] = layout.plan.bubble_fraction(cfg.num_microbatches,
+                                                           cfg.pipeline.microbatch_group)
     report['stage_plan'] = layout.plan.describe()
   with dump:
     report.update(_memory_breakdown(cfg, dump.name, memory, report['peak_gib']))
@@ -85,8 +86,10 @@ def _memory_breakdown(cfg: Config, dump_dir: str, memory, peak_gib: float) -> di
   gib = 1024**3
   stage_input = None
   if cfg.mesh.pipeline > 1:
-    # A pipeline keeps each tick's stage inputs: [ticks, stages on a device, rows, seq, hidden].
-    ticks = cfg.num_microbatches * cfg.pipeline.repeats + cfg.mesh.pipeline - 1
+    # A pipeline keeps each tick's stage inputs: [ticks, stages on a device, rows, seq, hidden]
+    # (the ticks of one group's schedule under pipeline.microbatch_group).
+    per_schedule = cfg.pipeline.microbatch_group or cfg.num_microbatches
+    ticks = per_schedule * cfg.pipeline.repeats + cfg.mesh.pipeline - 1
     stage_input = (ticks, cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.hidden_size)
   try:
     found = memory_report.breakdown(dump_dir, memory, stage_input=stage_input,

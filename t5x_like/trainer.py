@@ -103,11 +103,51 @@ def make_train_step(cfg: Config, layout: StateLayout):
     return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grads)
 
   def pipelined_loss_and_grads(params, batch, rng):
-    """Pipeline: one differentiated schedule over all micro-batches (pipeline.py)."""
+    """Pipeline: one differentiated schedule over all micro-batches (pipeline.py), or, with
+    pipeline.microbatch_group = G, one per group of G micro-batches, one group after another."""
     ctx = model_lib.Context(cfg.model, layout.mesh)
-    loss, grads = jax.value_and_grad(pipeline.pipeline_loss)(
-        _gathered_params(params, layout), batch, rng, cfg, layout.plan, ctx, not dropout)
-    return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, zero_shardings)
+    gathered = _gathered_params(params, layout)  # once per step, not per group
+    group = cfg.pipeline.microbatch_group
+    num_micro = batch.shape[0]
+    if not group or group >= num_micro:
+      loss, grads = jax.value_and_grad(pipeline.pipeline_loss)(
+          gathered, batch, rng, cfg, layout.plan, ctx, not dropout)
+      return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, zero_shardings)
+    groups = batch.reshape((num_micro // group, group) + batch.shape[1:])
+    # pipeline_loss is a group's mean over its real micro-batches (all G without the ramp-up's
+    # padding); weighted by its share of the step's, the groups add up to the step's mean.
+    if padded_microbatches:
+      real = losses.real_microbatches(batch).reshape(groups.shape[0], group).sum(axis=1)
+      weights = real / jnp.maximum(real.sum(), 1)
+    else:
+      weights = jnp.full((groups.shape[0],), group / num_micro, jnp.float32)
+
+    def weighted_loss(gathered, tokens, weight, index):
+      return weight * pipeline.pipeline_loss(gathered, tokens, jax.random.fold_in(rng, index),
+                                             cfg, layout.plan, ctx, not dropout)
+
+    def add_group(index, carry):
+      grads_acc, loss_acc = carry
+      tokens = jax.lax.dynamic_index_in_dim(groups, index, 0, False)
+      weight = jax.lax.dynamic_index_in_dim(weights, index, 0, False)
+      loss, grads = jax.value_and_grad(weighted_loss)(gathered, tokens, weight, index)
+      # fp32, accumulated in the ZeRO layout: each group's gradient is reduce-scattered into it.
+      grads_acc = jax.tree.map(lambda a, g, s: jax.lax.with_sharding_constraint(a + g, s),
+                               grads_acc, grads, zero_shardings)
+      return grads_acc, loss_acc + loss
+
+    zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(
+        jnp.zeros(p.shape, jnp.float32), s), params, zero_shardings)
+    carry = (zeros, jnp.float32(0.0))
+    if padded_microbatches:
+      # Groups of padding only (after the real micro-batches) are not run: their mean would be
+      # 0 / 0. Nothing differentiates through this loop, so its trip count may be traced.
+      grads, loss = jax.lax.fori_loop(0, (real > 0).sum(), add_group, carry)
+    else:
+      (grads, loss), _ = jax.lax.scan(lambda carry, index: (add_group(index, carry), None),
+                                      carry, jnp.arange(groups.shape[0]),
+                                      unroll=cfg.model.scan_unroll)
+    return loss, grads
 
   loss_and_grads = (pipelined_loss_and_grads if cfg.mesh.pipeline > 1
                     else accumulated_loss_and_grads)
@@ -566,7 +606,9 @@ class Trainer:
                                   batch_shape[2] - 1).compile()
     bubble = ''
     if self.cfg.mesh.pipeline > 1:
-      bubble = f', pipeline bubble {self.layout.plan.bubble_fraction(batch_shape[0]):.3f}'
+      fraction = self.layout.plan.bubble_fraction(batch_shape[0],
+                                                  self.cfg.pipeline.microbatch_group)
+      bubble = f', pipeline bubble {fraction:.3f}'
     self.writer.info(f'> compiled the train step for {batch_shape[0]} micro-batch(es) of '
                      f'{batch_shape[1]}x{batch_shape[2]} tokens in '
                      f'{time.perf_counter() - start:.1f} s{bubble}')
@@ -690,7 +732,8 @@ class Trainer:
         'nan_iterations': progress.nan_iterations,
     }
     if cfg.mesh.pipeline > 1:
-      record['pipeline_bubble'] = self.layout.plan.bubble_fraction(step_micro)
+      record['pipeline_bubble'] = self.layout.plan.bubble_fraction(
+          step_micro, cfg.pipeline.microbatch_group)
     if cfg.curriculum.enabled:
       record['curriculum_seq_len'] = seq
     if cfg.curriculum.pad_to_multiple:

@@ -262,3 +262,99 @@ def test_rampup_padded_to_the_full_micro_batch_count_compiles_once_and_trains_th
   # Iterations 1-2 run 2 padding micro-batches each: 4 of the run's 16.
   assert ('> ramp-up: micro-batch counts rounded up to multiples of 4, 4 of the run\'s 16 '
           'micro-batches (25.00%) padding (the pipeline computes them)') in log
+
+
+# ------------------------------------------------------- pipeline.microbatch_group (issue 22)
+
+
+@pytest.fixture(scope='module')
+def reference_batch_8():
+  """The single-device run that (2, 2, 2) with 4 micro-batches of 2 rows must equal."""
+  return run_steps(small_config(model=dict(num_layers=4), train=dict(global_batch_size=8)),
+                   num_steps=3)
+
+
+@pytest.mark.parametrize('data, stages, tensor, repeats, remat', [
+    (1, 2, 1, 1, 'none'),  # M = 2P in two groups of P
+    (1, 2, 1, 2, 'save_dots'),  # circular: each group loops twice
+    (2, 2, 2, 1, 'full'),  # composed with data and tensor, tick-level recomputation
+])
+def test_grouped_pipeline_matches_single_device(references, reference_batch_8, data, stages,
+                                                tensor, repeats, remat):
+  """pipeline.microbatch_group = P: the schedule runs twice per step, over 2 micro-batches each,
+  and the step trains exactly as one device on all of them."""
+  batch = 4 * data
+  cfg = small_config(model=dict(num_layers=4, remat_policy=remat),
+                     train=dict(global_batch_size=batch),
+                     mesh=dict(data=data, pipeline=stages, tensor=tensor),
+                     pipeline=dict(repeats=repeats, microbatch_group=stages))
+  assert cfg.validate().num_microbatches == 2 * stages
+  losses, norms, params = run_steps(cfg, num_steps=3)
+  ref_losses, ref_norms, ref_params = references[4] if data == 1 else reference_batch_8
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
+  canonical = pipeline.to_canonical(pipeline.plan_for(cfg), params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), canonical,
+               ref_params)
+
+
+def test_grouped_pipeline_weights_a_partly_padded_group_by_its_real_micro_batches(references):
+  """A ramp-up step of 4 real micro-batches padded to 6 (train.rampup_microbatch_multiple=6, a
+  ramp from 4 to 6 micro-batches) in groups of 3: the groups hold 3 and 1 real micro-batches,
+  and the step's loss and gradients are still the mean over the 4, as on one device."""
+  ramp = dict(global_batch_size=6, rampup_batch_size=(4, 2, 8), rampup_microbatch_multiple=6)
+  legal = small_config(model=dict(num_layers=4), train=ramp, mesh=dict(pipeline=2),
+                       pipeline=dict(microbatch_group=3)).validate()
+  assert legal.step_microbatches(4) == 6
+  cfg = legal.replace(train=dict(global_batch_size=4))  # run_steps fills 4, pads 2
+  losses, norms, params = run_steps(cfg, num_steps=3, padding_microbatches=2)
+  ref_losses, ref_norms, ref_params = references[4]
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
+  canonical = pipeline.to_canonical(pipeline.plan_for(cfg), params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), canonical,
+               ref_params)
+
+
+@pytest.mark.parametrize('changes, message', [
+    (dict(pipeline=dict(microbatch_group=1)), 'fewer than the 2 pipeline stages'),
+    (dict(pipeline=dict(microbatch_group=3)), "does not divide the step's micro-batch count(s) "
+                                              '[8]'),
+    (dict(train=dict(rampup_batch_size=(4, 2, 100))), 'count(s) [6]'),
+    (dict(mesh=dict(pipeline=1)), 'and mesh.pipeline is 1'),
+])
+def test_bad_microbatch_group_is_one_clear_error(changes, message):
+  base = dict(mesh=dict(pipeline=2), model=dict(num_layers=4), train=dict(global_batch_size=8),
+              pipeline=dict(microbatch_group=4))
+  for section, values in changes.items():
+    base.setdefault(section, {}).update(values)
+  with pytest.raises(ConfigError) as info:
+    small_config(**base).validate()
+  assert message in str(info.value)
+  if changes.get('mesh') is None:
+    assert 'groups that fit: [2' in str(info.value)
+
+
+def test_grouped_bubble_counts_each_groups_fill_and_drain():
+  plan = pipeline.make_plan(8, 4)
+  assert plan.bubble_fraction(8) == pytest.approx(3 / 11)
+  assert plan.bubble_fraction(8, microbatch_group=4) == pytest.approx(3 / 7)
+  assert pipeline.make_plan(8, 2, repeats=2).bubble_fraction(8, 2) == pytest.approx(1 / 5)
+
+
+def test_grouped_step_keeps_fewer_stage_inputs():
+  """64 micro-batches in groups of 2 keep 3 ticks of stage inputs instead of 65: XLA's compiled
+  temporaries shrink by about the difference (the stage inputs dominate them here)."""
+  from t5x_like.trainer import lower_train_step
+  temp = {}
+  for group in (0, 2):
+    cfg = small_config(model=dict(num_layers=2, remat_policy='full'),
+                       train=dict(global_batch_size=64, seq_len=128),
+                       mesh=dict(pipeline=2), pipeline=dict(microbatch_group=group)).validate()
+    layout = make_layout(cfg, partitioning.make_mesh(1, 2, 1))
+    compiled = lower_train_step(cfg, layout, cfg.num_microbatches).compile()
+    temp[group] = compiled.memory_analysis().temp_size_in_bytes
+  # One stage per device: (65 - 3) ticks x 128 x 64 fp32 = 1.94 MiB fewer kept stage inputs,
+  # less the groups' gradient accumulator.
+  saved_stage_inputs = (65 - 3) * 128 * 64 * 4
+  assert temp[0] - temp[2] > saved_stage_inputs / 2, temp

@@ -1,0 +1,142 @@
+"""model.sequence_parallel: the residual stream, LayerNorms, dropout and the pipeline's kept stage
+inputs split over `tensor` along the sequence, training exactly as one device does."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from t5x_like import partitioning, pipeline, trainer
+from t5x_like.config import ConfigError
+from t5x_like.train_state import make_layout
+
+from conftest import run_steps, small_config
+
+# head_dim 16, so the Pallas kernels can run the same model.
+MODEL = dict(num_heads=4)
+
+
+def assert_same_training(run, reference, cfg, loose=False):
+  losses, norms, params = run
+  ref_losses, ref_norms, ref_params = reference
+  if cfg.mesh.pipeline > 1:
+    params = pipeline.to_canonical(pipeline.plan_for(cfg), params)
+  assert losses[-1] < losses[0]  # it trains
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  # The fused kernel's own summation order: test_model_integration's tolerances.
+  np.testing.assert_allclose(norms, ref_norms, rtol=1e-4 if loose else 2e-5)
+  atol = 1e-4 if loose else 2e-5
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol), params,
+               ref_params)
+
+
+@pytest.fixture(scope='module')
+def single_device_run():
+  return run_steps(small_config(model=MODEL), num_steps=3)
+
+
+@pytest.mark.parametrize('data, stages, tensor, model', [
+    (1, 1, 4, {}),
+    # Pipelined, with the tick-level recomputation that keeps the stage inputs.
+    (2, 2, 2, dict(remat_policy='full')),
+    # The fused attention runs per (batch, heads) shard on the gathered sequence.
+    (1, 1, 4, dict(attention_impl='pallas')),
+], ids=['1x1x4', '2x2x2_full', '1x1x4_pallas'])
+def test_sequence_parallel_run_matches_single_device(single_device_run, data, stages, tensor,
+                                                     model):
+  cfg = small_config(model=dict(MODEL, sequence_parallel=True, **model),
+                     mesh=dict(data=data, pipeline=stages, tensor=tensor)).validate()
+  assert_same_training(run_steps(cfg, num_steps=3), single_device_run, cfg,
+                       loose='attention_impl' in model)
+
+
+def test_sequence_parallel_dropout_draws_the_masks_of_the_unsplit_run():
+  """Dropout on sequence-split activations must draw the same masks as on whole ones (Megatron
+  needs an RNG tracker for this; JAX's partitionable threefry gives it by construction)."""
+  runs = [run_steps(small_config(model=dict(MODEL, hidden_dropout=0.1, attention_dropout=0.1,
+                                            sequence_parallel=sp), mesh=dict(tensor=4)),
+                    num_steps=2) for sp in (False, True)]
+  losses, norms, params = runs[1]
+  ref_losses, ref_norms, ref_params = runs[0]
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), params,
+               ref_params)
+
+
+def compiled_step_text(mesh_shape, sequence_parallel: bool, **model) -> str:
+  cfg = small_config(model=dict(MODEL, sequence_parallel=sequence_parallel, **model),
+                     train=dict(seq_len=SEQ),
+                     mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh_shape))).validate()
+  layout = make_layout(cfg, partitioning.make_mesh(*mesh_shape))
+  return trainer.lower_train_step(cfg, layout, cfg.num_microbatches).compile().as_text()
+
+
+SEQ, HIDDEN = 24, 64  # 24: a sequence length no other dim of the small model has
+# `%reduce.3 = f32[1,6]{1,0} reduce(...), ..., metadata={op_name=".../layers/ln1/reduce_sum"`.
+_LAYER_NORM_REDUCE = re.compile(
+    r'= f32\[(?P<shape>[\d,]*)\]\S* reduce\(.*op_name="[^"]*/(?:ln1|ln2|embed_ln|final_ln)/')
+
+
+def layer_norm_shapes(hlo: str) -> set[tuple[int, ...]]:
+  """Result shapes of the LayerNorms' reductions (row statistics and their backward)."""
+  return {tuple(int(n) for n in m.group('shape').split(',') if n)
+          for m in map(_LAYER_NORM_REDUCE.search, hlo.splitlines()) if m}
+
+
+def sequence_gathers(hlo: str) -> list[str]:
+  """All-gathers that assemble the whole sequence of [.., seq, hidden] activations."""
+  gather = re.compile(rf'= f32\[[\d,]*\b{SEQ},{HIDDEN}\]\S* all-gather(?:-start)?\(')
+  return [line for line in hlo.splitlines() if gather.search(line)]
+
+
+def summed_residuals_used_whole(hlo: str) -> list[str]:
+  """Users of an all-reduced [.., seq, hidden] partial sum (attention-out, 4h->h) that produce
+  a whole-sequence array. Under sequence parallelism the sum is reduce-scattered: XLA's GPU
+  pipeline emits `reduce-scatter`, its CPU pipeline an all-reduce whose every user slices out
+  the rank's part of the sequence."""
+  sums = re.findall(rf'(%all-reduce[\w.-]*) = f32\[[\d,]*\b{SEQ},{HIDDEN}\]', hlo)
+  assert sums or 'reduce-scatter' in hlo, 'the program sums no residual-stream partial sums'
+  whole = re.compile(rf'= \S*\[[\d,]*\b{SEQ},{HIDDEN}\]')
+  users = []
+  for name in sums:
+    used = re.compile(re.escape(name) + r'[,)]')
+    users += [line.strip() for line in hlo.splitlines()
+              if used.search(line) and not line.lstrip().startswith(name + ' ')
+              and whole.search(line)]
+  return users
+
+
+@pytest.mark.parametrize('mesh_shape, model', [
+    ((1, 1, 4), {}),
+    ((2, 2, 2), dict(remat_policy='full')),
+], ids=['1x1x4', '2x2x2_full'])
+def test_compiled_step_splits_layer_norms_and_kept_stage_inputs_over_tensor(mesh_shape, model):
+  """In the compiled program the LayerNorms run on seq / tensor positions, the sequence is
+  gathered before the QKV and h->4h matmuls and reduce-scattered after attention-out and 4h->h,
+  and the pipeline keeps its stage inputs [ticks, stages, rows, seq / tensor, h] per device.
+  The same checks on the program without the flag find the whole sequence everywhere."""
+  tensor = mesh_shape[2]
+  split = SEQ // tensor
+  on, off = (compiled_step_text(mesh_shape, sp, **model) for sp in (True, False))
+  assert any(SEQ in s for s in layer_norm_shapes(off))
+  assert not any(SEQ in s for s in layer_norm_shapes(on))
+  assert any(split in s for s in layer_norm_shapes(on))
+  assert not sequence_gathers(off) and sequence_gathers(on)
+  if mesh_shape[1] == 1:  # in the pipeline the stages' vmap hides the users behind a transpose
+    assert summed_residuals_used_whole(off)
+    assert not summed_residuals_used_whole(on), summed_residuals_used_whole(on)[:3]
+  else:
+    ticks = 8 // mesh_shape[0] + mesh_shape[1] - 1  # micro-batches + stages - 1
+    kept = lambda hlo: set(re.findall(rf'f32\[{ticks},1,1,(\d+),{HIDDEN}\]', hlo))
+    assert kept(off) == {str(SEQ)} and kept(on) == {str(split)}
+
+
+def test_sequence_length_that_tensor_does_not_divide_is_one_clear_error():
+  cfg = small_config(model=dict(MODEL, sequence_parallel=True), train=dict(seq_len=18),
+                     mesh=dict(tensor=4))
+  with pytest.raises(ConfigError, match=r'train.seq_len \(18\) must be divisible by mesh.tensor '
+                                        r'\(4\).*sequence_parallel=False'):
+    cfg.validate()
+  small_config(train=dict(seq_len=18), mesh=dict(tensor=4)).validate()  # fine without it
