@@ -90,7 +90,9 @@ def _memory_breakdown(cfg: Config, dump_dir: str, memory, peak_gib: float) -> di
     # (the ticks of one group's schedule under pipeline.microbatch_group).
     per_schedule = cfg.pipeline.microbatch_group or cfg.num_microbatches
     ticks = per_schedule * cfg.pipeline.repeats + cfg.mesh.pipeline - 1
-    stage_input = (ticks, cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.hidden_size)
+    # model.sequence_parallel splits their sequence over tensor.
+    seq = cfg.train.seq_len // (cfg.mesh.tensor if cfg.model.sequence_parallel else 1)
+    stage_input = (ticks, cfg.train.micro_batch_size, seq, cfg.model.hidden_size)
   try:
     found = memory_report.breakdown(dump_dir, memory, stage_input=stage_input,
                                     data=cfg.mesh.data)

@@ -23,11 +23,11 @@ def test_bloom_176b_lowers_and_compiles_on_384_virtual_devices():
   embedding = 250880 * h * 12 / (4 * 8)
   assert abs(report['argument_gib'] - (layers + embedding) / 2**30) < 0.01
   assert report['replicated_over_data'] == []  # data 8 divides a dim of every tensor
-  # XLA's peak per device fits an 80 GB GPU with room for CUDA's own memory (63.96 GiB in this
-  # compile with the chunked loss, 64.4 with dense; 145.7 GiB while the last stage's outputs were
-  # stacked over all 139 ticks and the kept bf16 stage inputs were widened to f32 on CPU,
-  # docs/benchmarks.md). The bound is that figure plus 5%.
-  assert report['peak_gib'] < 67, report
+  # XLA's peak per device (49.60 GiB in this compile with sequence parallelism and the chunked
+  # loss; 63.96 without sequence parallelism, 64.4 with the dense loss too; 145.7 GiB while the
+  # last stage's outputs were stacked over all 139 ticks, docs/benchmarks.md), below
+  # Megatron-DeepSpeed's 59 GB. The bound is that figure plus 5%.
+  assert report['peak_gib'] < 52, report
 
 
 def test_zero1_splits_the_state_over_a_data_that_divides_no_dim():

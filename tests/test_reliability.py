@@ -275,14 +275,14 @@ def test_a_save_that_cannot_be_written_stops_the_run_and_keeps_the_earlier_ones(
   shutil.copytree(four_steps, workdir)
   limit = 64 * 1024  # above every log and metrics file here, below the checkpoint's data files
 
-  def limit_writes():
-    import resource
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-  r = subprocess.run([sys.executable, '-m', 't5x_like.train', *corpus_args(
+  # A launcher sets the limit (and ignores SIGXFSZ, so a write fails instead of killing the
+  # process), then becomes the trainer: both are inherited across exec.
+  launcher = ('import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); '
+              f'resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); '
+              'os.execv(sys.executable, [sys.executable, "-m", "t5x_like.train"] + sys.argv[1:])')
+  r = subprocess.run([sys.executable, '-c', launcher, *corpus_args(
       workdir, '--config.train.steps=6')], cwd=REPO, capture_output=True, text=True,
-                     timeout=300, check=False, preexec_fn=limit_writes)
+                     timeout=300, check=False)
   assert r.returncode == 1, r.stderr[-3000:]
   errors = [line for line in r.stderr.splitlines() if line.startswith('error:')]
   assert len(errors) == 1

@@ -1,6 +1,7 @@
 """model.sequence_parallel: the residual stream, LayerNorms, dropout and the pipeline's kept stage
 inputs split over `tensor` along the sequence, training exactly as one device does."""
 
+import json
 import re
 
 import jax
@@ -11,7 +12,7 @@ from t5x_like import partitioning, pipeline, trainer
 from t5x_like.config import ConfigError
 from t5x_like.train_state import make_layout
 
-from conftest import run_steps, small_config
+from conftest import run_cli, run_steps, small_config
 
 # head_dim 16, so the Pallas kernels can run the same model.
 MODEL = dict(num_heads=4)
@@ -115,7 +116,8 @@ def summed_residuals_used_whole(hlo: str) -> list[str]:
 def test_compiled_step_splits_layer_norms_and_kept_stage_inputs_over_tensor(mesh_shape, model):
   """In the compiled program the LayerNorms run on seq / tensor positions, the sequence is
   gathered before the QKV and h->4h matmuls and reduce-scattered after attention-out and 4h->h,
-  and the pipeline keeps its stage inputs [ticks, stages, rows, seq / tensor, h] per device.
+  and the pipeline keeps its stage inputs [ticks, stages, rows, seq / tensor, h] per device and
+  passes seq / tensor positions from stage to stage.
   The same checks on the program without the flag find the whole sequence everywhere."""
   tensor = mesh_shape[2]
   split = SEQ // tensor
@@ -131,6 +133,10 @@ def test_compiled_step_splits_layer_norms_and_kept_stage_inputs_over_tensor(mesh
     ticks = 8 // mesh_shape[0] + mesh_shape[1] - 1  # micro-batches + stages - 1
     kept = lambda hlo: set(re.findall(rf'f32\[{ticks},1,1,(\d+),{HIDDEN}\]', hlo))
     assert kept(off) == {str(SEQ)} and kept(on) == {str(split)}
+    # What moves from stage to stage (the roll of the stage outputs): split too.
+    permuted = lambda hlo: re.findall(
+        rf'= f32\[[\d,]*\b(\d+),{HIDDEN}\]\S* collective-permute(?:-start)?\(', hlo)
+    assert str(SEQ) in permuted(off) and set(permuted(on)) == {str(split)}
 
 
 def test_sequence_length_that_tensor_does_not_divide_is_one_clear_error():
@@ -140,3 +146,15 @@ def test_sequence_length_that_tensor_does_not_divide_is_one_clear_error():
                                         r'\(4\).*sequence_parallel=False'):
     cfg.validate()
   small_config(train=dict(seq_len=18), mesh=dict(tensor=4)).validate()  # fine without it
+
+
+def test_plan_breakdown_names_the_sequence_split_stage_inputs():
+  """tiny on pipeline 2 x tensor 2, 4 micro-batches: 5 ticks' stage inputs of 4 rows x 128 / 2
+  positions x 256 as bf16 bits per device, under their own category, not 'kept activations'."""
+  r = run_cli(['-m', 't5x_like.plan', '--config', 'configs/tiny.py', '--json',
+               '--config.mesh.data=1', '--config.mesh.pipeline=2', '--config.mesh.tensor=2',
+               '--config.model.dtype=bfloat16', '--config.model.remat_policy=full',
+               '--config.model.sequence_parallel=True'])
+  assert r.returncode == 0, r.stderr[-3000:]
+  gib = json.loads(r.stdout.strip().splitlines()[-1])['memory_breakdown']['gib']
+  assert gib['kept stage inputs'] * 2**30 == 5 * 4 * (128 // 2) * 256 * 2, gib
