@@ -25,10 +25,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from t5x_like import partitioning
-from t5x_like.config import ConfigError, ModelConfig
+from t5x_like.errors import ConfigError
 from t5x_like.kernels.flash_attention import flash_attention
 from t5x_like.kernels.flash_attention import unmet_constraints as flash_unmet_constraints
 from t5x_like.kernels.reference import attention_reference
+
+# `cfg` below is a t5x_like.config.ModelConfig; not imported, as config imports this module to
+# validate a config (annotations are strings here).
 
 IMPLEMENTATIONS = ('xla', 'pallas', 'cudnn')
 

@@ -133,10 +133,9 @@ def resolve(path: str, step: int | None = None) -> tuple[str, int]:
     if step is not None and step != own_step:
       raise CheckpointError(f'{path} is step {own_step}, but step {step} was asked for')
     return root, own_step
-  steps = available_steps(path)
+  steps, damaged = scan_steps(path)
   if step is None:
     # The latest step directory, when it is damaged, is named rather than silently passed over.
-    damaged = damaged_steps(path)
     if damaged and (not steps or max(damaged) > steps[-1]):
       latest = max(damaged)
       raise CheckpointError(f'{os.path.join(path, str(latest))} is damaged: {damaged[latest]}. '
@@ -161,10 +160,6 @@ def _is_step_dir(path: str) -> bool:
 
 def _missing_items(path: str) -> list[str]:
   return [item for item in REQUIRED_ITEMS if not os.path.isdir(os.path.join(path, item))]
-
-
-def _is_complete(path: str) -> bool:
-  return step_problem(path) is None
 
 
 # Orbax's per-step record of the items it saved, and each item's own metadata file.
@@ -209,15 +204,21 @@ def step_dirs(root: str) -> list[int]:
                 if d.isdigit() and os.path.isdir(os.path.join(root, d)))
 
 
+def scan_steps(root: str) -> tuple[list[int], dict[int, str]]:
+  """(complete steps, {damaged step: what is wrong}): every step directory checked once."""
+  problems = {s: step_problem(os.path.join(root, str(s))) for s in step_dirs(root)}
+  return ([s for s, p in problems.items() if p is None],
+          {s: p for s, p in problems.items() if p is not None})
+
+
 def available_steps(root: str) -> list[int]:
   """Complete steps only (`step_problem`)."""
-  return [s for s in step_dirs(root) if _is_complete(os.path.join(root, str(s)))]
+  return scan_steps(root)[0]
 
 
 def damaged_steps(root: str) -> dict[int, str]:
   """{step: what is wrong} for the step directories that are not complete checkpoints."""
-  problems = {s: step_problem(os.path.join(root, str(s))) for s in step_dirs(root)}
-  return {s: p for s, p in problems.items() if p is not None}
+  return scan_steps(root)[1]
 
 
 def move_damaged_aside(root: str, step: int) -> str:

@@ -19,9 +19,7 @@ import os
 import re
 from typing import Any, Iterator, Literal
 
-
-class ConfigError(ValueError):
-  """A configuration problem, with a message that names the key and the fix."""
+from t5x_like.errors import ConfigError  # re-exported: config.ConfigError is public
 
 
 @dataclasses.dataclass(frozen=True)

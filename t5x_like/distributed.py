@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from t5x_like.config import ConfigError
+from t5x_like.errors import ConfigError
 
 # jax is imported where it is used: `python -m t5x_like.train` parses and validates its command
 # line (this module included) before JAX is loaded, so bad input fails at once.

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from t5x_like.config import ConfigError
+from t5x_like.errors import ConfigError
 
 MESH_AXES = ('data', 'pipeline', 'tensor')
 

@@ -270,8 +270,7 @@ class Trainer:
       raise error
 
   def _plan(self, cfg: Config) -> None:
-    self.damaged = checkpoints.damaged_steps(self.ckpt_root)
-    self.resume_step = checkpoints.available_steps(self.ckpt_root)
+    self.resume_step, self.damaged = checkpoints.scan_steps(self.ckpt_root)
     self.restart_notes: list[str] = []  # logged once the run starts
     self.reset_done = False  # see checkpoint.load_optimizer below
     self.data_seed = cfg.train.seed

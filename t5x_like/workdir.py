@@ -17,7 +17,7 @@ import os
 import socket
 import time
 
-from t5x_like.config import ConfigError
+from t5x_like.errors import ConfigError
 from t5x_like.data.files import atomic_write
 
 LOCK_FILE = 'trainer.lock'

@@ -14,6 +14,18 @@ from conftest import run_steps, small_config
 from test_trainer import corpus_config
 
 
+def assert_trains_as_reference(cfg, results, reference):
+  """Losses, grad norms and params (the pipeline's storage order, put back in canonical order) of
+  `run_steps(cfg)` equal the single-device run's within fp32 tolerance."""
+  losses, norms, params = results
+  ref_losses, ref_norms, ref_params = reference
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
+  canonical = pipeline.to_canonical(pipeline.plan_for(cfg), params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), canonical,
+               ref_params)
+
+
 def test_bloom_176b_plan_puts_five_layers_on_the_end_stages():
   plan = pipeline.make_plan(70, 12)
   assert plan.chunk == 6 and plan.num_slots == 72
@@ -102,11 +114,7 @@ def test_pipelined_run_matches_single_device(references, data, stages, tensor, r
                      pipeline=dict(repeats=repeats))
   losses, norms, params = run_steps(cfg, num_steps=3)
   ref_losses, ref_norms, ref_params = references[layers]
-  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
-  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
-  canonical = pipeline.to_canonical(pipeline.plan_for(cfg), params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), canonical,
-               ref_params)
+  assert_trains_as_reference(cfg, (losses, norms, params), (ref_losses, ref_norms, ref_params))
 
 
 @pytest.mark.parametrize('data, stages, tensor, repeats, remat', [
@@ -148,11 +156,7 @@ def test_vocabulary_split_over_tensor_only_as_bloom_176b_matches_single_device()
   losses, norms, params = run_steps(cfg, num_steps=3)
   ref_losses, ref_norms, ref_params = run_steps(
       small_config(model=model, train=dict(global_batch_size=4)), num_steps=3)
-  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
-  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
-  canonical = pipeline.to_canonical(pipeline.plan_for(cfg), params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), canonical,
-               ref_params)
+  assert_trains_as_reference(cfg, (losses, norms, params), (ref_losses, ref_norms, ref_params))
 
 
 def test_full_recomputation_keeps_bf16_inputs_as_bits_and_matches_autodiff():
@@ -291,11 +295,7 @@ def test_grouped_pipeline_matches_single_device(references, reference_batch_8, d
   assert cfg.validate().num_microbatches == 2 * stages
   losses, norms, params = run_steps(cfg, num_steps=3)
   ref_losses, ref_norms, ref_params = references[4] if data == 1 else reference_batch_8
-  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
-  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
-  canonical = pipeline.to_canonical(pipeline.plan_for(cfg), params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), canonical,
-               ref_params)
+  assert_trains_as_reference(cfg, (losses, norms, params), (ref_losses, ref_norms, ref_params))
 
 
 def test_grouped_pipeline_weights_a_partly_padded_group_by_its_real_micro_batches(references):
@@ -309,11 +309,7 @@ def test_grouped_pipeline_weights_a_partly_padded_group_by_its_real_micro_batche
   cfg = legal.replace(train=dict(global_batch_size=4))  # run_steps fills 4, pads 2
   losses, norms, params = run_steps(cfg, num_steps=3, padding_microbatches=2)
   ref_losses, ref_norms, ref_params = references[4]
-  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
-  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
-  canonical = pipeline.to_canonical(pipeline.plan_for(cfg), params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), canonical,
-               ref_params)
+  assert_trains_as_reference(cfg, (losses, norms, params), (ref_losses, ref_norms, ref_params))
 
 
 @pytest.mark.parametrize('changes, message', [
