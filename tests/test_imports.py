@@ -3,10 +3,11 @@ leaves that the rest builds on."""
 
 import ast
 import functools
-import gc
 import os
 
 from conftest import REPO
+
+from t5x_like.data.corpus import parse_python
 
 # Source directory of each package of the distribution (setup.cfg's package_dir).
 PACKAGES = {'t5x_like': 't5x_like', 't5x_like.data': 't5x_like/data',
@@ -24,17 +25,8 @@ def module_files() -> dict[str, str]:
 
 
 def parse(path: str) -> ast.Module:
-  # Python 3.11.7's AST conversion raises "SystemError: AST constructor recursion depth
-  # mismatch" when a garbage-collection finalizer (here: earlier tests' tensorstore handles)
-  # runs Python code in the middle of it, so the collector is held off while parsing.
   with open(path) as f:
-    text = f.read()
-  gc.collect()
-  gc.disable()
-  try:
-    return ast.parse(text, path)
-  finally:
-    gc.enable()
+    return parse_python(f.read(), path)
 
 
 @functools.cache
@@ -98,3 +90,4 @@ def test_the_cycle_finder_finds_the_cycle_config_once_had():
   graph['t5x_like.partitioning'] = graph['t5x_like.partitioning'] | {'t5x_like.config'}
   cycle = find_cycle(graph)
   assert cycle[0] == cycle[-1] and 't5x_like.config' in cycle and 't5x_like.partitioning' in cycle
+

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import gc
 import hashlib
 import io
 import os
@@ -116,12 +117,27 @@ def _comment_blocks(lines: Sequence[str],
     block = []
 
 
+def parse_python(source: str | bytes, path: str) -> ast.Module:
+  """`ast.parse` with the garbage collector held off.
+
+  Python 3.11.7's AST conversion keeps one recursion counter per interpreter; a finalizer that
+  runs during it and parses too (pytest's unraisable-exception hook formats tracebacks with
+  `ast.parse`) leaves the counter off and the outer parse fails with "SystemError: AST
+  constructor recursion depth mismatch".
+  """
+  gc.disable()
+  try:
+    return ast.parse(source, filename=path)
+  finally:
+    gc.enable()
+
+
 def source_document(path: str) -> str | None:
   """The prose of one source file, or None when it has none or does not parse."""
   with open(path, 'rb') as f:
     source = f.read()
   try:
-    tree = ast.parse(source, filename=path)
+    tree = parse_python(source, path)
     # ast decoded the bytes with the file's coding cookie; decode the same way for comments.
     text = source.decode(_source_encoding(source))
   except (SyntaxError, ValueError, LookupError):  # ValueError includes UnicodeDecodeError.

@@ -1,5 +1,6 @@
 """Tests for the embedded default corpus."""
 
+import ast
 import os
 import textwrap
 
@@ -119,3 +120,32 @@ def test_fingerprint_depends_on_content_order_and_boundaries():
   assert fingerprint != corpus.corpus_fingerprint(['a', 'bc'])
   assert fingerprint != corpus.corpus_fingerprint(['c', 'ab'])
   assert fingerprint != corpus.corpus_fingerprint(['ab', 'd'])
+
+
+class ParsingFinalizer:
+  """Parses Python when collected, as pytest's unraisable-exception hook does when a finalizer
+  reports an error."""
+
+  def __init__(self):
+    self.cycle = self
+
+  def __del__(self):
+    ast.parse('def f():\n  return [x for x in range(3)]\n')
+
+
+def test_parsing_survives_a_finalizer_that_parses():
+  path = corpus.__file__
+  with open(path) as f:
+    source = f.read()
+
+  def parse_amid_garbage(parser):
+    for _ in range(20):
+      for _ in range(50):
+        ParsingFinalizer()
+      parser(source, path)
+
+  try:
+    parse_amid_garbage(lambda text, name: ast.parse(text, name))
+  except SystemError as e:  # Python 3.11.7: the bug parse_python works around.
+    assert 'recursion depth mismatch' in str(e)
+  parse_amid_garbage(corpus.parse_python)
