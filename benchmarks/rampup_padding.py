@@ -5,7 +5,7 @@ more micro-batches than it has, the rest padding.
         [--full 8] [--steps 5] [--json OUT]
 
 For each pipeline depth P (mesh data 1 x pipeline P x tensor 1 on virtual CPU devices, one
-process) it times the real train step (`trainer.jit_train_step`, donated state) three ways:
+process) it times the real train step (`step.jit_train_step`, donated state) three ways:
 
 * exact: compiled for `--real` micro-batches and given them (what a ramp-up step is without
   padding: one program per micro-batch count);
@@ -49,7 +49,7 @@ def measure(config: str, stages: int, real: int, full: int, steps: int, remat: s
   import jax.numpy as jnp
   import numpy as np
 
-  from t5x_like import losses, partitioning, trainer
+  from t5x_like import losses, partitioning, step as trainer
   from t5x_like.config import load_config_file
   from t5x_like.train_state import make_layout
 

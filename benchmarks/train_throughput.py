@@ -6,7 +6,7 @@
 For each model it measures, each in its own subprocess (so neither framework's thread pool competes
 with the other's):
 
-* ours (JAX), model.dtype float32 and bfloat16: the real train step (`trainer.lower_train_step`,
+* ours (JAX), model.dtype float32 and bfloat16: the real train step (`step.lower_train_step`,
   what `Trainer.compile` compiles: explicit shardings, donated state) on a
   1 x 1 x 1 mesh; 2 warm-up steps, then N timed steps, each ended by `jax.device_get(stats)` as
   the trainer's loop does. The batch is a fixed random token array already on the device, so the
@@ -207,7 +207,11 @@ def worker_jax(args: argparse.Namespace) -> dict:
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from t5x_like import partitioning, trainer
+  from t5x_like import partitioning
+  try:  # The step's own module; older revisions kept it in trainer.py.
+    from t5x_like import step as trainer
+  except ImportError:
+    from t5x_like import trainer
   from t5x_like.train_state import make_layout
 
   cfg = build_config(args.model, args.dtype)

@@ -31,7 +31,7 @@ from t5x_like.train import parse_overrides
 def plan(cfg: Config) -> dict:
   from t5x_like import metrics, partitioning
   from t5x_like.train_state import make_layout
-  from t5x_like.trainer import lower_train_step
+  from t5x_like.step import lower_train_step
   mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
   layout = make_layout(cfg, mesh)
   start = time.perf_counter()

@@ -53,13 +53,13 @@ def run_steps(cfg, num_steps=4, padding_microbatches=0):
   import numpy as np
 
   from t5x_like import optim, partitioning
-  from t5x_like import trainer as trainer_lib
+  from t5x_like import step as step_lib
   from t5x_like.train_state import make_layout
 
   m = cfg.mesh
   mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor)
   layout = make_layout(cfg, mesh)
-  step = trainer_lib.jit_train_step(cfg, layout)
+  step = step_lib.jit_train_step(cfg, layout)
   state = layout.init(cfg.train.seed)
   rows = cfg.train.micro_batch_size * m.data
   tokens = np.random.default_rng(0).integers(
@@ -67,7 +67,7 @@ def run_steps(cfg, num_steps=4, padding_microbatches=0):
   tokens = tokens.astype(np.int32)
   batch = tokens.reshape(cfg.num_microbatches, rows, -1)
   padding = np.full((padding_microbatches,) + batch.shape[1:], -1, np.int32)  # losses.PAD_ID
-  batch = jax.device_put(np.concatenate([batch, padding]), trainer_lib.batch_sharding(layout))
+  batch = jax.device_put(np.concatenate([batch, padding]), step_lib.batch_sharding(layout))
   losses, norms = [], []
   for i in range(num_steps):
     lr = optim.learning_rate(cfg.optimizer, i * cfg.train.global_batch_size)

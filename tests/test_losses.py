@@ -9,7 +9,7 @@ import pytest
 
 from conftest import small_config
 from t5x_like import losses, model as model_lib, partitioning, pipeline
-from t5x_like import trainer as trainer_lib
+from t5x_like import step as step_lib
 from t5x_like.train_state import make_layout
 
 TRAINED, PADDED = 9, 16  # tokens each row trains on, and the length the padded batch runs at
@@ -61,7 +61,7 @@ def test_the_pipelined_loss_of_padded_micro_batches_is_the_loss_of_the_trained_t
   cfg = small_config(model=dict(cross_entropy_impl='chunked', cross_entropy_chunk=64),
                      mesh=dict(pipeline=2), train=dict(micro_batch_size=2))
   layout = make_layout(cfg, partitioning.make_mesh(1, 2, 1))
-  params = trainer_lib._gathered_params(layout.init(cfg.train.seed).params, layout)
+  params = step_lib.gathered_params(layout.init(cfg.train.seed).params, layout)
   ctx = model_lib.Context(cfg.model, layout.mesh)
   value_and_grad = jax.jit(jax.value_and_grad(lambda p, batch: pipeline.pipeline_loss(
       p, batch, jax.random.PRNGKey(0), cfg, layout.plan, ctx)))

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from t5x_like import partitioning
-from t5x_like.trainer import make_train_step
+from t5x_like.step import make_train_step
 from t5x_like.train_state import describe_zero, make_layout
 
 from conftest import run_steps, small_config

@@ -341,7 +341,7 @@ def test_grouped_bubble_counts_each_groups_fill_and_drain():
 def test_grouped_step_keeps_fewer_stage_inputs():
   """64 micro-batches in groups of 2 keep 3 ticks of stage inputs instead of 65: XLA's compiled
   temporaries shrink by about the difference (the stage inputs dominate them here)."""
-  from t5x_like.trainer import lower_train_step
+  from t5x_like.step import lower_train_step
   temp = {}
   for group in (0, 2):
     cfg = small_config(model=dict(num_layers=2, remat_policy='full'),

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from t5x_like import partitioning, pipeline, trainer
+from t5x_like import partitioning, pipeline, step as step_lib
 from t5x_like.config import ConfigError
 from t5x_like.train_state import make_layout
 
@@ -71,7 +71,7 @@ def compiled_step_text(mesh_shape, sequence_parallel: bool, **model) -> str:
                      train=dict(seq_len=SEQ),
                      mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh_shape))).validate()
   layout = make_layout(cfg, partitioning.make_mesh(*mesh_shape))
-  return trainer.lower_train_step(cfg, layout, cfg.num_microbatches).compile().as_text()
+  return step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile().as_text()
 
 
 SEQ, HIDDEN = 24, 64  # 24: a sequence length no other dim of the small model has

@@ -18,7 +18,8 @@ from t5x_like import checkpoints, metrics, optim, partitioning, provenance, watc
 from t5x_like import trainer as trainer_lib
 from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import TrainState, make_layout
-from t5x_like.trainer import Trainer, make_train_step, read_metrics
+from t5x_like.step import make_train_step
+from t5x_like.trainer import Trainer, read_metrics
 
 from conftest import ALERT_RECORD, config_with, read_alerts, read_tensorboard
 
@@ -358,7 +359,7 @@ def test_eval_step_is_the_train_steps_loss_on_every_mesh(mesh):
   """The evaluation step is the training loss without the update: equal to the train step's
   reported loss on one device, and to the one-device evaluation on data x tensor and on a
   pipeline (its forward-only schedule)."""
-  from t5x_like.trainer import batch_sharding, make_eval_step
+  from t5x_like.step import batch_sharding, make_eval_step
   from conftest import small_config
   cfg = small_config(mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh)),
                      model=dict(cross_entropy_impl='chunked'))
