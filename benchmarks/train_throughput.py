@@ -239,8 +239,8 @@ def worker_jax(args: argparse.Namespace) -> dict:
 
   def schedule_arg(i: int):
     if takes_lr:
-      from t5x_like import optim
-      return jnp.float32(optim.learning_rate(cfg.optimizer, i * gbs))
+      from t5x_like import schedule
+      return jnp.float32(schedule.learning_rate(cfg.optimizer, i * gbs))
     return jnp.int32(i * gbs)
 
   state = layout.init(cfg.train.seed)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import subprocess
 
+from t5x_like import runtime
+
 # The trainer's events; `stale` comes from t5x_like.watch, which also sends `stopped`.
 EVENTS = ('spike', 'slowdown', 'replica_mismatch', 'hang', 'crashed', 'stopped', 'finished',
           'diverged', 'stale')
@@ -73,3 +75,13 @@ class Alerts:
       except subprocess.TimeoutExpired:
         pass  # it goes on in its own session
     self._running = []
+
+
+def end_hook(alerts: Alerts):
+  """A hook (hooks.Hooks.at_end and on_stop) after the end line: 'finished' or 'stopped' with
+  that line (info.message); a diverged run already sent 'diverged'."""
+  def send_end(info) -> None:
+    if info.stop_reason is not runtime.StopReason.DIVERGED:
+      alerts.send('finished' if info.stop_reason is None else 'stopped', info.message,
+                  info.iteration)
+  return send_end

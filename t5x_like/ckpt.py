@@ -1,4 +1,5 @@
-"""`python -m t5x_like.ckpt`: checkpoint tools.
+"""`python -m t5x_like.ckpt`: the checkpoint command line (inspect, diff, verify, stats, HF import
+and export).
 
   python -m t5x_like.ckpt inspect CKPT [--step N] [--json]   step, config, tensors, sizes (metadata)
   python -m t5x_like.ckpt diff A B [--atol X]                per-tensor max |a-b| and relative norm
@@ -14,6 +15,9 @@ Exit codes: 0 ok; 1 `diff` found a difference beyond --atol or `verify` a failed
 is printed); 2 bad input (no such directory or step, no checkpoint, a damaged checkpoint).
 The tools run on the CPU (virtual devices where a mesh needs them), never on a GPU a job may hold.
 """
+
+# What inspect / diff / verify / stats compute lives in checkpoint_inspection.py, the HF mapping
+# in hf.py, and saving and restoring (the library a run uses) in checkpoints.py.
 
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ def export_hf(ckpt_dir: str, hf_dir: str, step: int | None = None) -> None:
   import jax
   import numpy as np
   from t5x_like import hf
-  from t5x_like.evaluate import load_for_inference
+  from t5x_like.inference import load_for_inference
   cfg, params = load_for_inference(ckpt_dir, 'float32', step)
   state = hf.hf_state_from_params(jax.tree.map(np.asarray, params), cfg.model)
   hf.save_hf_dir(hf_dir, hf.hf_config_from_model_config(cfg.model), state)
@@ -62,27 +66,27 @@ def _finite_json(value):
 
 def run_tool(args) -> int:
   """inspect / diff / verify / stats; returns the exit code."""
-  from t5x_like import ckpt_tools
+  from t5x_like import checkpoint_inspection as inspection
   emit = lambda obj: print(json.dumps(_finite_json(obj), indent=2))
   if args.command == 'inspect':
-    info = ckpt_tools.inspect(ckpt_tools.CheckpointReader(args.ckpt_dir, args.step))
-    emit(info) if args.json else print(ckpt_tools.format_inspect(info))
+    info = inspection.inspect(inspection.CheckpointReader(args.ckpt_dir, args.step))
+    emit(info) if args.json else print(inspection.format_inspect(info))
     return 0
   if args.command == 'stats':
-    rows = ckpt_tools.stats(ckpt_tools.CheckpointReader(args.ckpt_dir, args.step))
-    emit(rows) if args.json else print(ckpt_tools.format_stats(rows))
+    rows = inspection.stats(inspection.CheckpointReader(args.ckpt_dir, args.step))
+    emit(rows) if args.json else print(inspection.format_stats(rows))
     return 0
   if args.command == 'diff':
     if not 0 <= args.atol < float('inf'):  # also refuses NaN
       raise ConfigError(f'--atol must be a finite number >= 0 (the largest |a - b| that counts '
                         f'as equal), got {args.atol}')
-    a = ckpt_tools.CheckpointReader(args.a, args.step_a)
-    b = ckpt_tools.CheckpointReader(args.b, args.step_b)
-    result = ckpt_tools.diff(a, b, args.atol)
-    emit(result) if args.json else print(ckpt_tools.format_diff(result))
+    a = inspection.CheckpointReader(args.a, args.step_a)
+    b = inspection.CheckpointReader(args.b, args.step_b)
+    result = inspection.diff(a, b, args.atol)
+    emit(result) if args.json else print(inspection.format_diff(result))
     return 0 if result['same'] else 1
-  reader = ckpt_tools.CheckpointReader(args.ckpt_dir, args.step)
-  results = ckpt_tools.verify(reader)
+  reader = inspection.CheckpointReader(args.ckpt_dir, args.step)
+  results = inspection.verify(reader)
   if args.json:
     emit(results)
   else:

@@ -6,8 +6,11 @@ Two front ends produce the same `Config`:
   with `--config.section.key=value`;
 * gin files (`configs/*.gin`) that bind `section.key = value`, overridden with `--gin_bindings`.
 
-Both are turned into frozen dataclasses here and validated once (`Config.validate`); the rest of the
-code trusts the result. Unknown keys are errors, never silently ignored.
+Both are turned into frozen dataclasses here and validated once at start-up
+(`startup.check_config`: `Config.validate` here, then the checks of the modules that own the mesh,
+the attention kernels, the schedule and the data); the rest of the code trusts the result.
+Unknown keys are errors, never silently ignored. This module is a leaf: it imports nothing of the
+package but errors.py, so that every module can import it.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ import dataclasses
 import json
 import math
 import os
-import re
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from t5x_like.errors import ConfigError  # re-exported: config.ConfigError is public
 
@@ -113,61 +115,7 @@ class TrainConfig:
   # gradients either way; the pipeline computes the padding micro-batches, the non-pipelined
   # step skips them.
   rampup_microbatch_multiple: int = 0
-
-  def global_batch_size_at(self, consumed_samples: int) -> int:
-    """Megatron's ramp-up: start + inc * floor(consumed / samples_per_increment), then GBS."""
-    if not self.rampup_batch_size:
-      return self.global_batch_size
-    start, increment, ramp_samples = self.rampup_batch_size
-    if consumed_samples > ramp_samples:
-      return self.global_batch_size
-    steps = (self.global_batch_size - start) // increment
-    per_increment = ramp_samples / steps
-    return min(self.global_batch_size,
-               start + increment * int(consumed_samples // per_increment))
-
-  def total_iterations(self) -> int:
-    """Iterations until `steps` or `train_samples`, following the batch ramp-up.
-
-    Megatron's count (`update_train_iters`), so a run of the same --train-samples logs the same
-    "iteration N/TOTAL" (tr11: 115,311): iterations through the ramp-up while the consumed samples
-    are <= its sample count, then whole global batches; a last partial batch is not trained."""
-    if not self.train_samples:
-      return self.steps
-    iterations, consumed = 0, 0
-    if self.rampup_batch_size:
-      ramp_samples = self.rampup_batch_size[2]
-      while (consumed <= ramp_samples and
-             consumed + self.global_batch_size_at(consumed) <= self.train_samples):
-        consumed += self.global_batch_size_at(consumed)
-        iterations += 1
-    iterations += (self.train_samples - consumed) // self.global_batch_size
-    return min(self.steps, iterations) if self.steps else iterations
-
-  def iteration_batch_sizes(self, iterations: int | None = None) -> Iterator[int]:
-    """The global batch size of each of the first `iterations` iterations (default: the run's),
-    following the batch ramp-up."""
-    consumed = 0
-    for _ in range(self.total_iterations() if iterations is None else iterations):
-      size = self.global_batch_size_at(consumed)
-      yield size
-      consumed += size
-
-  def consumed_samples_after(self, iterations: int) -> int:
-    """Samples consumed by the first `iterations` iterations, following the batch ramp-up (the
-    global index of iteration `iterations + 1`'s first sample)."""
-    return sum(self.iteration_batch_sizes(iterations))
-
-  def total_samples(self) -> int:
-    """Samples the whole run consumes, following the batch ramp-up."""
-    return sum(self.iteration_batch_sizes())
-
-  def ramp_batch_sizes(self) -> list[int]:
-    """Every global batch size the run will use."""
-    if not self.rampup_batch_size:
-      return [self.global_batch_size]
-    start, increment, _ = self.rampup_batch_size
-    return list(range(start, self.global_batch_size, increment)) + [self.global_batch_size]
+  # The ramp-up and the run's length in iterations and samples: t5x_like/schedule.py.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,23 +156,7 @@ class CurriculumConfig:
   @property
   def enabled(self) -> bool:
     return self.min_seq_len > 0
-
-  def seq_len_at(self, iteration: int, max_seq_len: int) -> int:
-    """DeepSpeed's fixed_linear/fixed_root difficulty for global step `iteration` (1-based, as
-    Megatron-DeepSpeed asks for `iteration + 1` before each step): floor(min + (max - min) *
-    (n / total) ** (1 / degree)), rounded down to a multiple of difficulty_step, at most max."""
-    if not self.enabled:
-      return max_seq_len
-    degree = 1 if self.schedule == 'fixed_linear' else self.root_degree
-    progress = min(1.0, iteration / self.total_iterations) ** (1.0 / degree)
-    length = math.floor(progress * (max_seq_len - self.min_seq_len) + self.min_seq_len)
-    return min(max_seq_len, length - length % self.difficulty_step)
-
-  def padded_seq_len(self, seq_len: int, max_seq_len: int) -> int:
-    """The length the step runs at to train on seq_len tokens (pad_to_multiple)."""
-    if not self.pad_to_multiple:
-      return seq_len
-    return min(max_seq_len, -(-seq_len // self.pad_to_multiple) * self.pad_to_multiple)
+  # The lengths it gives each iteration: t5x_like/schedule.py.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +171,15 @@ class DataConfig:
   # Megatron's --skip-train-iteration-range: ('A-B', ...), iterations (1-based, inclusive) whose
   # data is consumed but not trained on.
   skip_train_iteration_range: tuple = ()
+  # Megatron-DeepSpeed's --(train|valid|test)-weighted-split-paths, instead of train_path and
+  # split: one group 'NAME: W1 START:END PREFIX1, W2 START:END PREFIX2, ...' (a string) or several
+  # (a tuple of strings); START:END are fractions of each dataset's documents. Train takes one
+  # group; each valid group is a named validation set (docs/data.md).
+  train_weighted_split_paths: tuple = ()
+  valid_weighted_split_paths: tuple = ()
+  test_weighted_split_paths: tuple = ()
+  # The directory that relative prefixes of the weighted split paths are read under; '': as given.
+  root: str = ''
 
   def skip_ranges(self) -> list[tuple[int, int]]:
     """skip_train_iteration_range as [(first, last)]; validate() has checked the syntax."""
@@ -276,6 +217,13 @@ class PipelineConfig:
   # ticks of stage inputs are kept, at a bubble of (P-1)/(G*repeats + P-1). G >= P, and G must
   # divide every micro-batch count of the run.
   microbatch_group: int = 0
+  # The order of the forward and backward passes (docs/pipeline.md). 'gpipe': every forward,
+  # then every backward (the transpose of the forward scan); a stage keeps the input of each of
+  # the M * repeats + P - 1 ticks. '1f1b': a micro-batch's backward starts as soon as it leaves
+  # the last stage, so a stage keeps at most 2P - 1 inputs whatever M, at the same bubble; the
+  # backward always recomputes the stage's forward from its input (as remat_policy='full' does).
+  # One repeat only.
+  schedule: Literal['gpipe', '1f1b'] = 'gpipe'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +232,7 @@ class CheckpointConfig:
   max_to_keep: int = 3  # The latest K checkpoints are kept...
   keep_period: int = 0  # ...plus, for good, every step that is a multiple of this (0: none).
   init_from: str = ''  # A checkpoint whose weights start a new run (optimizer starts fresh).
-  # Restart controls, applied when a run resumes from its workdir (README, "Restart controls").
+  # Restart controls, applied when a run resumes from its workdir (docs/checkpoints.md).
   load_optimizer: bool = True  # False: fresh Adam moments and step count 0 (--no-load-optim).
   override_lr_scheduler: bool = False  # True: the config's schedule wins (--override-lr-scheduler).
   load_rng: bool = True  # False: dropout follows the config's train.seed (--no-load-rng).
@@ -323,6 +271,22 @@ class RuntimeConfig:
   # Stop the run (exit code 5, DIVERGED) after this many consecutive iterations with a non-finite
   # loss or gradient norm, keeping the state of the last finite one; 0: never stop for it.
   max_consecutive_nan: int = 10
+  # A JAX profiler trace of these iterations, 'FIRST-LAST' (e.g. '20-25'), under tensorboard_dir
+  # in plugins/profile/ for TensorBoard's Profile tab and Perfetto (docs/monitoring.md); '': none.
+  profile_steps: str = ''
+  # The process (jax.process_index()) that records the trace.
+  profile_process: int = 0
+
+  def profile_range(self) -> tuple[int, int] | None:
+    """profile_steps as (first, last), None for ''; a ConfigError names a bad one."""
+    if not self.profile_steps:
+      return None
+    parts = str(self.profile_steps).split('-')
+    if (len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or
+        not 1 <= int(parts[0]) <= int(parts[1])):
+      raise ConfigError(f'runtime.profile_steps must be iterations FIRST-LAST with 1 <= FIRST <= '
+                        f"LAST, e.g. '20-25' ('' for no profile), got {self.profile_steps!r}")
+    return int(parts[0]), int(parts[1])
 
 
 SECTIONS = {
@@ -360,77 +324,9 @@ class Config:
     """The micro-batches a global batch fills."""
     return global_batch_size // (self.train.micro_batch_size * self.mesh.data)
 
-  def step_microbatches(self, global_batch_size: int) -> int:
-    """The micro-batches the step runs with for a global batch: microbatches_for, rounded up to
-    train.rampup_microbatch_multiple when that is set (at most the full batch's count); those
-    past the batch's own are padding."""
-    count = self.microbatches_for(global_batch_size)
-    multiple = self.train.rampup_microbatch_multiple
-    if not multiple:
-      return count
-    return min(self.num_microbatches, -(-count // multiple) * multiple)
-
   @property
   def padded_vocab_size(self) -> int:
     return self.model.padded_vocab_size(self.mesh.tensor)
-
-  def seq_len_at(self, iteration: int) -> int:
-    """Tokens per sample that iteration `iteration` (1-based) trains on."""
-    return self.curriculum.seq_len_at(iteration, self.train.seq_len)
-
-  def padded_seq_len_at(self, iteration: int) -> int:
-    """The sequence length iteration `iteration` runs at: seq_len_at(iteration), rounded up to
-    curriculum.pad_to_multiple when that is set (the rest padding outside the loss)."""
-    return self.curriculum.padded_seq_len(self.seq_len_at(iteration), self.train.seq_len)
-
-  def seq_lens(self) -> list[int]:
-    """Every training sequence length of the run, in order."""
-    if not self.curriculum.enabled:
-      return [self.train.seq_len]
-    last = min(self.curriculum.total_iterations, self.train.total_iterations())
-    return sorted({self.seq_len_at(n) for n in range(1, last + 1)})
-
-  def step_shapes(self) -> list[tuple[int, int]]:
-    """(micro-batches, length the step runs at) of the run's iterations, each once, in order of
-    first use: the batch ramp-up and the curriculum each make the train step a new XLA program
-    (tr11's ramp: 117 of them; train.rampup_microbatch_multiple and curriculum.pad_to_multiple
-    make fewer)."""
-    if not self.train.rampup_batch_size and not self.curriculum.enabled:
-      return [(self.num_microbatches, self.train.seq_len)]
-    shapes = {}
-    for n, gbs in enumerate(self.train.iteration_batch_sizes(), start=1):
-      shapes.setdefault((self.step_microbatches(gbs), self.padded_seq_len_at(n)), None)
-    return list(shapes)
-
-  def padding_microbatches(self) -> tuple[int, int]:
-    """(padding micro-batches, micro-batches the step runs) summed over the run's iterations:
-    what train.rampup_microbatch_multiple costs a pipeline, which computes the padding."""
-    padding = total = 0
-    for gbs in self.train.iteration_batch_sizes():
-      step = self.step_microbatches(gbs)
-      padding += step - self.microbatches_for(gbs)
-      total += step
-    return padding, total
-
-  def step_seq_lens(self) -> list[int]:
-    """Every length the step runs at, in order: one compiled program each (per batch size)."""
-    return sorted({self.curriculum.padded_seq_len(n, self.train.seq_len)
-                   for n in self.seq_lens()})
-
-  def warmup_end_tokens(self) -> int:
-    """Tokens consumed when the learning-rate warm-up ends: the first iteration boundary at
-    which optimizer.warmup_samples samples are consumed. optimizer.decay_tokens counts from here.
-
-    Megatron records this once, only if an iteration ends exactly on warmup_samples; otherwise
-    its token decay counts from token 0 and the learning rate drops at the end of the warm-up.
-    Here it is a pure function of the config, so it is the same after any restart."""
-    samples = tokens = n = 0
-    while samples < self.optimizer.warmup_samples:
-      n += 1
-      gbs = self.train.global_batch_size_at(samples)
-      samples += gbs
-      tokens += gbs * self.seq_len_at(n)
-    return tokens
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -466,16 +362,23 @@ class Config:
       raw.setdefault(name, {}).update(values)
     return Config.from_dict(raw)
 
+  def check_ranges(self) -> Config:
+    """Every int and float key finite and in its range (numeric_range); one ConfigError."""
+    _validate_ranges(self)
+    return self
+
   def validate(self) -> Config:
-    """Checks every cross-field constraint; raises one ConfigError naming the fix."""
+    """Checks each key and the cross-field constraints this module can check by itself; raises
+    one ConfigError naming the fix. The checks that need the modules owning the mesh, the
+    attention kernels, the schedule and the data run with these in `startup.check_config`,
+    which every command calls once before any compilation."""
     m, t, o, mesh = self.model, self.train, self.optimizer, self.mesh
 
     def need(ok: bool, message: str):
       if not ok:
         raise ConfigError(message)
 
-    _validate_ranges(self)
-    _validate_mesh_size(mesh.num_devices)
+    self.check_ranges()
     need(m.architecture in ('bloom', 'gpt2'),
          f"model.architecture must be 'bloom' or 'gpt2', got {m.architecture!r}")
     need(m.hidden_size % m.num_heads == 0,
@@ -513,9 +416,6 @@ class Config:
       need(m.attention_dropout == 0.0,
            f'model.attention_dropout={m.attention_dropout} needs model.attention_impl=\'xla\': the '
            f'fused {m.attention_impl!r} attention has no dropout; set model.attention_dropout=0')
-      # Imported here: the kernels pull in JAX, which nothing else in this module needs.
-      from t5x_like import attention
-      attention.check_config(m)
     need(m.cross_entropy_impl in ('dense', 'chunked', 'fused'),
          "model.cross_entropy_impl must be 'dense', 'chunked' or 'fused', got "
          f'{m.cross_entropy_impl!r}')
@@ -544,11 +444,6 @@ class Config:
       need(start < t.global_batch_size and (t.global_batch_size - start) % increment == 0,
            f'train.rampup_batch_size: global_batch_size - start ({t.global_batch_size} - {start}) '
            f'must be a positive multiple of the increment ({increment})')
-      for gbs in t.ramp_batch_sizes():
-        need(gbs % per_step == 0,
-             f'train.rampup_batch_size reaches a global batch of {gbs}, which train.'
-             f'micro_batch_size x mesh.data ({per_step}) does not divide; pick a start and '
-             f'increment that are multiples of {per_step}')
     need(isinstance(t.rampup_microbatch_multiple, int) and t.rampup_microbatch_multiple >= 0,
          f'train.rampup_microbatch_multiple must be an int >= 0 (0: no padding), got '
          f'{t.rampup_microbatch_multiple!r}')
@@ -556,10 +451,6 @@ class Config:
          f'train.rampup_microbatch_multiple ({t.rampup_microbatch_multiple}) pads the micro-batch '
          'counts of a batch-size ramp-up, and there is none (train.rampup_batch_size is empty); '
          'set train.rampup_batch_size, or train.rampup_microbatch_multiple=0')
-    first_batch = t.global_batch_size_at(0)  # the ramp-up's format is checked above
-    need(t.train_samples == 0 or t.train_samples >= first_batch,
-         f'train.train_samples ({t.train_samples}) is less than one global batch '
-         f'({first_batch}): the run would train no iteration; raise it or set train.steps')
     p, r = mesh.pipeline, self.pipeline.repeats
     need(r >= 1, f'pipeline.repeats must be >= 1, got {r}')
     need(p * r <= m.num_layers,
@@ -571,17 +462,19 @@ class Config:
       need(r in fits,
            f'pipeline.repeats={r} does not fit {m.num_layers} layers on {p} stages: every stage '
            f'would hold more than one padding slot; repeats that fit: {fits}')
+    if p > 1 and self.pipeline.schedule == '1f1b':
+      need(r == 1, f"pipeline.schedule='1f1b' runs one repeat, and pipeline.repeats is {r}; use "
+           "pipeline.repeats=1 with '1f1b', or pipeline.schedule='gpipe' for the circular "
+           'schedule')
+      need(not self.pipeline.microbatch_group,
+           f"pipeline.schedule='1f1b' already keeps at most 2P - 1 stage inputs, and "
+           f'pipeline.microbatch_group={self.pipeline.microbatch_group} would only add a fill '
+           "and drain per group; set pipeline.microbatch_group=0 with '1f1b'")
     if p > 1:
       need(m.cross_entropy_impl != 'fused',
            "model.cross_entropy_impl='fused' keeps an embedding-sized gradient from each "
            'micro-batch\'s forward to its backward pass, one per micro-batch in flight in the '
            "pipeline; use 'chunked' (or 'dense') with mesh.pipeline > 1")
-      fewest = min(self.microbatches_for(g) for g in t.ramp_batch_sizes())
-      need(fewest >= p,
-           f'{fewest} micro-batch(es) per step is fewer than the {p} pipeline stages (global '
-           f'batch / (micro_batch_size x mesh.data)); raise train.global_batch_size (or the '
-           'ramp-up start) or lower train.micro_batch_size')
-    _validate_microbatch_group(self)
     need(o.decay_style in ('cosine', 'linear', 'constant'),
          f"optimizer.decay_style must be 'cosine', 'linear' or 'constant', got {o.decay_style!r}")
     need(o.min_lr <= o.lr,
@@ -592,11 +485,6 @@ class Config:
          f'({o.warmup_samples}), or be 0 for no decay')
     need(o.decay_tokens >= 0, f'optimizer.decay_tokens must be >= 0 (0: decay by samples), got '
          f'{o.decay_tokens}')
-    if o.decay_tokens:
-      warmup_tokens = self.warmup_end_tokens()
-      need(o.decay_tokens > warmup_tokens,
-           f'optimizer.decay_tokens ({o.decay_tokens}) must exceed the {warmup_tokens} tokens '
-           f'consumed by the end of the warm-up (optimizer.warmup_samples={o.warmup_samples})')
     _validate_curriculum(self)
     need(self.checkpoint.save_interval >= 0, 'checkpoint.save_interval must be >= 0')
     need(self.checkpoint.max_to_keep >= 1,
@@ -619,7 +507,9 @@ class Config:
     need(self.runtime.exit_duration_mins >= 0,
          f'runtime.exit_duration_mins must be >= 0 (0: no limit), got '
          f'{self.runtime.exit_duration_mins}')
-    _validate_data(self)
+    need(self.runtime.profile_range() is None or bool(self.runtime.tensorboard_dir),
+         f'runtime.profile_steps={self.runtime.profile_steps!r} writes its trace under '
+         "runtime.tensorboard_dir, which is ''; set a tensorboard_dir or profile_steps=''")
     if self.checkpoint.init_from:
       need(os.path.isdir(self.checkpoint.init_from),
            f'checkpoint.init_from={self.checkpoint.init_from!r} is not a directory; point it at a '
@@ -687,35 +577,6 @@ def describe_range(low: float, high: float, bounds: str) -> str:
   return f'in {bounds[0]}{low}, {high}{bounds[1]}'
 
 
-def _validate_microbatch_group(cfg: Config) -> None:
-  """pipeline.microbatch_group: at least the stages, and a divisor of every micro-batch count the
-  step runs with (the batch ramp-up's, as train.rampup_microbatch_multiple rounds them)."""
-  group, stages = cfg.pipeline.microbatch_group, cfg.mesh.pipeline
-  if not group:
-    return
-  if stages == 1:
-    raise ConfigError(f'pipeline.microbatch_group={group} groups the micro-batches of a pipeline '
-                      'schedule, and mesh.pipeline is 1; set pipeline.microbatch_group=0 or '
-                      'mesh.pipeline > 1')
-  counts = sorted({cfg.step_microbatches(g) for g in cfg.train.ramp_batch_sizes()})
-  common = math.gcd(*counts)
-  fits = [g for g in range(stages, common + 1) if common % g == 0]
-  fixes = [f'groups that fit: {fits}' if fits else
-           f'no group of at least {stages} divides them all']
-  if cfg.train.rampup_batch_size and cfg.num_microbatches % group == 0 and group >= stages:
-    fixes.append(f'set train.rampup_microbatch_multiple to a multiple of {group}')
-  fixes.append('set pipeline.microbatch_group=0')
-  if group < stages:
-    raise ConfigError(f'pipeline.microbatch_group ({group}) is fewer than the {stages} pipeline '
-                      f'stages: each group must fill the pipeline; {"; ".join(fixes)}')
-  uneven = [c for c in counts if c % group]
-  if uneven:
-    raise ConfigError(f'pipeline.microbatch_group ({group}) does not divide the step\'s '
-                      f'micro-batch count(s) {uneven[:5]}{" ..." if len(uneven) > 5 else ""} '
-                      '(global batch / (micro_batch_size x mesh.data), rounded up to '
-                      f'train.rampup_microbatch_multiple); {"; ".join(fixes)}')
-
-
 def _validate_ranges(cfg: Config) -> None:
   """Every int and float key finite and in its range (numeric_range)."""
   for name in SECTIONS:
@@ -734,18 +595,6 @@ def _validate_ranges(cfg: Config) -> None:
         kind = '' if isinstance(value, int) else ' and finite'
         raise ConfigError(f'{key} must be {describe_range(low, high, bounds)}{kind}, got '
                           f'{value!r}; set it within that range')
-
-
-# A mesh on a CPU-only machine runs on virtual devices (partitioning.ensure_devices); more than
-# partitioning.MAX_VIRTUAL_CPU_DEVICES of them take minutes to create and are never a real run.
-def _validate_mesh_size(num_devices: int) -> None:
-  from t5x_like import partitioning  # imports JAX, as _validate_data does; no backend starts
-  if num_devices > partitioning.MAX_VIRTUAL_CPU_DEVICES and partitioning.cpu_only():
-    raise ConfigError(
-        f'the mesh (mesh.data x mesh.pipeline x mesh.tensor) needs {num_devices} devices, and '
-        f'this machine has no accelerator: it would run on as many virtual CPU devices, and at '
-        f'most {partitioning.MAX_VIRTUAL_CPU_DEVICES} are allowed on CPU (creating more takes '
-        'minutes and tests nothing more); use a smaller mesh, or run on GPUs')
 
 
 def _validate_curriculum(cfg: Config) -> None:
@@ -782,54 +631,13 @@ def _validate_curriculum(cfg: Config) -> None:
                       f'({c.difficulty_step}), e.g. {8 * c.difficulty_step}')
 
 
-def _validate_data(cfg: Config) -> None:
-  """data.* and eval.* syntax (the files themselves are opened by the trainer, still before any
-  compilation)."""
-  # Imported here: the data package is only needed once a config is validated.
-  from t5x_like.data import sources
-  from t5x_like.data.indexed import DataError
-  d, e = cfg.data, cfg.eval
-  try:
-    if d.train_path:
-      sources.parse_data_path(d.train_path)
-    shares = sources.parse_split(d.split)
-    names = set()
-    for entry in d.valid_path:
-      if not (isinstance(entry, tuple) and len(entry) == 2 and all(
-          isinstance(x, str) and x for x in entry)):
-        raise ConfigError(f'data.valid_path must map set names to data paths, e.g. '
-                          f'{{"en": "/data/en_text_document"}}; got the entry {entry!r}')
-      name, spec = entry
-      if not re.fullmatch(r'[\w.-]+', name):
-        raise ConfigError(f'data.valid_path: the set name {name!r} goes into log lines and '
-                          'TensorBoard tags; use letters, digits, "_", "-" and "." only')
-      if name in names or (name == 'valid' and shares[1] > 0) or name == 'test':
-        raise ConfigError(f'data.valid_path names a set {name!r} twice, or a name the '
-                          f'data.split already uses ("valid" for its validation share, '
-                          f'"test"); rename it')
-      names.add(name)
-      sources.parse_data_path(spec, key=f'data.valid_path[{name!r}]')
-  except DataError as error:
-    raise ConfigError(str(error)) from None
-  for r in d.skip_train_iteration_range:
-    parts = str(r).split('-')
-    if (len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or
-        not 1 <= int(parts[0]) <= int(parts[1])):
-      raise ConfigError(f'data.skip_train_iteration_range: {r!r} is not a range of iterations '
-                        'FIRST-LAST with 1 <= FIRST <= LAST, e.g. ("13251-14000",)')
-  if e.interval < 0 or e.iters < 1:
-    raise ConfigError(f'eval.interval must be >= 0 (0: no evaluation) and eval.iters >= 1, got '
-                      f'{e.interval} and {e.iters}')
-  if e.interval and shares[1] == 0 and not d.valid_path:
-    raise ConfigError(f'eval.interval={e.interval} but there is no validation set: give '
-                      f'data.split a validation share (e.g. "969,30,1") or set data.valid_path')
-
-
 def _coerce(key: str, value: Any, want: type) -> Any:
   """Converts ints to floats where a float is wanted; rejects other type mismatches."""
   if want is tuple and isinstance(value, dict):
     # A mapping (data.valid_path) is kept as its (key, value) pairs: hashable, and in order.
     return tuple((k, v) for k, v in value.items())
+  if want is tuple and isinstance(value, str) and key.endswith('_weighted_split_paths'):
+    return (value,)  # one group, as Megatron's flag takes one quoted group
   if want is tuple and isinstance(value, (list, tuple)):
     # Nested lists come back from config.json; tuples keep the config hashable.
     return tuple(tuple(v) if isinstance(v, list) else v for v in value)
@@ -916,6 +724,26 @@ def parse_override_value(text: str) -> Any:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
     return str(text)
+
+
+def parse_overrides(rest: list[str]) -> dict:
+  """`--config.a.b=value` or `--config.a.b value` pairs (`train` and `plan` take them); anything
+  else is an error."""
+  overrides, i = {}, 0
+  while i < len(rest):
+    arg = rest[i]
+    if not arg.startswith('--config.'):
+      raise ConfigError(f'unrecognised argument {arg!r}; overrides look like '
+                        '--config.train.steps=10')
+    key, eq, value = arg[len('--config.'):].partition('=')
+    if not eq:
+      if i + 1 >= len(rest):
+        raise ConfigError(f'{arg} needs a value')
+      i += 1
+      value = rest[i]
+    overrides[key] = CommandLineValue(value)
+    i += 1
+  return overrides
 
 
 _GIN_MAKERS: dict[str, Any] = {}

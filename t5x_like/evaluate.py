@@ -31,6 +31,7 @@ import json
 import math
 import os
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -93,7 +94,7 @@ def evaluate(cfg: Config, params, tokens: np.ndarray, batch_size: int = 8,
              cross_entropy: str = 'chunked') -> dict:
   """Mean next-token loss over every prediction; one compile (the last batch is padded).
 
-  cfg, params: from `load_for_inference` (its mesh is cfg.mesh, data x 1 x tensor).
+  cfg, params: from `inference.load_for_inference` (its mesh is cfg.mesh, data x 1 x tensor).
   cross_entropy: 'chunked' (never the full fp32 logits; `model.cross_entropy_chunk` vocabulary
   rows at a time) or 'dense' (full logits), the same numbers to fp32 rounding.
   """
@@ -123,7 +124,7 @@ def check_batch_size(batch_size: int, data: int) -> None:
 def batch_loss_sum_fn(cfg: Config, cross_entropy: str):
   """The jitted (params, tokens [B, L], valid [B]) -> summed loss of the valid rows, on cfg.mesh:
   rows split over `data`, the model's weights and activations split over `tensor` as in training
-  (the params keep the shardings `load_for_inference` gave them)."""
+  (the params keep the shardings `inference.load_for_inference` gave them)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
@@ -141,40 +142,6 @@ def batch_loss_sum_fn(cfg: Config, cross_entropy: str):
     return jnp.sum(losses.token_losses(model, params, batch) * valid[:, None])
 
   return batch_loss_sum
-
-
-def inference_config(saved: Config, dtype: str | None = None, data: int = 1,
-                     tensor: int = 1) -> Config:
-  """The checkpoint's config for inference on a data x 1 x tensor mesh, validated.
-
-  No dropout, one pipeline stage, and the saved padded vocabulary (rounded up to a multiple of
-  `tensor` if it is not one: the extra rows are masked out of the softmax and zero-filled on
-  restore). The training batch fields are set to one micro-batch per data shard, so validation
-  checks what evaluation uses.
-  """
-  padded = -(-saved.padded_vocab_size // tensor) * tensor
-  model = {'pad_vocab_size_to': padded, 'hidden_dropout': 0.0, 'attention_dropout': 0.0}
-  if dtype:
-    model['dtype'] = dtype
-  return saved.replace(model=model, mesh={'data': data, 'pipeline': 1, 'tensor': tensor},
-                       pipeline={'repeats': 1},
-                       train={'global_batch_size': data, 'micro_batch_size': 1,
-                              'rampup_batch_size': ()}).validate()
-
-
-def load_for_inference(checkpoint: str, dtype: str | None = None, step: int | None = None,
-                       data: int = 1, tensor: int = 1):
-  """(config on a data x 1 x tensor mesh, params) of a checkpoint saved from any mesh.
-
-  The params are restored into the mesh's compute shardings: split over `tensor` as training
-  splits them, replicated over `data` (no ZeRO split: every data shard runs the whole model).
-  """
-  from t5x_like import checkpoints, partitioning
-  from t5x_like.train_state import make_layout
-  cfg = inference_config(checkpoints.read_config(checkpoint, step), dtype, data, tensor)
-  layout = make_layout(cfg, partitioning.make_mesh(data, 1, tensor))
-  params = checkpoints.restore_params(checkpoint, layout, cfg, step)
-  return cfg, layout.compute_params(params)
 
 
 def load_data(args: argparse.Namespace, saved: Config) -> np.ndarray:
@@ -244,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                       help='chunked (default): never the full [batch, L, vocab] fp32 logits; '
                            'dense: the full logits')
   args = parser.parse_args(argv)
-  from t5x_like import partitioning
+  from t5x_like import inference, partitioning
   from t5x_like.checkpoints import CheckpointError, read_config
   try:
     data, tensor = args.mesh_data, args.mesh_tensor
@@ -255,13 +222,92 @@ def main(argv: list[str] | None = None) -> int:
     partitioning.ensure_devices(data * tensor)
     saved = read_config(args.checkpoint, args.step)
     tokens = load_data(args, saved)
-    # A mesh the model cannot use fails in inference_config, before anything is restored.
-    cfg, params = load_for_inference(args.checkpoint, args.dtype, args.step, data, tensor)
+    # A mesh the model cannot use fails in inference.inference_config, before anything is
+    # restored.
+    cfg, params = inference.load_for_inference(args.checkpoint, args.dtype, args.step, data,
+                                               tensor)
   except (ConfigError, CheckpointError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   print(json.dumps(evaluate(cfg, params, tokens, args.batch_size, args.cross_entropy)))
   return 0
+
+
+class TrainingEvaluator:
+  """The training run's evaluation (eval.interval): the mean loss of eval.iters batches (the
+  current global batch size) from the start of each validation set, the same samples at every
+  evaluation so evaluations compare, logged Megatron-style; at the end of training also the
+  test split, as Megatron evaluates after its last iteration. One compiled evaluation step per
+  micro-batch count. `watchdog` is the run's runtime.Watchdog."""
+
+  def __init__(self, cfg: Config, layout, batch_sharding, data, writer, watchdog):
+    self.cfg, self.layout, self.batch_sharding = cfg, layout, batch_sharding
+    self.data, self.writer, self.watchdog = data, writer, watchdog
+    self.compiled: dict[int, Any] = {}
+    self.last_evaluated: int | None = None
+
+  def step_for(self, global_batch_size: int):
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from t5x_like.data import batches
+    from t5x_like.step import make_eval_step
+    shape = batches.batch_shape(self.cfg, global_batch_size)
+    if shape[0] not in self.compiled:
+      start = time.perf_counter()
+      step = jax.jit(make_eval_step(self.cfg, self.layout),
+                     in_shardings=(self.layout.shardings.params, self.batch_sharding))
+      with self.watchdog.suspended():
+        self.compiled[shape[0]] = step.lower(
+            self.layout.abstract.params,
+            jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)).compile()
+      self.writer.info(f'> compiled the evaluation step for {shape[0]} micro-batch(es) in '
+                       f'{time.perf_counter() - start:.1f} s')
+    return self.compiled[shape[0]]
+
+  def evaluate(self, state, progress, sets: dict, at_end: bool = False) -> dict[str, float]:
+    import time
+
+    import jax
+
+    from t5x_like import metrics, schedule
+    from t5x_like.data import batches
+    gbs = schedule.global_batch_size_at(self.cfg.train, progress.consumed_samples)
+    step = self.step_for(gbs)
+    results = {}
+    for name, source in sets.items():
+      self.watchdog.beat(f'evaluating {name!r} at iteration {progress.iteration}')
+      start = time.perf_counter()
+      batch_losses = [step(state.params, batches.global_batch(
+          self.cfg, self.batch_sharding, source, i * gbs, gbs, f'{name!r}'))
+          for i in range(self.cfg.eval.iters)]
+      loss = float(np.mean(jax.device_get(batch_losses)))
+      results[name] = loss
+      self.writer.eval_record({
+          'iteration': progress.iteration, 'consumed_samples': progress.consumed_samples,
+          'consumed_tokens': progress.consumed_tokens, 'set': name, 'lm_loss': loss,
+          'ppl': metrics.perplexity(loss),
+          'samples': self.cfg.eval.iters * gbs, 'eval_time_s': time.perf_counter() - start,
+      }, (f'the end of training (iteration {progress.iteration})' if at_end
+          else f'iteration {progress.iteration}'))
+    self.last_evaluated = progress.iteration
+    return results
+
+  def iteration_hook(self, info) -> None:
+    """Every eval.interval iterations (hooks.Hooks.add_hook): the validation sets."""
+    self.evaluate(info.state, info.progress, self.data.valid)
+
+  def end_hook(self, info) -> None:
+    """At the end of training (not an early stop), if it trained: the validation sets unless
+    just done, and the test split."""
+    if info.stop_reason is not None or info.iteration <= info.start_iteration:
+      return
+    if self.last_evaluated != info.iteration:
+      self.evaluate(info.state, info.progress, self.data.valid)
+    if self.data.test is not None:
+      self.evaluate(info.state, info.progress, {'test': self.data.test}, at_end=True)
 
 
 if __name__ == '__main__':

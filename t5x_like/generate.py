@@ -36,7 +36,7 @@ def generate_ids(cfg: Config, params, prompt_ids: list[int], max_new_tokens: int
                  temperature: float = 0.0, top_k: int = 0, seed: int = 0,
                  eod_id: int | None = None) -> list[int]:
   """The new token ids after `prompt_ids` (without them), at most max_new_tokens, ending at
-  eod_id (included) if the model writes it. cfg, params: from `evaluate.load_for_inference`."""
+  eod_id (included) if the model writes it. cfg, params: from `inference.load_for_inference`."""
   import jax
   import jax.numpy as jnp
   from t5x_like import model as model_lib
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   from t5x_like import partitioning
   from t5x_like.checkpoints import CheckpointError, read_config
-  from t5x_like.evaluate import load_for_inference
+  from t5x_like.inference import load_for_inference
   try:
     # `not 0 <= x < inf` also refuses NaN, which every comparison calls False.
     if (args.max_new_tokens < 1 or not 0 <= args.temperature < float('inf') or args.top_k < 0

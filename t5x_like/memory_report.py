@@ -369,9 +369,13 @@ def _classify(buffer: Buffer, at: int | None, runs, stage_input: tuple | None, w
   activation = stage_input is not None and len(dims) >= 4 and dims[-3:] == stage_input[1:]
   weight = _weight_shaped(dims, weights, data)
   backward = runs(('backward', 'recompute'), start, end)
+  # The stack of kept stage inputs, [kept, stages on a device, rows, seq, hidden] (GPipe: one per
+  # tick, written by the forward pass) or [stages on a device, kept, rows, seq, hidden] (1F1B: a
+  # ring of 2P - 1 slots written by each tick's forward half, outside any jvp).
+  if (activation and stage_input[0] in dims[:-3] and pass_ in ('forward', 'update')
+      and backward):
+    return 'kept stage inputs'
   if pass_ == 'forward' and backward:  # written forward, read in the backward pass
-    if activation and dims[0] == stage_input[0]:
-      return 'kept stage inputs'
     return 'kept activations'
   if weight and any(v.converts_from_bf16 for v in buffer.values):
     return 'weight copies'  # a weight cast to bf16 (held in f32 by the CPU backend)
@@ -392,8 +396,8 @@ def _classify(buffer: Buffer, at: int | None, runs, stage_input: tuple | None, w
 def breakdown(dump_dir: str, memory, *, stage_input: tuple | None = None, data: int = 1,
               top: int = 10) -> dict:
   """The step's memory by category (bytes), from the XLA dump in `dump_dir` and its
-  `compiled.memory_analysis()`. `stage_input`: (ticks, rows, seq, hidden) of a pipeline's kept
-  stage inputs on one device, None without a pipeline; `data`: the mesh's data size."""
+  `compiled.memory_analysis()`. `stage_input`: (kept, rows, seq, hidden) of a pipeline's kept
+  stage inputs on one device (kept: how many), None without a pipeline; `data`: the mesh's data size."""
   files = _module_files(dump_dir)
   with open(files['assignment']) as f:
     allocations = parse_assignment(f.read())

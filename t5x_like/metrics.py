@@ -1,19 +1,21 @@
-"""Throughput accounting (Megatron TFLOPs, MFU), the Megatron log line, and the metrics files."""
+"""Throughput accounting (Megatron TFLOPs, MFU), the Megatron log line, the metrics files, and
+the training loop's watches and their hooks (records, throughput, spikes, divergence)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from t5x_like import tensorboard
+from t5x_like import runtime, summaries
 from t5x_like.config import Config
 
 # Dense bf16 peak TFLOP/s per device, from the vendors' data sheets (SXM parts).
@@ -54,6 +56,19 @@ def device_peak_tflops(dtype: str = 'float32') -> tuple[float, str]:
   share = machine / jax.local_device_count()
   return share, (f'CPU peak measured by a {dtype} matmul probe: {machine * 1e3:.1f} GFLOP/s for '
                  f'the machine, shared by {jax.local_device_count()} virtual device(s)')
+
+
+class PeakReference:
+  """A device's peak TFLOP/s for MFU (`device_peak_tflops`), measured when first asked for:
+  on CPU its probe compiles a matmul, which waits until the run has started."""
+
+  def __init__(self, dtype: str = 'float32'):
+    self.dtype = dtype
+
+  @functools.cached_property
+  def measured(self) -> tuple[float, str]:
+    """(TFLOP/s of one device, where the number comes from)."""
+    return device_peak_tflops(self.dtype)
 
 
 def measure_matmul_tflops(dtype: str = 'float32', n: int = 1024, repeats: int = 8) -> float:
@@ -168,7 +183,7 @@ class ThroughputWatch:
               f'{iteration} is {recent:.3g} s, {slower:.1%} above {whose} {base:.3g} s '
               f'(iterations {first}-{last}, global batch size {global_batch_size}{length}). If '
               'it stays, look for a slow device: python -m t5x_like.devices on the job\'s nodes '
-              '(README)')
+              '(docs/operations.md, "Finding a slow device")')
     if slower < self.threshold / 2:
       self._warned.discard(key)
     return None
@@ -249,11 +264,139 @@ class SpikeWatch:
             f' of the previous {self.window} iterations')
 
 
+# ---------------------------------------------------------------- the training loop's hooks
+# The watches above and the records, as hooks of t5x_like/hooks.py (fn(info: hooks.StepInfo)).
+# `log(line)` writes a line to the run's log; `alert(event, message, iteration)` is
+# alerts.Alerts.send. Iterations that did not run the train step are not watched.
+
+
+def iteration_record(cfg: Config, progress, learning_rate: float, global_batch_size: int,
+                     seq_len: int, padded_seq_len: int, step_microbatches: int, stats: dict,
+                     step_time_s: float, peak_tflops: float,
+                     pipeline_bubble: float | None) -> dict[str, Any]:
+  """The metrics record of a trained iteration (metrics.jsonl): `progress` after it (a
+  train_state.Progress), the step's `stats` on the host, and what it ran at."""
+  gbs, seq = global_batch_size, seq_len
+  tflops = (megatron_flops_per_iteration(cfg, gbs, seq) /
+            (step_time_s * cfg.mesh.num_devices * 1e12))
+  record = {
+      'iteration': progress.iteration, 'consumed_samples': progress.consumed_samples,
+      'consumed_tokens': progress.consumed_tokens, 'learning_rate': learning_rate,
+      'global_batch_size': gbs, 'seq_len': seq, 'lm_loss': float(stats['lm_loss']),
+      'grad_norm': float(stats['grad_norm']), 'num_zeros': float(stats['num_zeros']),
+      'step_time_s': step_time_s, 'samples_per_sec': gbs / step_time_s,
+      'tokens_per_sec': gbs * seq / step_time_s, 'tflops': tflops, 'mfu': tflops / peak_tflops,
+      'skipped_iterations': progress.skipped_iterations,
+      'nan_iterations': progress.nan_iterations,
+  }
+  if pipeline_bubble is not None:
+    record['pipeline_bubble'] = pipeline_bubble
+  if cfg.curriculum.enabled:
+    record['curriculum_seq_len'] = seq
+  if cfg.curriculum.pad_to_multiple:
+    record['padded_seq_len'] = padded_seq_len
+  if cfg.train.rampup_microbatch_multiple:
+    record['padded_microbatches'] = step_microbatches
+  return record
+
+
+def record_hook(writer: MetricsWriter, total_iterations: int):
+  """Every iteration: the Megatron log line and the metrics record (metrics.jsonl, TensorBoard)."""
+  def write_record(info) -> None:
+    if info.record is not None:
+      writer.record(info.record, total_iterations)
+  return write_record
+
+
+def end_line_hook(log: Callable[[str], None]):
+  """At the end and on a stop: the run's last line, '> done: ...' or '> stopped: ...' with its
+  exit code; kept in info.message for the hooks after it (alerts)."""
+  def log_end(info) -> None:
+    code = runtime.exit_code(info.stop_reason)
+    info.message = (f'> {"done" if info.stop_reason is None else "stopped"}: '
+                    f'{info.iteration} iterations, {info.progress.consumed_samples} samples; '
+                    f'exit code {int(code)} ({code.name})')
+    log(info.message)
+  return log_end
+
+
+def throughput_setup(cfg: Config, software: dict[str, Any]) -> dict[str, Any]:
+  """What the step time depends on besides the data: devices, mesh, model, micro-batch, the
+  ramp-up's padding, software (fixed for a job). Step-time baselines carry over from an earlier
+  job only when this is equal."""
+  device = jax.devices()[0]
+  setup = {'platform': device.platform, 'device_kind': device.device_kind,
+           'devices': jax.device_count(), 'processes': jax.process_count(),
+           'mesh': dataclasses.asdict(cfg.mesh), 'pipeline': dataclasses.asdict(cfg.pipeline),
+           'model': dataclasses.asdict(cfg.model), 'micro_batch_size': cfg.train.micro_batch_size,
+           # A ramp-up step padded to more micro-batches takes longer under a pipeline.
+           'rampup_microbatch_multiple': cfg.train.rampup_microbatch_multiple,
+           'software': software}
+  return json.loads(json.dumps(setup))  # as the checkpoint's meta holds it (lists, not tuples)
+
+
+def seed_throughput(watch: ThroughputWatch, saved: dict[str, Any] | None,
+                    setup: dict[str, Any]) -> str | None:
+  """Seeds `watch` with the checkpoint's step-time baselines (its meta's 'throughput') when its
+  job ran on the same setup; the note for the log, or None when there is nothing to say."""
+  if not saved or not saved['baselines']:
+    return None
+  if saved['setup'] != setup:
+    return ('> throughput: the checkpoint\'s job ran on another setup (devices, mesh, model or '
+            'software); this job measures its own step-time baseline')
+  watch.seed(saved['baselines'])
+  first = saved['baselines'][0]
+  return (f"> throughput: step times are compared with the earlier job's baseline from the "
+          f"start ({first['step_s']:.3g} s at global batch size {first['global_batch_size']}"
+          f"{', ...' if len(saved['baselines']) > 1 else ''}): a device slow from this job's "
+          'start is reported too')
+
+
+def throughput_hook(watch: ThroughputWatch, log: Callable[[str], None], alert,
+                    curriculum: bool):
+  """Every iteration: a step slower than the baseline of its batch size (and, with a curriculum,
+  the length the step runs at) is logged and alerted ('slowdown')."""
+  def watch_throughput(info) -> None:
+    if info.record is None:
+      return
+    r = info.record
+    # The step time follows the length the step runs at (model FLOPs count the trained one).
+    length = r.get('padded_seq_len', r['seq_len']) if curriculum else 0
+    slowdown = watch.add(info.iteration, r['global_batch_size'], r['step_time_s'], length)
+    if slowdown:
+      log(slowdown)
+      alert('slowdown', slowdown, info.iteration)
+  return watch_throughput
+
+
+def spike_hook(watch: SpikeWatch, report: Callable[[str, int], None]):
+  """Every iteration: a loss or grad-norm spike goes to `report(message, iteration)`."""
+  def watch_spikes(info) -> None:
+    if info.record is not None:
+      spike = watch.add(info.iteration, info.record['lm_loss'], info.record['grad_norm'])
+      if spike:
+        report(spike, info.iteration)
+  return watch_spikes
+
+
+def divergence_hook(watch: DivergenceWatch, on_diverged: Callable[[str, Any], None]):
+  """Every iteration: runtime.max_consecutive_nan non-finite iterations in a row call
+  `on_diverged(message, state)` and stop the run (DIVERGED)."""
+  def watch_divergence(info) -> None:
+    if not info.trained:
+      return
+    diverged = watch.add(info.progress, info.finite)
+    if diverged:
+      on_diverged(diverged, info.state)
+      info.request_stop(runtime.StopReason.DIVERGED)
+  return watch_divergence
+
+
 # TensorBoard runs, subdirectories of `runtime.tensorboard_dir` ('' is the directory itself), and
 # the record field each uses as its x axis. Megatron-DeepSpeed also plots against consumed samples
 # and tokens ("lm loss vs tokens": the only fair axis across runs with a batch-size ramp or a
 # sequence-length curriculum). Each axis has its own run because a resumed run tells TensorBoard
-# to drop the earlier events from its first step on (tensorboard.py), and that rule compares one
+# to drop the earlier events from its first step on (summaries.py), and that rule compares one
 # step number across all tags of a run.
 TENSORBOARD_RUNS = (('', 'iteration'), ('vs_samples', 'consumed_samples'),
                     ('vs_tokens', 'consumed_tokens'))
@@ -311,7 +454,8 @@ def tensorboard_eval_scalars(record: dict) -> dict[str, list[tuple[str, float, i
 class MetricsWriter:
   """Appends to WORKDIR/logs/main_log.txt, WORKDIR/metrics.jsonl (one record per trained
   iteration) and WORKDIR/eval_metrics.jsonl (one per evaluated set), and writes the same numbers
-  as TensorBoard scalars under `tensorboard_dir` ('': none); only process 0 writes. Use as a
+  as TensorBoard scalars (clu.metric_writers, summaries.py) under `tensorboard_dir` ('': none),
+  with the config as text (`config_text`); only process 0 writes. Use as a
   context manager, or call close(), so the last TensorBoard events reach the disk."""
 
   def __init__(self, workdir: str, enabled: bool = True, tensorboard_dir: str = ''):
@@ -321,7 +465,7 @@ class MetricsWriter:
     self.eval_jsonl_path = os.path.join(workdir, 'eval_metrics.jsonl')
     # Relative to the workdir; an absolute path is kept as it is.
     self.tensorboard_dir = os.path.join(workdir, tensorboard_dir) if tensorboard_dir else ''
-    self._tensorboard: dict[str, tensorboard.EventWriter] = {}
+    self._tensorboard: dict[str, summaries.RunWriter] = {}  # created on first use
     self._purge_steps: dict[str, int] = {}
     # Lines logged before the run started (`open`) are printed at once and kept for the log file:
     # a run refused at start-up leaves no file behind.
@@ -364,7 +508,7 @@ class MetricsWriter:
       with open(tmp, 'w') as f:
         f.writelines(keep)
       os.replace(tmp, path)
-    # TensorBoard hides the events of a run's earlier files from this step on (tensorboard.py).
+    # TensorBoard hides the events of a run's earlier files from this step on (summaries.py).
     at = {'iteration': iteration, 'consumed_samples': consumed_samples,
           'consumed_tokens': consumed_tokens}
     self._purge_steps = {run: at[axis] + 1 for run, axis in TENSORBOARD_RUNS}
@@ -391,14 +535,29 @@ class MetricsWriter:
     self._append(self.eval_jsonl_path, record)
     self._scalars(tensorboard_eval_scalars(record))
 
+  def config_text(self, config_json: str, iteration: int) -> None:
+    """The resolved config as TensorBoard text (tag `config`, run ''), at the job's first
+    `iteration`: one entry per job, replaced with the iterations when a job is redone."""
+    if not (self.enabled and self.tensorboard_dir):
+      return
+    code_block = ''.join(f'    {line}\n' for line in config_json.splitlines())  # Markdown
+    self._run('').texts(iteration, {'config': code_block})
+
+  def _run(self, run: str) -> summaries.RunWriter:
+    if run not in self._tensorboard:
+      self._tensorboard[run] = summaries.RunWriter(os.path.join(self.tensorboard_dir, run),
+                                                   self._purge_steps.get(run))
+    return self._tensorboard[run]
+
   def _scalars(self, scalars: dict[str, list[tuple[str, float, int]]]) -> None:
     if not (self.enabled and self.tensorboard_dir):
       return
     for run, run_scalars in scalars.items():
-      if run not in self._tensorboard:
-        self._tensorboard[run] = tensorboard.EventWriter(
-            os.path.join(self.tensorboard_dir, run), self._purge_steps.get(run))
-      self._tensorboard[run].add(run_scalars)
+      by_step: dict[int, dict[str, float]] = {}
+      for tag, value, step in run_scalars:
+        by_step.setdefault(int(step), {})[tag] = float(value)
+      for step, values in by_step.items():
+        self._run(run).scalars(step, values)
 
   def _append(self, path: str, record: dict) -> None:
     if self.enabled:

@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -214,6 +215,17 @@ def replicated_over_data(mesh: Mesh, shardings) -> list[str]:
 MAX_VIRTUAL_CPU_DEVICES = 4096
 
 
+def check_mesh_size(num_devices: int) -> None:
+  """Config-time check (no JAX backend is started): a mesh on a CPU-only machine runs on as many
+  virtual devices, and more than MAX_VIRTUAL_CPU_DEVICES of them are never a real run."""
+  if num_devices > MAX_VIRTUAL_CPU_DEVICES and cpu_only():
+    raise ConfigError(
+        f'the mesh (mesh.data x mesh.pipeline x mesh.tensor) needs {num_devices} devices, and '
+        f'this machine has no accelerator: it would run on as many virtual CPU devices, and at '
+        f'most {MAX_VIRTUAL_CPU_DEVICES} are allowed on CPU (creating more takes minutes and '
+        'tests nothing more); use a smaller mesh, or run on GPUs')
+
+
 def ensure_devices(num_devices: int) -> None:
   """Makes sure `num_devices` devices exist, creating virtual CPU devices before JAX starts.
 
@@ -361,3 +373,46 @@ def replica_report(tree) -> list[ReplicaMismatch]:
 def replica_mismatches(tree) -> list[str]:
   """Paths of the replicated arrays of `tree` whose copies differ (`replica_report`)."""
   return [mismatch.path for mismatch in replica_report(tree)]
+
+
+class ReplicaCheck:
+  """runtime.replica_check_interval as a training-loop hook (hooks.Hooks.add_hook): the
+  replicated arrays of the params and optimizer state whose copies differ (the chronicles'
+  LayerNorm weights that drifted apart across tensor ranks, found weeks later). One SPMD program
+  updates every copy alike, so this should never find one; the check makes that a measured fact
+  of the run, not an assumption. Every process calls it at the same iteration (a collective)
+  and reaches the same verdict. `log(line)` writes the run's log, `alert(event, message,
+  iteration)` is alerts.Alerts.send; a process that writes no log prints a mismatch too.
+  `num_devices`: the mesh's, as the log line names them."""
+
+  def __init__(self, log, alert, is_writer: bool, num_devices: int):
+    self.log, self.alert, self.is_writer = log, alert, is_writer
+    self.num_devices = num_devices
+
+  def __call__(self, info) -> None:
+    if info.trained:
+      self.check(info.state, info.iteration)
+
+  def check(self, tree, iteration: int) -> list[str]:
+    """Logs the verdict on `tree` at `iteration`; returns the paths whose copies differ."""
+    drifted = replica_report(tree)
+    devices = self.num_devices
+    if drifted:
+      where = '; '.join(f'{m.path} on process{"es" * (len(m.processes) > 1)} '
+                        f'{", ".join(map(str, m.processes))}' for m in drifted)
+      message = (f'> replica check at iteration {iteration}: the copies of '
+                 f'{", ".join(m.path for m in drifted)} differ across devices. Resume from the '
+                 'last checkpoint (a restore reads one copy) and report it with this log. The '
+                 f'differing copies: {where}')
+      self.log(message)
+      self.alert('replica_mismatch', message, iteration)
+      if not self.is_writer:
+        print(message, file=sys.stderr, flush=True)
+    elif jax.process_count() == 1:
+      self.log(f'> replica check at iteration {iteration}: every replicated array of the '
+               f'params and optimizer state is identical on this process\'s {devices} devices')
+    else:
+      self.log(f'> replica check at iteration {iteration}: every replicated array of the '
+               f'params and optimizer state is identical on all {devices} devices of the '
+               f'{jax.process_count()} processes')
+    return [m.path for m in drifted]

@@ -167,6 +167,40 @@ def storage_shape(plan: StagePlan, path, shape: tuple[int, ...]) -> tuple[int, .
 # ----------------------------------------------------------------------------------- schedule
 
 
+def as_bits(tree, dtype):
+  """A compute-dtype tree as raw bits (uint16) when the dtype is 16-bit, else as it is: the same
+  bytes, but XLA's CPU backend, which moves bf16 as f32, keeps them at their size, so that
+  `python -m t5x_like.plan` on a CPU reports the weight memory a GPU needs."""
+  if jnp.dtype(dtype).itemsize != 2:
+    return tree
+  return jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint16), tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def compute_copy(master, compute, dtype):
+  """`compute` (a compute-dtype copy of `master`, possibly as `as_bits`) for the forward pass;
+  the gradient goes to `master`, in master's dtype. Used inside the schedule's scan, each use's
+  gradient is widened before the scan's transpose adds it up: the micro-batches' gradients
+  accumulate in fp32 while the stage computes from a gathered bf16 copy (Megatron's bf16 weights
+  with an fp32 main_grad), and no fp32 copy of a stage's weights is ever gathered."""
+  del master
+  if compute.dtype == jnp.uint16 and jnp.dtype(dtype) != jnp.uint16:
+    return jax.lax.bitcast_convert_type(compute, dtype)
+  return compute.astype(dtype)
+
+
+def _compute_copy_forward(master, compute, dtype):
+  # An empty residual that carries master's dtype to the backward pass.
+  return compute_copy(master, compute, dtype), jnp.zeros((0,), master.dtype)
+
+
+def _compute_copy_backward(dtype, master_dtype, cotangent):
+  return cotangent.astype(master_dtype.dtype), None
+
+
+compute_copy.defvjp(_compute_copy_forward, _compute_copy_backward)
+
+
 def _never_save_weights(policy):
   """`policy` (None: save everything), except the per-layer compute-dtype weights."""
   exclude = jax.checkpoint_policies.save_anything_except_these_names('stage_weights')
@@ -224,63 +258,88 @@ def _dropout(x, rate: float, rng):
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
-def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_lib.Context,
-                  deterministic: bool = True):
-  """Mean next-token loss of batch [M, rows, S + 1] through the pipelined model: the mean of the
-  micro-batches' means over their targets that are not padding (`losses.PAD_ID`), over the
-  micro-batches that hold any.
+class Schedule:
+  """What both schedules share: the stage plan, the master params and their compute copy in
+  storage layout, and the functions a tick runs (a stage, the embedding, the head and loss).
 
-  `params` hold fp32 values in storage layout; each use casts to the compute dtype, so gradients
-  accumulate over micro-batches (through the scan's transpose) in fp32.
+  `params` hold the fp32 master values in storage layout, `compute_params` their compute-dtype
+  copy, possibly `as_bits` (default: cast here). The stages compute from the copy and every use
+  sends its gradient to `params` in fp32 (`compute_copy`), so gradients accumulate over
+  micro-batches in fp32 while only the compute copy is gathered.
   """
-  P, R, chunk = plan.stages, plan.repeats, plan.chunk
-  M, rows, seq = batch.shape[0], batch.shape[1], batch.shape[2] - 1
-  hidden = cfg.model.hidden_size
-  dtype = ctx.dtype
-  cast = lambda tree: jax.tree.map(lambda w: w.astype(dtype), tree)
-  layers = jax.tree.map(lambda w: w.reshape((P, R, chunk) + w.shape[1:]), params['layers'])
-  slot_is_real = jnp.asarray(plan.slot_layer >= 0)
-  slot_layer = jnp.asarray(plan.slot_layer)
-  full = cfg.model.remat_policy == 'full'
-  # Under 'full' the whole tick is recomputed in the backward pass (below); inside that recompute
-  # each layer still keeps only its matmul outputs for its own backward, not the attention
-  # probabilities and dropout bits of all `chunk` layers at once.
-  policy = model_lib.remat_policy('save_dots' if full else cfg.model.remat_policy)
-  hidden_dropout = 0.0 if deterministic else cfg.model.hidden_dropout
-  keyed = lambda rng, *ids: None if deterministic else jax.random.fold_in(
-      jax.random.fold_in(rng, ids[0]), ids[1])
 
-  def run_stage(stage_layers, x, repeat, injection, stage_real, stage_ids, rng):
+  def __init__(self, params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_lib.Context,
+               deterministic: bool, compute_params=None):
+    P, R, chunk = plan.stages, plan.repeats, plan.chunk
+    self.cfg, self.plan, self.ctx, self.batch, self.rng = cfg, plan, ctx, batch, rng
+    self.deterministic = deterministic
+    self.num_microbatches = batch.shape[0]
+    self.activation_shape = (batch.shape[1], batch.shape[2] - 1, cfg.model.hidden_size)
+    self.dtype = ctx.dtype
+    if compute_params is None:
+      compute_params = as_bits(params, self.dtype)
+    compute_params = jax.lax.stop_gradient(compute_params)
+    self.params, self.compute_params = params, compute_params
+    by_stage = lambda tree: jax.tree.map(lambda w: w.reshape((P, R, chunk) + w.shape[1:]), tree)
+    # (master, compute) pairs, read together at each use.
+    self.layers = (by_stage(params['layers']), by_stage(compute_params['layers']))
+    self.head_params = tuple({k: tree[k] for k in ('word_embeddings', 'final_ln')}
+                             for tree in (params, compute_params))
+    self.embedding_params = tuple({k: v for k, v in tree.items() if k != 'layers'}
+                                  for tree in (params, compute_params))
+    self.slot_is_real = jnp.asarray(plan.slot_layer >= 0)
+    self.slot_layer = jnp.asarray(plan.slot_layer)
+    self.full = cfg.model.remat_policy == 'full'
+    # Under 'full' a whole tick is recomputed in the backward pass; inside that recompute each
+    # layer still keeps only its matmul outputs for its own backward, not the attention
+    # probabilities and dropout bits of all `chunk` layers at once.
+    self.policy = model_lib.remat_policy('save_dots' if self.full else cfg.model.remat_policy)
+    self.hidden_dropout = 0.0 if deterministic else cfg.model.hidden_dropout
+    self.buffer_names = ('stages',) + ctx.residual_names  # split along seq under sequence_parallel
+    # All stages at once: the stage dim is split over `pipeline`.
+    self.stages = jax.vmap(self.run_stage, in_axes=(0, 0, 0, 0, 0, 0, None),
+                           spmd_axis_name='pipeline')
+
+  def read(self, master, compute):
+    """Inside the scan, so that each tick's gradient is widened before it is accumulated."""
+    return jax.tree.map(lambda m, c: compute_copy(m, c, self.dtype), master, compute)
+
+  def keyed(self, rng, *ids):
+    if self.deterministic:
+      return None
+    return jax.random.fold_in(jax.random.fold_in(rng, ids[0]), ids[1])
+
+  def run_stage(self, stage_layers, x, repeat, injection, stage_real, stage_ids, rng):
+    """One stage's `chunk` layers of its `repeat` on x, the activations of `injection`."""
+    cfg, ctx = self.cfg, self.ctx
     real = jax.lax.dynamic_index_in_dim(stage_real, repeat, 0, False)
     ids = jax.lax.dynamic_index_in_dim(stage_ids, repeat, 0, False)
 
     def one_layer(x, i):
-      weights = jax.tree.map(lambda a: a[repeat, i], stage_layers)
+      master, compute = jax.tree.map(lambda a: a[repeat, i], stage_layers)
       # Named so that no remat policy saves it: a per-tick copy of the weights would make the
       # scan keep T copies of the stage for the backward pass.
-      weights = checkpoint_name(cast(weights), 'stage_weights')
-      y = model_lib.apply_block(weights, x, ctx, deterministic, keyed(rng, injection, ids[i]))
+      weights = checkpoint_name(self.read(master, compute), 'stage_weights')
+      y = model_lib.apply_block(weights, x, ctx, self.deterministic,
+                                self.keyed(rng, injection, ids[i]))
       return jnp.where(real[i], y, x), None
 
     if cfg.model.remat_policy != 'none':
-      one_layer = jax.checkpoint(one_layer, policy=_never_save_weights(policy), prevent_cse=False)
-    x, _ = jax.lax.scan(one_layer, x, jnp.arange(chunk), unroll=cfg.model.scan_unroll)
+      one_layer = jax.checkpoint(one_layer, policy=_never_save_weights(self.policy),
+                                 prevent_cse=False)
+    x, _ = jax.lax.scan(one_layer, x, jnp.arange(self.plan.chunk), unroll=cfg.model.scan_unroll)
     return x
 
-  stages = jax.vmap(run_stage, in_axes=(0, 0, 0, 0, 0, 0, None), spmd_axis_name='pipeline')
-  buffer_names = ('stages',) + ctx.residual_names  # split along seq under sequence_parallel
+  def embed_with(self, embedding_params, m):
+    """Micro-batch m's embedded (and dropped-out) tokens."""
+    inputs, _, _ = losses.split_tokens(jax.lax.dynamic_index_in_dim(self.batch, m, 0, False))
+    x = model_lib.embed_tokens(self.read(*embedding_params), inputs, self.cfg.model, self.ctx)
+    return _dropout(x, self.hidden_dropout, self.keyed(self.rng, m, _EMBED_DROPOUT_ID))
 
-  # Computed at every tick (a lookup and a LayerNorm, cheap next to a stage) and recomputed in
-  # the backward pass: only the token ids are kept per tick, and the table, a loop invariant of
-  # the scan, is never copied. (Under a cond the table would be saved once per tick.)
-  @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable,
-                     prevent_cse=False)
-  def embed(m):
-    inputs, _, _ = losses.split_tokens(jax.lax.dynamic_index_in_dim(batch, m, 0, False))
-    x = model_lib.embed_tokens(params, inputs, cfg.model, ctx)
-    return _dropout(x, hidden_dropout, keyed(rng, m, _EMBED_DROPOUT_ID))
-
-  def head_loss(head_params, x, tokens):
+  def head_loss(self, head_params, x, tokens):
+    """The mean loss of the micro-batch `tokens` from the last stage's output x."""
+    cfg, ctx = self.cfg, self.ctx
+    head_params = self.read(*head_params)
     _, labels, weights = losses.split_tokens(tokens)
     if cfg.model.cross_entropy_impl == 'chunked':
       hidden = model_lib.final_norm(head_params, x, cfg.model, ctx)
@@ -291,6 +350,36 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
       token_losses = model_lib.cross_entropy(logits, labels)
     return losses.weighted_mean(token_losses, weights)
 
+  def loss_denominator(self):
+    """Micro-batches the step's mean is over: the real ones under the ramp-up's padding (those
+    after the real ones are padding only: a loss of 0 and no gradient)."""
+    if self.cfg.train.rampup_microbatch_multiple:
+      return losses.real_microbatches(self.batch).sum()
+    return self.num_microbatches
+
+  def zero_buffer(self, leading: int):
+    return self.ctx.constrain(jnp.zeros((leading,) + self.activation_shape, self.dtype),
+                              self.buffer_names)
+
+
+def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_lib.Context,
+                  deterministic: bool = True, compute_params=None):
+  """Mean next-token loss of batch [M, rows, S + 1] through the pipelined model (the GPipe
+  order: all forwards, then the scan's transpose runs all backwards): the mean of the
+  micro-batches' means over their targets that are not padding (`losses.PAD_ID`), over the
+  micro-batches that hold any. Differentiate it for the gradients; see `Schedule` for the
+  params."""
+  sched = Schedule(params, batch, rng, cfg, plan, ctx, deterministic, compute_params)
+  P, R = plan.stages, plan.repeats
+  M = sched.num_microbatches
+  full, stages, buffer_names = sched.full, sched.stages, sched.buffer_names
+
+  # Computed at every tick (a lookup and a LayerNorm, cheap next to a stage) and recomputed in
+  # the backward pass: only the token ids are kept per tick, and the table, a loop invariant of
+  # the scan, is never copied. (Under a cond the table would be saved once per tick.)
+  embed = jax.checkpoint(lambda m: sched.embed_with(sched.embedding_params, m),
+                         policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+  head_loss = sched.head_loss
   if not full:
     # Keep only the head's input per tick and recompute [rows, S, V] logits in backward.
     head_loss = jax.checkpoint(head_loss, policy=jax.checkpoint_policies.nothing_saveable,
@@ -319,21 +408,21 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
 
   if full:
     # Megatron's full recomputation: keep only each stage's input per tick and recompute the
-    # stage's forward (and the head's) once in the backward pass.
-    stage_tick = _recompute_in_backward(stage_tick, dtype)
-  head_params = {k: params[k] for k in ('word_embeddings', 'final_ln')}
+    # stage's forward (and the head's) once in the backward pass. (A custom VJP cannot close
+    # over traced values, so the tick takes them all as arguments.)
+    stage_tick = _recompute_in_backward(stage_tick, sched.dtype)
 
   def tick(carry, t):
     buffer, waiting = carry
     injection = t - jnp.arange(P)
     repeat = jnp.clip(injection // M, 0, R - 1)
     m_in = t % M
-    zeros = jnp.zeros((rows, seq, hidden), dtype)
+    zeros = jnp.zeros(sched.activation_shape, sched.dtype)
     later = jax.lax.dynamic_index_in_dim(waiting, m_in, 0, False) if R > 1 else zeros
     entering = jnp.where(t < M, embed(m_in), later)
     inputs = ctx.constrain(buffer.at[0].set(entering), buffer_names)
-    outputs, loss = stage_tick(layers, head_params, inputs, repeat, injection, t, batch, rng,
-                               slot_is_real, slot_layer)
+    outputs, loss = stage_tick(sched.layers, sched.head_params, inputs, repeat, injection, t,
+                               batch, rng, sched.slot_is_real, sched.slot_layer)
     if R > 1:
       last, done = outputs[P - 1], t - (P - 1)
       m_out = jnp.mod(done, M)
@@ -341,17 +430,122 @@ def pipeline_loss(params, batch, rng, cfg: Config, plan: StagePlan, ctx: model_l
           waiting, jnp.where(done >= 0, last, waiting[m_out]), m_out, 0)
     return (jnp.roll(outputs, 1, axis=0), waiting), loss
 
-  buffer = ctx.constrain(jnp.zeros((P, rows, seq, hidden), dtype), buffer_names)
-  waiting = jnp.zeros((M if R > 1 else 1, rows, seq, hidden), dtype)
+  waiting = jnp.zeros((M if R > 1 else 1,) + sched.activation_shape, sched.dtype)
   waiting = ctx.constrain(waiting, (None,) + ctx.residual_names)  # sequence_parallel: split too
-  _, tick_losses = jax.lax.scan(tick, (buffer, waiting), jnp.arange(M * R + P - 1),
-                                unroll=cfg.model.scan_unroll)
-  if cfg.train.rampup_microbatch_multiple:
-    # The ramp-up's rounded-up micro-batch counts: the micro-batches after the real ones are
-    # padding only; they add a loss of 0 and no gradient, and the mean is over the real ones.
-    # The stages compute them like any other. (Not skipped: within a tick the stages run under
-    # vmap, where a cond becomes a select. A cond that skipped the ticks after the last real
-    # micro-batch had left worked, but its per-tick weight-gradient output cost BLOOM-176B
-    # 16.7 GiB more per device, docs/benchmarks.md.)
-    return tick_losses.sum() / losses.real_microbatches(batch).sum()
-  return tick_losses.sum() / M
+  _, tick_losses = jax.lax.scan(tick, (sched.zero_buffer(P), waiting),
+                                jnp.arange(M * R + P - 1), unroll=cfg.model.scan_unroll)
+  # Padding micro-batches of the ramp-up add 0. (Not skipped: within a tick the stages run under
+  # vmap, where a cond becomes a select. A cond that skipped the ticks after the last real
+  # micro-batch had left worked, but its per-tick weight-gradient output cost BLOOM-176B
+  # 16.7 GiB more per device, docs/benchmarks.md.)
+  return tick_losses.sum() / sched.loss_denominator()
+
+
+def one_f_one_b_loss_and_grads(params, batch, rng, cfg: Config, plan: StagePlan,
+                               ctx: model_lib.Context, deterministic: bool = True,
+                               compute_params=None):
+  """`pipeline_loss` and its gradient w.r.t. `params` in the 1F1B order (pipeline.schedule =
+  '1f1b', one repeat): a micro-batch's backward pass starts as soon as it has left the last
+  stage, so a stage keeps the inputs of at most 2P - 1 micro-batches, not of all M.
+
+  One scan, not differentiated: at tick t stage s runs the forward of micro-batch t - s and the
+  backward of micro-batch t - (2P - 2) + s, recomputing its forward from the kept input (every
+  remat policy is stage-level recomputation here). The last stage's forward, the head's forward
+  and backward and that stage's backward of the same micro-batch run in one tick; cotangents
+  move one stage down per tick. The fill (P - 1 ticks of forwards only) and drain (P - 1 ticks of
+  backwards only) skip the idle half, so the step does GPipe's work: the bubble is the same
+  (P - 1) / (M + P - 1), and the gradients accumulate in fp32 in the scan's carry."""
+  sched = Schedule(params, batch, rng, cfg, plan, ctx, deterministic, compute_params)
+  P, M = plan.stages, sched.num_microbatches
+  slots = 2 * P - 1  # a stage keeps micro-batches t - (2P - 2) + s .. t - s: at most 2P - 1
+  stage_ids = jnp.arange(P)
+  scale = 1.0 / sched.loss_denominator()
+  masters, computes = sched.layers
+  head_master, head_compute = sched.head_params
+  embedding_master, embedding_compute = sched.embedding_params
+  zero_repeat = jnp.zeros((P,), jnp.int32)
+
+  def stage_backward(stage_master, stage_compute, x, cotangent, injection, stage_real,
+                     stage_layer):
+    """One stage's weight gradient (fp32) and input cotangent, its forward recomputed."""
+    forward = lambda master, x: sched.run_stage((master, stage_compute), x, 0, injection,
+                                                stage_real, stage_layer, rng)
+    _, pullback = jax.vjp(forward, stage_master, x)
+    return pullback(cotangent)
+
+  backward_stages = jax.vmap(stage_backward, in_axes=(0, 0, 0, 0, 0, 0, 0),
+                             spmd_axis_name='pipeline')
+
+  def head_forward_backward(x, tokens):
+    loss, pullback = jax.vjp(
+        lambda master, x: sched.head_loss((master, head_compute), x, tokens), head_master, x)
+    head_grads, x_cotangent = pullback(jnp.asarray(scale, loss.dtype))
+    return loss, head_grads, x_cotangent
+
+  def no_head(x, tokens):
+    del tokens
+    return (jnp.float32(0.0), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
+                                            head_master), jnp.zeros_like(x))
+
+  def embedding_backward(m, cotangent):
+    _, pullback = jax.vjp(lambda master: sched.embed_with((master, embedding_compute), m),
+                          embedding_master)
+    return pullback(cotangent)[0]
+
+  def forward_half(t, forward, kept):
+    """Stage s runs micro-batch t - s; its input is kept in slot (t - s) mod (2P - 1)."""
+    injection = t - stage_ids
+    entering = sched.embed_with(sched.embedding_params, jnp.clip(t, 0, M - 1))
+    inputs = ctx.constrain(forward.at[0].set(entering), sched.buffer_names)
+    kept = jax.vmap(lambda k, x, slot: jax.lax.dynamic_update_index_in_dim(k, x, slot, 0),
+                    spmd_axis_name='pipeline')(kept, inputs, jnp.mod(injection, slots))
+    outputs = sched.stages((masters, computes), inputs, zero_repeat, injection,
+                           sched.slot_is_real, sched.slot_layer, rng)
+    return ctx.constrain(outputs, sched.buffer_names), kept
+
+  def backward_half(t, cotangents, kept, grads):
+    """Stage s runs the backward of micro-batch t - (2P - 2) + s from its kept input, and adds
+    its weight gradient to `grads` (stage 0 adds the embedding's too)."""
+    injection = t - (2 * P - 2) + stage_ids
+    active = (injection >= 0) & (injection < M)
+    # Zero cotangents give exactly zero gradients: the idle stages add nothing.
+    cotangents = jnp.where(active[:, None, None, None], cotangents, 0).astype(sched.dtype)
+    inputs = jax.vmap(lambda k, slot: jax.lax.dynamic_index_in_dim(k, slot, 0, False),
+                      spmd_axis_name='pipeline')(kept, jnp.mod(injection, slots))
+    weight_grads, input_cotangents = backward_stages(
+        masters, computes, inputs, cotangents, injection, sched.slot_is_real, sched.slot_layer)
+    layer_grads, other_grads = grads
+    layer_grads = jax.tree.map(jnp.add, layer_grads, weight_grads)
+    other_grads = jax.lax.cond(
+        active[0], lambda g: jax.tree.map(jnp.add, g, embedding_backward(
+            jnp.clip(injection[0], 0, M - 1), input_cotangents[0])), lambda g: g, other_grads)
+    input_cotangents = ctx.constrain(input_cotangents, sched.buffer_names)
+    return jnp.roll(input_cotangents, -1, axis=0), (layer_grads, other_grads)
+
+  def tick(carry, t):
+    forward, cotangents, kept, grads, loss_sum = carry
+    # The fill's P - 1 ticks run no backward, the drain's P - 1 no forward.
+    outputs, kept = jax.lax.cond(t < M + P - 1, forward_half, lambda t, f, k: (f, k),
+                                 t, forward, kept)
+    m_out = t - (P - 1)
+    leaving = jax.lax.dynamic_index_in_dim(batch, jnp.clip(m_out, 0, M - 1), 0, False)
+    loss, head_grads, last_cotangent = jax.lax.cond(
+        (m_out >= 0) & (m_out < M), head_forward_backward, no_head, outputs[P - 1], leaving)
+    layer_grads, other_grads = grads
+    other_grads = {k: (jax.tree.map(jnp.add, v, head_grads[k]) if k in head_grads else v)
+                   for k, v in other_grads.items()}
+    cotangents = cotangents.at[P - 1].set(last_cotangent.astype(sched.dtype))
+    cotangents, grads = jax.lax.cond(t >= P - 1, backward_half, lambda t, c, k, g: (c, g),
+                                     t, cotangents, kept, (layer_grads, other_grads))
+    return (jnp.roll(outputs, 1, axis=0), cotangents, kept, grads, loss_sum + loss), None
+
+  fp32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
+  kept = ctx.constrain(jnp.zeros((P, slots) + sched.activation_shape, sched.dtype),
+                       ('stages', None) + ctx.residual_names)
+  carry = (sched.zero_buffer(P), sched.zero_buffer(P), kept,
+           (fp32_zeros(masters), fp32_zeros(embedding_master)), jnp.float32(0.0))
+  (_, _, _, (layer_grads, other_grads), loss_sum), _ = jax.lax.scan(
+      tick, carry, jnp.arange(M + 2 * P - 2), unroll=cfg.model.scan_unroll)
+  layer_grads = jax.tree.map(lambda g, p: g.reshape(p.shape), layer_grads, params['layers'])
+  grads = dict(other_grads, layers=layer_grads)
+  return loss_sum * scale, grads

@@ -23,9 +23,8 @@ import json
 import sys
 import time
 
-from t5x_like import memory_report
-from t5x_like.config import Config, ConfigError, load_config_file
-from t5x_like.train import parse_overrides
+from t5x_like import memory_report, schedule, startup
+from t5x_like.config import Config, ConfigError, load_config_file, parse_overrides
 
 
 def plan(cfg: Config) -> dict:
@@ -55,7 +54,7 @@ def plan(cfg: Config) -> dict:
       'compile_s': round(compile_s, 1),
       # Each (micro-batches, length) of the batch ramp-up and the curriculum is one more
       # compilation of about compile_s (on this platform) during the run.
-      'train_programs': len(cfg.step_shapes()),
+      'train_programs': len(schedule.step_shapes(cfg)),
       'xla_flops_per_device': xla_flops,
       'ideal_flops_per_device': model_flops / devices,
       'xla_over_ideal': xla_flops / (model_flops / devices) if model_flops else None,
@@ -71,7 +70,7 @@ def plan(cfg: Config) -> dict:
   if cfg.train.rampup_microbatch_multiple:
     # What the fewer programs cost: the share of the micro-batches the step runs over the run
     # that are padding (computed by a pipeline's stages, skipped without a pipeline).
-    padding, runs = cfg.padding_microbatches()
+    padding, runs = schedule.padding_microbatches(cfg)
     report['padding_microbatch_share'] = padding / runs
   if cfg.mesh.pipeline > 1:
     report['pipeline_bubble'] = layout.plan.bubble_fraction(cfg.num_microbatches,
@@ -86,10 +85,13 @@ def _memory_breakdown(cfg: Config, dump_dir: str, memory, peak_gib: float) -> di
   gib = 1024**3
   stage_input = None
   if cfg.mesh.pipeline > 1:
-    # A pipeline keeps each tick's stage inputs: [ticks, stages on a device, rows, seq, hidden]
-    # (the ticks of one group's schedule under pipeline.microbatch_group).
+    # A pipeline keeps stage inputs: GPipe one per tick, [ticks, stages on a device, rows, seq,
+    # hidden] (the ticks of one group's schedule under pipeline.microbatch_group); 1F1B a ring of
+    # 2P - 1 per stage.
     per_schedule = cfg.pipeline.microbatch_group or cfg.num_microbatches
     ticks = per_schedule * cfg.pipeline.repeats + cfg.mesh.pipeline - 1
+    if cfg.pipeline.schedule == '1f1b':
+      ticks = 2 * cfg.mesh.pipeline - 1
     # model.sequence_parallel splits their sequence over tensor.
     seq = cfg.train.seq_len // (cfg.mesh.tensor if cfg.model.sequence_parallel else 1)
     stage_input = (ticks, cfg.train.micro_batch_size, seq, cfg.model.hidden_size)
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = parse_overrides(rest)
     if args.unroll:
       overrides['model.scan_unroll'] = True
-    cfg = load_config_file(args.config, overrides).validate()
+    cfg = startup.check_config(load_config_file(args.config, overrides))
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

@@ -28,15 +28,22 @@ def compute_params_of(params, layout: StateLayout, dtype):
                       layout.compute_param_shardings)
 
 
+def compute_bits_of(params, layout: StateLayout, dtype):
+  """`compute_params_of` as `pipeline.as_bits`: what the pipeline's stages read."""
+  return jax.tree.map(jax.lax.with_sharding_constraint, pipeline.as_bits(params, dtype),
+                      layout.compute_param_shardings)
+
+
 def gathered_params(params, layout: StateLayout):
-  """The fp32 params gathered for the pipeline: each stage casts at use, so that the scan's
-  transpose accumulates the gradients of all micro-batches in fp32."""
+  """The fp32 params in the rule sharding (without ZeRO's `data` split): where the pipeline
+  accumulates its fp32 gradients. The stages compute from `compute_bits_of`'s copy, so this
+  gather's value is never used and XLA removes it."""
   return jax.tree.map(jax.lax.with_sharding_constraint, params, layout.compute_param_shardings)
 
 
 def make_train_step(cfg: Config, layout: StateLayout):
   """The pure step function: (state, batch [M, rows, S+1], learning rate, iteration) ->
-  (state, stats); the learning rate is `optim.learning_rate`'s, a float32 scalar."""
+  (state, stats); the learning rate is `schedule.learning_rate`'s, a float32 scalar."""
   model, optimizer = layout.model, layout.optimizer
   dtype = jnp.dtype(cfg.model.dtype)
   zero_shardings = layout.shardings.params
@@ -82,14 +89,20 @@ def make_train_step(cfg: Config, layout: StateLayout):
 
   def pipelined_loss_and_grads(params, batch, rng):
     """Pipeline: one differentiated schedule over all micro-batches (pipeline.py), or, with
-    pipeline.microbatch_group = G, one per group of G micro-batches, one group after another."""
+    pipeline.microbatch_group = G, one per group of G micro-batches, one group after another;
+    or the 1F1B schedule, which computes its gradients itself."""
     ctx = model_lib.Context(cfg.model, layout.mesh)
     gathered = gathered_params(params, layout)  # once per step, not per group
+    compute = compute_bits_of(params, layout, dtype)
     group = cfg.pipeline.microbatch_group
     num_micro = batch.shape[0]
+    if cfg.pipeline.schedule == '1f1b':
+      loss, grads = pipeline.one_f_one_b_loss_and_grads(gathered, batch, rng, cfg, layout.plan,
+                                                        ctx, not dropout, compute)
+      return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, zero_shardings)
     if not group or group >= num_micro:
       loss, grads = jax.value_and_grad(pipeline.pipeline_loss)(
-          gathered, batch, rng, cfg, layout.plan, ctx, not dropout)
+          gathered, batch, rng, cfg, layout.plan, ctx, not dropout, compute)
       return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, zero_shardings)
     groups = batch.reshape((num_micro // group, group) + batch.shape[1:])
     # pipeline_loss is a group's mean over its real micro-batches (all G without the ramp-up's
@@ -102,7 +115,7 @@ def make_train_step(cfg: Config, layout: StateLayout):
 
     def weighted_loss(gathered, tokens, weight, index):
       return weight * pipeline.pipeline_loss(gathered, tokens, jax.random.fold_in(rng, index),
-                                             cfg, layout.plan, ctx, not dropout)
+                                             cfg, layout.plan, ctx, not dropout, compute)
 
     def add_group(index, carry):
       grads_acc, loss_acc = carry
@@ -166,8 +179,8 @@ def make_eval_step(cfg: Config, layout: StateLayout):
     params = layout.unpad(params, 'params')
     if cfg.mesh.pipeline > 1:
       ctx = model_lib.Context(cfg.model, layout.mesh)
-      return pipeline.pipeline_loss(gathered_params(params, layout), batch,
-                                    jax.random.PRNGKey(0), cfg, layout.plan, ctx, True)
+      return pipeline.pipeline_loss(params, batch, jax.random.PRNGKey(0), cfg, layout.plan, ctx,
+                                    True, compute_bits_of(params, layout, dtype))
     compute_params = compute_params_of(params, layout, dtype)
 
     def add_micro_batch(total, tokens):

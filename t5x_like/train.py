@@ -24,9 +24,9 @@ import sys
 
 # First, so that runtime.exit_duration_mins counts from process start.
 from t5x_like import runtime  # isort: skip
-from t5x_like import distributed
+from t5x_like import distributed, startup
 from t5x_like import workdir as workdir_lib
-from t5x_like.config import CommandLineValue, Config, ConfigError, load_config_file, load_gin
+from t5x_like.config import Config, ConfigError, load_config_file, load_gin, parse_overrides
 
 
 def parse_args(argv: list[str]) -> tuple[Config, str]:
@@ -61,26 +61,7 @@ def parse_command_line(argv: list[str]) -> tuple[Config, str, distributed.Proces
   workdir_lib.resolve(args.workdir)  # an empty --workdir (unset $WORKDIR) is refused now
   group = distributed.from_flags_or_environment(args.coordinator_address, args.num_processes,
                                                 args.process_id)
-  return cfg.validate(), args.workdir, group
-
-
-def parse_overrides(rest: list[str]) -> dict:
-  """`--config.a.b=value` or `--config.a.b value` pairs; anything else is an error."""
-  overrides, i = {}, 0
-  while i < len(rest):
-    arg = rest[i]
-    if not arg.startswith('--config.'):
-      raise ConfigError(f'unrecognised argument {arg!r}; overrides look like '
-                        '--config.train.steps=10')
-    key, eq, value = arg[len('--config.'):].partition('=')
-    if not eq:
-      if i + 1 >= len(rest):
-        raise ConfigError(f'{arg} needs a value')
-      i += 1
-      value = rest[i]
-    overrides[key] = CommandLineValue(value)
-    i += 1
-  return overrides
+  return startup.check_config(cfg), args.workdir, group
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,3 +130,43 @@ def describe_holder(text: str) -> str:
     return f"host {holder['host']}, pid {holder['pid']}, since {holder['since']}"
   except (ValueError, KeyError, TypeError):
     return f'see {LOCK_FILE}'
+
+
+def check_run_outputs(workdir: str, tensorboard_dir: str, compilation_cache_dir: str) -> None:
+  """Every directory a training run writes to can be written, before anything is: the workdir,
+  its logs and checkpoints, runtime.tensorboard_dir and runtime.compilation_cache_dir."""
+  outputs = [(workdir, 'the workdir', 'pass a --workdir that you can write to'),
+             (os.path.join(workdir, 'logs'), 'the log directory',
+              'remove what is in its way in the workdir')]
+  if tensorboard_dir:
+    outputs.append((os.path.join(workdir, tensorboard_dir), 'runtime.tensorboard_dir',
+                    "point it at a writable directory or set it to '' for no TensorBoard files"))
+  if compilation_cache_dir:
+    outputs.append((os.path.join(workdir, compilation_cache_dir),
+                    'runtime.compilation_cache_dir',
+                    "point it at a writable directory or set it to '' for no cache"))
+  outputs.append((os.path.join(workdir, 'checkpoints'), 'the checkpoint directory',
+                  'remove what is in its way in the workdir'))
+  for path, what, fix in outputs:
+    check_writable(path, what, fix)
+
+
+def lock_on_every_process(lock: Lock, workdir: str, is_writer: bool,
+                          multi_process: bool) -> None:
+  """Process 0 (the writer) takes the run's `lock`; every process learns whether it could (one
+  verdict, so none goes on alone into a collective). Raises the ConfigError of a refusal."""
+  error = None
+  if is_writer:
+    try:
+      lock.acquire()
+    except ConfigError as e:
+      error = e
+  if multi_process:  # (JAX only here: train.py imports this module before JAX starts)
+    import numpy as np
+    from jax.experimental import multihost_utils
+    locked = multihost_utils.process_allgather(np.int32(error is None))
+    if error is None and not np.all(locked):
+      error = ConfigError(f'process 0 could not lock workdir {workdir}; its message says why')
+  if error is not None:
+    lock.release(started=False)
+    raise error

@@ -52,7 +52,7 @@ def run_steps(cfg, num_steps=4, padding_microbatches=0):
   import jax.numpy as jnp
   import numpy as np
 
-  from t5x_like import optim, partitioning
+  from t5x_like import partitioning, schedule
   from t5x_like import step as step_lib
   from t5x_like.train_state import make_layout
 
@@ -70,7 +70,7 @@ def run_steps(cfg, num_steps=4, padding_microbatches=0):
   batch = jax.device_put(np.concatenate([batch, padding]), step_lib.batch_sharding(layout))
   losses, norms = [], []
   for i in range(num_steps):
-    lr = optim.learning_rate(cfg.optimizer, i * cfg.train.global_batch_size)
+    lr = schedule.learning_rate(cfg.optimizer, i * cfg.train.global_batch_size)
     state, stats = step(state, batch, jnp.float32(lr), jnp.int32(i))
     losses.append(float(stats['lm_loss']))
     norms.append(float(stats['grad_norm']))
@@ -140,29 +140,39 @@ import tensorflow as tf
 tf.config.set_visible_devices([], 'GPU')
 out = []
 for directory in sys.argv[1:]:
-  scalars = {}
+  kinds = {'scalars': {}, 'texts': {}}
   for name in sorted(os.listdir(directory)):
     if os.path.isdir(os.path.join(directory, name)):  # another TensorBoard run
       continue
     for event in tf.compat.v1.train.summary_iterator(os.path.join(directory, name)):
       if event.HasField('session_log') and event.session_log.status == 1:  # START: purge
-        scalars = {tag: [p for p in points if p[0] < event.step] for tag, points in scalars.items()}
+        kinds = {kind: {tag: [p for p in points if p[0] < event.step]
+                        for tag, points in tags.items()} for kind, tags in kinds.items()}
       for value in event.summary.value:
-        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-  out.append(scalars)
+        if not value.HasField('tensor'):  # a TF1-style simple_value
+          kinds['scalars'].setdefault(value.tag, []).append((event.step, value.simple_value))
+          continue
+        array = tf.make_ndarray(value.tensor)  # tf.summary's scalars and texts (TF2)
+        kind, point = (('texts', array.item().decode()) if array.dtype == object else
+                       ('scalars', float(array)))
+        kinds[kind].setdefault(value.tag, []).append((event.step, point))
+  out.append(kinds)
 print(json.dumps(out))
 '''
 
 
-def read_tensorboard(*directories):
+def read_tensorboard(*directories, kind='scalars'):
   """{tag: [(step, value)]} per directory (its own event files: one TensorBoard run), read by
   TensorFlow's own event reader (which checks every frame's CRC) with TensorBoard's rule for a
-  SessionLog START: earlier events from its step on are dropped. In a subprocess, so TensorFlow
-  never shares a process with JAX here."""
+  SessionLog START: earlier events from its step on are dropped. `kind`: 'scalars' (floats),
+  'texts' (strings) or 'all' ({'scalars': ..., 'texts': ...}). In a subprocess of its own: a
+  fresh reader, not the writer's TensorFlow."""
   r = run_cli(['-c', _READ_EVENTS, *directories], timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
-  return [{tag: [tuple(p) for p in points] for tag, points in scalars.items()}
-          for scalars in json.loads(r.stdout.strip().splitlines()[-1])]
+  read = [{name: {tag: [tuple(p) for p in points] for tag, points in tags.items()}
+           for name, tags in kinds.items()}
+          for kinds in json.loads(r.stdout.strip().splitlines()[-1])]
+  return read if kind == 'all' else [kinds[kind] for kinds in read]
 
 
 # runtime.alert_command for tests: one line per alert in WORKDIR/alerts.txt (t5x_like/alerts.py).

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import checkpoints, losses, optim, partitioning, runtime, train
+from t5x_like import checkpoints, losses, optim, partitioning, runtime, schedule, train
 from t5x_like.checkpoints import CheckpointError
 from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import Progress, TrainState, make_layout
@@ -182,8 +182,8 @@ if point == 'start-up':
   trainer.Trainer.compile = compile_step
 elif point == 'between iterations':
   train_iteration = trainer.Trainer.train_iteration
-  def iteration_then_stop(self, state, progress, total):
-    out = train_iteration(self, state, progress, total)
+  def iteration_then_stop(self, state, progress):
+    out = train_iteration(self, state, progress)
     if progress.iteration == 3:
       arrive()
     return out
@@ -421,7 +421,7 @@ def test_load_rng_keeps_the_checkpoints_stream_and_false_takes_the_configs(base_
 
 
 def test_optimizer_reset_recipe(base_run, tmp_path):
-  """The chronicles' recipe (README): fresh Adam state, lr 0 while the moments warm up, then the
+  """The chronicles' recipe (docs/checkpoints.md): fresh Adam state, lr 0 while the moments warm up, then the
   normal schedule again. Here: 2 warm-up iterations after iteration 2, then back to normal."""
   workdir = resumable_copy(base_run[0], tmp_path / 'w')
   root = os.path.join(workdir, 'checkpoints')
@@ -443,7 +443,7 @@ def test_optimizer_reset_recipe(base_run, tmp_path):
   records = read_metrics(workdir)
   assert [r['learning_rate'] for r in records[2:4]] == [0.0, 0.0]
   assert records[4]['learning_rate'] == pytest.approx(
-      float(optim.learning_rate(normal.optimizer, 16)))
+      float(schedule.learning_rate(normal.optimizer, 16)))
   assert all(np.isfinite(r['lm_loss']) for r in records)
   restored, _ = checkpoints.restore(root, trainer.layout, trainer.cfg)
   assert int(optim.adam_count(restored.opt_state)) == 4  # counted since the reset

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from t5x_like import ckpt, evaluate
+from t5x_like import ckpt, evaluate, inference
 from t5x_like.data.indexed import IndexedDatasetWriter
 
 from conftest import random_bloom, run_cli
@@ -30,7 +30,7 @@ def test_import_hf_then_evaluate_gives_hf_loss(tmp_path, n_head, vocab):
   tokens = np.random.default_rng(0).integers(0, vocab, (5, 17)).astype(np.int32)
   data = str(tmp_path / 'tokens.npy')
   np.save(data, tokens)
-  cfg, params = evaluate.load_for_inference(out, 'float32')
+  cfg, params = inference.load_for_inference(out, 'float32')
   want = hf_loss(model, tokens)
   # The default chunked loss (here 100 vocabulary rows at a time: several chunks, the padded rows
   # in the last) and the dense one; a padded last batch too.
@@ -45,7 +45,7 @@ def test_evaluate_chunked_never_holds_full_logits(tmp_path):
   _, hf_dir = random_bloom(tmp_path, 4, 1000, hidden=32)
   out = str(tmp_path / 'ckpt')
   assert ckpt.main(['import-hf', hf_dir, out]) == 0
-  cfg, params = evaluate.load_for_inference(out, 'float32')
+  cfg, params = inference.load_for_inference(out, 'float32')
   cfg = cfg.replace(model={'cross_entropy_chunk': 256})
   batch, valid = np.zeros((2, 17), np.int32), np.ones(2, np.float32)
   full_logits = f'tensor<2x16x{cfg.padded_vocab_size}xf32>'
@@ -66,7 +66,7 @@ def test_evaluate_on_data_and_tensor_meshes_gives_hf_loss(tmp_path):
   tokens = np.random.default_rng(2).integers(0, vocab, (5, 13)).astype(np.int32)
   want = hf_loss(model, tokens)
   for data, tensor in ((1, 1), (2, 2), (1, 3), (2, 3)):
-    cfg, params = evaluate.load_for_inference(out, 'float32', data=data, tensor=tensor)
+    cfg, params = inference.load_for_inference(out, 'float32', data=data, tensor=tensor)
     qkv = params['layers']['attn']['qkv_kernel']
     assert qkv.sharding.shard_shape(qkv.shape)[2] == n_head // tensor, (data, tensor)
     emb = params['word_embeddings']
@@ -225,12 +225,12 @@ def run_ckpt(capsys, *argv):
 
 
 def test_inspect_shows_step_config_and_tensors_from_metadata_only(fake_run, capsys, monkeypatch):
-  from t5x_like import ckpt_tools
+  from t5x_like import checkpoint_inspection
 
   def no_data(*_):
     raise AssertionError('inspect read tensor data')
 
-  monkeypatch.setattr(ckpt_tools.CheckpointReader, 'chunks', no_data)
+  monkeypatch.setattr(checkpoint_inspection.CheckpointReader, 'chunks', no_data)
   code, out, _ = run_ckpt(capsys, 'inspect', fake_run, '--step', '1', '--json')
   assert code == 0
   info = json.loads(out)
@@ -293,13 +293,13 @@ def test_verify_passes_a_sound_checkpoint_and_names_each_failure(fake_run, tmp_p
 
 
 def test_stats_streams_params_and_both_adam_moments(fake_run, capsys, monkeypatch):
-  from t5x_like import ckpt_tools
-  monkeypatch.setattr(ckpt_tools, 'CHUNK_BYTES', 4096)  # many slices per tensor
+  from t5x_like import checkpoint_inspection
+  monkeypatch.setattr(checkpoint_inspection, 'CHUNK_BYTES', 4096)  # many slices per tensor
   code, out, _ = run_ckpt(capsys, 'stats', fake_run, '--json')
   assert code == 0
   rows = {r['name']: r for r in json.loads(out)}
   assert {r['group'] for r in rows.values()} == {'params', 'adam_mu', 'adam_nu'}
-  reader = ckpt_tools.CheckpointReader(fake_run)
+  reader = checkpoint_inspection.CheckpointReader(fake_run)
   for name in ('params/word_embeddings', 'opt_state/0.nu.layers.mlp.wi_kernel',
                'params/final_ln.bias'):
     info = next(t for t in reader.tensors() if t.key == name)

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from t5x_like import metrics
+from t5x_like import metrics, schedule, startup
 from t5x_like.config import Config, ConfigError, load_config_file, load_gin
 from t5x_like.train import parse_args
 
@@ -123,15 +123,16 @@ def test_bloom_176b_is_exactly_tr11():
   assert abs(m.weight_init_std - 0.0048) < 1e-4
   # The chronicle's log: "iteration 12695/ 115311 | consumed samples: 9841584 | ... global batch
   # size: 2048 | ... elapsed time per iteration (s): 105.22 | ... TFLOPs: 149.02".
-  assert t.total_iterations() == 115_311
-  assert t.consumed_samples_after(12_695) == 9_841_584
+  assert schedule.total_iterations(t) == 115_311
+  assert schedule.consumed_samples_after(t, 12_695) == 9_841_584
   flops = metrics.megatron_flops_per_iteration(cfg, 2048, 2048)
   assert round(flops / 105.22 / 384 / 1e12, 2) == 149.02
 
 
 def test_iterations_follow_megatrons_train_samples_count():
   def total(**train):
-    return Config.from_dict({'train': train}).validate().train.total_iterations()
+    return schedule.total_iterations(
+        startup.check_config(Config.from_dict({'train': train})).train)
   # Whole global batches only: Megatron drops a last partial batch, never trains past the count.
   assert total(steps=0, train_samples=100, global_batch_size=8) == 12
   assert total(steps=5, train_samples=100, global_batch_size=8) == 5  # train.steps caps
@@ -139,33 +140,34 @@ def test_iterations_follow_megatrons_train_samples_count():
   # Ramp-up 4 -> 8 by 4 over 16 samples: the ramp loop runs while consumed <= 16 (at 0, 4, 8, 12
   # with batches of 4, at 16 with 8), then (60 - 24) // 8 = 4 whole batches; 4 samples unused.
   cfg = Config.from_dict({'train': dict(steps=0, train_samples=60, global_batch_size=8,
-                                        rampup_batch_size=(4, 4, 16))}).validate()
+                                        rampup_batch_size=(4, 4, 16))})
+  startup.check_config(cfg)
   t = cfg.train
   sizes, consumed = [], 0
-  for _ in range(t.total_iterations()):
-    sizes.append(t.global_batch_size_at(consumed))
+  for _ in range(schedule.total_iterations(t)):
+    sizes.append(schedule.global_batch_size_at(t, consumed))
     consumed += sizes[-1]
-  assert sizes == [4, 4, 4, 4, 8, 8, 8, 8, 8] and t.total_samples() == consumed == 56
+  assert sizes == [4, 4, 4, 4, 8, 8, 8, 8, 8] and schedule.total_samples(t) == consumed == 56
 
 
 def test_rampup_microbatch_multiple_rounds_tr11s_ramp_to_fewer_programs():
   cfg = load_config_file(cfg_path('bloom_176b.py'))
   # 192 -> 2048 by 16 with 16 rows per micro-batch (2 x data 8): 12, 13, ..., 128 micro-batches.
-  assert [m for m, _ in cfg.step_shapes()] == list(range(12, 129))
-  assert cfg.padding_microbatches()[0] == 0
-  padded = cfg.replace(train={'rampup_microbatch_multiple': 8}).validate()
-  assert [m for m, _ in padded.step_shapes()] == list(range(16, 129, 8))  # 15 programs
-  assert [padded.step_microbatches(g) for g in (192, 208, 320, 336, 2048)] == [16, 16, 24, 24,
-                                                                               128]
+  assert [m for m, _ in schedule.step_shapes(cfg)] == list(range(12, 129))
+  assert schedule.padding_microbatches(cfg)[0] == 0
+  padded = startup.check_config(cfg.replace(train={'rampup_microbatch_multiple': 8}))
+  assert [m for m, _ in schedule.step_shapes(padded)] == list(range(16, 129, 8))  # 15 programs
+  assert [schedule.step_microbatches(padded, g) for g in (192, 208, 320, 336, 2048)] == [
+      16, 16, 24, 24, 128]
   assert padded.microbatches_for(208) == 13  # the batch itself, 3 padding micro-batches added
   # Counted over the run: 0.31% of the micro-batches the step runs are padding, all of them in
   # the ramp-up's 12,658 iterations.
-  padding, runs = padded.padding_microbatches()
-  assert runs == cfg.padding_microbatches()[1] + padding
+  padding, runs = schedule.padding_microbatches(padded)
+  assert runs == schedule.padding_microbatches(cfg)[1] + padding
   assert round(100 * padding / runs, 2) == 0.31
   # A multiple of at least the full count: one program for the whole run.
-  whole = cfg.replace(train={'rampup_microbatch_multiple': 200}).validate()
-  assert whole.step_shapes() == [(128, 2048)]
+  whole = startup.check_config(cfg.replace(train={'rampup_microbatch_multiple': 200}))
+  assert schedule.step_shapes(whole) == [(128, 2048)]
 
 
 @pytest.mark.parametrize('train, message', [
@@ -175,7 +177,7 @@ def test_rampup_microbatch_multiple_rounds_tr11s_ramp_to_fewer_programs():
 ])
 def test_bad_rampup_microbatch_multiple_is_one_clear_error(train, message):
   with pytest.raises(ConfigError, match=message):
-    Config().replace(train={'global_batch_size': 16, 'steps': 4, **train}).validate()
+    startup.check_config(Config().replace(train={'global_batch_size': 16, 'steps': 4, **train}))
 
 
 def test_tr8_104b_and_1b3_sizes():
@@ -187,13 +189,13 @@ def test_tr8_104b_and_1b3_sizes():
   assert (m.num_layers, m.hidden_size, m.num_heads, cfg.padded_vocab_size) == (24, 2048, 16, 250880)
   # BigScience names this size by its non-embedding parameters: 24 x (12h^2 + 13h) = 1.21B.
   assert abs(m.num_layers * (12 * m.hidden_size**2 + 13 * m.hidden_size) / 1e9 - 1.21) < 0.01
-  cfg.replace(mesh={'pipeline': 1}).validate()
+  startup.check_config(cfg.replace(mesh={'pipeline': 1}))
 
 
 def test_every_shipped_config_validates_with_its_own_mesh():
   for name in sorted(os.listdir(os.path.join(REPO, 'configs'))):
     if name.endswith('.py'):
-      load_config_file(cfg_path(name)).validate()
+      startup.check_config(load_config_file(cfg_path(name)))
 
 
 def test_cluster_configs_guard_against_hangs_and_the_job_time_limit():
@@ -210,28 +212,33 @@ def test_curriculum_follows_deepspeeds_seqlen_schedules_with_tr8bs_settings():
   """tr8b: min_difficulty 64, max 2048, fixed_linear over 36,000 steps, difficulty_step 8."""
   cfg = Config().replace(train={'seq_len': 2048, 'steps': 40_000},
                          curriculum={'min_seq_len': 64, 'total_iterations': 36_000})
-  cfg.validate()
+  startup.check_config(cfg)
   # floor(64 + 1984 * n / 36000), rounded down to a multiple of 8; iteration n is 1-based.
-  assert [cfg.seq_len_at(n) for n in (1, 145, 146, 18_000, 35_999, 36_000, 39_999)] == [
+  assert [schedule.seq_len_at(cfg, n)
+          for n in (1, 145, 146, 18_000, 35_999, 36_000, 39_999)] == [
       64, 64, 72, 1056, 2040, 2048, 2048]
-  lengths = [cfg.seq_len_at(n) for n in range(1, 40_001)]
+  lengths = [schedule.seq_len_at(cfg, n) for n in range(1, 40_001)]
   assert lengths == sorted(lengths) and all(n % 8 == 0 for n in lengths)
-  assert cfg.seq_lens() == list(range(64, 2049, 8))  # 249 lengths: one compiled step each
+  # 249 lengths: one compiled step each
+  assert schedule.seq_lens(cfg) == list(range(64, 2049, 8))
   root = cfg.replace(curriculum={'schedule': 'fixed_root', 'root_degree': 2})
   # sqrt(9000 / 36000) = 0.5: halfway in length at a quarter of the iterations.
-  assert [root.seq_len_at(n) for n in (1, 9000, 36_000)] == [72, 1056, 2048]
-  assert Config().seq_len_at(5) == Config().train.seq_len  # no curriculum
-  assert cfg.step_seq_lens() == cfg.seq_lens()  # the step runs at the trained lengths
+  assert [schedule.seq_len_at(root, n) for n in (1, 9000, 36_000)] == [72, 1056, 2048]
+  assert schedule.seq_len_at(Config(), 5) == Config().train.seq_len  # no curriculum
+  # The step runs at the trained lengths.
+  assert schedule.step_seq_lens(cfg) == schedule.seq_lens(cfg)
   # curriculum.pad_to_multiple=256: the step runs at 8 lengths, each iteration's rounded up.
   padded = cfg.replace(curriculum={'pad_to_multiple': 256})
-  padded.validate()
-  assert padded.seq_lens() == cfg.seq_lens()
-  assert padded.step_seq_lens() == list(range(256, 2049, 256))
-  assert [padded.padded_seq_len_at(n) for n in (1, 145, 3_629, 3_630, 36_000)] == [
+  startup.check_config(padded)
+  assert schedule.seq_lens(padded) == schedule.seq_lens(cfg)
+  assert schedule.step_seq_lens(padded) == list(range(256, 2049, 256))
+  assert [schedule.padded_seq_len_at(padded, n)
+          for n in (1, 145, 3_629, 3_630, 36_000)] == [
       256, 256, 256, 512, 2048]
-  assert [padded.seq_len_at(n) for n in (1, 3_629, 3_630)] == [64, 256, 264]  # trained on
+  # The lengths trained on.
+  assert [schedule.seq_len_at(padded, n) for n in (1, 3_629, 3_630)] == [64, 256, 264]
   # A multiple above train.seq_len: every iteration at the full length, one program.
-  assert cfg.replace(curriculum={'pad_to_multiple': 4096}).step_seq_lens() == [2048]
+  assert schedule.step_seq_lens(cfg.replace(curriculum={'pad_to_multiple': 4096})) == [2048]
 
 
 def test_warmup_end_tokens_follow_the_curriculum_and_the_batch_ramp():
@@ -241,11 +248,12 @@ def test_warmup_end_tokens_follow_the_curriculum_and_the_batch_ramp():
                          optimizer={'warmup_samples': 10})
   # Lengths 8, 16, 24, 32, 32, 32 (iteration n: floor(8 + 24 n / 4) rounded down to 8); global
   # batches 4, 4, 8, 8, ... (the ramp adds 4 after 8 samples).
-  assert [cfg.seq_len_at(n) for n in range(1, 7)] == [8, 16, 24, 32, 32, 32]
+  assert [schedule.seq_len_at(cfg, n) for n in range(1, 7)] == [8, 16, 24, 32, 32, 32]
   # The warm-up ends at the first iteration boundary at or past 10 samples: after iteration 3
   # (4 + 4 + 8 samples), whose tokens are those of the three lengths.
-  assert cfg.warmup_end_tokens() == 4 * 8 + 4 * 16 + 8 * 24
-  assert cfg.replace(optimizer={'warmup_samples': 8}).warmup_end_tokens() == 4 * 8 + 4 * 16
+  assert schedule.warmup_end_tokens(cfg) == 4 * 8 + 4 * 16 + 8 * 24
+  assert (schedule.warmup_end_tokens(cfg.replace(optimizer={'warmup_samples': 8})) ==
+          4 * 8 + 4 * 16)
 
 
 @pytest.mark.parametrize('sections, message', [
@@ -268,4 +276,4 @@ def test_bad_curriculum_or_token_decay_is_one_clear_error(sections, message):
   for name, values in sections.items():
     base[name] = {**base.get(name, {}), **values}
   with pytest.raises(ConfigError, match=message):
-    Config().replace(**base).validate()
+    startup.check_config(Config().replace(**base))

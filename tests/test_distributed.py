@@ -272,7 +272,8 @@ def tree(offset):
           # No copies at all: each device its own slice.
           'blocks': array((2, 2), P('data', 'tensor'), np.full((2, 2), me, np.float32))}
 
-print(json.dumps([trainer.check_replicas(tree(1e-6), 7), trainer.check_replicas(tree(0), 8)]))
+print(json.dumps([trainer.replica_check.check(tree(1e-6), 7),
+                  trainer.replica_check.check(tree(0), 8)]))
 '''
 
 

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from t5x_like import ckpt, evaluate, generate
+from t5x_like import ckpt, generate, inference
 from t5x_like.data.tokenizer import Tokenizer
 
 from conftest import random_bloom, run_cli
@@ -34,7 +34,7 @@ def imported(tmp_path, n_head, vocab, hidden, swap=None):
 
 def test_greedy_generation_is_hf_generate_and_sampling_follows_its_seed(tmp_path):
   model, out = imported(tmp_path, 4, 300, hidden=32)
-  cfg, params = evaluate.load_for_inference(out, 'float32')
+  cfg, params = inference.load_for_inference(out, 'float32')
   prompt = [5, 17, 42, 7, 250]
   ours = generate.generate_ids(cfg, params, prompt, 12, eod_id=model.config.eos_token_id)
   with torch.no_grad():

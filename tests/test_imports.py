@@ -87,7 +87,98 @@ def test_the_package_has_no_import_cycle():
 
 def test_the_cycle_finder_finds_the_cycle_config_once_had():
   graph = dict(package_import_graph())
+  # config imported partitioning for its mesh check, and partitioning imported config for
+  # ConfigError: both edges back.
+  graph['t5x_like.config'] = graph['t5x_like.config'] | {'t5x_like.partitioning'}
   graph['t5x_like.partitioning'] = graph['t5x_like.partitioning'] | {'t5x_like.config'}
   cycle = find_cycle(graph)
   assert cycle[0] == cycle[-1] and 't5x_like.config' in cycle and 't5x_like.partitioning' in cycle
 
+
+def test_config_imports_no_package_module_but_errors():
+  """config.py is a leaf that every module can import: the checks that need other modules
+  (mesh, attention, schedule, data) live in those modules and run from startup.check_config."""
+  assert package_import_graph()['t5x_like.config'] <= {'t5x_like.errors'}
+
+
+
+def private_uses(modules: dict[str, str]) -> list[str]:
+  """'path:line: module._name' for each use of another package module's private name: `m._name`
+  (m an imported package module, by any alias or as a dotted path) and `from m import _name`.
+  Private names of other libraries (`os._exit`) are not the package's concern."""
+  found = []
+  for module, path in sorted(modules.items()):
+    tree = parse(path)
+    package = module if path.endswith('__init__.py') else module.rpartition('.')[0]
+    aliases = {}  # a name bound in this file -> the package module it stands for
+
+    def absolute(node: ast.ImportFrom) -> str:
+      if not node.level:
+        return node.module or ''
+      base = package.rsplit('.', node.level - 1)[0] if node.level > 1 else package
+      return f'{base}.{node.module}' if node.module else base
+
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        for a in node.names:
+          top = a.name.split('.')[0]  # what `import a.b.c` binds
+          if a.asname and a.name in modules:
+            aliases[a.asname] = a.name
+          elif not a.asname and any(m == top or m.startswith(f'{top}.') for m in modules):
+            aliases[top] = top
+      elif isinstance(node, ast.ImportFrom):
+        source = absolute(node)
+        for a in node.names:
+          if f'{source}.{a.name}' in modules:
+            aliases[a.asname or a.name] = f'{source}.{a.name}'
+          elif (source in modules and source != module and a.name.startswith('_')
+                and not a.name.startswith('__')):
+            found.append(f'{path}:{node.lineno}: from {source} import {a.name}')
+
+    def module_of(node: ast.expr) -> str | None:
+      """The package module an expression such as `checkpoints` or `t5x_like.data.sources`
+      names, or None."""
+      if isinstance(node, ast.Name):
+        return aliases.get(node.id)
+      if isinstance(node, ast.Attribute):
+        outer = module_of(node.value)
+        if outer and f'{outer}.{node.attr}' in modules:
+          return f'{outer}.{node.attr}'
+      return None
+
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Attribute) and node.attr.startswith('_')
+          and not node.attr.startswith('__')):
+        owner = module_of(node.value)
+        if owner and owner != module:
+          found.append(f'{path}:{node.lineno}: {owner}.{node.attr}')
+  return found
+
+
+def test_no_module_uses_another_modules_private_names():
+  uses = private_uses(module_files())
+  assert not uses, ('make these public (a name without the underscore) in the module that owns '
+                    'them:\n' + '\n'.join(uses))
+
+
+def test_private_uses_finds_each_form(tmp_path):
+  files = {
+      't5x_like.lib': "def _helper(): pass\ndef public(): return _helper()\n",
+      't5x_like.data.__init__': '',
+      't5x_like.data.reader': 'def _read(): pass\n',
+      't5x_like.tool': ('import os\nfrom t5x_like import lib\nfrom t5x_like import lib as other\n'
+                        'import t5x_like.data.reader\nfrom t5x_like.lib import _helper\n'
+                        'def main():\n  lib._helper()\n  other._helper()\n'
+                        '  t5x_like.data.reader._read()\n  os._exit(0)\n  lib.public()\n'),
+      't5x_like.data.user': 'from . import reader\nfrom .reader import _read\nreader._read()\n',
+  }
+  modules = {}
+  for module, text in files.items():
+    path = tmp_path / f'{module}.py'  # a package's file ends with __init__.py, as on disk
+    path.write_text(text)
+    modules[module.removesuffix('.__init__')] = str(path)
+  uses = [use.rpartition(': ')[2] for use in private_uses(modules)]
+  assert sorted(uses) == sorted([
+      'from t5x_like.lib import _helper', 't5x_like.lib._helper', 't5x_like.lib._helper',
+      't5x_like.data.reader._read', 'from t5x_like.data.reader import _read',
+      't5x_like.data.reader._read'])

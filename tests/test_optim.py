@@ -3,12 +3,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import optim
+from t5x_like import optim, schedule
 from t5x_like.config import OptimizerConfig
 
 
 def lr_at(cfg, samples):
-  return float(optim.learning_rate(cfg, samples))
+  return float(schedule.learning_rate(cfg, samples))
 
 
 def test_warmup_then_cosine_to_min_then_constant():
@@ -85,18 +85,18 @@ def test_clipping_reports_the_pre_clip_norm():
 
 def test_token_decay_counts_tokens_from_the_end_of_the_warmup():
   """Megatron's --lr-decay-tokens: warm-up in samples, then the decay ratio in tokens, from the
-  tokens consumed when the warm-up ended (`Config.warmup_end_tokens`)."""
+  tokens consumed when the warm-up ended (`schedule.warmup_end_tokens`)."""
   cfg = OptimizerConfig(lr=1e-4, min_lr=1e-5, warmup_samples=100, decay_samples=10**9,
                         decay_tokens=11_000)
   warmup_end = 1_000
-  assert optim.learning_rate(cfg, 50, 400, warmup_end) == pytest.approx(5e-5)  # samples
-  assert optim.learning_rate(cfg, 100, warmup_end, warmup_end) == pytest.approx(1e-4)
+  assert schedule.learning_rate(cfg, 50, 400, warmup_end) == pytest.approx(5e-5)  # samples
+  assert schedule.learning_rate(cfg, 100, warmup_end, warmup_end) == pytest.approx(1e-4)
   # Halfway through the tokens, cosine: (lr + min_lr) / 2, whatever the samples say.
-  assert optim.learning_rate(cfg, 200, 6_000, warmup_end) == pytest.approx(5.5e-5)
-  assert optim.learning_rate(cfg, 10**8, 6_000, warmup_end) == pytest.approx(5.5e-5)
-  assert optim.learning_rate(cfg, 300, 11_000, warmup_end) == pytest.approx(1e-5)
-  assert optim.learning_rate(cfg, 300, 50_000, warmup_end) == pytest.approx(1e-5)
+  assert schedule.learning_rate(cfg, 200, 6_000, warmup_end) == pytest.approx(5.5e-5)
+  assert schedule.learning_rate(cfg, 10**8, 6_000, warmup_end) == pytest.approx(5.5e-5)
+  assert schedule.learning_rate(cfg, 300, 11_000, warmup_end) == pytest.approx(1e-5)
+  assert schedule.learning_rate(cfg, 300, 50_000, warmup_end) == pytest.approx(1e-5)
   # Past 2^31 tokens (tr11 consumed 450B): exact on the host, no int32 or float32 argument.
   big = OptimizerConfig(lr=1.0, min_lr=0.0, warmup_samples=0, decay_tokens=2 * 10**11 + 2,
                         decay_style='linear')
-  assert optim.learning_rate(big, 1, 10**11 + 1, 0) == 0.5
+  assert schedule.learning_rate(big, 1, 10**11 + 1, 0) == 0.5

@@ -1,11 +1,13 @@
 """Pipeline parallelism: stage plans, layout conversion, parity with one device, ramp-up."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import checkpoints, partitioning, pipeline
+from t5x_like import checkpoints, partitioning, pipeline, schedule, startup
 from t5x_like.config import ConfigError, TrainConfig
 from t5x_like.train_state import make_layout
 from t5x_like.trainer import Trainer, read_metrics
@@ -69,19 +71,20 @@ def test_bad_pipeline_settings_are_clear_errors(changes, message):
   for section, values in changes.items():
     base.setdefault(section, {}).update(values)
   with pytest.raises(ConfigError) as info:
-    small_config(**base).validate()
+    startup.check_config(small_config(**base))
   assert message in str(info.value)
 
 
 def test_megatron_batch_size_rampup():
   t = TrainConfig(global_batch_size=2048, rampup_batch_size=(192, 16, 9_765_625))
   per_increment = 9_765_625 / 116
-  assert t.global_batch_size_at(0) == 192
-  assert t.global_batch_size_at(int(per_increment) - 1) == 192
-  assert t.global_batch_size_at(int(per_increment) + 1) == 208
-  assert t.global_batch_size_at(9_765_625) == 2048
-  assert t.global_batch_size_at(9_765_626) == 2048
-  assert t.ramp_batch_sizes()[:3] == [192, 208, 224] and t.ramp_batch_sizes()[-1] == 2048
+  assert schedule.global_batch_size_at(t, 0) == 192
+  assert schedule.global_batch_size_at(t, int(per_increment) - 1) == 192
+  assert schedule.global_batch_size_at(t, int(per_increment) + 1) == 208
+  assert schedule.global_batch_size_at(t, 9_765_625) == 2048
+  assert schedule.global_batch_size_at(t, 9_765_626) == 2048
+  sizes = schedule.ramp_batch_sizes(t)
+  assert sizes[:3] == [192, 208, 224] and sizes[-1] == 2048
 
 
 @pytest.fixture(scope='module')
@@ -157,6 +160,31 @@ def test_vocabulary_split_over_tensor_only_as_bloom_176b_matches_single_device()
   ref_losses, ref_norms, ref_params = run_steps(
       small_config(model=model, train=dict(global_batch_size=4)), num_steps=3)
   assert_trains_as_reference(cfg, (losses, norms, params), (ref_losses, ref_norms, ref_params))
+
+
+@pytest.mark.parametrize('remat_policy', ['save_dots', 'full'])
+def test_bf16_pipeline_reads_gathered_bf16_weights_and_matches_single_device(remat_policy):
+  """In bf16 the stages compute from the gathered bf16 copy (`step.compute_bits_of`) and send
+  each tick's gradient to the fp32 master params (`pipeline.compute_copy`): the same losses and
+  gradient norms as the single device, whose micro-batch gradients are bf16 added up in fp32."""
+  base = dict(model=dict(num_heads=4, dtype='bfloat16', remat_policy=remat_policy),
+              train=dict(global_batch_size=16))
+  cfg = small_config(**base, mesh=dict(data=2, pipeline=2, tensor=1))
+  losses, norms, _ = run_steps(cfg, num_steps=2)
+  ref_losses, ref_norms, _ = run_steps(small_config(**base), num_steps=2)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+  np.testing.assert_allclose(norms, ref_norms, rtol=5e-5)
+
+
+def test_compute_copy_computes_from_the_copy_and_widens_the_gradient_to_the_master():
+  master = jnp.asarray([1.0, 2.0, 3.0], jnp.float32)
+  bits = pipeline.as_bits(master, jnp.bfloat16)
+  assert bits.dtype == jnp.uint16
+  value, grad = jax.value_and_grad(
+      lambda m: (pipeline.compute_copy(m, bits, jnp.bfloat16) ** 2).sum())(master)
+  assert value.dtype == jnp.bfloat16 and float(value) == 14.0
+  assert grad.dtype == jnp.float32
+  np.testing.assert_array_equal(grad, [2.0, 4.0, 6.0])
 
 
 def test_full_recomputation_keeps_bf16_inputs_as_bits_and_matches_autodiff():
@@ -292,7 +320,7 @@ def test_grouped_pipeline_matches_single_device(references, reference_batch_8, d
                      train=dict(global_batch_size=batch),
                      mesh=dict(data=data, pipeline=stages, tensor=tensor),
                      pipeline=dict(repeats=repeats, microbatch_group=stages))
-  assert cfg.validate().num_microbatches == 2 * stages
+  assert startup.check_config(cfg).num_microbatches == 2 * stages
   losses, norms, params = run_steps(cfg, num_steps=3)
   ref_losses, ref_norms, ref_params = references[4] if data == 1 else reference_batch_8
   assert_trains_as_reference(cfg, (losses, norms, params), (ref_losses, ref_norms, ref_params))
@@ -304,8 +332,9 @@ def test_grouped_pipeline_weights_a_partly_padded_group_by_its_real_micro_batche
   and the step's loss and gradients are still the mean over the 4, as on one device."""
   ramp = dict(global_batch_size=6, rampup_batch_size=(4, 2, 8), rampup_microbatch_multiple=6)
   legal = small_config(model=dict(num_layers=4), train=ramp, mesh=dict(pipeline=2),
-                       pipeline=dict(microbatch_group=3)).validate()
-  assert legal.step_microbatches(4) == 6
+                       pipeline=dict(microbatch_group=3))
+  startup.check_config(legal)
+  assert schedule.step_microbatches(legal, 4) == 6
   cfg = legal.replace(train=dict(global_batch_size=4))  # run_steps fills 4, pads 2
   losses, norms, params = run_steps(cfg, num_steps=3, padding_microbatches=2)
   ref_losses, ref_norms, ref_params = references[4]
@@ -325,7 +354,7 @@ def test_bad_microbatch_group_is_one_clear_error(changes, message):
   for section, values in changes.items():
     base.setdefault(section, {}).update(values)
   with pytest.raises(ConfigError) as info:
-    small_config(**base).validate()
+    startup.check_config(small_config(**base))
   assert message in str(info.value)
   if changes.get('mesh') is None:
     assert 'groups that fit: [2' in str(info.value)
@@ -344,9 +373,10 @@ def test_grouped_step_keeps_fewer_stage_inputs():
   from t5x_like.step import lower_train_step
   temp = {}
   for group in (0, 2):
-    cfg = small_config(model=dict(num_layers=2, remat_policy='full'),
-                       train=dict(global_batch_size=64, seq_len=128),
-                       mesh=dict(pipeline=2), pipeline=dict(microbatch_group=group)).validate()
+    cfg = startup.check_config(small_config(
+        model=dict(num_layers=2, remat_policy='full'), train=dict(global_batch_size=64,
+                                                                 seq_len=128),
+        mesh=dict(pipeline=2), pipeline=dict(microbatch_group=group)))
     layout = make_layout(cfg, partitioning.make_mesh(1, 2, 1))
     compiled = lower_train_step(cfg, layout, cfg.num_microbatches).compile()
     temp[group] = compiled.memory_analysis().temp_size_in_bytes
@@ -354,3 +384,76 @@ def test_grouped_step_keeps_fewer_stage_inputs():
   # less the groups' gradient accumulator.
   saved_stage_inputs = (65 - 3) * 128 * 64 * 4
   assert temp[0] - temp[2] > saved_stage_inputs / 2, temp
+
+
+@pytest.mark.parametrize('data, stages, tensor, layers, model', [
+    (1, 2, 1, 4, dict(remat_policy='none')),  # M = 2P
+    (1, 4, 1, 4, dict(remat_policy='save_dots')),  # M = P
+    (2, 2, 2, 4, dict(remat_policy='full')),  # composed with data and tensor
+    (1, 2, 1, 5, dict(remat_policy='none')),  # uneven depth: one padding slot
+    (1, 2, 2, 4, dict(remat_policy='full', cross_entropy_impl='chunked', cross_entropy_chunk=256,
+                      sequence_parallel=True, num_heads=4)),
+])
+def test_one_f_one_b_run_matches_single_device(references, data, stages, tensor, layers, model):
+  """pipeline.schedule='1f1b': the hand-written backward (one scan, each tick a forward half,
+  the head's forward and backward, and a backward half) trains exactly as the single device."""
+  cfg = small_config(model=dict(num_layers=layers, **model), train=dict(global_batch_size=4),
+                     mesh=dict(data=data, pipeline=stages, tensor=tensor),
+                     pipeline=dict(schedule='1f1b'))
+  reference = references[layers]
+  if 'num_heads' in model:
+    reference = run_steps(small_config(model=dict(num_layers=layers, num_heads=4),
+                                       train=dict(global_batch_size=4)), num_steps=3)
+  assert_trains_as_reference(cfg, run_steps(cfg, num_steps=3), reference)
+
+
+def test_one_f_one_b_with_padding_micro_batches_and_dropout_matches_gpipe():
+  """The ramp-up's padding micro-batches add no loss or gradient under 1F1B, and its dropout
+  masks are GPipe's: each micro-batch's recomputed forward draws the masks of its forward."""
+  runs = {}
+  for order in ('gpipe', '1f1b'):
+    cfg = small_config(model=dict(num_layers=4, hidden_dropout=0.1, attention_dropout=0.1),
+                       train=dict(global_batch_size=4, rampup_batch_size=(2, 2, 4),
+                                  rampup_microbatch_multiple=2),
+                       mesh=dict(pipeline=2), pipeline=dict(schedule=order))
+    runs[order] = run_steps(cfg, num_steps=3, padding_microbatches=2)
+  np.testing.assert_allclose(runs['1f1b'][0], runs['gpipe'][0], rtol=2e-6)
+  np.testing.assert_allclose(runs['1f1b'][1], runs['gpipe'][1], rtol=2e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5),
+               runs['1f1b'][2], runs['gpipe'][2])
+
+
+def kept_stage_input_stacks(hlo: str, rows: int, seq: int, hidden: int) -> set[tuple[int, ...]]:
+  """Shapes of the compiled step's [.., kept, .., rows, seq, hidden] loop-carried stacks of stage
+  inputs (rank 5: the stage dim, the kept dim, one micro-batch's activations)."""
+  shape = re.compile(rf'\b(?:f32|bf16|u16)\[(\d+),(\d+),{rows},{seq},{hidden}\]')
+  return {tuple(int(d) for d in m.groups()) for m in shape.finditer(hlo)}
+
+
+def test_one_f_one_b_keeps_2p_minus_1_stage_inputs_whatever_the_micro_batch_count():
+  """GPipe keeps one stage input per tick (M + P - 1 of them); 1F1B a ring of 2P - 1 per stage,
+  whatever M: read from the compiled program's buffers."""
+  from t5x_like.step import lower_train_step
+  stacks = {}
+  for order in ('gpipe', '1f1b'):
+    cfg = startup.check_config(small_config(
+        model=dict(num_layers=4, remat_policy='full'),
+        train=dict(global_batch_size=32, seq_len=24), mesh=dict(pipeline=2),
+        pipeline=dict(schedule=order)))
+    layout = make_layout(cfg, partitioning.make_mesh(1, 2, 1))
+    hlo = lower_train_step(cfg, layout, cfg.num_microbatches).compile().as_text()
+    stacks[order] = kept_stage_input_stacks(hlo, 1, 24, 64)
+  assert (33, 1) in stacks['gpipe']  # M + P - 1 = 33 ticks, one stage per device
+  assert stacks['1f1b'] and all(33 not in shape for shape in stacks['1f1b']), stacks
+  assert (1, 3) in stacks['1f1b'], stacks  # one stage per device, 2P - 1 = 3 slots
+
+
+@pytest.mark.parametrize('changes, message', [
+    (dict(pipeline=dict(schedule='1f1b', repeats=2)), "'1f1b' runs one repeat"),
+    (dict(pipeline=dict(schedule='1f1b', microbatch_group=2)), 'microbatch_group=0'),
+])
+def test_bad_one_f_one_b_settings_are_clear_errors(changes, message):
+  cfg = small_config(model=dict(num_layers=4), mesh=dict(pipeline=2), **changes)
+  with pytest.raises(ConfigError) as info:
+    startup.check_config(cfg)
+  assert message in str(info.value)

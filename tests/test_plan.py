@@ -11,7 +11,7 @@ def test_bloom_176b_lowers_and_compiles_on_384_virtual_devices():
   report = json.loads(r.stdout.strip().splitlines()[-1])
   assert report['mesh'] == [8, 12, 4] and report['num_microbatches'] == 128
   assert abs(report['params'] / 1e9 - 176.25) < 0.01
-  assert abs(report['pipeline_bubble'] - 11 / 139) < 1e-9
+  assert abs(report['pipeline_bubble'] - 11 / 139) < 1e-9  # 1F1B's bubble is GPipe's
   # The ramp-up from 192 to 2048 by 16 (12 to 128 micro-batches): one program per batch size.
   assert report['train_programs'] == 117
   assert 'layers per stage [5, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 5]' in report['stage_plan']
@@ -23,11 +23,12 @@ def test_bloom_176b_lowers_and_compiles_on_384_virtual_devices():
   embedding = 250880 * h * 12 / (4 * 8)
   assert abs(report['argument_gib'] - (layers + embedding) / 2**30) < 0.01
   assert report['replicated_over_data'] == []  # data 8 divides a dim of every tensor
-  # XLA's peak per device (49.60 GiB in this compile with sequence parallelism and the chunked
-  # loss; 63.96 without sequence parallelism, 64.4 with the dense loss too; 145.7 GiB while the
-  # last stage's outputs were stacked over all 139 ticks, docs/benchmarks.md), below
-  # Megatron-DeepSpeed's 59 GB. The bound is that figure plus 5%.
-  assert report['peak_gib'] < 52, report
+  # XLA's peak per device: 34.50 GiB in this compile, with the 1F1B order and the stages reading
+  # a gathered bf16 copy of their weights (40.98 in the GPipe order; 49.60 while the stages read
+  # a gathered fp32 copy; 63.96 without sequence parallelism; 145.7 GiB while the last stage's
+  # outputs were stacked over all 139 ticks, docs/benchmarks.md), below Megatron-DeepSpeed's
+  # 59 GB and the 45 GiB goal. The bound is that figure plus 5%.
+  assert report['peak_gib'] < 36.3, report
 
 
 def test_zero1_splits_the_state_over_a_data_that_divides_no_dim():

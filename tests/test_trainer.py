@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import checkpoints, metrics, optim, partitioning, provenance, watch
+from t5x_like import checkpoints, metrics, optim, partitioning, provenance, schedule, startup
+from t5x_like import watch
 from t5x_like import trainer as trainer_lib
 from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import TrainState, make_layout
@@ -92,8 +93,15 @@ def test_tensorboard_has_megatron_tags_and_a_resume_replaces_the_steps_after_its
   Trainer(corpus_config(), resumed).run()
   runs = [os.path.join(d, 'tensorboard', run) for d in (workdir, resumed)
           for run, _ in metrics.TENSORBOARD_RUNS]
+  read = read_tensorboard(*runs, kind='all')
   scalars, vs_samples, vs_tokens, after_resume, resumed_vs_samples, resumed_vs_tokens = (
-      read_tensorboard(*runs))
+      kinds['scalars'] for kinds in read)
+  # The resolved config as text in the iteration run, once per job at its first iteration.
+  resumed_configs = read[3]['texts']['config']
+  assert [step for step, _ in resumed_configs] == [1, 4]
+  with open(os.path.join(resumed, 'config.json')) as f:
+    assert json.loads(''.join(line[4:] for line in resumed_configs[1][1].splitlines(True))) == (
+        json.load(f))
   want = read_metrics(workdir)
   # Stored under exactly the tags written, one TensorBoard run per x axis.
   written = metrics.tensorboard_scalars(want[0])
@@ -484,10 +492,10 @@ def test_bad_data_fails_before_compiling(megatron_data, tmp_path):
                     str(tmp_path / 'b'))
   with pytest.raises(DataError, match=r'training samples 0\.\.7 holds token id \d+, outside'):
     trainer.run()
-  assert trainer._compiled == trainer._compiled_eval == {}
+  assert trainer._compiled == trainer.evaluator.compiled == {}
   assert not os.path.exists(str(tmp_path / 'b' / 'metrics.jsonl'))
   with pytest.raises(ConfigError, match='no validation set'):
-    data_config(megatron_data, data=dict(split='100,0,0', valid_path={})).validate()
+    startup.check_config(data_config(megatron_data, data=dict(split='100,0,0', valid_path={})))
 
 
 class SpikeAt:
@@ -543,8 +551,10 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
   workdir = str(tmp_path / 'run')
   cfg = corpus_config(train=dict(steps=8), checkpoint=dict(save_interval=2, max_to_keep=1),
                       runtime=dict(replica_check_interval=0, alert_command=ALERT_RECORD))
+  spike_class = metrics.SpikeWatch
+  monkeypatch.setattr(metrics, 'SpikeWatch', lambda *args: SpikeAt(5))
   first = Trainer(cfg, workdir)
-  first.spikes = SpikeAt(5)
+  monkeypatch.setattr(metrics, 'SpikeWatch', spike_class)  # the resumed job watches for real
   compile_first = first.compile
   monkeypatch.setattr(first, 'compile', lambda shape: StepTakes(compile_first(shape), clock, 0.05))
   first.run()
@@ -592,10 +602,10 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
   # On another setup (here: other devices) the earlier baseline does not apply.
   other = dict(meta['throughput'], setup=dict(meta['throughput']['setup'],
                                               device_kind='a slower kind'))
-  resumed.throughput = watch_class()
-  resumed._seed_throughput(other)
-  assert resumed.throughput.baselines() == []
-  assert resumed.restart_notes[-1].startswith("> throughput: the checkpoint's job ran on another "
+  fresh_watch = watch_class()
+  note = metrics.seed_throughput(fresh_watch, other, resumed.throughput_setup)
+  assert fresh_watch.baselines() == []
+  assert note.startswith("> throughput: the checkpoint's job ran on another "
                                               'setup')
 
 
@@ -610,7 +620,7 @@ def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
             for i, d in enumerate(mesh.devices.flat)]
   drifted = jax.make_array_from_single_device_arrays((4,), replicated, copies)
   same = jax.device_put(np.ones(4, np.float32), replicated)
-  assert trainer.check_replicas({'final_ln': {'scale': drifted, 'bias': same}}, 7) == [
+  assert trainer.replica_check.check({'final_ln': {'scale': drifted, 'bias': same}}, 7) == [
       "['final_ln']['scale']"]
   with open(trainer.writer.log_path) as f:
     assert ("> replica check at iteration 7: the copies of ['final_ln']['scale'] differ across "
@@ -620,7 +630,7 @@ def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
 
   # An exception out of training (once it started) is sent as 'crashed' and still raised.
   def fail(stop):
-    trainer.start(trainer.resume_progress)
+    trainer.start(trainer.plan.progress)
     raise OSError('disk full')
   trainer._train = fail
   with pytest.raises(OSError, match='disk full'):
@@ -661,7 +671,7 @@ def test_curriculum_truncates_samples_counts_tokens_and_decays_by_tokens(curricu
   assert first.warmup_end_tokens == 192
   before = [0, *tokens[:-1]]
   assert [r['learning_rate'] for r in records] == pytest.approx(
-      [optim.learning_rate(cfg.optimizer, 8 * i, int(before[i]), 192) for i in range(4)])
+      [schedule.learning_rate(cfg.optimizer, 8 * i, int(before[i]), 192) for i in range(4)])
   assert records[2]['learning_rate'] == pytest.approx(2e-3)  # the warm-up's end: the peak
   assert records[3]['learning_rate'] < records[2]['learning_rate']
   with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
@@ -707,7 +717,7 @@ def test_curriculum_evaluates_at_the_full_sequence_length(curriculum_run):
   assert abs(full - cut) > 1e-4 * full
   assert evaluated['lm_loss'] == pytest.approx(full, rel=1e-5, abs=0)
   # The one evaluation program compiled: [micro-batches, rows, 24 + 1].
-  _, batch_info = first.eval_step_for(cfg.train.global_batch_size).args_info[0]
+  _, batch_info = first.evaluator.step_for(cfg.train.global_batch_size).args_info[0]
   assert batch_info.shape == (2, 4, 25)
 
 
@@ -769,11 +779,12 @@ def test_rampup_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_same(tm
   saved = {'setup': exact_trainer.throughput_setup,
            'baselines': [{'global_batch_size': 8, 'seq_len': 0, 'step_s': 0.1, 'first': 2,
                           'last': 4}]}
-  padded._seed_throughput(saved)
-  assert padded.throughput.baselines() == []
-  assert padded.restart_notes[-1].startswith("> throughput: the checkpoint's job ran on another")
-  exact_trainer._seed_throughput(saved)
-  assert len(exact_trainer.throughput.baselines()) == 1
+  padded_watch, exact_watch = metrics.ThroughputWatch(), metrics.ThroughputWatch()
+  note = metrics.seed_throughput(padded_watch, saved, padded.throughput_setup)
+  assert padded_watch.baselines() == []
+  assert note.startswith("> throughput: the checkpoint's job ran on another")
+  metrics.seed_throughput(exact_watch, saved, exact_trainer.throughput_setup)
+  assert len(exact_watch.baselines()) == 1
 
 
 def test_a_later_job_loads_its_programs_from_the_compilation_cache(

@@ -10,8 +10,9 @@
 `preprocess` reads loose JSON (one object per line, the text under --json_key: the input of
 Megatron's tools/preprocess_data.py) or, for any other extension, one document per file; it
 tokenizes with a SentencePiece model (default: the shipped one) or a Hugging Face tokenizer.json
-(BLOOM's: `hf_tokenizer.py`), appends the end-of-document id
-and writes DIR/NAME.bin and DIR/NAME.idx (`indexed.py`), which `data.train_path` then names.
+(BLOOM's: `hf_tokenizer.py`), skips documents without tokens (an empty text; Megatron does too,
+and logs how many), appends the end-of-document id and writes DIR/NAME.bin and DIR/NAME.idx
+(`indexed.py`), which `data.train_path` then names.
 `inspect` prints what a dataset holds and how `data.split` cuts it; `--scan` also reads every
 token for the largest id (compare it with model.vocab_size).
 `batch` rebuilds the global batch a run trained on at iteration N (`replay.py`): each sample's
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import os
 import sys
 import time
@@ -104,19 +106,23 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer |
                     'or choose another --output_prefix')
   dtype = indexed.best_dtype(tokenizer.vocab_size)
   start = time.perf_counter()
-  documents = tokens = text_tokens = 0
+  documents = tokens = empty = 0
   try:
     with indexed.IndexedDatasetWriter(output_prefix, dtype) as writer:
       for batch in _batches(read_documents(inputs, json_key), _BATCH_DOCUMENTS):
         for ids in tokenizer.encode_batch(batch):
-          text_tokens += len(ids)
+          if not ids:
+            # Megatron's preprocess_data.py writes nothing for a text without tokens; a lone EOD
+            # would shift the document count, and with it every split boundary.
+            empty += 1
+            continue
           if append_eod:
             ids.append(tokenizer.eod_id)
           writer.add_document(ids)
           documents += 1
           tokens += len(ids)
-      if not text_tokens:  # raised inside the block: the writer discards its temporary files
-        raise DataError(f'{", ".join(inputs)}: no text to tokenize ({documents} document(s), all '
+      if not documents:  # raised inside the block: the writer discards its temporary files
+        raise DataError(f'{", ".join(inputs)}: no text to tokenize ({empty} document(s), all '
                         'empty); check --input and --json_key')
   except OSError as e:
     if e.errno != errno.ENOSPC:
@@ -124,8 +130,11 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer |
     raise DataError(f'no space left on the device of {output_prefix} while writing it; nothing '
                     'was written (the temporary files are removed): free some space or choose '
                     'another --output_prefix') from None
-  return {'output_prefix': output_prefix, 'documents': documents, 'tokens': tokens,
-          'dtype': dtype.name, 'vocab_size': tokenizer.vocab_size,
+  if empty:
+    logging.warning('preprocess: skipped %d empty document(s) (no tokens), as Megatron\'s '
+                    'preprocess_data.py does; %d written', empty, documents)
+  return {'output_prefix': output_prefix, 'documents': documents, 'empty_skipped': empty,
+          'tokens': tokens, 'dtype': dtype.name, 'vocab_size': tokenizer.vocab_size,
           'eod_id': tokenizer.eod_id if append_eod else None,
           'seconds': round(time.perf_counter() - start, 3)}
 

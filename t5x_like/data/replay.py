@@ -3,14 +3,14 @@
 After a loss spike the chronicles' first question was "what data was in that batch?", answered
 with ad-hoc scripts that had to repeat Megatron's sampler. Here a sample is a pure function of
 (data settings, data seed, global sample index), and the global samples of iteration i follow
-from the batch ramp-up (`TrainConfig.global_batch_size_at`), so the batch of any iteration can be
+from the batch ramp-up (`schedule.global_batch_size_at`), so the batch of any iteration can be
 rebuilt, before or after the fact, without running the model:
 
   python -m t5x_like.data batch WORKDIR --iteration 31214 [--tokenizer_json tokenizer.json] [--json]
 
 Iterations skipped by `data.skip_train_iteration_range` consume their samples like trained ones,
 so they shift nothing. Under a sequence-length curriculum the rows are cut to what the iteration
-trained on, its first `Config.seq_len_at(iteration) + 1` tokens.
+trained on, its first `schedule.seq_len_at(cfg, iteration) + 1` tokens.
 
 A run's jobs may differ (a new blend, global batch or ramp-up after a restart): each job appends
 its config and data seed to WORKDIR/config_history.jsonl with the first iteration it trains, and
@@ -27,8 +27,9 @@ import os
 
 import numpy as np
 
+from t5x_like import schedule, startup
 from t5x_like.config import Config, ConfigError
-from t5x_like.data import blending, sources
+from t5x_like.data import batches, blending, sources
 from t5x_like.data.indexed import DataError
 from t5x_like.data.tokenizer import Tokenizer
 
@@ -59,7 +60,7 @@ def _parsed_config(raw, where: str) -> Config:
     raise DataError(f'{where} is not a t5x_like config (a {type(raw).__name__}, not a mapping '
                     'of sections to their keys)')
   try:
-    return Config.from_dict(raw).validate()
+    return startup.check_config(Config.from_dict(raw))
   except ConfigError as e:
     raise DataError(f'{where} is not a t5x_like config ({e})') from None
 
@@ -110,8 +111,8 @@ def run_config(workdir: str, iteration: int | None = None) -> tuple[Config, int]
 
 def first_sample_of(cfg: Config, iteration: int) -> tuple[int, int]:
   """(global index of the first sample, global batch size) of iteration `iteration` (1-based)."""
-  consumed = cfg.train.consumed_samples_after(iteration - 1)
-  return consumed, cfg.train.global_batch_size_at(consumed)
+  consumed = schedule.consumed_samples_after(cfg.train, iteration - 1)
+  return consumed, schedule.global_batch_size_at(cfg.train, consumed)
 
 
 def recorded_position(workdir: str, iteration: int) -> tuple[int, int, int] | None:
@@ -139,13 +140,13 @@ def iteration_batch(cfg: Config, data_seed: int, iteration: int,
                     recorded: tuple[int, int, int] | None = None) -> IterationBatch:
   """The training samples of `iteration`, read the way the trainer reads them; `recorded`
   (`recorded_position`) replaces the position the config's ramp-up and curriculum give."""
-  total = cfg.train.total_iterations()
+  total = schedule.total_iterations(cfg.train)
   if not 1 <= iteration <= total and recorded is None:
     raise DataError(f'--iteration {iteration} is outside the run, which has iterations 1..{total}')
   data = sources.build(cfg.data, cfg.train.seq_len, data_seed)
   if recorded is None:
     first, size = first_sample_of(cfg, iteration)
-    seq_len = cfg.seq_len_at(iteration)
+    seq_len = schedule.seq_len_at(cfg, iteration)
   else:
     first, size, seq_len = recorded
   if isinstance(data.train, blending.BlendedSource):
@@ -154,7 +155,7 @@ def iteration_batch(cfg: Config, data_seed: int, iteration: int,
   else:
     names = [data.train_names[0]] * size
   return IterationBatch(iteration, first, data_seed, names, seq_len,
-                        data.train.rows(first, first + size)[:, :seq_len + 1])
+                        batches.sample_rows(data.train, first, first + size, seq_len))
 
 
 def decoder(cfg: Config, tokenizer_json: str | None, tokenizer_model: str | None):
@@ -166,7 +167,7 @@ def decoder(cfg: Config, tokenizer_json: str | None, tokenizer_model: str | None
     if not os.path.isfile(tokenizer_model):
       raise DataError(f'--tokenizer_model {tokenizer_model!r} not found')
     return Tokenizer.from_file(tokenizer_model).decode
-  if not cfg.data.train_path:  # the embedded corpus: the shipped tokenizer made it
+  if sources.uses_embedded_corpus(cfg.data):  # the embedded corpus: the shipped tokenizer made it
     return Tokenizer.load_default().decode
   return None
 

@@ -6,6 +6,10 @@
   order, are cut into train / validation / test ranges with Megatron's rounding, so the same
   files and split give the same document ranges as Megatron did.
 * `data.valid_path` names further validation sets, `{name: data path}`, each read whole.
+* `data.train_weighted_split_paths` (and `valid_`, `test_`) are Megatron-DeepSpeed's
+  `--*-weighted-split-paths`, tr11's form: named groups `NAME: W1 START:END PREFIX1, ...` whose
+  START:END fractions of each dataset's documents are cut as Megatron cuts them
+  (`range_documents`); relative prefixes are read under `data.root` (docs/data.md).
 
 Every source is a pure function of (train.seed, sample index): `SampleSource` windows over the
 documents of its range, and a blend of them for several datasets. Opening checks every file
@@ -16,6 +20,9 @@ split is one `DataError` before any compilation.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import re
 
 import numpy as np
 
@@ -24,11 +31,15 @@ from t5x_like.data import indexed
 from t5x_like.data.dataset import SampleSource, corpus_tokens
 from t5x_like.data.indexed import DataError
 from t5x_like.data.tokenizer import Tokenizer
+from t5x_like.errors import ConfigError
 
 SPLIT_NAMES = ('train', 'valid', 'test')
 # Sources sharing train.seed are told apart by a stream id: (split position in SPLIT_NAMES,
 # dataset position), or (_NAMED_VALID, set position, dataset position) for data.valid_path.
 _NAMED_VALID = 3
+# ... or (_WEIGHTED, split position, group position, dataset position) for the weighted split
+# paths.
+_WEIGHTED = 4
 EMBEDDED = 'embedded'
 
 
@@ -166,8 +177,24 @@ def _mix(sources: list[SampleSource], weights: list[float], names: list[str]):
   return blending.BlendedSource(sources, weights, names)
 
 
+def _valid_path_sets(data_cfg, seq_len: int, seed: int) -> dict[str, object]:
+  """data.valid_path: each named set read whole."""
+  valid = {}
+  for position, (name, spec) in enumerate(data_cfg.valid_path):
+    named_pairs = parse_data_path(spec, key=f'data.valid_path[{name!r}]')
+    sources = []
+    for index, (_, prefix) in enumerate(named_pairs):
+      stream = open_indexed(prefix)
+      sources.append(_source(stream, (0, len(stream.offsets) - 1), seq_len, seed,
+                             (_NAMED_VALID, position, index), f'validation set {name!r}'))
+    valid[name] = _mix(sources, [w for w, _ in named_pairs], [p for _, p in named_pairs])
+  return valid
+
+
 def build(data_cfg, seq_len: int, seed: int, tokenizer: Tokenizer | None = None) -> DataSources:
   """Opens every dataset `data_cfg` names and returns the run's sources (one DataError if bad)."""
+  if uses_weighted_split_paths(data_cfg):
+    return _build_weighted(data_cfg, seq_len, seed)
   if data_cfg.train_path:
     pairs = parse_data_path(data_cfg.train_path)
     streams = [open_indexed(prefix) for _, prefix in pairs]
@@ -200,14 +227,7 @@ def build(data_cfg, seq_len: int, seed: int, tokenizer: Tokenizer | None = None)
   valid = {}
   if by_split['valid']:
     valid['valid'] = _mix(by_split['valid'], split_weights['valid'], split_names['valid'])
-  for position, (name, spec) in enumerate(data_cfg.valid_path):
-    named_pairs = parse_data_path(spec, key=f'data.valid_path[{name!r}]')
-    sources = []
-    for index, (_, prefix) in enumerate(named_pairs):
-      stream = open_indexed(prefix)
-      sources.append(_source(stream, (0, len(stream.offsets) - 1), seq_len, seed,
-                             (_NAMED_VALID, position, index), f'validation set {name!r}'))
-    valid[name] = _mix(sources, [w for w, _ in named_pairs], [p for _, p in named_pairs])
+  valid.update(_valid_path_sets(data_cfg, seq_len, seed))
   test = (_mix(by_split['test'], split_weights['test'], split_names['test'])
           if by_split['test'] else None)
   return DataSources(train, valid, test, notes, split_names['train'])
@@ -221,3 +241,209 @@ def check_token_ids(rows: np.ndarray, vocab_size: int, what: str) -> None:
     raise DataError(f'{what} holds token id {top if top >= vocab_size else low}, outside the '
                     f'model\'s vocabulary [0, {vocab_size}): the data was tokenized with another '
                     'tokenizer; set model.vocab_size to that tokenizer\'s size or re-tokenize')
+
+
+def check_config(d, e) -> None:
+  """Config-time check of data.* (`d`, a config.DataConfig) and eval.* (`e`) syntax: one
+  ConfigError naming the fix. The files themselves are opened by the trainer, still before any
+  compilation."""
+  try:
+    if d.train_path:
+      parse_data_path(d.train_path)
+    shares = parse_split(d.split)
+    names = set()
+    for entry in d.valid_path:
+      if not (isinstance(entry, tuple) and len(entry) == 2 and all(
+          isinstance(x, str) and x for x in entry)):
+        raise ConfigError(f'data.valid_path must map set names to data paths, e.g. '
+                          f'{{"en": "/data/en_text_document"}}; got the entry {entry!r}')
+      name, spec = entry
+      if not re.fullmatch(r'[\w.-]+', name):
+        raise ConfigError(f'data.valid_path: the set name {name!r} goes into log lines and '
+                          'TensorBoard tags; use letters, digits, "_", "-" and "." only')
+      if name in names or (name == 'valid' and shares[1] > 0) or name == 'test':
+        raise ConfigError(f'data.valid_path names a set {name!r} twice, or a name the '
+                          f'data.split already uses ("valid" for its validation share, '
+                          f'"test"); rename it')
+      names.add(name)
+      parse_data_path(spec, key=f'data.valid_path[{name!r}]')
+  except DataError as error:
+    raise ConfigError(str(error)) from None
+  for r in d.skip_train_iteration_range:
+    parts = str(r).split('-')
+    if (len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or
+        not 1 <= int(parts[0]) <= int(parts[1])):
+      raise ConfigError(f'data.skip_train_iteration_range: {r!r} is not a range of iterations '
+                        'FIRST-LAST with 1 <= FIRST <= LAST, e.g. ("13251-14000",)')
+  if e.interval < 0 or e.iters < 1:
+    raise ConfigError(f'eval.interval must be >= 0 (0: no evaluation) and eval.iters >= 1, got '
+                      f'{e.interval} and {e.iters}')
+  check_weighted_split_paths(d, e)
+  if e.interval and shares[1] == 0 and not d.valid_path:
+    raise ConfigError(f'eval.interval={e.interval} but there is no validation set: give '
+                      f'data.split a validation share (e.g. "969,30,1") or set data.valid_path')
+
+
+# ------------------------------------- Megatron's --(train|valid|test)-weighted-split-paths
+
+WEIGHTED_SPLIT_ROLES = ('train', 'valid', 'test')
+_GROUP_EXAMPLE = ('"train: 0.7 0:0.95 /d/en_text_document, 0.3 0:0.95 /d/fr_text_document"')
+
+
+@dataclasses.dataclass(frozen=True)
+class RangedDataset:
+  """One dataset of a weighted split group: its weight, the fractions START:END of its documents
+  it contributes, and its prefix as written (relative ones are read under data.root)."""
+  weight: float
+  start: float
+  end: float
+  prefix: str
+
+
+def weighted_split_key(role: str) -> str:
+  return f'data.{role}_weighted_split_paths'
+
+
+def uses_weighted_split_paths(data_cfg) -> bool:
+  return any(getattr(data_cfg, f'{role}_weighted_split_paths', ())
+             for role in WEIGHTED_SPLIT_ROLES)
+
+
+def uses_embedded_corpus(data_cfg) -> bool:
+  """No dataset is named: the run reads the embedded corpus with the shipped tokenizer."""
+  return not data_cfg.train_path and not uses_weighted_split_paths(data_cfg)
+
+
+def parse_weighted_split_group(text: str, key: str) -> tuple[str, list[RangedDataset]]:
+  """`NAME: W1 START:END PREFIX1, W2 START:END PREFIX2, ...` (one group of Megatron's
+  --*-weighted-split-paths) as (NAME, [RangedDataset]); one DataError naming the fix if bad."""
+  if not isinstance(text, str):
+    raise DataError(f'{key}: a group is a string such as {_GROUP_EXAMPLE}, got {text!r}')
+  name, colon, body = text.partition(':')
+  name = name.strip()
+  # Megatron takes whatever precedes the first ':' as the name; here a missing name ("1 0:1 /d")
+  # is an error rather than a set silently called "1 0".
+  if not colon or not re.fullmatch(r'[\w.-]+', name):
+    raise DataError(f'{key}: the group {text!r} has no name; write NAME: WEIGHT START:END PREFIX, '
+                    f'... such as {_GROUP_EXAMPLE} (a name is letters, digits, "_", "-", ".")')
+  entries = []
+  for part in body.split(','):
+    words = part.split()
+    if len(words) != 3:
+      raise DataError(f'{key}: group {name!r}: {part.strip()!r} is not "WEIGHT START:END PREFIX"; '
+                      f'datasets are separated by commas, as in {_GROUP_EXAMPLE}')
+    weight, span, prefix = words
+    try:
+      value = float(weight)
+    except ValueError:
+      value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+      raise DataError(f'{key}: group {name!r}: the weight {weight!r} of {prefix} must be a '
+                      'number > 0 (only the ratios of a group\'s weights matter)')
+    try:
+      start, end = (float(x) for x in span.split(':'))
+    except ValueError:
+      start = end = math.nan
+    if not 0 <= start < end <= 1:
+      raise DataError(f'{key}: group {name!r}: the range {span!r} of {prefix} must be START:END '
+                      'with 0 <= START < END <= 1, the fractions of its documents to read '
+                      '(tr11: 0:0.950 to train, 0.950:1.0 to validate)')
+    entries.append(RangedDataset(value, start, end, prefix))
+  total = sum(entry.weight for entry in entries)
+  if not math.isfinite(total) or not all(math.isfinite(total / e.weight) for e in entries):
+    raise DataError(f'{key}: group {name!r}: the weights sum to {total:g}, or one is too small a '
+                    'share of their sum; only their ratios matter, so use moderate values')
+  return name, entries
+
+
+def weighted_split_groups(data_cfg, role: str) -> list[tuple[str, list[RangedDataset]]]:
+  """The groups of data.<role>_weighted_split_paths: one string is one group, a tuple several."""
+  value = getattr(data_cfg, f'{role}_weighted_split_paths')
+  groups = (value,) if isinstance(value, str) else tuple(value)
+  return [parse_weighted_split_group(group, weighted_split_key(role)) for group in groups]
+
+
+def range_documents(num_documents: int, start: float, end: float) -> tuple[int, int]:
+  """The documents [first, last) that START:END selects, rounded as Megatron's
+  get_split_by_range_ rounds them: Python's round() (half to even) of START x N and END x N."""
+  return round(start * float(num_documents)), round(end * float(num_documents))
+
+
+def check_weighted_split_paths(d, e) -> None:
+  """Config-time checks of data.*_weighted_split_paths and data.root (`d` a DataConfig, `e` an
+  EvalConfig): the syntax, Megatron's exclusion of --data-path/--split, and the set names."""
+  try:
+    groups = {role: weighted_split_groups(d, role) for role in WEIGHTED_SPLIT_ROLES}
+  except DataError as error:
+    raise ConfigError(str(error)) from None
+  if not any(groups.values()):
+    if d.root:
+      raise ConfigError(f'data.root={d.root!r} is where the prefixes of the weighted split paths '
+                        'are read, and none is set; set data.train_weighted_split_paths or '
+                        "data.root=''")
+    return
+  if d.train_path or d.split != type(d)().split:
+    raise ConfigError('data.train_path and data.split (Megatron\'s --data-path and --split) '
+                      'cannot be combined with data.*_weighted_split_paths, which name each '
+                      f'dataset\'s range themselves; keep one of the two (data.train_path=\'\', '
+                      f'data.split left at its default {type(d)().split!r})')
+  if len(groups['train']) != 1:
+    raise ConfigError(f'data.train_weighted_split_paths takes one group, the training blend (as '
+                      f'Megatron\'s --train-weighted-split-paths), got {len(groups["train"])}; '
+                      'put all training datasets in one group')
+  names = {name for name, _ in d.valid_path}
+  for role in ('valid', 'test'):
+    for name, _ in groups[role]:
+      if name in names:
+        raise ConfigError(f'{weighted_split_key(role)}: the set name {name!r} is used twice (by '
+                          'another group or data.valid_path); rename one')
+      names.add(name)
+  if len(groups['test']) > 1:
+    raise ConfigError(f'data.test_weighted_split_paths holds {len(groups["test"])} groups; the '
+                      'trainer evaluates one test set: give one group')
+  if e.interval and not groups['valid'] and not d.valid_path:
+    raise ConfigError(f'eval.interval={e.interval} but there is no validation set: set '
+                      'data.valid_weighted_split_paths (tr11: 0.950:1.0 of each dataset) or '
+                      'data.valid_path, or eval.interval=0')
+
+
+def _build_weighted(data_cfg, seq_len: int, seed: int) -> DataSources:
+  """The sources of data.*_weighted_split_paths: each group a blend of document ranges."""
+  root = data_cfg.root
+  if root and not os.path.isdir(root):
+    raise DataError(f'data.root={root!r} is not a directory; point it at the directory that holds '
+                    'the datasets\' prefixes (--config.data.root=/path/to/data)')
+  streams: dict[str, DocumentStream] = {}
+  notes: list[str] = []
+
+  def group_source(role: str, position: int, name: str, entries: list[RangedDataset]):
+    key = weighted_split_key(role)
+    parts, weights, names = [], [], []
+    total = sum(entry.weight for entry in entries)
+    for index, entry in enumerate(entries):
+      path = os.path.join(root, entry.prefix) if root else entry.prefix
+      if path not in streams:  # a dataset named by several groups is opened once
+        streams[path] = open_indexed(path)
+      stream = streams[path]
+      count = len(stream.offsets) - 1
+      first, last = range_documents(count, entry.start, entry.end)
+      if last <= first:
+        raise DataError(f'{key}: group {name!r}: the range {entry.start:g}:{entry.end:g} of '
+                        f'{path} ({count} documents) rounds to no document; widen the range')
+      parts.append(_source(stream, (first, last), seq_len, seed,
+                           (_WEIGHTED, WEIGHTED_SPLIT_ROLES.index(role), position, index),
+                           f'{key} group {name!r}'))
+      weights.append(entry.weight)
+      names.append(path)
+      notes.append(f'> data: {role} group {name!r}: {path} (weight {entry.weight / total:.4f}): '
+                   f'documents {first}..{last} of {count}')
+    return _mix(parts, weights, names), names
+
+  (train_name, train_entries), = weighted_split_groups(data_cfg, 'train')
+  train, train_names = group_source('train', 0, train_name, train_entries)
+  valid = {name: group_source('valid', position, name, entries)[0]
+           for position, (name, entries) in enumerate(weighted_split_groups(data_cfg, 'valid'))}
+  valid.update(_valid_path_sets(data_cfg, seq_len, seed))
+  test_groups = weighted_split_groups(data_cfg, 'test')
+  test = group_source('test', 0, *test_groups[0])[0] if test_groups else None
+  return DataSources(train, valid, test, notes, train_names)

@@ -85,6 +85,23 @@ def test_bad_input_is_exit_2_and_writes_nothing(tmp_path):
   assert r.returncode == 2 and 'nothing.idx not found' in r.stderr
 
 
+def test_preprocess_skips_empty_texts_as_megatron_does(tmp_path, caplog):
+  """Megatron's preprocess_data.py writes no document for a text without tokens; a lone EOD
+  would add a document and move every split boundary of the same JSONL."""
+  from t5x_like.data import cli
+  write_jsonl(tmp_path / 'a.jsonl', ['first text', '', 'second text', ''])
+  prefix = str(tmp_path / 'a_text_document')
+  tokenizer = Tokenizer.load_default()
+  with caplog.at_level('WARNING'):
+    summary = cli.preprocess([str(tmp_path / 'a.jsonl')], prefix, tokenizer)
+  assert (summary['documents'], summary['empty_skipped']) == (2, 2)
+  assert 'skipped 2 empty document(s)' in caplog.text
+  dataset = IndexedDataset(prefix)
+  assert dataset.num_documents == 2 and summary['tokens'] == dataset.num_tokens
+  for i, text in enumerate(['first text', 'second text']):
+    assert tokenizer.decode(dataset.document(i)[:-1]) == text
+
+
 def byte_level_bpe(path, extra_tokens=0):
   """A small byte-level BPE in tokenizers' JSON format, the kind BLOOM's tokenizer is."""
   import tokenizers
@@ -114,8 +131,9 @@ def test_preprocess_with_a_hugging_face_tokenizer_json_matches_transformers(tmp_
   reference = transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer_json)
   eod = reference.convert_tokens_to_ids('</s>')
   dataset = IndexedDataset(prefix)
-  assert dataset.num_documents == len(TEXTS) and dataset.dtype == np.uint16
-  for i, text in enumerate(TEXTS):
+  texts = [text for text in TEXTS if text]  # the empty text is skipped, as Megatron skips it
+  assert dataset.num_documents == len(texts) and dataset.dtype == np.uint16
+  for i, text in enumerate(texts):
     want = reference(text, add_special_tokens=False)['input_ids'] + [eod]
     assert dataset.document(i).tolist() == want
     assert reference.decode(want[:-1]) == text

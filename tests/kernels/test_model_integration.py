@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from t5x_like import losses, partitioning
+from t5x_like import losses, partitioning, startup
 from t5x_like import model as model_lib
 from t5x_like.config import ConfigError, ModelConfig, load_config_file
 from t5x_like.train_state import make_layout
@@ -50,9 +50,8 @@ def shortened_tiny():
 @functools.lru_cache(maxsize=None)
 def tiny_reference_run():
   """xla attention + dense cross-entropy: what every other implementation must reproduce."""
-  return run_steps(shortened_tiny().replace(model={'attention_impl': 'xla',
-                                                   'cross_entropy_impl': 'dense'}).validate(),
-                   num_steps=2)
+  return run_steps(startup.check_config(shortened_tiny().replace(
+      model={'attention_impl': 'xla', 'cross_entropy_impl': 'dense'})), num_steps=2)
 
 
 @pytest.mark.parametrize('model', [
@@ -63,8 +62,8 @@ def tiny_reference_run():
 ])
 def test_tiny_config_trains_the_same_as_xla_attention_and_dense_cross_entropy(model):
   ref_losses, ref_norms, ref_params = tiny_reference_run()
-  losses_, norms, params = run_steps(shortened_tiny().replace(model=model).validate(),
-                                     num_steps=2)
+  losses_, norms, params = run_steps(
+      startup.check_config(shortened_tiny().replace(model=model)), num_steps=2)
   assert losses_[-1] < losses_[0]
   np.testing.assert_allclose(losses_, ref_losses, rtol=2e-6)
   np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
@@ -106,13 +105,13 @@ def test_chunked_cross_entropy_removes_the_fp32_logits_from_the_loss():
 def test_pallas_with_an_unsupported_head_dim_is_a_config_error_naming_the_constraint():
   cfg = small_config(model=dict(attention_impl='pallas'))  # hidden 64 / 8 heads: head_dim 8
   with pytest.raises(ConfigError, match=r"attention_impl='pallas'.*head_dim must be one of"):
-    cfg.validate()
+    startup.check_config(cfg)
 
 
 def test_fallback_warns_and_runs_xla():
   cfg = ModelConfig(num_layers=1, hidden_size=48, num_heads=6, vocab_size=200, init_std=0.02,
                     attention_impl='pallas', attention_fallback=True)  # head_dim 8
-  small_config(model=dict(attention_impl='pallas', attention_fallback=True)).validate()
+  startup.check_config(small_config(model=dict(attention_impl='pallas', attention_fallback=True)))
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 9), 0, 200)
   xla = model_lib.Transformer(ModelConfig(**{**cfg.__dict__, 'attention_impl': 'xla'}), 256)
   # The traced programs are compared: the fallback must be exactly the xla model.
@@ -129,26 +128,26 @@ def test_fallback_warns_and_runs_xla():
 def test_cudnn_needs_a_gpu():
   cfg = small_config(model=dict(attention_impl='cudnn', num_heads=4, dtype='bfloat16'))
   with pytest.raises(ConfigError, match='cuDNN attention needs a GPU'):
-    cfg.validate()
-  small_config(model=dict(attention_impl='cudnn', attention_fallback=True)).validate()
+    startup.check_config(cfg)
+  startup.check_config(small_config(model=dict(attention_impl='cudnn', attention_fallback=True)))
 
 
 def test_fused_attention_has_no_dropout():
   cfg = small_config(model=dict(attention_impl='pallas', num_heads=4, attention_dropout=0.1))
   with pytest.raises(ConfigError, match='attention_dropout=0.1 needs model.attention_impl'):
-    cfg.validate()
+    startup.check_config(cfg)
 
 
 def test_unknown_implementations_are_rejected():
   with pytest.raises(ConfigError, match="attention_impl must be 'xla', 'pallas' or 'cudnn'"):
-    small_config(model=dict(attention_impl='triton')).validate()
+    startup.check_config(small_config(model=dict(attention_impl='triton')))
   with pytest.raises(ConfigError,
                      match="cross_entropy_impl must be 'dense', 'chunked' or 'fused'"):
-    small_config(model=dict(cross_entropy_impl='sparse')).validate()
+    startup.check_config(small_config(model=dict(cross_entropy_impl='sparse')))
 
 
 def test_fused_cross_entropy_is_refused_with_a_pipeline():
   cfg = small_config(model=dict(cross_entropy_impl='fused'), mesh=dict(pipeline=2),
                      train=dict(global_batch_size=4, micro_batch_size=1))
   with pytest.raises(ConfigError, match="cross_entropy_impl='fused'.*use 'chunked'"):
-    cfg.validate()
+    startup.check_config(cfg)

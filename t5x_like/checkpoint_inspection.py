@@ -1,4 +1,5 @@
-"""What `python -m t5x_like.ckpt inspect / diff / verify / stats` compute.
+"""Checkpoint inspection: what `python -m t5x_like.ckpt inspect / diff / verify / stats` compute
+(the command line is ckpt.py; saving and restoring are checkpoints.py).
 
 `inspect` reads metadata only (the JSON items and Orbax's array metadata). `diff` and `stats` stream
 every tensor from disk a slice at a time (at most CHUNK_BYTES in memory per tensor), so they work

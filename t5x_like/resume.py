@@ -1,0 +1,114 @@
+"""Where a run starts: `plan(cfg, workdir)` reads the workdir's checkpoints (metadata only, no
+array, no JAX backend) and returns a ResumePlan, or raises the CheckpointError/ConfigError that
+refuses the run. It writes nothing: the Trainer acts on the plan once the run really starts.
+
+A workdir with a complete checkpoint resumes its latest step with the checkpoint's data order;
+`checkpoint.*` restart controls decide the optimizer state, the learning-rate schedule and the
+dropout seed; every difference from the checkpoint's run is a note for the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from t5x_like import checkpoints, provenance
+from t5x_like.config import Config
+from t5x_like.train_state import Progress
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePlan:
+  config: Config  # what the run trains with (the checkpoint's dropout seed with load_rng)
+  ckpt_root: str
+  steps: list[int]  # the complete checkpoints available, oldest first
+  damaged: dict[int, str]  # step -> its problem: moved aside when the run starts
+  progress: Progress  # the resumed position (Progress() from scratch)
+  data_seed: int  # the data order's seed: the checkpoint's, never train.seed's on a resume
+  load_optimizer: bool  # whether the restore reads the Adam state
+  # Iteration and skipped count at which the Adam step count was 0 (`ckpt verify` checks it).
+  adam_count_base: dict[str, int]
+  meta: dict[str, Any]  # the checkpoint's metadata ({} from scratch)
+  software: dict[str, Any]  # this job's versions
+  config_changes: list[str]  # 'section.key: checkpoint VALUE -> now VALUE'
+  software_changes: list[str]
+  notes: list[str]  # for the log, in order, once the run starts
+
+  @property
+  def step(self) -> int | None:
+    """The checkpoint step resumed, or None (scratch or checkpoint.init_from)."""
+    return self.steps[-1] if self.steps else None
+
+  @property
+  def reset_optimizer(self) -> bool:
+    """This job starts fresh Adam moments (checkpoint.load_optimizer=False, not yet applied)."""
+    return self.step is not None and not self.load_optimizer
+
+
+def plan(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -> ResumePlan:
+  """The plan for `cfg` in `workdir` (software: this job's versions, provenance.software() unless
+  given)."""
+  root = os.path.join(workdir, 'checkpoints')
+  software = provenance.software() if software is None else software
+  steps, damaged = checkpoints.scan_steps(root)
+  zero = {'iteration': 0, 'skipped_iterations': 0}
+  if not steps:
+    if cfg.checkpoint.init_from:
+      checkpoints.check_compatible(checkpoints.read_config(cfg.checkpoint.init_from), cfg,
+                                   f'checkpoint.init_from={cfg.checkpoint.init_from}')
+    return ResumePlan(cfg, root, steps, damaged, Progress(), cfg.train.seed, True, zero, {},
+                      software, [], [], [])
+  what = f'the checkpoint in {root} (this workdir resumes it)'
+  step = steps[-1]  # the latest complete step (damaged ones are moved aside)
+  saved_cfg = checkpoints.read_config(root, step)
+  checkpoints.check_compatible(saved_cfg, cfg, what)
+  # checkpoint.load_optimizer=False resets Adam once: a checkpoint its own job saved (a
+  # requeue, the next job of an array with the same flags) already has the fresh state.
+  reset_done = (not cfg.checkpoint.load_optimizer and not saved_cfg.checkpoint.load_optimizer and
+                checkpoints.has_optimizer_state(root, step))
+  meta = checkpoints.read_meta(root, step)
+  progress = checkpoints.read_progress(root, step)
+  checkpoints.check_lr_schedule(meta, cfg, what)
+  notes: list[str] = []
+  resumed_cfg, data_seed = resumed_config(cfg, meta, notes)
+  load_optimizer = cfg.checkpoint.load_optimizer or reset_done
+  if load_optimizer:
+    adam_count_base = dict(meta['adam_count_base'])
+  else:
+    adam_count_base = {'iteration': progress.iteration,
+                       'skipped_iterations': progress.skipped_iterations}
+  # Every difference from the checkpoint's run in the log, before training: edits between
+  # jobs (the chronicles' `perl -pi` on launch scripts) and upgrades are visible, not silent.
+  config_changes = provenance.config_changes(saved_cfg, resumed_cfg)
+  software_changes = provenance.software_changes(meta.get('software'), software)
+  notes += [f'> config changed since the checkpoint: {change}' for change in config_changes]
+  notes += [f'> software changed since the checkpoint: {change}' for change in software_changes]
+  return ResumePlan(resumed_cfg, root, steps, damaged, progress, data_seed, load_optimizer,
+                    adam_count_base, meta, software, config_changes, software_changes, notes)
+
+
+def resumed_config(cfg: Config, meta: dict[str, Any], notes: list[str]) -> tuple[Config, int]:
+  """(the config a resumed run trains with, its data seed): the checkpoint's data order and
+  (with load_rng) its dropout seed; `notes` gets a line wherever the config's values are not
+  used."""
+  data_seed = meta['data']['seed']
+  if data_seed != cfg.train.seed:
+    notes.append(f'> data order: seed {data_seed} of the checkpoint (the data position is always '
+                 'resumed; train.seed does not change it)')
+  saved_schedule = checkpoints.saved_lr_schedule(meta)
+  if cfg.checkpoint.override_lr_scheduler and checkpoints.lr_schedule(cfg) != saved_schedule:
+    notes.append(f'> checkpoint.override_lr_scheduler: the config\'s schedule '
+                 f'{checkpoints.lr_schedule(cfg)} replaces the checkpoint\'s {saved_schedule}')
+  saved_seed = meta['rng']['seed']
+  if not cfg.checkpoint.load_rng:
+    note = ('the same stream as the checkpoint\'s: set another train.seed for new masks'
+            if saved_seed == cfg.train.seed else f'not the checkpoint\'s seed {saved_seed}')
+    notes.append(f'> checkpoint.load_rng=False: dropout seed {cfg.train.seed} from the config '
+                 f'({note})')
+    return cfg, data_seed
+  if saved_seed != cfg.train.seed:
+    notes.append(f'> dropout seed {saved_seed} from the checkpoint (config: {cfg.train.seed}; '
+                 'checkpoint.load_rng=False would use it)')
+    return cfg.replace(train={'seed': saved_seed}), data_seed
+  return cfg, data_seed
