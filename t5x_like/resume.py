@@ -1,6 +1,7 @@
 """Where a run starts: `plan(cfg, workdir)` reads the workdir's checkpoints (metadata only, no
 array, no JAX backend) and returns a ResumePlan, or raises the CheckpointError/ConfigError that
-refuses the run. It writes nothing: the Trainer acts on the plan once the run really starts.
+refuses the run. It writes nothing: the Trainer acts on the plan once the run really starts, and
+`initial_state(plan, layout, log)` restores the state it names.
 
 A workdir with a complete checkpoint resumes its latest step with the checkpoint's data order;
 `checkpoint.*` restart controls decide the optimizer state, the learning-rate schedule and the
@@ -11,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Callable
 
 from t5x_like import checkpoints, provenance
 from t5x_like.config import Config
-from t5x_like.train_state import Progress
+from t5x_like.train_state import Progress, StateLayout, TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,34 @@ def plan(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -> R
   notes += [f'> software changed since the checkpoint: {change}' for change in software_changes]
   return ResumePlan(resumed_cfg, root, steps, damaged, progress, data_seed, load_optimizer,
                     adam_count_base, meta, software, config_changes, software_changes, notes)
+
+
+def initial_state(plan: ResumePlan, layout: StateLayout, log: Callable[[str], None],
+                  notes: list[str] = ()) -> tuple[TrainState, Progress]:
+  """The state the plan starts from, restored onto `layout`: its checkpoint (with or without the
+  Adam state), checkpoint.init_from's weights with a fresh optimizer, or a fresh init. Logs what
+  it did, the plan's notes and `notes`."""
+  cfg = plan.config
+  if plan.step is not None:
+    state, progress = checkpoints.restore(plan.ckpt_root, layout, cfg, step=plan.step,
+                                          load_optimizer=plan.load_optimizer)
+    log(f'> resumed from {plan.ckpt_root}/{progress.iteration}: '
+        f'{progress.consumed_samples} samples consumed')
+    if plan.reset_optimizer:
+      log('> checkpoint.load_optimizer=False: fresh Adam moments, Adam step count 0 (once: a '
+          'restart from a checkpoint saved with this flag loads its Adam state)')
+    elif not cfg.checkpoint.load_optimizer:
+      log('> checkpoint.load_optimizer=False: already applied at iteration '
+          f"{plan.adam_count_base['iteration']} by the job that saved this checkpoint; its Adam "
+          'state is loaded, not reset again')
+    for note in list(plan.notes) + list(notes):
+      log(note)
+    return state, progress
+  if cfg.checkpoint.init_from:
+    params = checkpoints.restore_params(cfg.checkpoint.init_from, layout, cfg)
+    log(f'> weights from {cfg.checkpoint.init_from}; fresh optimizer state')
+    return TrainState(params, layout.fresh_opt_state(params)), Progress()
+  return layout.init(cfg.train.seed), Progress()
 
 
 def resumed_config(cfg: Config, meta: dict[str, Any], notes: list[str]) -> tuple[Config, int]:

@@ -11,11 +11,16 @@ its step count, unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from t5x_like import losses, model as model_lib, optim, pipeline
+from t5x_like import losses, model as model_lib, optim, pipeline, schedule
+from t5x_like.data import batches
 from t5x_like.config import Config
 from t5x_like.train_state import StateLayout, TrainState
 
@@ -216,3 +221,38 @@ def lower_train_step(cfg: Config, layout: StateLayout, num_microbatches: int,
                                sharding=batch_sharding(layout))
   return step.lower(layout.abstract, batch, jax.ShapeDtypeStruct((), jnp.float32),
                     jax.ShapeDtypeStruct((), jnp.int32))
+
+
+class CompiledSteps:
+  """The run's compiled train steps: one per (micro-batch count the step runs with,
+  `schedule.step_microbatches`, and sequence length), compiled when first needed, each
+  compilation's time logged."""
+
+  def __init__(self, cfg: Config, layout: StateLayout, log: Callable[[str], None],
+               compiling: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+    # `compiling`: the context a compilation runs in (the trainer's: its hang watchdog paused).
+    self.cfg, self.layout, self.log, self.compiling = cfg, layout, log, compiling
+    self.programs = {}  # (micro-batches, sequence length + 1) -> compiled step
+
+  def get(self, global_batch_size: int, seq_len: int):
+    """The compiled step for this global batch size and sequence length."""
+    shape = batches.batch_shape(self.cfg, global_batch_size, seq_len,
+                                schedule.step_microbatches(self.cfg, global_batch_size))
+    key = (shape[0], shape[2])
+    if key not in self.programs:
+      self.programs[key] = self.compile(shape)
+    return self.programs[key]
+
+  def compile(self, batch_shape: tuple[int, int, int]):
+    """The step compiled for batches [micro-batches, rows, length + 1], its time logged."""
+    cfg, start = self.cfg, time.perf_counter()
+    with self.compiling():
+      compiled = lower_train_step(cfg, self.layout, batch_shape[0], batch_shape[2] - 1).compile()
+    bubble = ''
+    if cfg.mesh.pipeline > 1:
+      fraction = self.layout.plan.bubble_fraction(batch_shape[0], cfg.pipeline.microbatch_group)
+      bubble = f', pipeline bubble {fraction:.3f}'
+    self.log(f'> compiled the train step for {batch_shape[0]} micro-batch(es) of '
+             f'{batch_shape[1]}x{batch_shape[2]} tokens in {time.perf_counter() - start:.1f} s'
+             f'{bubble}')
+    return compiled

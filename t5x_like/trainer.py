@@ -37,7 +37,8 @@ from t5x_like.data.indexed import DataError
 from t5x_like.data.tokenizer import Tokenizer
 from t5x_like.evaluate import TrainingEvaluator
 from t5x_like.hooks import Hooks, StepInfo
-from t5x_like.step import batch_sharding, lower_train_step
+from t5x_like.incidents import IncidentReports
+from t5x_like.step import CompiledSteps, batch_sharding
 from t5x_like.train_state import Progress, TrainState, make_layout
 
 
@@ -89,7 +90,7 @@ class Trainer:
       # optimizer.decay_tokens counts from here (a pure function of the config).
       self.warmup_end_tokens = (schedule.warmup_end_tokens(cfg) if cfg.optimizer.decay_tokens
                                 else 0)
-      self._compiled = {}  # one compiled step per (micro-batch count, sequence length)
+      self.steps = CompiledSteps(cfg, self.layout, self.writer.info, self.watchdog.suspended)
       self.skipping = False  # inside a run of data.skip_train_iteration_range iterations
       # A GPU's step time is steady to 1-2%, so 5% is a real slowdown (tr11's slow GPU). A
       # CPU's moves by 10-20% with whatever else the machine runs: only a larger change is.
@@ -105,6 +106,8 @@ class Trainer:
       # The MFU reference; on CPU a matmul probe, compiled once the run started (and its
       # compilation cache is set).
       self.peak = metrics.PeakReference(cfg.model.dtype)
+      self.incidents = IncidentReports(self.writer.info, self.alerts, self.workdir,
+                                       self.ckpt_root, self.divergence, lambda: self.checkpointer)
       self.evaluator = TrainingEvaluator(cfg, self.layout, self.batch_sharding, self.data,
                                          self.writer, self.watchdog)
       self.replica_check = partitioning.ReplicaCheck(self.writer.info, self.alerts.send,
@@ -124,7 +127,7 @@ class Trainer:
     hooks.add_hook(metrics.record_hook(self.writer, schedule.total_iterations(cfg.train)))
     hooks.add_hook(metrics.throughput_hook(self.throughput, self.writer.info, self.alerts.send,
                                            cfg.curriculum.enabled))
-    hooks.add_hook(metrics.spike_hook(self.spikes, self.report_spike))
+    hooks.add_hook(metrics.spike_hook(self.spikes, self.incidents.spike))
     hooks.add_hook(metrics.divergence_hook(self.divergence, self.on_diverged))
     if cfg.runtime.replica_check_interval:
       hooks.add_hook(self.replica_check, every=cfg.runtime.replica_check_interval)
@@ -192,28 +195,8 @@ class Trainer:
     return self.checkpointer.save(state, progress, self.cfg, meta)
 
   def initial_state(self) -> tuple[TrainState, Progress]:
-    cfg, plan = self.cfg, self.plan
-    if plan.step is not None:
-      state, progress = checkpoints.restore(self.ckpt_root, self.layout, cfg, step=plan.step,
-                                            load_optimizer=plan.load_optimizer)
-      self.writer.info(f'> resumed from {self.ckpt_root}/{progress.iteration}: '
-                       f'{progress.consumed_samples} samples consumed')
-      if plan.reset_optimizer:
-        self.writer.info('> checkpoint.load_optimizer=False: fresh Adam moments, Adam step count 0 '
-                         '(once: a restart from a checkpoint saved with this flag loads its Adam '
-                         'state)')
-      elif not cfg.checkpoint.load_optimizer:
-        self.writer.info('> checkpoint.load_optimizer=False: already applied at iteration '
-                         f"{self.adam_count_base['iteration']} by the job that saved this "
-                         'checkpoint; its Adam state is loaded, not reset again')
-      for note in plan.notes + [self.throughput_note] * bool(self.throughput_note):
-        self.writer.info(note)
-      return state, progress
-    if cfg.checkpoint.init_from:
-      params = checkpoints.restore_params(cfg.checkpoint.init_from, self.layout, cfg)
-      self.writer.info(f'> weights from {cfg.checkpoint.init_from}; fresh optimizer state')
-      return TrainState(params, self.layout.fresh_opt_state(params)), Progress()
-    return self.layout.init(cfg.train.seed), Progress()
+    notes = [self.throughput_note] if self.throughput_note else []
+    return resume.initial_state(self.plan, self.layout, self.writer.info, notes)
 
   def global_batch(self, consumed_samples: int, global_batch_size: int, source=None,
                    what: str = 'training', **lengths) -> jax.Array:
@@ -223,40 +206,9 @@ class Trainer:
                                 global_batch_size, what, **lengths)
 
   def step_for(self, global_batch_size: int, seq_len: int):
-    """The compiled step for this global batch size and sequence length (compiled once per
-    micro-batch count the step runs with, `schedule.step_microbatches`, and length)."""
-    shape = batches.batch_shape(self.cfg, global_batch_size, seq_len,
-                                schedule.step_microbatches(self.cfg, global_batch_size))
-    if (shape[0], shape[2]) not in self._compiled:
-      self._compiled[(shape[0], shape[2])] = self.compile(shape)
-    return self._compiled[(shape[0], shape[2])]
+    return self.steps.get(global_batch_size, seq_len)
 
-  def compile(self, batch_shape: tuple[int, int, int]):
-    start = time.perf_counter()
-    with self.watchdog.suspended():
-      compiled = lower_train_step(self.cfg, self.layout, batch_shape[0],
-                                  batch_shape[2] - 1).compile()
-    bubble = ''
-    if self.cfg.mesh.pipeline > 1:
-      fraction = self.layout.plan.bubble_fraction(batch_shape[0],
-                                                  self.cfg.pipeline.microbatch_group)
-      bubble = f', pipeline bubble {fraction:.3f}'
-    self.writer.info(f'> compiled the train step for {batch_shape[0]} micro-batch(es) of '
-                     f'{batch_shape[1]}x{batch_shape[2]} tokens in '
-                     f'{time.perf_counter() - start:.1f} s{bubble}')
-    return compiled
-
-  # -------------------------------------------------------------------------------- reports
-
-  def report_spike(self, message: str, iteration: int) -> None:
-    """Logs a spike with what a user needs next: the checkpoint from before it, kept past the
-    keep policy, and the command that shows the batch it trained on."""
-    kept = self.checkpointer.keep_last_before(iteration)
-    where = (f'checkpoint {kept} (the last before it) is kept past checkpoint.max_to_keep'
-             if kept is not None else 'no checkpoint was saved before it')
-    self.writer.info(f'{message}. {where}; its batch: python -m t5x_like.data batch '
-                     f'{self.workdir} --iteration {iteration}')
-    self.alerts.send('spike', message, iteration)
+  # ------------------------------------------------------------------------------ incidents
 
   def save_or_stop(self, state: TrainState, progress: Progress) -> bool:
     """Saves; a state with non-finite params is never written: the run then stops as diverged.
@@ -265,7 +217,7 @@ class Trainer:
       self.save_checkpoint(state, progress)
       return True
     except checkpoints.NonFiniteStateError as e:
-      self.report_divergence(f'> {e}')
+      self.incidents.diverged(f'> {e}')
       return False
 
   def on_diverged(self, message: str, state: TrainState) -> None:
@@ -274,24 +226,7 @@ class Trainer:
     last = self.divergence.last_finite
     if last.iteration > self.plan.progress.iteration:
       self.save_or_stop(state, last)
-    self.report_divergence(message)
-
-  def report_divergence(self, message: str) -> None:
-    """Says what to do about a divergence, with the chronicles' remedies."""
-    saved = self.checkpointer.saved_steps()
-    before = saved[-1] if saved else None
-    first = self.divergence.first_non_finite or self.divergence.last_finite.iteration + 1
-    rollback = (f'roll back to checkpoint {before} (delete or move the later steps of '
-                f'{self.ckpt_root}) and rerun' if before is not None else
-                'no checkpoint was saved: rerun from scratch')
-    self.writer.info(
-        f'{message}. What to try (the BLOOM runs\' remedies): {rollback}; skip the data that '
-        f'diverged with --config.data.skip_train_iteration_range="(\'{first}-{first + 99}\',)" '
-        f'(its batch: python -m t5x_like.data batch {self.workdir} --iteration {first}); lower '
-        'optimizer.lr (with checkpoint.override_lr_scheduler=True); or reset the optimizer '
-        '(checkpoint.load_optimizer=False with lr 0 while the Adam moments warm up, '
-        'docs/checkpoints.md, "Restart controls")')
-    self.alerts.send('diverged', message, self.divergence.last_finite.iteration)
+    self.incidents.diverged(message)
 
   # ------------------------------------------------------------------------------------ loop
 

@@ -166,7 +166,7 @@ TINY = ['--config', 'configs/tiny.py', '--config.eval.interval=0', '--config.mod
 _STOPPING_TRAINER = r'''
 import os, sys, threading
 from orbax.checkpoint._src.path import atomicity
-from t5x_like import checkpoints, train, trainer
+from t5x_like import checkpoints, step, train, trainer
 
 point = os.environ['KILL_POINT']
 
@@ -179,7 +179,7 @@ def arrive():
 if point == 'start-up':
   def compile_step(self, shape):
     arrive()
-  trainer.Trainer.compile = compile_step
+  step.CompiledSteps.compile = compile_step
 elif point == 'between iterations':
   train_iteration = trainer.Trainer.train_iteration
   def iteration_then_stop(self, state, progress):

@@ -266,7 +266,7 @@ def test_rampup_changes_the_micro_batch_count_and_compiles_once_per_shape(ramp_r
   assert [r['consumed_samples'] for r in records] == [4, 8, 16, 24]
   assert [round(r['pipeline_bubble'], 3) for r in records] == [0.333, 0.333, 0.2, 0.2]
   # One compiled step per (micro-batch count, sequence length).
-  assert sorted(trainer._compiled) == [(2, trainer.cfg.train.seq_len + 1),
+  assert sorted(trainer.steps.programs) == [(2, trainer.cfg.train.seq_len + 1),
                                        (4, trainer.cfg.train.seq_len + 1)]
   log = open(tmp_path / 'logs' / 'main_log.txt').read()
   assert log.count('compiled the train step') == 2 and 'pipeline bubble: 0.200' in log
@@ -288,7 +288,7 @@ def test_rampup_padded_to_the_full_micro_batch_count_compiles_once_and_trains_th
     assert [r[key] for r in records] == [r[key] for r in exact], key
   for key in ('lm_loss', 'grad_norm'):
     assert [r[key] for r in records] == pytest.approx([r[key] for r in exact], rel=2e-5), key
-  assert sorted(trainer._compiled) == [(4, cfg.train.seq_len + 1)]
+  assert sorted(trainer.steps.programs) == [(4, cfg.train.seq_len + 1)]
   log = open(tmp_path / 'logs' / 'main_log.txt').read()
   assert '> the train step runs at 1 shapes over the run' in log
   # Iterations 1-2 run 2 padding micro-batches each: 4 of the run's 16.

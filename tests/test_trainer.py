@@ -261,8 +261,8 @@ def test_a_run_skips_and_counts_non_finite_iterations(tmp_path, monkeypatch):
   workdir = str(tmp_path / 'run')
   trainer = Trainer(cfg, workdir)
   steps = []
-  compile_step = trainer.compile
-  monkeypatch.setattr(trainer, 'compile',
+  compile_step = trainer.steps.compile
+  monkeypatch.setattr(trainer.steps, 'compile',
                       lambda shape: steps.append(RecordedStep(compile_step(shape))) or steps[-1])
   trainer.run()
   records = read_metrics(workdir)
@@ -306,8 +306,8 @@ def test_an_early_stop_sends_the_stopped_alert_with_its_iteration(
         os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler only sets a flag
     return compiled(*args)
 
-  compile_step = trainer.compile
-  monkeypatch.setattr(trainer, 'compile', lambda shape: functools.partial(
+  compile_step = trainer.steps.compile
+  monkeypatch.setattr(trainer.steps, 'compile', lambda shape: functools.partial(
       stop_in_iteration_2, compile_step(shape)))
   progress = trainer.run()
   assert progress.iteration == 2 and len(calls) == 2
@@ -492,7 +492,7 @@ def test_bad_data_fails_before_compiling(megatron_data, tmp_path):
                     str(tmp_path / 'b'))
   with pytest.raises(DataError, match=r'training samples 0\.\.7 holds token id \d+, outside'):
     trainer.run()
-  assert trainer._compiled == trainer.evaluator.compiled == {}
+  assert trainer.steps.programs == trainer.evaluator.compiled == {}
   assert not os.path.exists(str(tmp_path / 'b' / 'metrics.jsonl'))
   with pytest.raises(ConfigError, match='no validation set'):
     startup.check_config(data_config(megatron_data, data=dict(split='100,0,0', valid_path={})))
@@ -555,8 +555,9 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
   monkeypatch.setattr(metrics, 'SpikeWatch', lambda *args: SpikeAt(5))
   first = Trainer(cfg, workdir)
   monkeypatch.setattr(metrics, 'SpikeWatch', spike_class)  # the resumed job watches for real
-  compile_first = first.compile
-  monkeypatch.setattr(first, 'compile', lambda shape: StepTakes(compile_first(shape), clock, 0.05))
+  compile_first = first.steps.compile
+  monkeypatch.setattr(first.steps, 'compile',
+                      lambda shape: StepTakes(compile_first(shape), clock, 0.05))
   first.run()
   # Outside the log too: runtime.alert_command heard of the spike and of the end.
   alerted = {a[0]: a for a in read_alerts(workdir)}
@@ -585,8 +586,9 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
                                   checkpoint=dict(save_interval=2, max_to_keep=1),
                                   runtime=dict(replica_check_interval=0,
                                                alert_command=ALERT_RECORD)), workdir)
-  compile_step = resumed.compile
-  monkeypatch.setattr(resumed, 'compile', lambda shape: StepTakes(compile_step(shape), clock, 0.07))
+  compile_step = resumed.steps.compile
+  monkeypatch.setattr(resumed.steps, 'compile',
+                      lambda shape: StepTakes(compile_step(shape), clock, 0.07))
   resumed.run()
   assert checkpoints.available_steps(root) == [4, 12]  # 4 is still kept (the meta's list)
   with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
@@ -768,7 +770,7 @@ def test_rampup_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_same(tm
   # gave exactly 0: on a Zen 4 CPU iteration 3 had 1 zero entry exact and 0 padded (of 624,512).
   assert [r['num_zeros'] for r in records] == pytest.approx(
       [r['num_zeros'] for r in exact], abs=2)
-  assert sorted(padded._compiled) == [(2, 33), (4, 33)]
+  assert sorted(padded.steps.programs) == [(2, 33), (4, 33)]
   with open(os.path.join(tmp_path, 'padded', 'logs', 'main_log.txt')) as f:
     log = f.read()
   assert '> the train step runs at 2 shapes over the run' in log
