@@ -247,14 +247,8 @@ class _Reader:
         out.append(self.take())
       elif c == '\\' and self.peek(1) == '\n':
         self.take(), self.take()
-      elif c == '$':
-        out.append(self.read_dollar())
-      elif c == '`':
-        out.append(self.read_backquote())
-      elif c == _MARK:
-        out.append(self.take_marker())
       else:
-        out.append(self.take())
+        out.append(self.read_expanded())
     return ''.join(out)
 
   # ---- words
@@ -328,14 +322,20 @@ class _Reader:
           out.append(nxt)
         elif nxt != '\n':
           out.append('\\' + nxt)
-      elif c == '$':
-        out.append(self.read_dollar())
-      elif c == '`':
-        out.append(self.read_backquote())
-      elif c == _MARK:
-        out.append(self.take_marker())
       else:
-        out.append(self.take())
+        out.append(self.read_expanded())
+
+  def read_expanded(self) -> str:
+    """What the text at the cursor expands to inside double quotes or a heredoc: a $ expansion,
+    a backquote (unknown), a marker, or the character itself."""
+    c = self.peek()
+    if c == '$':
+      return self.read_dollar()
+    if c == '`':
+      return self.read_backquote()
+    if c == _MARK:
+      return self.take_marker()
+    return self.take()
 
   def read_backquote(self) -> str:
     return unknown(f"`{self.read_enclosed('`', 'a backquote')}`")

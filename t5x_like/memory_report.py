@@ -397,7 +397,8 @@ def breakdown(dump_dir: str, memory, *, stage_input: tuple | None = None, data: 
               top: int = 10) -> dict:
   """The step's memory by category (bytes), from the XLA dump in `dump_dir` and its
   `compiled.memory_analysis()`. `stage_input`: (kept, rows, seq, hidden) of a pipeline's kept
-  stage inputs on one device (kept: how many), None without a pipeline; `data`: the mesh's data size."""
+  stage inputs on one device (kept: how many), None without a pipeline; `data`: the mesh's data
+  size."""
   files = _module_files(dump_dir)
   with open(files['assignment']) as f:
     allocations = parse_assignment(f.read())

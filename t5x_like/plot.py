@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
 from typing import Any
 
 from t5x_like.errors import ConfigError
+from t5x_like.workdir import read_records
 
 # --x: the record field of the x axis, and its label.
 X_AXES = {'tokens': ('consumed_tokens', 'consumed tokens'),
@@ -47,31 +47,6 @@ class Run:
   eval_records: list[dict[str, Any]]  # eval_metrics.jsonl; [] when the run never evaluated
 
 
-def read_records(path: str) -> list[dict[str, Any]]:
-  """The JSON records of a .jsonl file. A last line without its newline is one a kill tore
-  mid-write (a restart drops it) and is left out; any other bad line is an error."""
-  try:
-    with open(path) as f:
-      lines = f.readlines()
-  except (OSError, UnicodeDecodeError) as e:
-    raise ConfigError(f'cannot read {path}: {e}') from None
-  records = []
-  for number, line in enumerate(lines, 1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-      if not isinstance(record, dict):
-        raise ValueError(f'a JSON {type(record).__name__}, not an object')
-    except ValueError as e:
-      if number == len(lines) and not line.endswith('\n'):
-        continue
-      raise ConfigError(f'{path}, line {number}: not a metrics record ({e}); the file is not one '
-                        'a run wrote, or it was edited') from None
-    records.append(record)
-  return records
-
-
 def read_run(workdir: str, label: str, x_field: str) -> Run:
   """One run's records, checked: one clear error for a workdir that has nothing to plot."""
   if not os.path.isdir(workdir):
@@ -80,14 +55,14 @@ def read_run(workdir: str, label: str, x_field: str) -> Run:
   if not os.path.isfile(path):
     raise ConfigError(f"{workdir} has no metrics.jsonl: not a training run's workdir, or its run "
                       'has not finished an iteration yet')
-  records = read_records(path)
+  records = read_records(path, torn_tail_ok=True)
   if not records:
     raise ConfigError(f'{path} holds no record: the run has not finished an iteration yet')
   for field in ('lm_loss', x_field):
     if not any(field in r for r in records):
       raise ConfigError(f'{path} has no {field!r} in its records: not metrics a run wrote')
   eval_path = os.path.join(workdir, 'eval_metrics.jsonl')
-  eval_records = read_records(eval_path) if os.path.isfile(eval_path) else []
+  eval_records = read_records(eval_path, torn_tail_ok=True) if os.path.isfile(eval_path) else []
   return Run(label, records, eval_records)
 
 

@@ -1,5 +1,5 @@
 """What a command does once at start-up, before anything compiles: the whole config check, and
-the trainer's start-up report as lines.
+the trainer's start-up report as lines (with the parameter table of `clu.parameter_overview`).
 
 `check_config` is the one full validation of a config. config.py is a leaf (it imports only
 errors.py), so the checks that need the modules owning the mesh (partitioning), the fused
@@ -44,6 +44,16 @@ def report_lines(cfg: Config, layout, software: dict, device_count: int,
            f'> software: {provenance.describe(software)}',
            describe_zero(layout)]
   return lines
+
+
+def parameter_table(params) -> list[str]:
+  """Lines of clu's table of `params` (arrays or ShapeDtypeStructs with their shardings): each
+  parameter's name, shape, dtype, size and sharding (the mesh axes splitting each dimension),
+  then the totals. Reads shapes and shardings only: nothing runs on the devices."""
+  from clu import parameter_overview  # only the trainer prints it; the other commands skip clu
+  table = parameter_overview.get_parameter_overview(params, include_stats='sharding')
+  return ['> parameters as the train step holds them (clu.parameter_overview):',
+          *table.splitlines()]
 
 
 def schedule_lines(cfg: Config, layout) -> list[str]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -27,7 +26,7 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
-from t5x_like import alerts, checkpoints, distributed, metrics, param_overview, partitioning
+from t5x_like import alerts, checkpoints, distributed, metrics, partitioning
 from t5x_like import profiling, resume, runtime, schedule, startup
 from t5x_like import workdir as workdir_lib
 from t5x_like.checkpoint_cadence import CheckpointCadence
@@ -291,7 +290,7 @@ class Trainer:
     for line in startup.report_lines(cfg, self.layout, self.plan.software, jax.device_count(),
                                      jax.devices()[0].platform):
       self.writer.info(line)
-    for line in param_overview.parameter_table(self.layout.logical.params):
+    for line in startup.parameter_table(self.layout.logical.params):
       self.writer.info(line)  # process 0's log only, as every line
     # Everything that can refuse the run comes before start(): the restore and the data check.
     state, progress = self.initial_state()
@@ -424,8 +423,3 @@ def use_compilation_cache(workdir: str, cache_dir: str) -> str | None:
     # a cache opened before this (another Trainer in the same process) would keep its directory.
     compilation_cache.reset_cache()
   return path
-
-
-def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    return [json.loads(line) for line in f if line.strip()]

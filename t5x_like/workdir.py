@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import time
+from typing import Any
 
 from t5x_like.errors import ConfigError
 from t5x_like.data.files import atomic_write
@@ -170,3 +171,33 @@ def lock_on_every_process(lock: Lock, workdir: str, is_writer: bool,
   if error is not None:
     lock.release(started=False)
     raise error
+
+
+def read_records(path: str, torn_tail_ok: bool = False) -> list[dict[str, Any]]:
+  """The JSON records of a .jsonl file; any bad line is an error. With `torn_tail_ok`, a last
+  line without its newline (one a kill tore mid-write, which a restart drops) is left out."""
+  try:
+    with open(path) as f:
+      lines = f.readlines()
+  except (OSError, UnicodeDecodeError) as e:
+    raise ConfigError(f'cannot read {path}: {e}') from None
+  records = []
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+      if not isinstance(record, dict):
+        raise ValueError(f'a JSON {type(record).__name__}, not an object')
+    except ValueError as e:
+      if torn_tail_ok and number == len(lines) and not line.endswith('\n'):
+        continue
+      raise ConfigError(f'{path}, line {number}: not a metrics record ({e}); the file is not one '
+                        'a run wrote, or it was edited') from None
+    records.append(record)
+  return records
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  """The iteration records of a run (WORKDIR/metrics.jsonl), every line whole."""
+  return read_records(os.path.join(workdir, 'metrics.jsonl'))

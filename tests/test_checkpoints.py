@@ -17,7 +17,8 @@ from t5x_like import checkpoints, losses, optim, partitioning, runtime, schedule
 from t5x_like.checkpoints import CheckpointError
 from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import Progress, TrainState, make_layout
-from t5x_like.trainer import Trainer, read_metrics
+from t5x_like.trainer import Trainer
+from t5x_like.workdir import read_metrics
 
 from conftest import REPO, config_with, run_cli, small_config
 
@@ -421,8 +422,8 @@ def test_load_rng_keeps_the_checkpoints_stream_and_false_takes_the_configs(base_
 
 
 def test_optimizer_reset_recipe(base_run, tmp_path):
-  """The chronicles' recipe (docs/checkpoints.md): fresh Adam state, lr 0 while the moments warm up, then the
-  normal schedule again. Here: 2 warm-up iterations after iteration 2, then back to normal."""
+  """The chronicles' recipe (docs/checkpoints.md): fresh Adam state, lr 0 while the moments warm
+  up, then the normal schedule again. Here: 2 warm-up iterations after iteration 2, then back to normal."""
   workdir = resumable_copy(base_run[0], tmp_path / 'w')
   root = os.path.join(workdir, 'checkpoints')
   before, _ = checkpoints.restore(root, base_run[1].layout, base_run[1].cfg)

@@ -10,7 +10,8 @@ import pytest
 from t5x_like import checkpoints, partitioning, pipeline, schedule, startup
 from t5x_like.config import ConfigError, TrainConfig
 from t5x_like.train_state import make_layout
-from t5x_like.trainer import Trainer, read_metrics
+from t5x_like.trainer import Trainer
+from t5x_like.workdir import read_metrics
 
 from conftest import run_steps, small_config
 from test_trainer import corpus_config

@@ -9,6 +9,8 @@ import pytest
 from conftest import run_cli
 
 from t5x_like import plot
+from t5x_like.errors import ConfigError
+from t5x_like.workdir import read_records
 
 # matplotlib's second default colour (C1): only a second run draws with it.
 SECOND_RUN_RGB = np.array([0xff, 0x7f, 0x0e]) / 255
@@ -117,5 +119,9 @@ def test_a_last_line_torn_by_a_kill_is_left_out(tmp_path):
   a = write_run(tmp_path / 'run_a', iterations=5)
   with open(os.path.join(a, 'metrics.jsonl'), 'a') as f:
     f.write('{"iteration": 6, "consumed_sa')  # no newline: the write was cut short
-  assert [r['iteration'] for r in plot.read_records(os.path.join(a, 'metrics.jsonl'))] == [
-      1, 2, 3, 4, 5]
+  path = os.path.join(a, 'metrics.jsonl')
+  assert [r['iteration'] for r in read_records(path, torn_tail_ok=True)] == [1, 2, 3, 4, 5]
+  runs = plot.read_runs([a], 'iteration')
+  assert [r['iteration'] for r in runs[0].records] == [1, 2, 3, 4, 5]
+  with pytest.raises(ConfigError, match='line 6'):  # the trainer's own reader takes no torn line
+    read_records(path)

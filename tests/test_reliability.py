@@ -18,7 +18,8 @@ from t5x_like import checkpoints, runtime, train, watch
 from t5x_like import workdir as workdir_lib
 from t5x_like.config import ConfigError
 from t5x_like.train_state import TrainState
-from t5x_like.trainer import Trainer, read_metrics
+from t5x_like.trainer import Trainer
+from t5x_like.workdir import read_metrics
 
 from conftest import ALERT_RECORD, REPO, read_alerts
 from test_checkpoints import corpus_config, losses_of

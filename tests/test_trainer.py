@@ -20,7 +20,8 @@ from t5x_like import trainer as trainer_lib
 from t5x_like.config import Config, ConfigError
 from t5x_like.train_state import TrainState, make_layout
 from t5x_like.step import make_train_step
-from t5x_like.trainer import Trainer, read_metrics
+from t5x_like.trainer import Trainer
+from t5x_like.workdir import read_metrics
 
 from conftest import ALERT_RECORD, config_with, read_alerts, read_tensorboard
 
