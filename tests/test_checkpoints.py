@@ -423,7 +423,8 @@ def test_load_rng_keeps_the_checkpoints_stream_and_false_takes_the_configs(base_
 
 def test_optimizer_reset_recipe(base_run, tmp_path):
   """The chronicles' recipe (docs/checkpoints.md): fresh Adam state, lr 0 while the moments warm
-  up, then the normal schedule again. Here: 2 warm-up iterations after iteration 2, then back to normal."""
+  up, then the normal schedule again. Here: 2 warm-up iterations after iteration 2, then back to
+  normal."""
   workdir = resumable_copy(base_run[0], tmp_path / 'w')
   root = os.path.join(workdir, 'checkpoints')
   before, _ = checkpoints.restore(root, base_run[1].layout, base_run[1].cfg)
