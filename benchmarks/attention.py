@@ -179,7 +179,7 @@ def run(args) -> dict:
   return report
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--seqs', default='2048,4096')
@@ -202,12 +202,21 @@ def main(argv=None) -> int:
     args.seqs, args.tokens, args.heads, args.head_dim, args.iters = '64,80', 160, 2, 64, 2
   args.seqs = [int(s) for s in args.seqs.split(',')]
   args.impls = [s.strip() for s in args.impls.split(',') if s.strip()]
+  return args
+
+
+def failures(report: dict) -> list[dict]:
+  """Rows that failed to run or gave wrong results."""
+  return [r for r in report['results'] if 'failed' in r or r.get('correct') is False]
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
   report = run(args)
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(report, f, indent=2)
-  failed = [r for r in report['results'] if 'failed' in r or r.get('correct') is False]
-  return 1 if failed else 0
+  return 1 if failures(report) else 0
 
 
 if __name__ == '__main__':

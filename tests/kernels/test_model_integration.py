@@ -125,11 +125,25 @@ def test_fallback_warns_and_runs_xla():
   assert got == want and 'pallas_call' not in got
 
 
-def test_cudnn_needs_a_gpu():
+def test_cudnn_attention_runs_on_a_gpu_only():
+  """On CPU the config is refused (or falls back); on a GPU (the GPU suite) the bf16 model's loss
+  and gradients through cuDNN match the xla path's."""
   cfg = small_config(model=dict(attention_impl='cudnn', num_heads=4, dtype='bfloat16'))
-  with pytest.raises(ConfigError, match='cuDNN attention needs a GPU'):
-    startup.check_config(cfg)
-  startup.check_config(small_config(model=dict(attention_impl='cudnn', attention_fallback=True)))
+  if jax.default_backend() != 'gpu':
+    with pytest.raises(ConfigError, match='cuDNN attention needs a GPU'):
+      startup.check_config(cfg)
+    startup.check_config(small_config(model=dict(attention_impl='cudnn', attention_fallback=True)))
+    return
+  startup.check_config(cfg)
+  base = dict(num_layers=2, hidden_size=256, num_heads=4, vocab_size=200, init_std=0.02,
+              dtype='bfloat16')
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 65), 0, 200)
+  params, xla_loss, xla_grads = loss_and_grads(ModelConfig(**base), tokens)
+  _, loss, grads = loss_and_grads(ModelConfig(**base, attention_impl='cudnn'), tokens, params)
+  np.testing.assert_allclose(loss, xla_loss, rtol=1e-2)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(xla_grads)):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.abs(got - want).max() <= 5e-2 * np.abs(want).max()
 
 
 def test_fused_attention_has_no_dropout():
