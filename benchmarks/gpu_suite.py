@@ -12,8 +12,10 @@ Stages, each reported in OUT (and on stdout as it goes):
 2. `step`: a BLOOM-1.3B-shaped train step (configs/bloom_1b3.py, global batch 16, micro-batch 4,
    seq 2048) per attention implementation, each in its own process (`step_throughput.py`): MFU,
    tokens/s, the first loss against xla's, XLA's compiled memory and the allocator's measured peak.
-3. `plan`: `python -m t5x_like.plan` for the same step on one virtual CPU device: XLA's CPU figure
-   and its GPU estimate, beside the measured peak of stage 2.
+3. `plan`: `python -m t5x_like.plan` for the same step on one virtual CPU device (XLA's CPU
+   figure and its GPU estimate), and the cost model's estimate for this GPU kind
+   (`t5x_like.cost_model`, what `plan --estimate` prints: step time, TFLOP/s, memory), beside
+   what stage 2 measured.
 4. `matmul`: the measured bf16 matmul rate (8192^3, random values; the data-sheet peak beside it).
 5. `attention`: `benchmarks/attention.py` (seq 2048 and 4096: correctness and TFLOP/s).
 
@@ -69,7 +71,7 @@ def kernel_tests() -> dict:
 
 def train_steps(smoke: bool, workdir: str) -> dict:
   """One process per implementation, so that each measured peak is that implementation's."""
-  results, overrides = {}, None
+  results, overrides, device = {}, None, None
   for impl in IMPLEMENTATIONS:
     out = os.path.join(workdir, f'step_{impl}.json')
     command = [sys.executable, os.path.join(BENCHMARKS, 'step_throughput.py'), '--config', CONFIG,
@@ -82,7 +84,7 @@ def train_steps(smoke: bool, workdir: str) -> dict:
       continue
     with open(out) as f:
       report = json.load(f)
-    overrides = report['overrides']
+    overrides, device = report['overrides'], report['device']
     results[impl] = report['results'][impl]
   ok = all('failed' not in r for r in results.values())
   reference = results.get('xla', {}).get('losses')
@@ -90,7 +92,8 @@ def train_steps(smoke: bool, workdir: str) -> dict:
     if reference and 'losses' in result and impl != 'xla':
       result['first_loss_vs_xla'] = abs(result['losses'][0] - reference[0]) / abs(reference[0])
       ok &= result['first_loss_vs_xla'] <= step_throughput_tolerance()
-  return {'config': CONFIG, 'overrides': overrides, 'results': results, 'ok': ok}
+  return {'config': CONFIG, 'overrides': overrides, 'device': device, 'results': results,
+          'ok': ok}
 
 
 def step_throughput_tolerance() -> float:
@@ -99,17 +102,34 @@ def step_throughput_tolerance() -> float:
   return step_throughput.LOSS_TOLERANCE
 
 
-def plan_memory(overrides: dict) -> dict:
-  """`plan` for the step that stage 2 ran, compiled for one virtual CPU device."""
+def cost_model_kind(device_kind: str) -> str:
+  """The cost model's name for a device (an H100's figures stand in on CPU, --smoke)."""
+  for marker, kind in (('H200', 'h200'), ('H100', 'h100-80gb'), ('A100-SXM4-80GB', 'a100-80gb'),
+                       ('A100 80GB', 'a100-80gb'), ('A100', 'a100-40gb')):
+    if marker in device_kind:
+      return kind
+  return 'h100-80gb'
+
+
+def plan_memory(overrides: dict, device_kind: str) -> dict:
+  """`plan` for the step that stage 2 ran, compiled for one virtual CPU device, and the cost
+  model's estimate of it."""
+  from t5x_like import cost_model, startup
+  from t5x_like.config import load_config_file
+  kind = cost_model_kind(device_kind)
+  estimate = cost_model.estimate(startup.check_config(load_config_file(CONFIG, overrides)), kind)
+  result = {'estimate': {'gpu': kind, 'step_s': estimate['estimated_step_s'],
+                         'tflops_per_gpu': estimate['estimated_tflops_per_gpu'],
+                         'memory_gib': estimate['estimated_memory_gib']}}
   command = [sys.executable, '-m', 't5x_like.plan', '--config', CONFIG, '--json']
   command += [f'--config.{key}={value!r}' if isinstance(value, str) else
               f'--config.{key}={value}' for key, value in overrides.items()]
   code, output = run_logged(command, env={'JAX_PLATFORMS': 'cpu'})
   if code != 0:
-    return {'failed': output[-1000:], 'ok': False}
+    return {**result, 'failed': output[-1000:], 'ok': False}
   report = json.loads(output.strip().splitlines()[-1])
-  return {'peak_gib': report['peak_gib'], 'gpu_estimate_peak_gib':
-          report.get('gpu_estimate_peak_gib'), 'ok': True}
+  return {**result, 'peak_gib': report['peak_gib'],
+          'gpu_estimate_peak_gib': report.get('gpu_estimate_peak_gib'), 'ok': True}
 
 
 def matmul_peak(smoke: bool) -> dict:
@@ -162,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
   with tempfile.TemporaryDirectory() as workdir:
     stages['step'] = train_steps(args.smoke, workdir)
   if stages['step']['overrides'] is not None:
-    stages['plan'] = plan_memory(stages['step']['overrides'])
+    stages['plan'] = plan_memory(stages['step']['overrides'], stages['step']['device'])
   stages['matmul'] = matmul_peak(args.smoke)
   stages['attention'] = attention(args.smoke)
   import jax
@@ -201,6 +221,10 @@ def summary(report: dict) -> str:
     estimate = plan['gpu_estimate_peak_gib']
     lines.append(f"plan (CPU compile): peak {plan['peak_gib']:.1f} GiB, GPU estimate "
                  + ('unavailable' if estimate is None else f'{estimate:.1f} GiB'))
+  if 'estimate' in plan:
+    model = plan['estimate']
+    lines.append(f"cost model ({model['gpu']}, xla's step): {model['step_s'] * 1e3:.0f} ms, "
+                 f"{model['tflops_per_gpu']:.3g} TFLOP/s, {model['memory_gib']:.1f} GiB")
   for row in stages['attention']['results']:
     if 'fwd_tflops' in row:
       lines.append(f"attention {row['impl']} seq {row['seq']}: fwd {row['fwd_tflops']:.3g} "

@@ -121,12 +121,13 @@ class CheckpointReader:
                               f'({checkpoints.error_reason(e)})') from None
     return self._stores[info.key]
 
-  def chunks(self, info: TensorInfo) -> Iterator[np.ndarray]:
-    """The tensor as consecutive slices of its first dim, each at most CHUNK_BYTES."""
+  def chunks(self, info: TensorInfo, step: int | None = None) -> Iterator[np.ndarray]:
+    """The tensor as consecutive slices of its first dim, each at most CHUNK_BYTES (or of
+    `step` rows)."""
     store = self._store(info)
     rows = info.shape[0] if info.shape else 1
     row_bytes = max(1, info.nbytes // max(rows, 1))
-    step = max(1, CHUNK_BYTES // row_bytes)
+    step = step or max(1, CHUNK_BYTES // row_bytes)
     try:
       if not info.shape:
         yield np.asarray(store.read().result()).reshape(1)
@@ -170,8 +171,35 @@ def inspect(reader: CheckpointReader) -> dict[str, Any]:
                    'sharding': t.sharding_text()} for t in tensors],
       'total_bytes': {item: sum(t.nbytes for t in tensors if t.item == item)
                       for item in reader.items},
+      **optimizer_bytes_per_param(tensors),
       'disk_bytes': reader.disk_bytes(),
   }
+
+
+def param_name_of(info: TensorInfo) -> str | None:
+  """The param an Adam moment tensor belongs to ('layers.mlp.wi_kernel' for
+  '0.mu.layers.mlp.wi_kernel' and for adamw_8bit's '0.mu.layers.mlp.wi_kernel.codes')."""
+  if info.group not in ('adam_mu', 'adam_nu'):
+    return None
+  name = info.name.split('.', 2)[2]
+  for part in ('.codes', '.scales'):
+    name = name[:-len(part)] if name.endswith(part) else name
+  return name
+
+
+def optimizer_bytes_per_param(tensors: list[TensorInfo]) -> dict[str, Any]:
+  """The Adam moments' bytes per param, overall and per param (8 for fp32 moments, about 2 for
+  adamw_8bit's codes and scales); {} for a weights-only checkpoint."""
+  sizes = {t.name: math.prod(t.shape) for t in tensors if t.item == 'params'}
+  state: dict[str, int] = {}
+  for t in tensors:
+    name = param_name_of(t)
+    if name is not None:
+      state[name] = state.get(name, 0) + t.nbytes
+  if not state:
+    return {}
+  return {'optimizer_bytes_per_param': sum(state.values()) / sum(sizes[n] for n in state),
+          'optimizer_bytes_per_param_by_tensor': {n: b / sizes[n] for n, b in state.items()}}
 
 
 def format_inspect(info: dict[str, Any]) -> str:
@@ -201,6 +229,8 @@ def format_inspect(info: dict[str, Any]) -> str:
   for t in info['tensors']:
     lines.append(f"{t['name']:<{width}}  {str(tuple(t['shape'])):<22} {t['dtype']:<8} "
                  f"{t['bytes']:>12,}  {t['sharding']}")
+  if 'optimizer_bytes_per_param' in info:
+    lines.append(f"optimizer state: {info['optimizer_bytes_per_param']:.3f} bytes per param")
   totals = ', '.join(f'{item} {_human(n)}' for item, n in info['total_bytes'].items())
   lines.append(f"total: {totals} ({len(info['tensors'])} tensors); on disk "
                f"{_human(info['disk_bytes'])}")
@@ -253,17 +283,45 @@ class _Moments:
             'nonfinite': self.nonfinite}
 
 
+def quantized_pairs(reader: CheckpointReader) -> list[tuple[TensorInfo, TensorInfo]]:
+  """(codes, scales) of every 8-bit Adam moment (optimizer.name='adamw_8bit')."""
+  by_name = {t.name: t for t in reader.tensors() if t.item == 'opt_state'}
+  return [(t, by_name[t.name[:-len('codes')] + 'scales']) for t in by_name.values()
+          if t.name.endswith('.codes') and t.name[:-len('codes')] + 'scales' in by_name]
+
+
+def dequantized_chunks(reader: CheckpointReader, codes: TensorInfo,
+                       scales: TensorInfo) -> Iterator[np.ndarray]:
+  """An 8-bit moment as fp32 values [rows, ..., block], a slice of its first dim at a time."""
+  from t5x_like import quantized_adam
+  code = quantized_adam.code_for(codes.group[len('adam_'):])
+  step = max(1, CHUNK_BYTES // max(1, codes.nbytes // max(codes.shape[0], 1)))
+  for c, s in zip(reader.chunks(codes, step), reader.chunks(scales, step)):
+    yield quantized_adam.dequantize_blocks(c, s, code)
+
+
 def stats(reader: CheckpointReader) -> list[dict[str, Any]]:
-  """Per tensor of params and of both Adam moments: norm, mean, std, min, max, zero fraction."""
-  tensors = [t for t in reader.tensors() if t.group in ('params', 'adam_mu', 'adam_nu')]
+  """Per tensor of params and of both Adam moments: norm, mean, std, min, max, zero fraction.
+  An 8-bit moment (codes and scales) is one row of its dequantised values, named without
+  '.codes'."""
+  pairs = {codes.key: scales for codes, scales in quantized_pairs(reader)}
+  paired = {s.key for s in pairs.values()}
+  tensors = [t for t in reader.tensors() if t.group in ('params', 'adam_mu', 'adam_nu') and
+             t.key not in paired]
   rows = []
   with _progress_bar(sum(t.nbytes for t in tensors), 'stats') as bar:
     for t in tensors:
       moments = _Moments()
-      for chunk in reader.chunks(t):
+      name = t.key
+      if t.key in pairs:
+        name = t.key[:-len('.codes')]
+        chunks = dequantized_chunks(reader, t, pairs[t.key])
+      else:
+        chunks = reader.chunks(t)
+      for chunk in chunks:
         moments.add(chunk)
-        bar.update(chunk.nbytes)
-      rows.append({'group': t.group, 'name': t.key, 'shape': list(t.shape), **moments.summary()})
+        bar.update(chunk.nbytes if t.key not in pairs else chunk.size)
+      rows.append({'group': t.group, 'name': name, 'shape': list(t.shape), **moments.summary()})
   return rows
 
 
@@ -375,6 +433,14 @@ def verify(reader: CheckpointReader) -> list[dict[str, Any]]:
   report('finite', not nonfinite,
          f'{len(nonfinite)} tensor(s) hold NaN or inf: {", ".join(nonfinite)}' if nonfinite
          else f'all {len(tensors)} tensors are finite')
+  pairs = quantized_pairs(reader)
+  if pairs:
+    bad = [problem for codes, scales in pairs
+           for problem in [quantized_problem(reader, codes, scales)] if problem]
+    report('8-bit optimizer state', not bad, '; '.join(bad) if bad else
+           f'all {len(pairs)} 8-bit moments have uint8 codes, one finite scale >= 0 per block, '
+           'all-zero codes where the scale is 0 and a code of magnitude ~1 (the absmax) '
+           'elsewhere')
   if 'opt_state' in reader.items:
     want = checkpoints.expected_adam_count(progress, meta)
     base = meta['adam_count_base']
@@ -391,6 +457,32 @@ def verify(reader: CheckpointReader) -> list[dict[str, Any]]:
          f'rng iteration {meta["rng"]["iteration"]}')
   report_restore(reader, mesh, report)
   return results
+
+
+def quantized_problem(reader: CheckpointReader, codes: TensorInfo,
+                      scales: TensorInfo) -> str | None:
+  """What is wrong with one 8-bit moment, or None: codes uint8 of shape scales.shape + (B,),
+  scales finite and >= 0, a block of scale 0 all zero codes, any other block holding its absmax
+  (a code of magnitude ~1, as quantisation by absmax always does)."""
+  from t5x_like import quantized_adam
+  name = codes.key[:-len('.codes')]
+  if codes.dtype != 'uint8' or scales.dtype != 'float32':
+    return f'{name}: codes {codes.dtype} and scales {scales.dtype}, expected uint8 and float32'
+  if codes.shape[:-1] != scales.shape:
+    return f'{name}: codes {codes.shape} do not match scales {scales.shape}'
+  code = quantized_adam.code_for(codes.group[len('adam_'):])
+  zero = int(np.flatnonzero(code == 0)[0])
+  magnitude = np.abs(code)[(np.arange(256) + zero) % 256]  # by stored byte
+  step = max(1, CHUNK_BYTES // max(1, codes.nbytes // max(codes.shape[0], 1)))
+  for c, s in zip(reader.chunks(codes, step), reader.chunks(scales, step)):
+    if not (np.isfinite(s).all() and (s >= 0).all()):
+      return f'{name}: a scale is negative or not finite'
+    largest = magnitude[c].max(axis=-1)
+    if (c[s == 0] != 0).any():
+      return f'{name}: a block of scale 0 has non-zero codes'
+    if (largest[s > 0] < 0.99).any():
+      return f'{name}: a block of non-zero scale has no code near 1 (its absmax)'
+  return None
 
 
 def _saved_mesh_or_none(cfg):

@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from t5x_like import provenance
-from t5x_like.config import Config, ConfigError
+from t5x_like.config import Config, ConfigError, with_values_before_keys
 from t5x_like.train_state import Progress, StateLayout, TrainState
 
 ITEMS = ('params', 'opt_state', 'progress', 'config', 'meta')
@@ -266,7 +266,7 @@ def read_config(path: str, step: int | None = None) -> Config:
     raise _damaged(step_dir, 'config', f'is a {type(raw).__name__}, not a mapping of config '
                    'sections to their keys')
   try:
-    return Config.from_dict(raw)
+    return Config.from_dict(with_values_before_keys(raw))
   except ConfigError as e:
     raise _damaged(step_dir, 'config', f'is not a t5x_like config ({e})') from None
 
@@ -710,7 +710,8 @@ def _restore_arg(abstract_tree, saved: Config, config: Config):
       return a
     mesh = a.sharding.mesh
     spec = P('tensor') if saved_rows % mesh.shape['tensor'] == 0 else P()
-    return jax.ShapeDtypeStruct((saved_rows, a.shape[1]), a.dtype,
+    # adamw_8bit's codes and scales of the embedding have the same leading vocabulary dim.
+    return jax.ShapeDtypeStruct((saved_rows,) + tuple(a.shape[1:]), a.dtype,
                                 sharding=NamedSharding(mesh, spec))
 
   return ocp.args.StandardRestore(jax.tree_util.tree_map_with_path(at_saved_rows, abstract_tree))
@@ -722,7 +723,7 @@ def _fit_vocab(tree, abstract_tree):
       return x
     rows = a.shape[0]
     resized = (x[:rows] if x.shape[0] >= rows else
-               jnp.pad(x, ((0, rows - x.shape[0]), (0, 0))))
+               jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1)))
     return jax.jit(lambda y: y, out_shardings=a.sharding)(resized)
 
   return jax.tree.map(fit, tree, abstract_tree)

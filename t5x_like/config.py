@@ -66,6 +66,10 @@ class ModelConfig:
   # LayerNorms and dropout (and the pipeline's kept stage inputs) are split over mesh.tensor
   # along the sequence; all-gather before QKV / h->4h, reduce-scatter after attn-out / 4h->h.
   sequence_parallel: bool = False
+  # bitsandbytes' StableEmbedding (what Megatron-DeepSpeed's --use-bnb-optimizer uses): a
+  # Xavier-uniform embedding (fan of the whole padded vocabulary, however it is split), the
+  # embedding LayerNorm (bloom's), and fp32 optimizer state for the embedding under adamw_8bit.
+  stable_embedding: bool = False
 
   @property
   def ffn_size(self) -> int:
@@ -134,6 +138,17 @@ class OptimizerConfig:
   # tokens consumed when the (sample-based) warm-up ends to this many (the curriculum runs of
   # tr8b, whose early iterations hold fewer tokens per sample). 0: decay by samples.
   decay_tokens: int = 0
+  # 'adamw': fp32 Adam moments (8 bytes per param). 'adamw_8bit': both moments as 8-bit codes
+  # with block-wise dynamic quantisation (bitsandbytes' Adam8bit; about 2 bytes per param):
+  # blocks of quant_block_size values, one fp32 absmax each; tensors with fewer than
+  # quant_min_size values per layer keep fp32 moments (t5x_like/quantized_adam.py).
+  name: Literal['adamw', 'adamw_8bit'] = 'adamw'
+  quant_block_size: int = 2048  # One of QUANT_BLOCK_SIZES.
+  quant_min_size: int = 4096
+
+
+# The block sizes optimizer.quant_block_size may take (bitsandbytes' block-wise kernels' range).
+QUANT_BLOCK_SIZES = (256, 512, 1024, 2048, 4096)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +195,19 @@ class DataConfig:
   test_weighted_split_paths: tuple = ()
   # The directory that relative prefixes of the weighted split paths are read under; '': as given.
   root: str = ''
+  # A registered seqio Task or Mixture to train on, instead of train_path and split: a Mixture's
+  # rates are the blend weights, each Task's validation splits named validation sets. It is
+  # materialised once into .bin/.idx under cache_dir (docs/data.md#seqio-tasks-and-mixtures).
+  mixture_or_task: str = ''
+  # A module that registers the user's Tasks and Mixtures, imported before the name is looked
+  # up (t5x's MIXTURE_OR_TASK_MODULE); the project's own (data/seqio_tasks.py) always are.
+  mixture_or_task_module: str = ''
+  # Where materialised Tasks are kept; '': $T5X_LIKE_CACHE or ~/.cache/t5x_like, under seqio/.
+  cache_dir: str = ''
+  # How a blend orders its datasets' samples (data/blending.py): 'quota', every prefix within one
+  # sample of each weight; 'divisor', the order of runs started before it. A resumed run keeps
+  # its checkpoint's order; a recorded config without this key had 'divisor'.
+  blend_order: str = 'quota'
 
   def skip_ranges(self) -> list[tuple[int, int]]:
     """skip_train_iteration_range as [(first, last)]; validate() has checked the syntax."""
@@ -485,6 +513,14 @@ class Config:
          f'({o.warmup_samples}), or be 0 for no decay')
     need(o.decay_tokens >= 0, f'optimizer.decay_tokens must be >= 0 (0: decay by samples), got '
          f'{o.decay_tokens}')
+    need(o.name in ('adamw', 'adamw_8bit'),
+         f"optimizer.name must be 'adamw' or 'adamw_8bit', got {o.name!r}")
+    need(o.name != 'adamw_8bit' or o.quant_block_size in QUANT_BLOCK_SIZES,
+         f'optimizer.quant_block_size must be one of {", ".join(map(str, QUANT_BLOCK_SIZES))} '
+         f"with optimizer.name='adamw_8bit', got {o.quant_block_size}; set one of these")
+    need(not m.stable_embedding or m.architecture == 'bloom',
+         "model.stable_embedding=True needs the embedding LayerNorm of architecture='bloom'; the "
+         "gpt2 architecture has none: set model.architecture='bloom' or stable_embedding=False")
     _validate_curriculum(self)
     need(self.checkpoint.save_interval >= 0, 'checkpoint.save_interval must be >= 0')
     need(self.checkpoint.max_to_keep >= 1,
@@ -520,6 +556,23 @@ class Config:
 # Keys that earlier versions wrote into config.json (so into checkpoints), with the one value
 # they could hold; a saved config that has them still loads.
 _RETIRED_KEYS = {('data', 'corpus'): 'embedded'}
+
+
+# Keys added with a new default that changes the run: a recorded config (a checkpoint's, a job's
+# in config_history.jsonl) without one was written before it existed, and reads with the value
+# that reproduces its run.
+_VALUES_BEFORE_KEYS = {('data', 'blend_order'): 'divisor'}
+
+
+def with_values_before_keys(raw: dict[str, Any]) -> dict[str, Any]:
+  """A recorded config's sections (raw dicts), with the keys newer than the record filled in as
+  its run had them; `Config.from_dict` of it is the recorded run's config."""
+  raw = dict(raw)
+  for (section, key), value in _VALUES_BEFORE_KEYS.items():
+    values = raw.get(section)
+    if isinstance(values, dict) and key not in values:
+      raw[section] = {**values, key: value}
+  return raw
 
 
 def _without_retired_keys(raw: dict[str, Any]) -> dict[str, Any]:

@@ -774,6 +774,7 @@ DERIVED = {
     '--train-weighted-split-paths-path': 'data.train_weighted_split_paths (the file)',
     '--valid-weighted-split-paths-path': 'data.valid_weighted_split_paths (the file)',
     '--test-weighted-split-paths-path': 'data.test_weighted_split_paths (the file)',
+    '--use-bnb-optimizer': 'optimizer.name and model.stable_embedding',
 }
 
 _ZERO = ('the optimizer state (fp32 master weights, both Adam moments) is always split over '
@@ -830,8 +831,6 @@ EXPLAINED: dict[str, str] = {
 }
 
 NOT_AVAILABLE: dict[str, str] = {
-    '--use-bnb-optimizer': '8-bit Adam is not available yet: issue 26; the config uses fp32 '
-                           'Adam moments',
     '--fp16': 'fp16 needs dynamic loss scaling, which t5x_like does not implement; the config '
               'uses bfloat16 (fp32\'s range, BLOOM\'s choice after tr8\'s fp16 divergences)',
     '--train-tokens': 'no token-based stop here: training stops at train.train_samples or '
@@ -1005,6 +1004,7 @@ def convert(text: str, sets: dict[str, str] | None = None,
       out.miss(flag, f'Megatron requires it and the script does not give it; {key} keeps '
                'our default', key)
   _derive_architecture(out, flags)
+  _derive_bnb(out, flags)
   _derive_vocabulary(out, flags)
   _derive_mesh_data(out, command, text)
   _derive_batch(out)
@@ -1048,6 +1048,22 @@ def _derive_architecture(out: Conversion, flags) -> None:
   out.set('model.architecture', architecture, source,
           'ALiBi + embedding LayerNorm' if architecture == 'bloom' else
           'learned positions, no embedding LayerNorm')
+
+
+def _derive_bnb(out: Conversion, flags) -> None:
+  """Megatron-DeepSpeed's --use-bnb-optimizer: bitsandbytes' Adam8bit and its StableEmbedding
+  (Xavier-uniform init, an embedding LayerNorm, fp32 optimizer state for the embedding)."""
+  flag = '--use-bnb-optimizer'
+  if flag not in flags:
+    return
+  out.set('optimizer.name', 'adamw_8bit', flag, "bitsandbytes' Adam8bit: 8-bit block-wise "
+          'quantised moments, blocks of optimizer.quant_block_size=2048 values')
+  if out.get('model.architecture') == 'gpt2':
+    out.miss(flag, "StableEmbedding's LayerNorm is the bloom architecture's embedding LayerNorm; "
+             'gpt2 has none, so model.stable_embedding stays False', 'model.stable_embedding')
+    return
+  out.set('model.stable_embedding', True, flag, 'StableEmbedding: Xavier-uniform embedding, '
+          'the embedding LayerNorm, fp32 optimizer state for the embedding')
 
 
 def _derive_vocabulary(out: Conversion, flags) -> None:

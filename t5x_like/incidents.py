@@ -7,17 +7,39 @@ from __future__ import annotations
 from typing import Callable
 
 from t5x_like import alerts as alerts_lib
+from t5x_like import checkpoints
 from t5x_like.metrics import DivergenceWatch
 
 
 class IncidentReports:
   """Writes the reports to the run's log (`log`) and sends them (`alerts`); `checkpointer()` is
-  the run's open checkpoint manager."""
+  the run's open checkpoint manager, `save(state, progress)` saves a checkpoint, and
+  `resumed_iteration` is where this job started."""
 
   def __init__(self, log: Callable[[str], None], alerts: alerts_lib.Alerts, workdir: str,
-               ckpt_root: str, divergence: DivergenceWatch, checkpointer: Callable):
+               ckpt_root: str, divergence: DivergenceWatch, checkpointer: Callable,
+               save: Callable, resumed_iteration: int):
     self.log, self.alerts, self.workdir, self.ckpt_root = log, alerts, workdir, ckpt_root
     self.divergence, self.checkpointer = divergence, checkpointer
+    self.save, self.resumed_iteration = save, resumed_iteration
+
+  def save_or_stop(self, state, progress) -> bool:
+    """Saves; a state with non-finite params is never written: the run then stops as diverged.
+    Returns whether the run goes on."""
+    try:
+      self.save(state, progress)
+      return True
+    except checkpoints.NonFiniteStateError as e:
+      self.diverged(f'> {e}')
+      return False
+
+  def on_diverged(self, message: str, state) -> None:
+    """runtime.max_consecutive_nan reached: the skipped iterations left the state as the last
+    finite one left it, which is saved (if this job trained it), then the remedies."""
+    last = self.divergence.last_finite
+    if last.iteration > self.resumed_iteration:
+      self.save_or_stop(state, last)
+    self.diverged(message)
 
   def spike(self, message: str, iteration: int) -> None:
     """A spike, with the checkpoint from before it (kept past the keep policy) and the command

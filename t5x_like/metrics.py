@@ -335,6 +335,17 @@ def throughput_setup(cfg: Config, software: dict[str, Any]) -> dict[str, Any]:
   return json.loads(json.dumps(setup))  # as the checkpoint's meta holds it (lists, not tuples)
 
 
+def resumed_throughput_watch(cfg: Config, software: dict[str, Any], saved: dict[str, Any] | None
+                             ) -> tuple[ThroughputWatch, dict[str, Any], str | None]:
+  """The run's throughput watch, its setup, and the note on the checkpoint's baselines (`saved`:
+  the meta's 'throughput'), which seed the watch when their job ran on the same setup."""
+  # A GPU's step time is steady to 1-2%, so 5% is a real slowdown (tr11's slow GPU). A CPU's
+  # moves by 10-20% with whatever else the machine runs: only a larger change is.
+  watch = ThroughputWatch(threshold=0.25 if jax.devices()[0].platform == 'cpu' else 0.05)
+  setup = throughput_setup(cfg, software)
+  return watch, setup, seed_throughput(watch, saved, setup)
+
+
 def seed_throughput(watch: ThroughputWatch, saved: dict[str, Any] | None,
                     setup: dict[str, Any]) -> str | None:
   """Seeds `watch` with the checkpoint's step-time baselines (its meta's 'throughput') when its

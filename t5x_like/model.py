@@ -219,7 +219,12 @@ class Transformer(nn.Module):
     that applies the tied embedding itself (the chunked cross-entropy, t5x_like/losses.py)."""
     cfg, ctx = self.cfg, Context(self.cfg, self.mesh)
     std = cfg.weight_init_std
-    emb = _param(self, 'word_embeddings', nn.initializers.normal(std),
+    # StableEmbedding's Xavier-uniform: the init runs on the global [V_pad, h] shape (jitted
+    # into its shardings), so its fan is the whole vocabulary's on every tensor/pipeline shard,
+    # not a shard's (Megatron-DeepSpeed PR 182).
+    emb_init = (nn.initializers.xavier_uniform() if cfg.stable_embedding
+                else nn.initializers.normal(std))
+    emb = _param(self, 'word_embeddings', emb_init,
                  (self.padded_vocab, cfg.hidden_size), ('vocab', 'embed'))
     emb = emb.astype(ctx.dtype)
     x = jnp.take(emb, tokens, axis=0)  # vocab-split table: masked local lookup + all-reduce

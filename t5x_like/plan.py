@@ -14,6 +14,18 @@ compile is what training runs and what the memory figures describe).
 buffer assignment for this compile (t5x_like/memory_report.py): the state by kind, the buffers
 live at XLA's peak by what they hold, the heap's packing loss, the largest temporaries, and what
 the CPU compile overstates by keeping bf16 values in f32 buffers.
+
+Without compiling (t5x_like/cost_model.py, docs/planner.md), in milliseconds:
+
+  python -m t5x_like.plan --config CFG [--config.k=v ...] --estimate --gpu KIND [--json]
+  python -m t5x_like.plan --config CFG --search --gpus N --gpu KIND [--nodes-of 8] [--top K]
+      [--aot] [--json]
+
+--estimate: the config's step on its mesh of GPUs of KIND (a100-80gb, a100-40gb, h100-80gb,
+h200): seconds per iteration, TFLOP/s per GPU (Megatron's formula), memory per GPU and whether it
+fits, and the parts they add up from. --search: every valid (data, pipeline, tensor,
+micro-batch) for N GPUs at the config's model and global batch, those that fit first, each group
+by estimated time; --aot adds XLA's compiled memory (the compile above) for the top K.
 """
 
 from __future__ import annotations
@@ -23,12 +35,12 @@ import json
 import sys
 import time
 
-from t5x_like import memory_report, schedule, startup
+from t5x_like import cost_model, memory_report, schedule, startup
 from t5x_like.config import Config, ConfigError, load_config_file, parse_overrides
 
 
 def plan(cfg: Config) -> dict:
-  from t5x_like import metrics, partitioning
+  from t5x_like import metrics, optim, partitioning
   from t5x_like.train_state import make_layout
   from t5x_like.step import lower_train_step
   mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
@@ -50,6 +62,9 @@ def plan(cfg: Config) -> dict:
       'pipeline_repeats': cfg.pipeline.repeats,
       'num_microbatches': cfg.num_microbatches,
       'params': cfg.model.num_params(cfg.mesh.tensor),
+      # Adam state bytes per param: 8 for 'adamw', about 2 for 'adamw_8bit' (its codes+scales).
+      'optimizer_bytes_per_param': round(optim.bytes_per_param(
+          cfg.optimizer, layout.canonical.params, optim.fp32_state_params(cfg.model)), 4),
       'remat_policy': cfg.model.remat_policy,
       'compile_s': round(compile_s, 1),
       # Each (micro-batches, length) of the batch ramp-up and the curriculum is one more
@@ -132,6 +147,87 @@ def print_breakdown(report: dict) -> None:
         f'peak: {report["gpu_estimate_peak_gib"]:.2f} GiB. {breakdown["cpu_overstatement_note"]}')
 
 
+def check_model_arguments(args) -> None:
+  """One ConfigError for cost-model flags that do not go together."""
+  if not (args.estimate or args.search):
+    extra = [flag for flag, given in (('--gpu', args.gpu), ('--gpus', args.gpus),
+                                      ('--aot', args.aot), ('--nodes-of', args.nodes_of))
+             if given]
+    if extra:
+      raise ConfigError(f'{" and ".join(extra)} only apply to --estimate or --search; add one '
+                        'of them, or drop the cost-model flags to compile the config')
+    return
+  if args.gpu is None:
+    raise ConfigError(f'--estimate and --search need --gpu, one of: {", ".join(cost_model.GPUS)}')
+  cost_model.gpu_spec(args.gpu, args.nodes_of)
+  if args.unroll or args.breakdown:
+    raise ConfigError('--unroll and --breakdown describe a compile; --estimate and --search '
+                      'compile nothing (--search --aot adds the compiled memory)')
+  if args.estimate and (args.gpus is not None or args.aot):
+    raise ConfigError('--estimate takes the GPUs from the config\'s mesh (--config.mesh.data=...)'
+                      '; --gpus and --aot go with --search')
+  if args.search and args.gpus is None:
+    raise ConfigError('--search needs --gpus N, the GPUs to spread the model over')
+  if args.top < 1:
+    raise ConfigError(f'--top must be >= 1, got {args.top}')
+
+
+def _number(value) -> str:
+  return f'{value:.4g}' if isinstance(value, float) else str(value)
+
+
+def print_estimate(report: dict, as_json: bool) -> int:
+  if as_json:
+    print(json.dumps(report))
+    return 0
+  for key, value in report.items():
+    if key == 'memory_gib_by_category':
+      print(f'{"memory (GiB per GPU)":>32}:')
+      for name, gib in value.items():
+        print(f'{name:>40}: {gib:.3f}')
+    else:
+      print(f'{key:>32}: {_number(value)}')
+  return 0
+
+
+def run_search(cfg: Config, args) -> int:
+  """--search: the top K of the ranked topologies (a JSON list under --json), XLA's compiled
+  memory added to them under --aot."""
+  results = cost_model.search(cfg, args.gpus, args.gpu, args.nodes_of)
+  if not results:
+    raise ConfigError(f'no valid topology for {args.gpus} GPUs at this model and global batch '
+                      '(tensor must divide the heads and a node, the layers go over the stages '
+                      'with at most one padding slot, micro-batch x data must divide every '
+                      'ramp-up batch); change --gpus or the global batch')
+  top = results[:args.top]
+  if args.aot:
+    for r in top:
+      data, pipeline, tensor = r['mesh']
+      candidate = startup.check_config(cfg.replace(
+          mesh={'data': data, 'pipeline': pipeline, 'tensor': tensor},
+          train={'micro_batch_size': r['micro_batch_size']}))
+      compiled = plan(candidate)
+      r['aot_peak_gib'] = compiled['peak_gib']
+      r['aot_gpu_estimate_peak_gib'] = compiled.get('gpu_estimate_peak_gib')
+  if args.json:
+    print(json.dumps(top))
+    return 0
+  print(f'{len(results)} valid topologies for {args.gpus} x {args.gpu} '
+        f'({sum(r["fits"] for r in results)} fit); the top {len(top)}, fitting first, by '
+        'estimated time per iteration:')
+  aot = '  XLA peak' if args.aot else ''
+  print(f'{"rank":>4} {"DP":>4} {"PP":>3} {"TP":>3} {"MBS":>3} {"s/it":>7} {"TFLOP/s":>7} '
+        f'{"bubble":>6} {"GiB":>6}{aot}  fits')
+  for i, r in enumerate(top, 1):
+    data, pipeline, tensor = r['mesh']
+    compiled = f'  {r["aot_peak_gib"]:8.2f}' if args.aot else ''
+    print(f'{i:>4} {data:>4} {pipeline:>3} {tensor:>3} {r["micro_batch_size"]:>3} '
+          f'{r["estimated_step_s"]:7.1f} {r["estimated_tflops_per_gpu"]:7.1f} '
+          f'{r["bubble_fraction"]:6.1%} {r["estimated_memory_gib"]:6.1f}{compiled}  '
+          f'{"yes" if r["fits"] else "no: " + r["why_not"]}')
+  return 0
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog='python -m t5x_like.plan', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,12 +237,35 @@ def main(argv: list[str] | None = None) -> int:
                       help='print where the peak memory goes (always in --json)')
   parser.add_argument('--unroll', action='store_true',
                       help='unroll every scan so XLA counts each FLOP (slower compile)')
+  model = parser.add_argument_group('cost model (no compilation; docs/planner.md)')
+  mode = model.add_mutually_exclusive_group()
+  mode.add_argument('--estimate', action='store_true',
+                    help="estimate the config's step on its mesh of --gpu GPUs")
+  mode.add_argument('--search', action='store_true',
+                    help='rank every valid topology for --gpus GPUs of --gpu')
+  model.add_argument('--gpu', help='GPU kind: ' + ', '.join(cost_model.GPUS))
+  model.add_argument('--gpus', type=int, help='--search: how many GPUs')
+  model.add_argument('--nodes-of', type=int, default=0,
+                     help="GPUs per node (default: the kind's, 8)")
+  model.add_argument('--top', type=int, default=10, help='--search: how many to print')
+  model.add_argument('--aot', action='store_true',
+                     help="--search: add XLA's compiled memory for the top K (slow)")
   args, rest = parser.parse_known_args(argv)
   try:
     overrides = parse_overrides(rest)
     if args.unroll:
       overrides['model.scan_unroll'] = True
-    cfg = startup.check_config(load_config_file(args.config, overrides))
+    check_model_arguments(args)
+    cfg = load_config_file(args.config, overrides)
+    if args.estimate or args.search:
+      # Config and schedule arithmetic only: the mesh is the GPUs', not this machine's.
+      cfg.validate()
+      schedule.check(cfg)
+      if args.estimate:
+        return print_estimate(cost_model.estimate(cfg, args.gpu, nodes_of=args.nodes_of),
+                              args.json)
+      return run_search(cfg, args)
+    cfg = startup.check_config(cfg)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

@@ -1,7 +1,8 @@
 """Where a run starts: `plan(cfg, workdir)` reads the workdir's checkpoints (metadata only, no
 array, no JAX backend) and returns a ResumePlan, or raises the CheckpointError/ConfigError that
-refuses the run. It writes nothing: the Trainer acts on the plan once the run really starts, and
-`initial_state(plan, layout, log)` restores the state it names.
+refuses the run. It writes nothing: `initial_state(plan, layout, log)` restores the state it
+names, and `begin(plan, ...)` acts on it once the run really starts (the workdir changes from
+there on).
 
 A workdir with a complete checkpoint resumes its latest step with the checkpoint's data order;
 `checkpoint.*` restart controls decide the optimizer state, the learning-rate schedule and the
@@ -14,8 +15,10 @@ import dataclasses
 import os
 from typing import Any, Callable
 
-from t5x_like import checkpoints, provenance
+from t5x_like import checkpoints, distributed, optim, provenance
+from t5x_like import workdir as workdir_lib
 from t5x_like.config import Config
+from t5x_like.data import replay
 from t5x_like.train_state import Progress, StateLayout, TrainState
 
 
@@ -73,8 +76,14 @@ def plan(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -> R
   checkpoints.check_lr_schedule(meta, cfg, what)
   notes: list[str] = []
   resumed_cfg, data_seed = resumed_config(cfg, meta, notes)
+  # The blend order, like the data seed, is the checkpoint's: another would reorder the samples.
+  if saved_cfg.data.blend_order != resumed_cfg.data.blend_order:
+    notes.append(f'> data order: blend order {saved_cfg.data.blend_order!r} of the checkpoint '
+                 f'(data.blend_order={resumed_cfg.data.blend_order!r} applies to new runs)')
+    resumed_cfg = resumed_cfg.replace(data={'blend_order': saved_cfg.data.blend_order})
   load_optimizer = cfg.checkpoint.load_optimizer or reset_done
   if load_optimizer:
+    optim.check_same_state_format(saved_cfg, cfg, what)
     adam_count_base = dict(meta['adam_count_base'])
   else:
     adam_count_base = {'iteration': progress.iteration,
@@ -141,3 +150,37 @@ def resumed_config(cfg: Config, meta: dict[str, Any], notes: list[str]) -> tuple
                  'checkpoint.load_rng=False would use it)')
     return cfg.replace(train={'seed': saved_seed}), data_seed
   return cfg, data_seed
+
+
+def begin(plan: ResumePlan, progress: Progress, layout: StateLayout, writer, workdir: str,
+          is_writer: bool) -> checkpoints.Checkpointer:
+  """The run really starts: damaged checkpoints are moved aside, the checkpoint manager opens,
+  the records past the resumed iteration are dropped (`writer`: the run's metrics.MetricsWriter,
+  open), and the config and this job are recorded. Returns the open checkpoint manager."""
+  cfg = plan.config
+  if is_writer:
+    for step, problem in sorted(plan.damaged.items()):
+      moved = checkpoints.move_damaged_aside(plan.ckpt_root, step)
+      writer.info(f'> checkpoint {step} is damaged ({problem}): moved aside to {moved}; it is '
+                  'not restored and not counted by the keep policy')
+    if plan.damaged:
+      writer.info(f'> the run resumes from '
+                  f'{f"checkpoint {progress.iteration}" if plan.steps else "scratch"}'
+                  f' (complete checkpoints: {plan.steps or "none"})')
+  if distributed.joined().is_multi_process:
+    # No process opens the checkpoint manager while process 0 still moves damaged steps.
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices('t5x_like: damaged checkpoints moved aside')
+  checkpointer = checkpoints.Checkpointer(
+      plan.ckpt_root, cfg.checkpoint.save_interval, cfg.checkpoint.max_to_keep, layout,
+      keep_period=cfg.checkpoint.keep_period, kept_steps=plan.meta.get('kept_steps', []))
+  # Records after the resumed iteration were written by a job that died before saving again;
+  # with no checkpoint at all, the run starts its records afresh.
+  writer.truncate_after(progress.iteration, progress.consumed_samples, progress.consumed_tokens)
+  writer.config_text(cfg.to_json(), progress.iteration + 1)
+  if is_writer:
+    workdir_lib.atomic_write_text(os.path.join(workdir, 'config.json'), cfg.to_json() + '\n')
+    # The config and data seed of each job, from its first iteration on: the batch of any
+    # iteration can be rebuilt after the config changed between jobs (data/replay.py).
+    replay.record_job(workdir, progress.iteration + 1, cfg, plan.data_seed)
+  return checkpointer

@@ -37,6 +37,12 @@ class Progress:
   skipped_iterations: int = 0
   nan_iterations: int = 0
 
+  def advance(self, global_batch_size: int, seq_len: int) -> None:
+    """One more iteration: its global batch of samples, each `seq_len` tokens long."""
+    self.iteration += 1
+    self.consumed_samples += global_batch_size
+    self.consumed_tokens += global_batch_size * seq_len
+
 
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
@@ -159,10 +165,7 @@ def _abstract_state(mesh, optimizer, shapes, param_shardings) -> TrainState:
   abstract_opt = jax.eval_shape(optimizer.init, shapes)
   replicated = NamedSharding(mesh, P())
   # Adam moments take their parameter's ZeRO sharding; scalars (the step count) are replicated.
-  opt_shardings = optax.tree_map_params(
-      optimizer, lambda _, sharding: sharding, abstract_opt, param_shardings,
-      transform_non_params=lambda _: replicated,
-      is_leaf=lambda x: isinstance(x, NamedSharding))
+  opt_shardings = optim.state_shardings(optimizer, abstract_opt, param_shardings, replicated)
   with_sharding = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
   return TrainState(
       params=jax.tree.map(with_sharding, shapes, param_shardings),
@@ -179,7 +182,7 @@ def make_layout(cfg: Config, mesh: Mesh) -> StateLayout:
   shapes = jax.tree_util.tree_map_with_path(
       lambda path, s: jax.ShapeDtypeStruct(pipeline.storage_shape(plan, path, s.shape), s.dtype),
       canonical_shapes)
-  optimizer = optim.make_optimizer(cfg.optimizer, shapes)
+  optimizer = optim.make_optimizer(cfg.optimizer, shapes, optim.fp32_state_params(cfg.model))
   shape_of = lambda tree: jax.tree.map(lambda s: s.shape, tree)
   splits = partitioning.tree_zero_splits(mesh, names, shape_of(shapes))
   is_split = lambda x: isinstance(x, partitioning.ZeroSplit)

@@ -31,7 +31,7 @@ from t5x_like import profiling, resume, runtime, schedule, startup
 from t5x_like import workdir as workdir_lib
 from t5x_like.checkpoint_cadence import CheckpointCadence
 from t5x_like.config import Config, ConfigError
-from t5x_like.data import batches, replay, sources
+from t5x_like.data import batches, sources
 from t5x_like.data.indexed import DataError
 from t5x_like.data.tokenizer import Tokenizer
 from t5x_like.evaluate import TrainingEvaluator
@@ -90,14 +90,10 @@ class Trainer:
       self.warmup_end_tokens = (schedule.warmup_end_tokens(cfg) if cfg.optimizer.decay_tokens
                                 else 0)
       self.steps = CompiledSteps(cfg, self.layout, self.writer.info, self.watchdog.suspended)
-      self.skipping = False  # inside a run of data.skip_train_iteration_range iterations
-      # A GPU's step time is steady to 1-2%, so 5% is a real slowdown (tr11's slow GPU). A
-      # CPU's moves by 10-20% with whatever else the machine runs: only a larger change is.
-      self.throughput = metrics.ThroughputWatch(
-          threshold=0.25 if jax.devices()[0].platform == 'cpu' else 0.05)
-      self.throughput_setup = metrics.throughput_setup(cfg, self.plan.software)
-      self.throughput_note = metrics.seed_throughput(
-          self.throughput, self.plan.meta.get('throughput'), self.throughput_setup)
+      self.skipped = batches.SkippedIterations(cfg, self.writer.info)
+      self.throughput, self.throughput_setup, self.throughput_note = (
+          metrics.resumed_throughput_watch(cfg, self.plan.software,
+                                           self.plan.meta.get('throughput')))
       self.spikes = metrics.SpikeWatch(rt.spike_window, rt.spike_loss_threshold,
                                        rt.spike_grad_factor)
       self.divergence = metrics.DivergenceWatch(rt.max_consecutive_nan,
@@ -106,7 +102,8 @@ class Trainer:
       # compilation cache is set).
       self.peak = metrics.PeakReference(cfg.model.dtype)
       self.incidents = IncidentReports(self.writer.info, self.alerts, self.workdir,
-                                       self.ckpt_root, self.divergence, lambda: self.checkpointer)
+                                       self.ckpt_root, self.divergence, lambda: self.checkpointer,
+                                       self.save_checkpoint, self.plan.progress.iteration)
       self.evaluator = TrainingEvaluator(cfg, self.layout, self.batch_sharding, self.data,
                                          self.writer, self.watchdog)
       self.replica_check = partitioning.ReplicaCheck(self.writer.info, self.alerts.send,
@@ -127,10 +124,10 @@ class Trainer:
     hooks.add_hook(metrics.throughput_hook(self.throughput, self.writer.info, self.alerts.send,
                                            cfg.curriculum.enabled))
     hooks.add_hook(metrics.spike_hook(self.spikes, self.incidents.spike))
-    hooks.add_hook(metrics.divergence_hook(self.divergence, self.on_diverged))
+    hooks.add_hook(metrics.divergence_hook(self.divergence, self.incidents.on_diverged))
     if cfg.runtime.replica_check_interval:
       hooks.add_hook(self.replica_check, every=cfg.runtime.replica_check_interval)
-    cadence = CheckpointCadence(self.save_or_stop, lambda n: self.checkpointer.should_save(n),
+    cadence = CheckpointCadence(self.incidents.save_or_stop, lambda n: self.checkpointer.should_save(n),
                                 self.divergence, self.watchdog.beat, self._close_checkpointer)
     hooks.add_hook(cadence.iteration_hook)
     if cfg.eval.interval:
@@ -145,40 +142,13 @@ class Trainer:
     return hooks
 
   def start(self, progress: Progress) -> None:
-    """The run really starts: from here on the workdir changes. Damaged checkpoints are moved
-    aside, the checkpoint manager opens, records past the resumed iteration are dropped, and the
-    config and this job are recorded."""
-    cfg, plan = self.cfg, self.plan
+    """The run really starts: from here on the workdir changes (resume.begin)."""
     self.started = True
     self.writer.open()
-    if self.is_writer:
-      for step, problem in sorted(plan.damaged.items()):
-        moved = checkpoints.move_damaged_aside(self.ckpt_root, step)
-        self.writer.info(f'> checkpoint {step} is damaged ({problem}): moved aside to {moved}; '
-                         f'it is not restored and not counted by the keep policy')
-      if plan.damaged:
-        self.writer.info(f'> the run resumes from '
-                         f'{f"checkpoint {progress.iteration}" if plan.steps else "scratch"}'
-                         f' (complete checkpoints: {plan.steps or "none"})')
-    if distributed.joined().is_multi_process:
-      # No process opens the checkpoint manager while process 0 still moves damaged steps.
-      from jax.experimental import multihost_utils
-      multihost_utils.sync_global_devices('t5x_like: damaged checkpoints moved aside')
-    self.checkpointer = checkpoints.Checkpointer(
-        self.ckpt_root, cfg.checkpoint.save_interval, cfg.checkpoint.max_to_keep, self.layout,
-        keep_period=cfg.checkpoint.keep_period, kept_steps=plan.meta.get('kept_steps', []))
-    self.compilation_cache = use_compilation_cache(self.workdir, cfg.runtime.compilation_cache_dir)
-    # Records after the resumed iteration were written by a job that died before saving again;
-    # with no checkpoint at all, the run starts its records afresh.
-    self.writer.truncate_after(progress.iteration, progress.consumed_samples,
-                               progress.consumed_tokens)
-    self.writer.config_text(cfg.to_json(), progress.iteration + 1)
-    if self.is_writer:
-      workdir_lib.atomic_write_text(os.path.join(self.workdir, 'config.json'),
-                                    cfg.to_json() + '\n')
-      # The config and data seed of each job, from its first iteration on: the batch of any
-      # iteration can be rebuilt after the config changed between jobs (data/replay.py).
-      replay.record_job(self.workdir, progress.iteration + 1, cfg, self.data_seed)
+    self.checkpointer = resume.begin(self.plan, progress, self.layout, self.writer, self.workdir,
+                                     self.is_writer)
+    self.compilation_cache = use_compilation_cache(self.workdir,
+                                                   self.cfg.runtime.compilation_cache_dir)
 
   def release(self) -> None:
     """Ends the run's hold on its workdir (its lock); no-op when already released."""
@@ -206,26 +176,6 @@ class Trainer:
 
   def step_for(self, global_batch_size: int, seq_len: int):
     return self.steps.get(global_batch_size, seq_len)
-
-  # ------------------------------------------------------------------------------ incidents
-
-  def save_or_stop(self, state: TrainState, progress: Progress) -> bool:
-    """Saves; a state with non-finite params is never written: the run then stops as diverged.
-    Returns whether the run goes on."""
-    try:
-      self.save_checkpoint(state, progress)
-      return True
-    except checkpoints.NonFiniteStateError as e:
-      self.incidents.diverged(f'> {e}')
-      return False
-
-  def on_diverged(self, message: str, state: TrainState) -> None:
-    """runtime.max_consecutive_nan reached: the skipped iterations left the state as the last
-    finite one left it, which is saved (if this job trained it), then the remedies."""
-    last = self.divergence.last_finite
-    if last.iteration > self.plan.progress.iteration:
-      self.save_or_stop(state, last)
-    self.incidents.diverged(message)
 
   # ------------------------------------------------------------------------------------ loop
 
@@ -287,10 +237,9 @@ class Trainer:
 
   def _train(self, stop: runtime.StopConditions) -> Progress:
     cfg = self.cfg
-    for line in startup.report_lines(cfg, self.layout, self.plan.software, jax.device_count(),
-                                     jax.devices()[0].platform):
-      self.writer.info(line)
-    for line in startup.parameter_table(self.layout.logical.params):
+    for line in (startup.report_lines(cfg, self.layout, self.plan.software, jax.device_count(),
+                                      jax.devices()[0].platform)
+                 + startup.parameter_table(self.layout.logical.params)):
       self.writer.info(line)  # process 0's log only, as every line
     # Everything that can refuse the run comes before start(): the restore and the data check.
     state, progress = self.initial_state()
@@ -328,7 +277,7 @@ class Trainer:
                          f'{stop.describe(info.stop_reason)}')
         break
       if cfg.data.skips(progress.iteration + 1):
-        self.skip_iteration(progress, total)
+        self.skipped.skip(progress, total)
         info = StepInfo(progress, state, start_iteration=start_iteration)
       else:
         self.profiler.before_iteration(progress.iteration + 1)
@@ -342,28 +291,12 @@ class Trainer:
     self.stop_reason, self.final_state = info.stop_reason, state
     return progress
 
-  def skip_iteration(self, progress: Progress, total: int) -> None:
-    """data.skip_train_iteration_range: the iteration's samples are consumed, nothing trains;
-    the optimizer does not step, so it counts as a skipped iteration (Adam's count agrees)."""
-    first = progress.iteration + 1
-    if not self.skipping:  # the first of a run of skipped iterations
-      self.skipping = True
-      last = next(b for a, b in self.cfg.data.skip_ranges() if a <= first <= b)
-      self.writer.info(f'> data.skip_train_iteration_range: iterations {first}-{min(last, total)}'
-                       f' consume their samples without training (from sample '
-                       f'{progress.consumed_samples})')
-    gbs = schedule.global_batch_size_at(self.cfg.train, progress.consumed_samples)
-    progress.iteration += 1
-    progress.consumed_samples += gbs
-    progress.consumed_tokens += gbs * schedule.seq_len_at(self.cfg, progress.iteration)
-    progress.skipped_iterations += 1
-
   def train_iteration(self, state: TrainState,
                       progress: Progress) -> tuple[TrainState, dict, bool]:
     """One train step on the next global batch. Returns the new state, the iteration's metrics
     record and whether the step was finite (a non-finite one changed nothing)."""
     cfg = self.cfg
-    self.skipping = False
+    self.skipped.trained()
     seq = schedule.seq_len_at(cfg, progress.iteration + 1)
     padded_seq = schedule.padded_seq_len_at(cfg, progress.iteration + 1)  # what the step runs at
     gbs = schedule.global_batch_size_at(cfg.train, progress.consumed_samples)
@@ -377,9 +310,7 @@ class Trainer:
     state, stats = compiled(state, batch, np.float32(lr), np.int32(progress.iteration))
     stats = jax.device_get(stats)
     elapsed = time.perf_counter() - start
-    progress.iteration += 1
-    progress.consumed_samples += gbs
-    progress.consumed_tokens += gbs * seq
+    progress.advance(gbs, seq)
     progress.skipped_iterations += int(not stats['finite'])
     progress.nan_iterations += int(not stats['loss_finite'])
     bubble = (self.layout.plan.bubble_fraction(step_micro, cfg.pipeline.microbatch_group)

@@ -115,6 +115,24 @@ def check(result, code, fragment):
       '--config.data.train_weighted_split_paths=train: 1 0:0.95 {tmp}/en',
       '--config.data.root={tmp}/no_such_dir', '--config.eval.interval=0'], 2,
      "no_such_dir' is not a directory; point it at the directory that holds"),
+    # seqio Tasks and Mixtures (data.mixture_or_task; tests/data/test_seqio_tasks.py has the rows
+    # that need a registry module of their own).
+    (['--config', TINY, '--config.data.split=969,30,1',
+      '--config.data.mixture_or_task=no_such_task'], 2,
+     "data.mixture_or_task='no_such_task' is not a registered seqio Task or Mixture (a Task of "
+     'your own: name its module in data.mixture_or_task_module); registered: t5x_like_corpus, '
+     't5x_like_corpus_mix, t5x_like_corpus_reference, t5x_like_corpus_stdlib'),
+    (['--config', TINY, '--config.data.split=969,30,1',
+      '--config.data.mixture_or_task=t5x_like_corpus_mix',
+      '--config.data.mixture_or_task_module=no_such_registry'], 2,
+     "data.mixture_or_task_module='no_such_registry' failed to import: ModuleNotFoundError: No "
+     "module named 'no_such_registry'"),
+    (['--config', TINY, '--config.data.mixture_or_task=t5x_like_corpus_mix'], 2,
+     "data.mixture_or_task='t5x_like_corpus_mix' names the training data and its splits itself, "
+     "and data.split too; keep one of the two"),
+    (['--config', TINY, '--config.data.mixture_or_task_module=my_tasks'], 2,
+     "data.mixture_or_task_module='my_tasks' registers seqio Tasks for data.mixture_or_task, "
+     'which is empty'),
     # After the data is opened, before anything compiles: tiny's test split holds 97 samples.
     (['--config', TINY, '--config.eval.iters=7'], 2,
      "the evaluation set 'test' holds 97 samples, fewer than the 112 an evaluation reads "

@@ -219,13 +219,13 @@ def uninterrupted(tmp_path_factory):
   return losses_of(workdir), env
 
 
-def _kill_9_at(point: str, workdir, env) -> None:
-  """Starts TINY's run stopping at `point`, and SIGKILLs it there."""
+def _kill_9_at(point: str, workdir, env, args=TINY) -> None:
+  """Starts TINY's run (or `args`') stopping at `point`, and SIGKILLs it there."""
   reached = str(workdir) + '.reached'
   log_path = str(workdir) + '.log'
   with open(log_path, 'w') as log:
     process = subprocess.Popen(
-        [sys.executable, '-c', _STOPPING_TRAINER, *TINY, '--workdir', str(workdir)], cwd=REPO,
+        [sys.executable, '-c', _STOPPING_TRAINER, *args, '--workdir', str(workdir)], cwd=REPO,
         env={**os.environ, **env, 'KILL_POINT': point, 'REACHED': reached}, stdout=log,
         stderr=subprocess.STDOUT)
     try:

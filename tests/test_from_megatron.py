@@ -559,7 +559,7 @@ TR8B_EXPECTED = {
                   seq_len=2048, seed=43, rampup_batch_size=()),
     'optimizer': dict(lr=6e-5, min_lr=6e-6, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
                       clip_grad=1.0, warmup_samples=3_750_000, decay_samples=600_000_000,
-                      decay_style='cosine', decay_tokens=260_000_000_000),
+                      decay_style='cosine', decay_tokens=260_000_000_000, name='adamw_8bit'),
     'curriculum': dict(min_seq_len=64, total_iterations=36000, difficulty_step=8,
                        schedule='fixed_linear'),
     'data': dict(train_path='/data/datasets-custom/oscar-en/meg-gpt2_text_document',
@@ -590,10 +590,22 @@ def test_tr8b_curriculum_and_bnb_convert_and_report_what_is_missing(tmp_path):
   assert raw == TR8B_EXPECTED
   assert code == 1
   not_mapped = report.split('NOT MAPPED (3):')[1]
-  assert '--use-bnb-optimizer: 8-bit Adam is not available yet: issue 26' in not_mapped
+  # bnb's Adam8bit maps; its StableEmbedding needs bloom's embedding LayerNorm (tr8b is gpt2).
+  assert "--use-bnb-optimizer -> optimizer.name = 'adamw_8bit'" in report
+  assert "--use-bnb-optimizer: StableEmbedding's LayerNorm is the bloom" in not_mapped
   assert '--fp16:' in not_mapped and '--train-tokens 300_000_000_000:' in not_mapped
   assert '-> mesh.data = 4' in report  # $SLURM_NNODES from #SBATCH --nodes=64
   assert '# NOT MAPPED' in out.read_text()
+
+
+def test_bnb_optimizer_on_bloom_maps_to_8bit_adam_and_stable_embedding(tmp_path):
+  script = TR11_SCRIPT.replace('    --embed-layernorm \\\n',
+                               '    --embed-layernorm \\\n    --use-bnb-optimizer \\\n')
+  assert '--use-bnb-optimizer' in script
+  code, raw, report, _ = convert_file(tmp_path, script, tr11_files(tmp_path))
+  assert code == 0, report
+  assert raw['optimizer']['name'] == 'adamw_8bit' and raw['model']['stable_embedding'] is True
+  assert '--use-bnb-optimizer -> model.stable_embedding = True' in report
 
 
 def test_tr11_converts_to_configs_bloom_176b_on_every_shared_key(tmp_path):
@@ -613,22 +625,35 @@ def test_tr11_converts_to_configs_bloom_176b_on_every_shared_key(tmp_path):
   assert '--pp-partition-method type:transformer|embedding: stages hold' in report
 
 
-def test_converted_config_trains_the_tiny_model(tmp_path):
-  code, _, report, out = convert_file(tmp_path, TR11_SCRIPT, tr11_files(tmp_path))
-  assert code == 0, report
+# The tiny model's shape and scale over a converted config: what each run's own script sets
+# stays (architecture, seed, betas, dropout, the optimizer and curriculum kinds).
+TINY_SHAPE = ['model.num_layers=1', 'model.hidden_size=32', 'model.num_heads=4',
+              'model.ffn_hidden_size=0', 'model.vocab_size=8192', 'model.pad_vocab_size_to=0',
+              'model.dtype=float32', 'model.remat_policy=none', 'train.train_samples=0',
+              'train.steps=2', 'train.seq_len=32', 'train.global_batch_size=4',
+              'train.micro_batch_size=2', 'train.rampup_batch_size=()',
+              'optimizer.warmup_samples=4', 'optimizer.decay_samples=8', 'mesh.data=1',
+              'mesh.pipeline=1', 'mesh.tensor=1', 'eval.interval=0', 'checkpoint.save_interval=0',
+              'runtime.kill_switch_path=', 'runtime.exit_duration_mins=0']
+# Each run's data and schedule scaled to the embedded corpus and 2 iterations of 32 tokens.
+EMBEDDED_DATA = {
+    'tr8': ['data.train_path=', 'data.split=959,30,11'],
+    'tr8b': ['data.train_path=', 'data.split=959,30,11', 'optimizer.decay_tokens=256',
+             'curriculum.min_seq_len=8', 'curriculum.total_iterations=2'],
+    'tr11': ['data.train_weighted_split_paths=()', 'data.valid_weighted_split_paths=()'],
+}
+
+
+@pytest.mark.parametrize('run', ['tr8', 'tr8b', 'tr11'])
+def test_converted_config_trains_the_tiny_model(tmp_path, run):
+  script, sets, expected = {
+      'tr8': (TR8_SCRIPT, ['six_ALL_CCFRWORK=/data'], TR8_EXPECTED),
+      'tr8b': (TR8B_SCRIPT, ['six_ALL_CCFRWORK=/data'], TR8B_EXPECTED),
+      'tr11': (TR11_SCRIPT, [tr11_files(tmp_path)], None)}[run]
+  code, raw, report, out = convert_file(tmp_path, script, *sets)
+  assert code in (0, 1), report  # tr8 and tr8b report their fp16 (exit code 1)
   workdir = tmp_path / 'run'
-  tiny = ['model.num_layers=1', 'model.hidden_size=32', 'model.num_heads=4',
-          'model.vocab_size=8192', 'model.pad_vocab_size_to=0', 'model.dtype=float32',
-          'model.remat_policy=none', 'train.train_samples=0', 'train.steps=2',
-          'train.seq_len=32', 'train.global_batch_size=4', 'train.micro_batch_size=2',
-          'train.rampup_batch_size=()', 'optimizer.warmup_samples=4',
-          'optimizer.decay_samples=8', 'mesh.data=1', 'mesh.pipeline=1', 'mesh.tensor=1',
-          'eval.interval=0', 'checkpoint.save_interval=0', 'runtime.kill_switch_path=',
-          'runtime.exit_duration_mins=0']
-  overrides = [f'--config.{o}' for o in tiny]
-  # The embedded corpus instead of tr11's files.
-  overrides += ['--config.data.train_weighted_split_paths=()',
-                '--config.data.valid_weighted_split_paths=()']
+  overrides = [f'--config.{o}' for o in TINY_SHAPE + EMBEDDED_DATA[run]]
   r = run_cli(['-m', 't5x_like.train', '--config', str(out), '--workdir', str(workdir),
                *overrides])
   assert r.returncode == 0, r.stderr[-3000:]
@@ -638,8 +663,23 @@ def test_converted_config_trains_the_tiny_model(tmp_path):
   with open(workdir / 'config.json') as f:
     recorded = json.load(f)
   # What the conversion set and the overrides left alone reached the run.
-  assert recorded['train']['seed'] == 42 and recorded['model']['architecture'] == 'bloom'
-  assert recorded['optimizer']['beta2'] == 0.95 and recorded['model']['hidden_dropout'] == 0.1
+  kept = [(section, key) for section, key in (
+      ('train', 'seed'), ('model', 'architecture'), ('optimizer', 'beta2'),
+      ('optimizer', 'name'), ('model', 'hidden_dropout'), ('data', 'skip_train_iteration_range'))
+      if key in raw[section]]
+  assert len(kept) >= 4
+  for section, key in kept:
+    want = raw[section][key]
+    assert recorded[section][key] == (list(want) if isinstance(want, tuple) else want), key
+  if expected is not None:
+    assert recorded['model']['architecture'] == expected['model']['architecture'] == 'gpt2'
+  if run == 'tr8b':  # bnb's 8-bit Adam and the curriculum of the DeepSpeed JSON trained
+    assert recorded['optimizer']['name'] == 'adamw_8bit'
+    assert recorded['curriculum']['schedule'] == 'fixed_linear'
+    assert rows[0]['seq_len'] < rows[1]['seq_len'] == 32
+  if run == 'tr11':
+    assert recorded['train']['seed'] == 42 and recorded['model']['architecture'] == 'bloom'
+    assert recorded['optimizer']['beta2'] == 0.95 and recorded['model']['hidden_dropout'] == 0.1
 
 
 MINIMAL = '''NLAYERS=${NLAYERS:-2}

@@ -96,3 +96,29 @@ def check_run_data(cfg: Config, data, sharding, consumed_samples: int) -> list[s
     lines.append(f'> data: {name}: {drawn} of the run\'s {total} training samples, '
                  f'{drawn / per_epoch:.3g} epoch(s) of its {per_epoch} training samples')
   return lines
+
+
+class SkippedIterations:
+  """data.skip_train_iteration_range: a skipped iteration consumes its samples and trains
+  nothing; the optimizer does not step, so it counts as a skipped iteration (Adam's count
+  agrees). The first of each run of skipped iterations is logged."""
+
+  def __init__(self, cfg: Config, log):
+    self.cfg, self.log = cfg, log
+    self.in_range = False  # inside a run of skipped iterations
+
+  def skip(self, progress, total: int) -> None:
+    first = progress.iteration + 1
+    if not self.in_range:
+      self.in_range = True
+      last = next(b for a, b in self.cfg.data.skip_ranges() if a <= first <= b)
+      self.log(f'> data.skip_train_iteration_range: iterations {first}-{min(last, total)} '
+               f'consume their samples without training (from sample '
+               f'{progress.consumed_samples})')
+    gbs = schedule.global_batch_size_at(self.cfg.train, progress.consumed_samples)
+    progress.advance(gbs, schedule.seq_len_at(self.cfg, first))
+    progress.skipped_iterations += 1
+
+  def trained(self) -> None:
+    """An iteration trained: the next skipped one starts a new run."""
+    self.in_range = False

@@ -1,47 +1,245 @@
-"""Weighted blending of several sample sources, close to the weights at every prefix and
-index-addressable.
+"""Weighted blending of several sample sources: every prefix of the sample stream holds each
+dataset's share to within one sample, and any sample's dataset is found from its index alone.
 
-Megatron gives each next sample to the dataset whose count is furthest below its share, so that
-the first n samples of training follow the weights to within about one sample per dataset, for
-every n. That rule is sequential: the state at sample 200,000,000 needs 200,000,000 steps (C++ in
-Megatron, cached index files on disk).
+The blend of a run is one of two orders, named by `data.blend_order` (recorded with the run):
 
-This module reaches the same property with an ordering that has a closed form: dataset d's k-th
-sample gets the key (k + 1/2) / w_d (the time at which an exact share would reach k + 1/2
-samples), and training takes the samples in the order of their keys (ties: lower dataset index
-first; float64 keys, so every host computes the same order). That is the Sainte-Laguë (Webster)
-divisor sequence. How many of dataset d's samples lie among the first n is then a count of keys
-below a threshold, so the datasets and per-dataset indices of any slice of training are computed
-from (weights, slice) alone, in time proportional to the slice. Its deviation from the exact mix
-measures like Megatron's: within one sample for a few datasets, up to about two with many skewed
-weights (tr11's 28: 1.78 over the first 10^6 samples; docs/data.md), not below one at every
-prefix.
+* 'quota' (`Blend`, the default): at every prefix k, each dataset d has floor(w_d k) or
+  ceil(w_d k) samples, i.e. |count_d - w_d k| < 1 for any number of datasets and any weights
+  (Balinski and Young's quota property; Tijdeman, "The chairman assignment problem", 1980,
+  proves such an order exists). Dataset d's j-th sample (1-based) is then due in the slots t
+  (1-based) with ceil(w_d t) >= j and floor(w_d (t - 1)) < j: a window, and an order is quota
+  exactly when each sample lies in its window. The stream is cut into chunks of CHUNK samples.
+  The counts at each chunk boundary come from the one before by a few vectorised steps (below),
+  and a chunk's order is earliest-deadline-first over its samples' windows (exact for unit jobs
+  with integer windows). A lookup replays one chunk; the boundary counts are a table of
+  8 x datasets bytes per CHUNK samples, grown once per process up to the highest sample asked
+  for. Why the boundaries are always reachable and never a dead end: `Blend._next_boundary`.
+* 'divisor' (`DivisorBlend`, the order of runs started before the quota order): dataset d's k-th
+  sample (0-based) has the key (k + 1/2) / w_d (Sainte-Laguë's divisor sequence) and training
+  takes them in key order, so counts are closed-form; its drift from the weights reaches 1.78
+  samples on tr11's 28 weights and 2.56 on 50 Dirichlet(0.3) weights.
+
+Both keep Megatron's blend semantics: a sample's index within its dataset is the count of that
+dataset's samples before it, so each dataset is read in order, once per epoch of its own.
 """
 
 from __future__ import annotations
 
+import heapq
+import threading
 from collections.abc import Sequence
 
 import numpy as np
 
+# Samples per chunk of the quota order. Part of the order's definition: another value gives
+# another (equally exact) order, so it never changes under a run.
+CHUNK = 8192
+# Deadlines beyond int64's comfortable range (a share so small that its next sample is due after
+# 2^62 samples) are clipped: they only rank the samples, and never bind.
+_FAR = 2 ** 62
+
+
+def shares(weights: Sequence[float]) -> np.ndarray:
+  """The weights normalised to sum 1, float64 [D]; ValueError for weights no blend can take."""
+  weights = np.asarray(weights, dtype=np.float64)
+  if weights.ndim != 1 or len(weights) < 1 or not np.all(np.isfinite(weights)) or np.any(
+      weights <= 0):
+    raise ValueError(f'blend weights must be positive and finite, got {weights.tolist()}')
+  with np.errstate(over='ignore', divide='ignore'):
+    total = weights.sum()
+    normalised = weights / total
+    # An infinite sum makes every share 0 (and an overflowing 1/share an infinite key): the
+    # searches of either order would then never end.
+    if not np.isfinite(total) or not np.all(np.isfinite(1.0 / normalised)):
+      raise ValueError(f'blend weights must have a finite sum and shares whose inverse is '
+                       f'finite, got {weights.tolist()}; scale them to moderate values')
+  return normalised
+
 
 class Blend:
-  """Which dataset, and which of its samples, each global sample of a weighted mix is."""
+  """The quota order: which dataset, and which of its samples, each global sample is."""
+
+  name = 'quota'
 
   def __init__(self, weights: Sequence[float]):
-    weights = np.asarray(weights, dtype=np.float64)
-    if weights.ndim != 1 or len(weights) < 1 or not np.all(np.isfinite(weights)) or np.any(
-        weights <= 0):
-      raise ValueError(f'blend weights must be positive and finite, got {weights.tolist()}')
-    with np.errstate(over='ignore', divide='ignore'):
-      total = weights.sum()
-      shares = weights / total
-      # An infinite sum makes every share 0 (and an overflowing 1/share an infinite key): the
-      # threshold searches of _ordered_window would then never end.
-      if not np.isfinite(total) or not np.all(np.isfinite(1.0 / shares)):
-        raise ValueError(f'blend weights must have a finite sum and shares whose inverse is '
-                         f'finite, got {weights.tolist()}; scale them to moderate values')
-    self.weights = shares
+    self.weights = shares(weights)
+    # _boundaries[c]: each dataset's count among the first c * CHUNK samples.
+    self._boundaries = [np.zeros(len(self.weights), np.int64)]
+    self._chunks: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # a few recent chunk orders
+    self._lock = threading.Lock()  # the table grows lazily; one writer at a time
+
+  def _fewest(self, t, w=None) -> np.ndarray:
+    """floor(w t): the fewest samples of each dataset that the first t may hold."""
+    return np.floor((self.weights if w is None else w) * t).astype(np.int64)
+
+  def _most(self, t, w=None) -> np.ndarray:
+    """ceil(w t): the most samples of each dataset that the first t may hold."""
+    return np.ceil((self.weights if w is None else w) * t).astype(np.int64)
+
+  @staticmethod
+  def _release(w: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """First slot t (1-based) that may hold a dataset's j-th sample: the first with
+    ceil(w t) >= j, settled with the very products that _most computes."""
+    t = np.minimum(np.floor((j - 1) / w), _FAR).astype(np.int64) + 1
+    while True:
+      down = (t > 1) & (w * (t - 1) > j - 1)
+      up = (t <= _FAR) & ~(w * t > j - 1)
+      if not (down.any() or up.any()):
+        return t
+      t = t - down + up
+
+  @staticmethod
+  def _deadline(w: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """Last slot that may hold a dataset's j-th sample: the first t with floor(w t) >= j."""
+    t = np.minimum(np.ceil(j / w), _FAR).astype(np.int64)
+    while True:
+      movable = t < _FAR
+      down = movable & (w * (t - 1) >= j)
+      up = movable & ~(w * t >= j)
+      if not (down.any() or up.any()):
+        return t
+      t = t - down + up
+
+  def _next_boundary(self, start: int, before: np.ndarray) -> np.ndarray:
+    """The counts after slot start + CHUNK, given `before`, the counts after slot `start`.
+
+    Each dataset's count at the next boundary is floor(w T) or ceil(w T) (T = start + CHUNK):
+    the samples due by T are taken; of the datasets whose next sample is only released by T
+    (`free`), exactly `wanted` take it. Which ones: the chunk's samples must fit its slots
+    (Hall's condition; with windows, only the suffixes s..T of the chunk can overflow, since the
+    samples due inside the chunk fit whenever `before` was reachable), and among the choices
+    that fit, the greedy one by earliest deadline. Fitting choices are the independent sets of
+    a matroid, so the greedy choice has, position by position, the earliest deadlines of any;
+    it leaves out the latest-due samples, and any continuation of another choice maps onto it
+    (each left-out sample takes the slot of one due no later). So if any quota order passes
+    through `before`, one passes through the result: by induction from the empty start, which
+    Tijdeman's theorem continues for ever, every boundary is reachable and never a dead end.
+    The run raises rather than continue should float rounding ever break this.
+    """
+    stop = start + CHUNK
+    w = self.weights
+    lowest = np.maximum(before, self._fewest(stop))
+    after = lowest.copy()
+    free = np.flatnonzero(lowest < self._most(stop))
+    wanted = stop - int(lowest.sum())
+    if wanted == 0:
+      return after
+    next_samples = lowest[free] + 1
+    at = np.maximum(self._release(w[free], next_samples), start + 1) - start - 1
+    order = np.lexsort((free, self._deadline(w[free], next_samples)))
+    # room[i]: the slots start+1+i..stop less the due samples released there or later. The free
+    # samples released at offset i or later must number at most room[i], for every i: a free
+    # sample released at offset a takes one of room[0..a]. Only the minimum of room between
+    # consecutive release offsets of free samples matters.
+    due = np.maximum(self._fewest(stop) - before, 0)
+    owner = np.repeat(np.arange(len(w)), due)
+    sample = np.arange(len(owner)) - np.repeat(np.cumsum(due) - due, due) + before[owner] + 1
+    due_at = np.maximum(self._release(w[owner], sample), start + 1) - start - 1
+    room = CHUNK - np.arange(CHUNK) - _suffix_sums(np.bincount(due_at, minlength=CHUNK))
+    offsets, point = np.unique(at, return_inverse=True)
+    least = np.minimum.reduceat(room[:offsets[-1] + 1], np.append(0, offsets[:-1] + 1))
+    chosen = order[:wanted]
+    if np.any(_suffix_sums(np.bincount(point[chosen], minlength=len(offsets))) > least):
+      chosen = []
+      for candidate in order:
+        if least[:point[candidate] + 1].min() >= 1:
+          least[:point[candidate] + 1] -= 1
+          chosen.append(candidate)
+          if len(chosen) == wanted:
+            break
+    if len(chosen) != wanted:
+      raise RuntimeError(f'the quota blend of weights {w.tolist()} found no order for samples '
+                         f'{start}..{stop}: a bug (or float rounding) in blending.py')
+    after[free[np.asarray(chosen, np.int64)]] += 1
+    return after
+
+  def boundary(self, chunk: int) -> np.ndarray:
+    """Each dataset's count among the first chunk * CHUNK samples: int64 [D]."""
+    with self._lock:
+      while len(self._boundaries) <= chunk:
+        last = len(self._boundaries) - 1
+        counts = self._next_boundary(last * CHUNK, self._boundaries[last])
+        counts.flags.writeable = False  # returned to callers, kept for later lookups
+        self._boundaries.append(counts)
+      return self._boundaries[chunk]
+
+  def chunk_order(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset, index within it) of samples chunk * CHUNK .. + CHUNK - 1: int64 [CHUNK] each.
+
+    Earliest deadline first over the chunk's samples (ties: lower dataset first): it fills
+    every slot whenever the samples fit their windows, as _next_boundary made sure."""
+    with self._lock:
+      if chunk in self._chunks:
+        return self._chunks[chunk]
+    before, after = self.boundary(chunk), self.boundary(chunk + 1)
+    start, stop = chunk * CHUNK, (chunk + 1) * CHUNK
+    owners = np.repeat(np.arange(len(self.weights)), after - before)
+    counts = after - before
+    samples = (np.arange(CHUNK) - np.repeat(np.cumsum(counts) - counts, counts) +
+               before[owners] + 1)
+    w = self.weights[owners]
+    releases = np.maximum(self._release(w, samples), start + 1)
+    deadlines = np.minimum(self._deadline(w, samples), stop)
+    by_release = np.lexsort((owners, deadlines, releases))
+    jobs = np.stack([releases, deadlines, owners], 1)[by_release].tolist()
+    datasets = np.empty(CHUNK, np.int64)
+    pending: list[tuple[int, int]] = []
+    taken = 0
+    for slot in range(start + 1, stop + 1):
+      while taken < CHUNK and jobs[taken][0] <= slot:
+        heapq.heappush(pending, (jobs[taken][1], jobs[taken][2]))
+        taken += 1
+      if not pending or pending[0][0] < slot:
+        raise RuntimeError(f'the quota blend of weights {self.weights.tolist()} missed a '
+                           f'window at sample {slot - 1}: a bug in blending.py')
+      datasets[slot - start - 1] = heapq.heappop(pending)[1]
+    # A dataset's samples within the chunk are its next ones, in order.
+    by_dataset = np.argsort(datasets, kind='stable')
+    firsts = np.cumsum(counts) - counts
+    indices = np.empty(CHUNK, np.int64)
+    indices[by_dataset] = (np.arange(CHUNK) - firsts[datasets[by_dataset]] +
+                           before[datasets[by_dataset]])
+    datasets.flags.writeable = indices.flags.writeable = False  # shared by later lookups
+    with self._lock:
+      if len(self._chunks) >= 8:
+        self._chunks.pop(next(iter(self._chunks)))
+      self._chunks[chunk] = (datasets, indices)
+    return datasets, indices
+
+  def assign(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset, index within that dataset) of global samples start..stop-1: int64 [stop-start]."""
+    if not 0 <= start <= stop:
+      raise ValueError(f'need 0 <= start <= stop, got start={start}, stop={stop}')
+    datasets, indices = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for chunk in range(start // CHUNK, (stop - 1) // CHUNK + 1 if stop > start else 0):
+      first = max(start - chunk * CHUNK, 0)
+      last = min(stop - chunk * CHUNK, CHUNK)
+      chunk_datasets, chunk_indices = self.chunk_order(chunk)
+      datasets.append(chunk_datasets[first:last])
+      indices.append(chunk_indices[first:last])
+    return np.concatenate(datasets), np.concatenate(indices)
+
+  def counts(self, n: int) -> np.ndarray:
+    """How many samples of each dataset the first n global samples hold: int64 [D]."""
+    chunk, within = divmod(n, CHUNK)
+    counts = self.boundary(chunk).copy()
+    if within:
+      counts += np.bincount(self.chunk_order(chunk)[0][:within], minlength=len(self.weights))
+    return counts
+
+
+def _suffix_sums(values: np.ndarray) -> np.ndarray:
+  return np.cumsum(values[::-1])[::-1]
+
+
+class DivisorBlend:
+  """The divisor order of runs started before the quota order (data.blend_order='divisor'):
+  which dataset, and which of its samples, each global sample is."""
+
+  name = 'divisor'
+
+  def __init__(self, weights: Sequence[float]):
+    self.weights = shares(weights)
 
   def keys_below(self, threshold: float) -> np.ndarray:
     """Per dataset, how many of its keys (k + 1/2) / w_d are <= threshold: int64 [D]."""
@@ -89,15 +287,22 @@ class Blend:
     return before + np.bincount(datasets[:n - int(before.sum())], minlength=len(self.weights))
 
 
+# data.blend_order's values; a run keeps the order it started with (docs/data.md).
+ORDERS = {Blend.name: Blend, DivisorBlend.name: DivisorBlend}
+
+
 class BlendedSource:
   """Samples of several sources mixed by weight; the same interface as `SampleSource`."""
 
-  def __init__(self, sources: Sequence, weights: Sequence[float], names: Sequence[str] = ()):
+  def __init__(self, sources: Sequence, weights: Sequence[float], names: Sequence[str] = (),
+               order: str = Blend.name):
     if len(sources) != len(weights):
       raise ValueError(f'{len(sources)} sources but {len(weights)} weights')
+    if order not in ORDERS:
+      raise ValueError(f'unknown blend order {order!r}; known: {", ".join(ORDERS)}')
     self.sources = list(sources)
     self.names = list(names) or [str(i) for i in range(len(sources))]
-    self.blend = Blend(weights)
+    self.blend = ORDERS[order](weights)
     self.seq_len = self.sources[0].seq_len
     if any(s.seq_len != self.seq_len for s in self.sources):
       raise ValueError('blended sources must share one seq_len')
@@ -110,6 +315,10 @@ class BlendedSource:
     if not hasattr(self, '_num_samples'):
       sizes = np.asarray([s.num_samples for s in self.sources])
       low, high = 0, int(sizes.sum())  # counts(high) must exceed some size, or equal all
+      if isinstance(self.blend, Blend):
+        # Past (size_d + 1) / w_d samples, floor(w_d n) alone exceeds size_d: no need to grow
+        # the boundary table further.
+        high = min(high, int(np.floor(np.min((sizes + 1) / self.blend.weights))))
       while low < high:
         middle = (low + high + 1) // 2
         if np.all(self.blend.counts(middle) <= sizes):

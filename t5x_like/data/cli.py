@@ -6,6 +6,8 @@
   python -m t5x_like.data inspect DIR/NAME [--split 969,30,1] [--seq_len 2048] [--scan] [--json]
   python -m t5x_like.data batch WORKDIR --iteration N [--tokenizer_json F | --tokenizer_model F]
       [--max_tokens K] [--json]
+  python -m t5x_like.data prepare --mixture_or_task NAME [--mixture_or_task_module M]
+      [--cache_dir DIR]
 
 `preprocess` reads loose JSON (one object per line, the text under --json_key: the input of
 Megatron's tools/preprocess_data.py) or, for any other extension, one document per file; it
@@ -17,6 +19,8 @@ and logs how many), appends the end-of-document id and writes DIR/NAME.bin and D
 token for the largest id (compare it with model.vocab_size).
 `batch` rebuilds the global batch a run trained on at iteration N (`replay.py`): each sample's
 global index, dataset, token ids and text, and the override that skips it on the next restart.
+`prepare` materialises a seqio Task or Mixture (`data.mixture_or_task`) into the cache that
+training reads (`materialize.py`) ahead of the run, and prints one JSON line per split.
 
 Exit codes: 0 done, 2 bad input (one message naming the file and the fix; nothing is written).
 """
@@ -204,6 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   show.add_argument('--max_tokens', type=int, default=0,
                     help='show at most this many tokens of each sample (0: all)')
   show.add_argument('--json', action='store_true', help='print one JSON object')
+  ready = commands.add_parser('prepare', help='materialise a seqio Task or Mixture ahead of a run')
+  ready.add_argument('--mixture_or_task', required=True, help='data.mixture_or_task')
+  ready.add_argument('--mixture_or_task_module', default='',
+                     help='data.mixture_or_task_module: the module that registers it')
+  ready.add_argument('--cache_dir', default='',
+                     help='data.cache_dir (default: $T5X_LIKE_CACHE or ~/.cache/t5x_like)')
   args = parser.parse_args(argv)
   try:
     if args.command == 'batch':
@@ -219,6 +229,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(result))
       else:
         replay.print_report(result)
+    elif args.command == 'prepare':
+      from t5x_like.data import materialize  # seqio and TensorFlow: only for this command
+      for task in materialize.prepare(args.mixture_or_task, args.mixture_or_task_module,
+                                      args.cache_dir):
+        for entry in filter(None, (task.train, *task.valid.values())):
+          print(json.dumps({'task': entry.task, 'split': entry.split, 'rate': task.rate,
+                            'prefix': entry.prefix, 'documents': entry.documents,
+                            'tokens': entry.tokens, 'built': entry.built}))
     elif args.command == 'preprocess':
       if args.tokenizer_json:
         tokenizer = HFTokenizer(args.tokenizer_json, args.eod_token)

@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from t5x_like import schedule, startup
-from t5x_like.config import Config, ConfigError
+from t5x_like.config import Config, ConfigError, with_values_before_keys
 from t5x_like.data import batches, blending, sources
 from t5x_like.data.indexed import DataError
 from t5x_like.data.tokenizer import Tokenizer
@@ -60,7 +60,7 @@ def _parsed_config(raw, where: str) -> Config:
     raise DataError(f'{where} is not a t5x_like config (a {type(raw).__name__}, not a mapping '
                     'of sections to their keys)')
   try:
-    return startup.check_config(Config.from_dict(raw))
+    return startup.check_config(Config.from_dict(with_values_before_keys(raw)))
   except ConfigError as e:
     raise DataError(f'{where} is not a t5x_like config ({e})') from None
 
@@ -169,6 +169,9 @@ def decoder(cfg: Config, tokenizer_json: str | None, tokenizer_model: str | None
     return Tokenizer.from_file(tokenizer_model).decode
   if sources.uses_embedded_corpus(cfg.data):  # the embedded corpus: the shipped tokenizer made it
     return Tokenizer.load_default().decode
+  if sources.uses_seqio(cfg.data):  # seqio Tasks: their 'targets' vocabulary made the ids
+    from t5x_like.data import seqio_tasks  # pylint: disable=import-outside-toplevel  # TF: slow
+    return seqio_tasks.targets_decoder(cfg.data.mixture_or_task, cfg.data.mixture_or_task_module)
   return None
 
 

@@ -10,6 +10,9 @@
   `--*-weighted-split-paths`, tr11's form: named groups `NAME: W1 START:END PREFIX1, ...` whose
   START:END fractions of each dataset's documents are cut as Megatron cuts them
   (`range_documents`); relative prefixes are read under `data.root` (docs/data.md).
+* `data.mixture_or_task` names a registered seqio Task or Mixture (`seqio_tasks.py`), which
+  `materialize.py` writes once into cached .bin/.idx files that are then read like any dataset:
+  the Mixture's rates are the blend weights, each Task's validation splits named validation sets.
 
 Every source is a pure function of (train.seed, sample index): `SampleSource` windows over the
 documents of its range, and a blend of them for several datasets. Opening checks every file
@@ -40,6 +43,8 @@ _NAMED_VALID = 3
 # ... or (_WEIGHTED, split position, group position, dataset position) for the weighted split
 # paths.
 _WEIGHTED = 4
+# ... or (_SEQIO, role (0 train, 1 validation), Task position, split position) for seqio Tasks.
+_SEQIO = 5
 EMBEDDED = 'embedded'
 
 
@@ -171,10 +176,10 @@ def _source(stream: DocumentStream, documents: tuple[int, int], seq_len: int, se
   return SampleSource(tokens, seq_len, seed, stream=stream_id)
 
 
-def _mix(sources: list[SampleSource], weights: list[float], names: list[str]):
+def _mix(sources: list[SampleSource], weights: list[float], names: list[str], order: str):
   if len(sources) == 1:
     return sources[0]
-  return blending.BlendedSource(sources, weights, names)
+  return blending.BlendedSource(sources, weights, names, order)
 
 
 def _valid_path_sets(data_cfg, seq_len: int, seed: int) -> dict[str, object]:
@@ -187,7 +192,8 @@ def _valid_path_sets(data_cfg, seq_len: int, seed: int) -> dict[str, object]:
       stream = open_indexed(prefix)
       sources.append(_source(stream, (0, len(stream.offsets) - 1), seq_len, seed,
                              (_NAMED_VALID, position, index), f'validation set {name!r}'))
-    valid[name] = _mix(sources, [w for w, _ in named_pairs], [p for _, p in named_pairs])
+    valid[name] = _mix(sources, [w for w, _ in named_pairs], [p for _, p in named_pairs],
+                       data_cfg.blend_order)
   return valid
 
 
@@ -195,6 +201,8 @@ def build(data_cfg, seq_len: int, seed: int, tokenizer: Tokenizer | None = None)
   """Opens every dataset `data_cfg` names and returns the run's sources (one DataError if bad)."""
   if uses_weighted_split_paths(data_cfg):
     return _build_weighted(data_cfg, seq_len, seed)
+  if uses_seqio(data_cfg):
+    return _build_seqio(data_cfg, seq_len, seed)
   if data_cfg.train_path:
     pairs = parse_data_path(data_cfg.train_path)
     streams = [open_indexed(prefix) for _, prefix in pairs]
@@ -223,12 +231,15 @@ def build(data_cfg, seq_len: int, seed: int, tokenizer: Tokenizer | None = None)
   if len(by_split['train']) < len(streams):
     raise DataError(f'data.split={data_cfg.split!r} leaves some dataset without training '
                     'documents; raise the train share')
-  train = _mix(by_split['train'], split_weights['train'], split_names['train'])
+  train = _mix(by_split['train'], split_weights['train'], split_names['train'],
+               data_cfg.blend_order)
   valid = {}
   if by_split['valid']:
-    valid['valid'] = _mix(by_split['valid'], split_weights['valid'], split_names['valid'])
+    valid['valid'] = _mix(by_split['valid'], split_weights['valid'], split_names['valid'],
+                          data_cfg.blend_order)
   valid.update(_valid_path_sets(data_cfg, seq_len, seed))
-  test = (_mix(by_split['test'], split_weights['test'], split_names['test'])
+  test = (_mix(by_split['test'], split_weights['test'], split_names['test'],
+               data_cfg.blend_order)
           if by_split['test'] else None)
   return DataSources(train, valid, test, notes, split_names['train'])
 
@@ -247,6 +258,10 @@ def check_config(d, e) -> None:
   """Config-time check of data.* (`d`, a config.DataConfig) and eval.* (`e`) syntax: one
   ConfigError naming the fix. The files themselves are opened by the trainer, still before any
   compilation."""
+  if d.blend_order not in blending.ORDERS:
+    raise ConfigError(f"data.blend_order={d.blend_order!r} is not a blend order; use 'quota' "
+                      "(every prefix within one sample of the weights) or 'divisor' (the order "
+                      'of runs started before it)')
   try:
     if d.train_path:
       parse_data_path(d.train_path)
@@ -279,6 +294,13 @@ def check_config(d, e) -> None:
     raise ConfigError(f'eval.interval must be >= 0 (0: no evaluation) and eval.iters >= 1, got '
                       f'{e.interval} and {e.iters}')
   check_weighted_split_paths(d, e)
+  if d.mixture_or_task_module and not d.mixture_or_task:
+    raise ConfigError(f'data.mixture_or_task_module={d.mixture_or_task_module!r} registers seqio '
+                      'Tasks for data.mixture_or_task, which is empty; name the Task or Mixture '
+                      "to train on, or set data.mixture_or_task_module=''")
+  if uses_seqio(d):
+    check_seqio(d, e)
+    return
   if e.interval and shares[1] == 0 and not d.valid_path:
     raise ConfigError(f'eval.interval={e.interval} but there is no validation set: give '
                       f'data.split a validation share (e.g. "969,30,1") or set data.valid_path')
@@ -309,9 +331,14 @@ def uses_weighted_split_paths(data_cfg) -> bool:
              for role in WEIGHTED_SPLIT_ROLES)
 
 
+def uses_seqio(data_cfg) -> bool:
+  return bool(getattr(data_cfg, 'mixture_or_task', ''))
+
+
 def uses_embedded_corpus(data_cfg) -> bool:
   """No dataset is named: the run reads the embedded corpus with the shipped tokenizer."""
-  return not data_cfg.train_path and not uses_weighted_split_paths(data_cfg)
+  return (not data_cfg.train_path and not uses_weighted_split_paths(data_cfg) and
+          not uses_seqio(data_cfg))
 
 
 def parse_weighted_split_group(text: str, key: str) -> tuple[str, list[RangedDataset]]:
@@ -437,7 +464,7 @@ def _build_weighted(data_cfg, seq_len: int, seed: int) -> DataSources:
       names.append(path)
       notes.append(f'> data: {role} group {name!r}: {path} (weight {entry.weight / total:.4f}): '
                    f'documents {first}..{last} of {count}')
-    return _mix(parts, weights, names), names
+    return _mix(parts, weights, names, data_cfg.blend_order), names
 
   (train_name, train_entries), = weighted_split_groups(data_cfg, 'train')
   train, train_names = group_source('train', 0, train_name, train_entries)
@@ -447,3 +474,72 @@ def _build_weighted(data_cfg, seq_len: int, seed: int) -> DataSources:
   test_groups = weighted_split_groups(data_cfg, 'test')
   test = group_source('test', 0, *test_groups[0])[0] if test_groups else None
   return DataSources(train, valid, test, notes, train_names)
+
+
+# ------------------------------------------------------------ seqio Tasks and Mixtures
+
+
+def check_seqio(d, e) -> None:
+  """Config-time checks of data.mixture_or_task (`d` a DataConfig, `e` an EvalConfig): no other
+  training data named, the module imports, the name is registered, each Task has 'targets', and
+  evaluation has a validation split to read. Imports seqio (TensorFlow: seconds)."""
+  from t5x_like.data import seqio_tasks  # pylint: disable=import-outside-toplevel  # TF: slow
+  default_split = type(d)().split
+  others = [key for key, is_set in (('data.train_path', d.train_path),
+                                    ('data.split', d.split != default_split),
+                                    ('data.*_weighted_split_paths', uses_weighted_split_paths(d)))
+            if is_set]
+  if others:
+    raise ConfigError(f'data.mixture_or_task={d.mixture_or_task!r} names the training data and '
+                      f'its splits itself, and {" and ".join(others)} too; keep one of the two '
+                      f"(data.train_path='', data.split={default_split!r} (the default), no "
+                      'weighted split paths)')
+  try:
+    provider = seqio_tasks.get_mixture_or_task(d.mixture_or_task, d.mixture_or_task_module)
+    seqio_tasks.training_tasks(provider)
+  except DataError as error:
+    raise ConfigError(str(error)) from None
+  names = {name for name, _ in d.valid_path}
+  sets = [seqio_tasks.validation_set_name(task.name, split)
+          for task in seqio_tasks.subtasks(provider)
+          for split in seqio_tasks.validation_splits(task)]
+  clash = sorted(names.intersection(sets) | {n for n in sets if sets.count(n) > 1})
+  if clash:
+    raise ConfigError(f'the validation set name {clash[0]!r} is used twice (by a seqio Task\'s '
+                      'split and data.valid_path, or two splits); rename the data.valid_path set')
+  if e.interval and not sets and not d.valid_path:
+    raise ConfigError(f'eval.interval={e.interval} but data.mixture_or_task='
+                      f'{d.mixture_or_task!r} has no validation split (a split other than train '
+                      'and test) and data.valid_path is empty; give one, or eval.interval=0')
+
+
+def _build_seqio(data_cfg, seq_len: int, seed: int) -> DataSources:
+  """The sources of data.mixture_or_task: its Tasks materialised (or found in the cache), the
+  training splits blended by the Mixture's rates, each validation split a named set."""
+  from t5x_like.data import materialize  # pylint: disable=import-outside-toplevel  # TF: slow
+  from t5x_like.data import seqio_tasks  # pylint: disable=import-outside-toplevel
+  prepared = materialize.prepare(data_cfg.mixture_or_task, data_cfg.mixture_or_task_module,
+                                 data_cfg.cache_dir)
+  parts, weights, names, notes, valid = [], [], [], [], {}
+  total = sum(task.rate for task in prepared)
+  for position, task in enumerate(prepared):
+    for split_position, (split, entry) in enumerate(task.valid.items()):
+      stream = open_indexed(entry.prefix)
+      name = seqio_tasks.validation_set_name(task.name, split)
+      valid[name] = _source(stream, (0, entry.documents), seq_len, seed,
+                            (_SEQIO, 1, position, split_position), f'validation set {name!r}')
+    if task.train is None:  # rate 0: evaluated, not trained on
+      continue
+    stream = open_indexed(task.train.prefix)
+    parts.append(_source(stream, (0, task.train.documents), seq_len, seed,
+                         (_SEQIO, 0, position, 0), f'the train split of seqio Task {task.name!r}'))
+    weights.append(task.rate)
+    names.append(task.name)
+    built = 'materialised now' if task.train.built else 'cached'
+    notes.append(f'> data: seqio Task {task.name} (weight {task.rate / total:.4f}): '
+                 f'{task.train.documents} documents, {task.train.tokens} tokens in its train '
+                 f'split ({built}: {task.train.prefix}); validation sets: '
+                 f'{", ".join(task.valid) or "none"}')
+  valid.update(_valid_path_sets(data_cfg, seq_len, seed))
+  return DataSources(_mix(parts, weights, names, data_cfg.blend_order), valid, None, notes,
+                     names)

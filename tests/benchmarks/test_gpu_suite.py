@@ -25,6 +25,8 @@ def test_smoke_run_reports_every_stage(tmp_path, capsys):
   assert steps['xla']['measured_peak_bytes'] is None  # CPU has no allocator statistics
   assert 'needs a GPU' in steps['cudnn']['skipped']
   assert stages['plan']['peak_gib'] > 0
+  assert stages['plan']['estimate']['gpu'] == 'h100-80gb'  # the cost model's stand-in on CPU
+  assert stages['plan']['estimate']['memory_gib'] > 0
   assert stages['matmul']['measured_tflops'] > 0
   rows = stages['attention']['results']
   assert {r['impl'] for r in rows if r.get('correct')} == {'pallas', 'xla'}

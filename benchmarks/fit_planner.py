@@ -1,0 +1,109 @@
+"""Fits the cost model's two efficiency constants (t5x_like/cost_model.py, FITTED) on ONE table of
+the chronicles: seed 004's 02-25 "Tweaking TP for the first time from the TP=8 is best
+assumption" table (NLAYERS 72, NHIDDEN 14336, NHEADS 64, 48 nodes of 8 A100 80GB on Jean Zay,
+Megatron-DeepSpeed, full activation recomputation, ZeRO-1), its 9 timed rows.
+
+  python benchmarks/fit_planner.py [--json]
+
+It minimises the squared log error of the estimated seconds per iteration over a grid (coarse,
+then fine) of peak_fraction (the kernels' share of the bf16 peak at large micro-batches) and
+half_work (the FLOPs of one layer's forward for one micro-batch on one GPU at which they
+reach half of it), and prints the constants
+to paste into cost_model.FITTED with the fit's residuals. The validation rows, which the fit
+does not see, are in tests/test_cost_model.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from t5x_like import cost_model  # noqa: E402  (after the path: a script run from anywhere)
+from t5x_like.config import Config, load_config_file  # noqa: E402
+
+# (DP, TP, PP, MBS, GBS, measured GB or None, sec/it), seed 004, 02-25, "Tweaking TP ...";
+# NLAYERS 72, NHIDDEN 14336, NHEADS 64. The two OOM rows (DP32 TP2 PP6) have no time.
+FIT_TABLE = [
+    (8, 4, 12, 4, 2048, 60, 111.89),
+    (8, 4, 12, 2, 2048, 44, 110.48),
+    (8, 4, 12, 2, 2048, 38, 113.54),
+    (16, 4, 6, 4, 2048, 75, 117.11),
+    (16, 4, 6, 2, 2048, 57, 111.71),
+    (16, 2, 12, 2, 2048, 63, 112.50),
+    (8, 2, 24, 1, 2048, 44, 119.53),
+    (8, 2, 24, 2, 2048, 53, 122.75),
+    (4, 4, 24, 1, 2048, None, 130.60),
+]
+FIT_SHAPE = (72, 14336, 64)  # NLAYERS, NHIDDEN, NHEADS
+GPU = 'a100-80gb'
+
+
+def chronicles_config(layers: int, hidden: int, heads: int, dp: int, tp: int, pp: int, mbs: int,
+                      gbs: int) -> Config:
+  """A chronicles row as t5x_like runs it: configs/bloom_176b.py (BLOOM's vocabulary, seq 2048,
+  bf16, full recomputation, 1F1B) at the row's shape and topology, without the ramp-up."""
+  return load_config_file(os.path.join(REPO, 'configs', 'bloom_176b.py'), {
+      'model.num_layers': layers, 'model.hidden_size': hidden, 'model.num_heads': heads,
+      'mesh.data': dp, 'mesh.tensor': tp, 'mesh.pipeline': pp, 'train.micro_batch_size': mbs,
+      'train.global_batch_size': gbs, 'train.rampup_batch_size': ()})
+
+
+def fit_configs() -> list[tuple[Config, float]]:
+  return [(chronicles_config(*FIT_SHAPE, dp, tp, pp, mbs, gbs), sec)
+          for dp, tp, pp, mbs, gbs, _, sec in FIT_TABLE]
+
+
+def loss(rows: list[tuple[Config, float]], fitted: cost_model.Fitted) -> float:
+  return sum(math.log(cost_model.estimate(cfg, GPU, fitted)['estimated_step_s'] / sec) ** 2
+             for cfg, sec in rows)
+
+
+def fit(rows: list[tuple[Config, float]]) -> cost_model.Fitted:
+  """The grid's best (peak_fraction, half_work): a coarse grid, then a fine one around it."""
+  best = None
+  fractions = [0.30 + 0.02 * i for i in range(36)]  # 0.30 .. 1.00
+  halves = [2e10 * i for i in range(51)]  # 0 .. 1 TFLOP
+  for _ in range(2):
+    for fraction in fractions:
+      for half in halves:
+        candidate = cost_model.Fitted(round(fraction, 4), float(half))
+        value = loss(rows, candidate)
+        if best is None or value < best[0]:
+          best = (value, candidate)
+    f0, h0 = best[1].peak_fraction, best[1].half_work
+    fractions = [f0 + 0.001 * i for i in range(-20, 21) if 0 < f0 + 0.001 * i <= 1]
+    halves = [h0 + 1e9 * i for i in range(-20, 21) if h0 + 1e9 * i >= 0]
+  return best[1]
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--json', action='store_true')
+  args = parser.parse_args(argv)
+  rows = fit_configs()
+  fitted = fit(rows)
+  residuals = []
+  for (cfg, sec), row in zip(rows, FIT_TABLE):
+    estimated = cost_model.estimate(cfg, GPU, fitted)['estimated_step_s']
+    residuals.append({'row': row, 'measured_s': sec, 'estimated_s': round(estimated, 2),
+                      'error': round(estimated / sec - 1, 4)})
+  rms = math.sqrt(loss(rows, fitted) / len(rows))
+  if args.json:
+    print(json.dumps({'fitted': vars(fitted), 'rms_log_error': rms, 'rows': residuals}))
+    return
+  print(f'FITTED = Fitted(peak_fraction={fitted.peak_fraction}, '
+        f'half_work={fitted.half_work:.4g})  # rms log error {rms:.4f}')
+  for r in residuals:
+    dp, tp, pp, mbs, gbs, _, _ = r['row']
+    print(f'DP{dp:<3} TP{tp} PP{pp:<3} MBS{mbs} GBS{gbs}: measured {r["measured_s"]:7.2f} s, '
+          f'estimated {r["estimated_s"]:7.2f} s ({100 * r["error"]:+.1f}%)')
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,275 @@
+"""A seqio Task's split, materialised once into the token store (Megatron .bin/.idx), cached.
+
+Training never runs seqio's TensorFlow pipeline: the Task's 'targets' ids are written once, one
+document per example in the order the Task yields them unshuffled, through the atomic
+`indexed.IndexedDatasetWriter`, and read back by the index-addressable Megatron path
+(`sources.py`), so the sample order is a pure function of (seed, index) as for any dataset:
+independent of mesh and process count, exact on resume, replayable by `data batch`.
+
+The cache is `CACHE_DIR/seqio/TASK/SPLIT.{bin,idx,json}`; the .json (written last) records the
+sha256 fingerprint of the Task's definition (`definition`: its name, source, preprocessors'
+qualified names and arguments, vocabulary, split and these settings) and the files' sizes and
+index hash. An entry is reused only when all of it matches; a stale or damaged one is rebuilt,
+with one log line saying why. Several processes (a multi-host job, two `prepare` commands) take
+a lock on SPLIT.lock: the first builds, the others wait, then find the entry and read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from t5x_like.data import dataset
+from t5x_like.data import files
+from t5x_like.data import indexed
+from t5x_like.data import seqio_tasks
+from t5x_like.data.indexed import DataError
+
+# Bumped when what is written for the same definition changes: older entries are then stale.
+FORMAT_VERSION = 1
+# How long a process waits for another one preparing the same split before giving up.
+LOCK_TIMEOUT_S = 6 * 3600.0
+_LOCK_POLL_S = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Materialized:
+  """One Task split in the token store: its PREFIX.bin/.idx, and whether this call wrote it."""
+  task: str
+  split: str
+  prefix: str
+  documents: int
+  tokens: int
+  built: bool
+
+
+def cache_root(cache_dir: str = '') -> str:
+  """data.cache_dir, or ($T5X_LIKE_CACHE or ~/.cache/t5x_like), then seqio/."""
+  return os.path.join(cache_dir or dataset.default_cache_dir(), 'seqio')
+
+
+def cache_prefix(task_name: str, split: str, cache_dir: str = '') -> str:
+  return os.path.join(cache_root(cache_dir), task_name, split)
+
+
+def qualified_name(fn) -> str:
+  """module.qualname of a function; a functools.partial adds its bound arguments."""
+  if hasattr(fn, 'func'):  # functools.partial: the arguments change what it computes
+    bound = [repr(a) for a in fn.args] + [f'{k}={v!r}' for k, v in sorted(fn.keywords.items())]
+    return f'{qualified_name(fn.func)}({", ".join(bound)})'
+  return f'{getattr(fn, "__module__", "?")}.{getattr(fn, "__qualname__", type(fn).__qualname__)}'
+
+
+def vocabulary_definition(vocabulary) -> dict:
+  """What identifies a vocabulary: its class, size, extra ids and (SentencePiece) model bytes."""
+  described = {'class': qualified_name(type(vocabulary)), 'vocab_size': vocabulary.vocab_size,
+               'extra_ids': getattr(vocabulary, 'extra_ids', None)}
+  model = getattr(vocabulary, 'sp_model', None)
+  if isinstance(model, bytes):
+    described['sp_model_sha256'] = hashlib.sha256(model).hexdigest()
+  return described
+
+
+def source_definition(source) -> dict:
+  """The data source as its class, its dataset function or files, and (when it can say) its
+  content's fingerprint (`content_fingerprint()`, as seqio_tasks.CorpusSource has)."""
+  described = {'class': qualified_name(type(source)), 'splits': list(source.splits)}
+  shown = repr(source)  # seqio's sources name their function or files in it
+  if ' at 0x' not in shown:  # an address differs from run to run
+    described['repr'] = shown
+  for attribute in ('tfds_dataset', 'split_to_filepattern'):
+    value = getattr(source, attribute, None)
+    if value is not None:
+      described[attribute] = getattr(value, 'name', None) or repr(value)
+  if callable(getattr(source, 'content_fingerprint', None)):
+    described['content'] = source.content_fingerprint()
+  return described
+
+
+def definition(task, split: str) -> dict:
+  """Everything that decides what `task`'s `split` materialises to (JSON-ready)."""
+  targets = task.output_features['targets']
+  return {
+      'format_version': FORMAT_VERSION,
+      'task': task.name,
+      'split': split,
+      'source': source_definition(task.source),
+      'preprocessors': [qualified_name(p) for p in task.preprocessors],
+      'vocabulary': vocabulary_definition(targets.vocabulary),
+      'targets': {'add_eos': bool(targets.add_eos), 'dtype': str(targets.dtype.name)},
+      # Whole documents, untrimmed and unshuffled, one epoch; the Task's ids as they come.
+      'sequence': {'sequence_length': None, 'shuffle': False, 'append_eod': False},
+  }
+
+
+def fingerprint(described: dict) -> str:
+  return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+
+def _idx_sha256(prefix: str) -> str:
+  with open(indexed.paths(prefix)[1], 'rb') as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+def cache_problem(prefix: str, expected: str) -> str | None:
+  """Why the cache entry at `prefix` cannot be trusted for the fingerprint `expected`, or None
+  when it can. Checks the manifest, the files' sizes and the index's hash (the .bin is not
+  hashed: it can be terabytes, and its size must match the index's every document)."""
+  manifest_path = prefix + '.json'
+  if not os.path.exists(manifest_path):
+    return 'missing'
+  try:
+    with open(manifest_path, encoding='utf-8') as f:
+      manifest = json.load(f)
+    if manifest['fingerprint'] != expected:
+      return 'stale (its Task definition, vocabulary or source changed)'
+    bin_path, _ = indexed.paths(prefix)
+    if os.path.getsize(bin_path) != manifest['bin_bytes']:
+      return (f'damaged ({bin_path} has {os.path.getsize(bin_path)} bytes, not '
+              f'{manifest["bin_bytes"]})')
+    if _idx_sha256(prefix) != manifest['idx_sha256']:
+      return 'damaged (its .idx does not match the hash recorded when it was written)'
+    opened = indexed.IndexedDataset(prefix)
+    if (opened.num_documents, int(opened.document_token_offsets()[-1])) != (
+        manifest['documents'], manifest['tokens']):
+      return 'damaged (its documents or tokens differ from the manifest)'
+  except (OSError, ValueError, KeyError, TypeError, DataError) as error:
+    return f'damaged ({error})'
+  return None
+
+
+class _SplitLock:
+  """An exclusive flock on PREFIX.lock, polled until `timeout_s` (then one DataError)."""
+
+  def __init__(self, prefix: str, timeout_s: float):
+    self.path = prefix + '.lock'
+    self.timeout_s = timeout_s
+    self._file = None
+
+  def __enter__(self) -> _SplitLock:
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    self._file = open(self.path, 'a+', encoding='utf-8')  # pylint: disable=consider-using-with
+    deadline = time.monotonic() + self.timeout_s
+    while True:
+      try:
+        fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return self
+      except OSError as error:
+        if error.errno not in (errno.EAGAIN, errno.EACCES):
+          raise
+      if time.monotonic() >= deadline:
+        self._file.close()
+        raise DataError(f'waited {self.timeout_s:g} s for another process preparing '
+                        f'{self.path[:-5]} (it holds {self.path}); let it finish, run `python -m '
+                        't5x_like.data prepare` alone first, or point data.cache_dir elsewhere')
+      time.sleep(_LOCK_POLL_S)
+
+  def __exit__(self, *exc) -> None:
+    fcntl.flock(self._file, fcntl.LOCK_UN)
+    self._file.close()
+
+
+def _examples(task, split: str) -> Iterator[np.ndarray]:
+  """The 'targets' ids of every example of `split`, in the Task's unshuffled order."""
+  data = task.get_dataset(sequence_length=None, split=split, use_cached=False, shuffle=False,
+                          num_epochs=1)
+  for example in data.as_numpy_iterator():
+    yield example['targets']
+
+
+def _write(task, split: str, prefix: str, expected: str, described: dict) -> tuple[int, int]:
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel  # only when writing
+  targets = task.output_features['targets']
+  vocabulary = targets.vocabulary
+  # An empty text comes out of seqio's append_eos as a lone EOS: no text either.
+  lone_eos = [vocabulary.eos_id] if targets.add_eos else []
+  documents = tokens = empty = 0
+  total = task.source.num_input_examples(split)
+  try:
+    with indexed.IndexedDatasetWriter(prefix, indexed.best_dtype(vocabulary.vocab_size)) as writer:
+      for ids in tqdm(_examples(task, split), desc=f'{task.name}:{split}', total=total,
+                      unit=' docs', mininterval=1.0):
+        if not ids.size or ids.tolist() == lone_eos:
+          # preprocess (and Megatron's) skip texts without tokens: the split boundaries and
+          # document counts stay those of the same texts preprocessed.
+          empty += 1
+          continue
+        writer.add_document(ids)
+        documents += 1
+        tokens += int(ids.size)
+      if not documents:  # raised inside the block: the writer discards its temporary files
+        raise DataError(f'the seqio Task {task.name!r} yields no tokens for its {split!r} split '
+                        f'({empty} example(s), all empty); check its source and preprocessors')
+  except OSError as error:
+    if error.errno != errno.ENOSPC:
+      raise
+    raise DataError(f'no space left on the device of {prefix} while materialising '
+                    f'{task.name}:{split}; nothing was written: free some space or point '
+                    'data.cache_dir elsewhere') from None
+  if empty:
+    logging.warning('seqio %s:%s: skipped %d example(s) without tokens (an empty text), as '
+                    'preprocess does; %d written', task.name, split, empty, documents)
+  manifest = {'fingerprint': expected, 'definition': described, 'documents': documents,
+              'tokens': tokens, 'empty_skipped': empty,
+              'bin_bytes': os.path.getsize(indexed.paths(prefix)[0]),
+              'idx_sha256': _idx_sha256(prefix)}
+  files.atomic_write(prefix + '.json', lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+  return documents, tokens
+
+
+def materialize(task, split: str, cache_dir: str = '',
+                timeout_s: float = LOCK_TIMEOUT_S) -> Materialized:
+  """`task`'s `split` in the token store: the cached entry when it matches the definition, else
+  written now (under the split's lock, so one process writes while the others wait)."""
+  described = definition(task, split)
+  expected = fingerprint(described)
+  prefix = cache_prefix(task.name, split, cache_dir)
+  built = False
+  with _SplitLock(prefix, timeout_s):
+    problem = cache_problem(prefix, expected)
+    if problem:
+      if problem != 'missing':
+        logging.warning('seqio cache %s is %s; rebuilding it', prefix, problem)
+      manifest = prefix + '.json'
+      if os.path.exists(manifest):  # no manifest while the files are rewritten: never trusted
+        os.unlink(manifest)
+      logging.info('materialising seqio %s:%s into %s', task.name, split, prefix)
+      _write(task, split, prefix, expected, described)
+      built = True
+  opened = indexed.IndexedDataset(prefix)
+  return Materialized(task.name, split, prefix, opened.num_documents,
+                      int(opened.document_token_offsets()[-1]), built)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaterializedTask:
+  """One Task of a run: its blend weight (rate), training split and validation splits."""
+  name: str
+  rate: float
+  train: Materialized | None
+  valid: dict[str, Materialized]
+
+
+def prepare(name: str, module: str = '', cache_dir: str = '',
+            timeout_s: float = LOCK_TIMEOUT_S) -> list[MaterializedTask]:
+  """Materialises every split a run on the Task or Mixture `name` reads: each training Task's
+  train split and each Task's validation splits. One DataError for a bad name or module."""
+  provider = seqio_tasks.get_mixture_or_task(name, module)
+  rates = {task.name: rate for task, rate in seqio_tasks.training_tasks(provider)}
+  prepared = []
+  for task in seqio_tasks.subtasks(provider):
+    train = (materialize(task, seqio_tasks.TRAIN_SPLIT, cache_dir, timeout_s)
+             if task.name in rates else None)
+    valid = {split: materialize(task, split, cache_dir, timeout_s)
+             for split in seqio_tasks.validation_splits(task)}
+    prepared.append(MaterializedTask(task.name, rates.get(task.name, 0.0), train, valid))
+  return prepared
