@@ -600,6 +600,19 @@ class Checkpointer:
       self._purger.join()
 
 
+def close_unless_failing(checkpointer: Checkpointer | None) -> None:
+  """Waits for `checkpointer`'s save in flight: a SaveError if it failed, unless another error is
+  already on its way out (it is the one to report)."""
+  if checkpointer is None:
+    return
+  failing = sys.exc_info()[1] is not None
+  try:
+    checkpointer.close()
+  except SaveError:
+    if not failing:
+      raise
+
+
 def error_reason(error: BaseException) -> str:
   """The most specific line of an Orbax/TensorStore error chain (they nest the useful one)."""
   chain, seen = [], set()

@@ -48,7 +48,7 @@ def export_hf(ckpt_dir: str, hf_dir: str, step: int | None = None) -> None:
   import numpy as np
   from t5x_like import hf
   from t5x_like.inference import load_for_inference
-  cfg, params = load_for_inference(ckpt_dir, 'float32', step)
+  cfg, params = load_for_inference(ckpt_dir, 'float32', step, with_data=False)
   state = hf.hf_state_from_params(jax.tree.map(np.asarray, params), cfg.model)
   hf.save_hf_dir(hf_dir, hf.hf_config_from_model_config(cfg.model), state)
 

@@ -68,7 +68,8 @@ class ModelConfig:
   sequence_parallel: bool = False
   # bitsandbytes' StableEmbedding (what Megatron-DeepSpeed's --use-bnb-optimizer uses): a
   # Xavier-uniform embedding (fan of the whole padded vocabulary, however it is split), the
-  # embedding LayerNorm (bloom's), and fp32 optimizer state for the embedding under adamw_8bit.
+  # embedding LayerNorm (bloom's; gpt2 gains one, before its positions are added), and fp32
+  # optimizer state for the embedding under adamw_8bit.
   stable_embedding: bool = False
 
   @property
@@ -97,7 +98,7 @@ class ModelConfig:
     total = L * block + self.padded_vocab_size(tensor) * h + 2 * h
     if self.architecture == 'gpt2':
       total += self.max_position_embeddings * h
-    else:
+    if self.architecture == 'bloom' or self.stable_embedding:
       total += 2 * h  # embedding LayerNorm
     return total
 
@@ -518,9 +519,6 @@ class Config:
     need(o.name != 'adamw_8bit' or o.quant_block_size in QUANT_BLOCK_SIZES,
          f'optimizer.quant_block_size must be one of {", ".join(map(str, QUANT_BLOCK_SIZES))} '
          f"with optimizer.name='adamw_8bit', got {o.quant_block_size}; set one of these")
-    need(not m.stable_embedding or m.architecture == 'bloom',
-         "model.stable_embedding=True needs the embedding LayerNorm of architecture='bloom'; the "
-         "gpt2 architecture has none: set model.architecture='bloom' or stable_embedding=False")
     _validate_curriculum(self)
     need(self.checkpoint.save_interval >= 0, 'checkpoint.save_interval must be >= 0')
     need(self.checkpoint.max_to_keep >= 1,

@@ -1058,12 +1058,9 @@ def _derive_bnb(out: Conversion, flags) -> None:
     return
   out.set('optimizer.name', 'adamw_8bit', flag, "bitsandbytes' Adam8bit: 8-bit block-wise "
           'quantised moments, blocks of optimizer.quant_block_size=2048 values')
-  if out.get('model.architecture') == 'gpt2':
-    out.miss(flag, "StableEmbedding's LayerNorm is the bloom architecture's embedding LayerNorm; "
-             'gpt2 has none, so model.stable_embedding stays False', 'model.stable_embedding')
-    return
   out.set('model.stable_embedding', True, flag, 'StableEmbedding: Xavier-uniform embedding, '
-          'the embedding LayerNorm, fp32 optimizer state for the embedding')
+          'the embedding LayerNorm (with gpt2: on the token lookup, before the positions), fp32 '
+          'optimizer state for the embedding')
 
 
 def _derive_vocabulary(out: Conversion, flags) -> None:

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args)
     prompt_ids = list(tokenizer.encode(args.prompt))
     check_request(saved, tokenizer, prompt_ids, args.max_new_tokens)
-    cfg, params = load_for_inference(args.checkpoint, args.dtype, args.step, 1, args.mesh_tensor)
+    cfg, params = load_for_inference(args.checkpoint, args.dtype, args.step, 1, args.mesh_tensor,
+                                     with_data=False)
   except (ConfigError, CheckpointError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

@@ -2,12 +2,13 @@
 
 BLOOM: ALiBi, LayerNorm right after the token lookup, pre-LN blocks, final LN, tanh-GeLU, biases on
 every linear, logits from the tied word embeddings. GPT-2: learned absolute positions instead of
-ALiBi and no embedding LayerNorm.
+ALiBi and no embedding LayerNorm, unless model.stable_embedding (bitsandbytes' StableEmbedding
+normalises the token lookup, before the positions are added).
 
 Layout (independent of the mesh, so any checkpoint restores onto any mesh):
   word_embeddings                  [V_pad, h]          (vocab, embed)
   position_embeddings              [max_pos, h]        (positions, embed)     gpt2 only
-  embed_ln/{scale,bias}            [h]                                          bloom only
+  embed_ln/{scale,bias}            [h]                          bloom, or gpt2 + stable_embedding
   layers/ln1/{scale,bias}          [L, h]
   layers/attn/qkv_kernel           [L, h, heads, 3, d] (layers, embed, heads, qkv, kv)
   layers/attn/qkv_bias             [L, heads, 3, d]
@@ -229,6 +230,9 @@ class Transformer(nn.Module):
     emb = emb.astype(ctx.dtype)
     x = jnp.take(emb, tokens, axis=0)  # vocab-split table: masked local lookup + all-reduce
     if cfg.architecture == 'gpt2':
+      if cfg.stable_embedding:
+        x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype, name='embed_ln')(ctx.constrain(
+            x, ctx.residual_names))
       pos = _param(self, 'position_embeddings', nn.initializers.normal(std),
                    (cfg.max_position_embeddings, cfg.hidden_size), ('positions', 'embed'))
       x = x + pos[:tokens.shape[1]].astype(ctx.dtype)[None]
@@ -270,6 +274,9 @@ def embed_tokens(params, tokens, cfg: ModelConfig, ctx: Context):
   """The Transformer's input side (token lookup, positions or embedding LN) on a param tree."""
   x = jnp.take(params['word_embeddings'].astype(ctx.dtype), tokens, axis=0)
   if cfg.architecture == 'gpt2':
+    if cfg.stable_embedding:
+      x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply({'params': params['embed_ln']},
+                                                            ctx.constrain(x, ctx.residual_names))
     x = x + params['position_embeddings'][:tokens.shape[1]].astype(ctx.dtype)[None]
   else:
     x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply({'params': params['embed_ln']},

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
 import time
 
 import jax
@@ -147,8 +146,8 @@ class Trainer:
     self.writer.open()
     self.checkpointer = resume.begin(self.plan, progress, self.layout, self.writer, self.workdir,
                                      self.is_writer)
-    self.compilation_cache = use_compilation_cache(self.workdir,
-                                                   self.cfg.runtime.compilation_cache_dir)
+    self.compilation_cache = use_compilation_cache(
+        self.workdir, self.cfg.runtime.compilation_cache_dir, self.writer.info)
 
   def release(self) -> None:
     """Ends the run's hold on its workdir (its lock); no-op when already released."""
@@ -223,17 +222,9 @@ class Trainer:
       self.release()
 
   def _close_checkpointer(self) -> None:
-    """Waits for the save in flight (a SaveError if it failed, unless another error is already
-    on its way out)."""
-    if self.checkpointer is None:
-      return
+    """Waits for the save in flight (checkpoints.close_unless_failing); closes it once."""
     checkpointer, self.checkpointer = self.checkpointer, None
-    failing = sys.exc_info()[1] is not None
-    try:
-      checkpointer.close()
-    except checkpoints.SaveError:
-      if not failing:
-        raise
+    checkpoints.close_unless_failing(checkpointer)
 
   def _train(self, stop: runtime.StopConditions) -> Progress:
     cfg = self.cfg
@@ -247,10 +238,6 @@ class Trainer:
                                        progress.consumed_samples):
       self.writer.info(line)
     self.start(progress)
-    if self.compilation_cache:
-      entries = len(os.listdir(self.compilation_cache))
-      self.writer.info(f'> compilation cache: {self.compilation_cache} ({entries} programs stored; '
-                       'a program found there is loaded instead of compiled)')
     peak_tflops, peak_source = self.peak.measured
     self.writer.info(f'> MFU reference: {peak_tflops:.4f} TFLOP/s per device ({peak_source})')
     for line in startup.schedule_lines(cfg, self.layout):
@@ -336,10 +323,11 @@ def open_data(cfg: Config, data_seed: int) -> sources.DataSources:
     raise ConfigError(str(e)) from None
 
 
-def use_compilation_cache(workdir: str, cache_dir: str) -> str | None:
+def use_compilation_cache(workdir: str, cache_dir: str, log) -> str | None:
   """Points JAX's persistent compilation cache at runtime.compilation_cache_dir (relative to the
-  workdir); returns its absolute path, or None when it is off. Programs that compile in under a
-  second are not stored (JAX's default threshold): loading them would gain nothing."""
+  workdir) and logs what it holds; returns its absolute path, or None when it is off. Programs
+  that compile in under a second are not stored (JAX's default threshold): loading them would
+  gain nothing."""
   if not cache_dir:
     return None
   path = os.path.join(workdir, cache_dir)
@@ -353,4 +341,6 @@ def use_compilation_cache(workdir: str, cache_dir: str) -> str | None:
     # JAX opens its cache once per process, at the first compilation that finds a directory set;
     # a cache opened before this (another Trainer in the same process) would keep its directory.
     compilation_cache.reset_cache()
+  log(f'> compilation cache: {path} ({len(os.listdir(path))} programs stored; a program found '
+      'there is loaded instead of compiled)')
   return path

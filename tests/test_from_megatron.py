@@ -554,7 +554,8 @@ TR8B_EXPECTED = {
     'model': dict(architecture='gpt2', num_layers=64, hidden_size=11600, num_heads=80,
                   ffn_hidden_size=0, vocab_size=50257, pad_vocab_size_to=0,
                   max_position_embeddings=2048, layernorm_epsilon=1e-5, hidden_dropout=0.1,
-                  attention_dropout=0.1, init_std=0.006, dtype='bfloat16', remat_policy='full'),
+                  attention_dropout=0.1, init_std=0.006, dtype='bfloat16', remat_policy='full',
+                  stable_embedding=True),
     'train': dict(steps=0, train_samples=600_000_000, global_batch_size=2048, micro_batch_size=2,
                   seq_len=2048, seed=43, rampup_batch_size=()),
     'optimizer': dict(lr=6e-5, min_lr=6e-6, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
@@ -589,10 +590,10 @@ def test_tr8b_curriculum_and_bnb_convert_and_report_what_is_missing(tmp_path):
   code, raw, report, out = convert_file(tmp_path, TR8B_SCRIPT, 'six_ALL_CCFRWORK=/data')
   assert raw == TR8B_EXPECTED
   assert code == 1
-  not_mapped = report.split('NOT MAPPED (3):')[1]
-  # bnb's Adam8bit maps; its StableEmbedding needs bloom's embedding LayerNorm (tr8b is gpt2).
+  not_mapped = report.split('NOT MAPPED (2):')[1]
+  # bnb's Adam8bit and StableEmbedding map (gpt2 gains the embedding LayerNorm).
   assert "--use-bnb-optimizer -> optimizer.name = 'adamw_8bit'" in report
-  assert "--use-bnb-optimizer: StableEmbedding's LayerNorm is the bloom" in not_mapped
+  assert '--use-bnb-optimizer -> model.stable_embedding = True' in report
   assert '--fp16:' in not_mapped and '--train-tokens 300_000_000_000:' in not_mapped
   assert '-> mesh.data = 4' in report  # $SLURM_NNODES from #SBATCH --nodes=64
   assert '# NOT MAPPED' in out.read_text()
@@ -673,8 +674,8 @@ def test_converted_config_trains_the_tiny_model(tmp_path, run):
     assert recorded[section][key] == (list(want) if isinstance(want, tuple) else want), key
   if expected is not None:
     assert recorded['model']['architecture'] == expected['model']['architecture'] == 'gpt2'
-  if run == 'tr8b':  # bnb's 8-bit Adam and the curriculum of the DeepSpeed JSON trained
-    assert recorded['optimizer']['name'] == 'adamw_8bit'
+  if run == 'tr8b':  # bnb's 8-bit Adam, StableEmbedding and the DeepSpeed JSON's curriculum
+    assert recorded['optimizer']['name'] == 'adamw_8bit' and recorded['model']['stable_embedding']
     assert recorded['curriculum']['schedule'] == 'fixed_linear'
     assert rows[0]['seq_len'] < rows[1]['seq_len'] == 32
   if run == 'tr11':

@@ -2,12 +2,14 @@
 
 import json
 
+import pytest
 import torch
 
 from t5x_like import ckpt, generate, inference
+from t5x_like.config import ConfigError
 from t5x_like.data.tokenizer import Tokenizer
 
-from conftest import random_bloom, run_cli
+from conftest import random_bloom, run_cli, small_config
 
 
 def imported(tmp_path, n_head, vocab, hidden, swap=None):
@@ -96,3 +98,17 @@ def test_cli_stops_at_the_end_of_document_and_runs_tensor_parallel(tmp_path, cap
   stopped = generated(capsys, ['--checkpoint', swapped, *args])
   assert stopped['completion_ids'] == ids[:2] + [eod]
   assert stopped['completion'] == Tokenizer.load_default().decode(ids[:2])
+
+
+def test_generation_and_export_run_without_the_data_of_the_run():
+  """A run on a user's seqio Task: evaluation needs its registry module, generating (and the HF
+  export) reads no data, so a module that is gone does not stop them."""
+  from t5x_like.config import DataConfig
+  inference_config = inference.inference_config
+  saved = small_config(data=dict(mixture_or_task='users_task', split='969,30,1',
+                                 mixture_or_task_module='users_tasks_that_are_gone'))
+  with pytest.raises(ConfigError, match='users_tasks_that_are_gone'):
+    inference_config(saved)
+  cfg = inference_config(saved, with_data=False)
+  assert cfg.data == DataConfig() and cfg.model == inference_config(
+      saved.replace(data={'mixture_or_task': '', 'mixture_or_task_module': ''})).model

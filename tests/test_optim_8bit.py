@@ -15,11 +15,12 @@ import pytest
 
 from t5x_like import (checkpoint_inspection, checkpoints, optim, partitioning, quantized_adam,
                       resume, runtime, schedule)
+from t5x_like import model as model_lib
 from t5x_like import step as step_lib
 from t5x_like.config import ConfigError, OptimizerConfig
 from t5x_like.train_state import Progress, TrainState, make_layout
 
-from conftest import run_cli, small_config
+from conftest import run_cli, run_steps, small_config
 from test_checkpoints import TINY, _kill_9_at, losses_of, save_step
 
 pytestmark = pytest.mark.usefixtures('persistent_compilation_cache')
@@ -298,8 +299,6 @@ def test_plan_reports_the_optimizer_bytes_per_param():
 def test_an_unknown_block_size_and_a_switched_optimizer_are_refused_at_start_up(tmp_path):
   with pytest.raises(ConfigError, match=r'optimizer.quant_block_size must be one of 256, 512'):
     eight_bit_config(optimizer=dict(quant_block_size=300))
-  with pytest.raises(ConfigError, match=r"stable_embedding=True needs .* architecture='bloom'"):
-    eight_bit_config(model=dict(architecture='gpt2', stable_embedding=True))
   # A workdir whose checkpoint holds fp32 AdamW state, resumed with adamw_8bit.
   adamw = eight_bit_config(optimizer=dict(name='adamw'))
   layout = make_layout(adamw, partitioning.make_mesh(1, 1, 1))
@@ -373,3 +372,26 @@ def test_stable_embedding_init_uses_the_whole_vocabularys_fan_on_every_shard():
     assert quantized_adam.is_quantized(layout.abstract.opt_state[0].mu['layers']['mlp'][
         'wi_kernel'])
   np.testing.assert_allclose(stats[(1, 1, 1)], stats[(1, 1, 4)], rtol=0.01)
+
+
+def test_gpt2_gains_the_embedding_layernorm_and_pipelines_it_like_one_device():
+  """gpt2 + stable_embedding (tr8b's --use-bnb-optimizer): LayerNorm(token lookup) + positions,
+  counted in the model size; a pipeline's first stage (model.embed_tokens) computes the same."""
+  cfg = small_config(model=dict(architecture='gpt2', stable_embedding=True, dtype='float32'),
+                     train=dict(global_batch_size=4, micro_batch_size=1))
+  layout = make_layout(cfg, partitioning.make_mesh(1, 1, 1))
+  params = layout.init(cfg.train.seed).params
+  assert set(params['embed_ln']) == {'scale', 'bias'}
+  assert cfg.model.num_params() == sum(x.size for x in jax.tree.leaves(layout.canonical.params))
+  tokens = np.arange(12, dtype=np.int32).reshape(2, 6)
+  ln = params['embed_ln']
+  looked_up = np.asarray(params['word_embeddings'])[tokens]
+  normed = (looked_up - looked_up.mean(-1, keepdims=True)) / np.sqrt(
+      looked_up.var(-1, keepdims=True) + cfg.model.layernorm_epsilon)
+  want = normed * np.asarray(ln['scale']) + np.asarray(ln['bias']) + np.asarray(
+      params['position_embeddings'])[:6]
+  got = model_lib.embed_tokens(params, tokens, cfg.model, model_lib.Context(cfg.model, None))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  single, _, _ = run_steps(cfg, num_steps=2)
+  piped, _, _ = run_steps(cfg.replace(mesh={'pipeline': 2}), num_steps=2)
+  np.testing.assert_allclose(piped, single, rtol=2e-6)
