@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from t5x_like.config import Config, ConfigError
 
@@ -106,6 +107,25 @@ def efficiency(work: float, fitted: Fitted = FITTED) -> float:
   """The share of the bf16 peak kernels of `work` FLOPs (one layer, one micro-batch, one GPU)
   reach."""
   return fitted.peak_fraction * work / (work + fitted.half_work)
+
+
+# The share of a GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION; 0.75 when it
+# is unset: JAX's documentation, "GPU memory allocation"): the budget a run fits in, not the HBM.
+DEFAULT_JAX_MEMORY_FRACTION = 0.75
+
+
+def jax_memory_fraction() -> float:
+  """What this environment lets JAX allocate on a GPU, as a share of its memory."""
+  text = os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', '')
+  try:
+    fraction = float(text) if text else DEFAULT_JAX_MEMORY_FRACTION
+  except ValueError:
+    raise ConfigError(f'XLA_PYTHON_CLIENT_MEM_FRACTION={text!r} is not a number; set it to a '
+                      'share of GPU memory such as 0.9, or unset it (JAX takes 0.75)') from None
+  if not 0 < fraction <= 1:
+    raise ConfigError(f'XLA_PYTHON_CLIENT_MEM_FRACTION={text} is not in (0, 1]; set a share of '
+                      'GPU memory such as 0.9, or unset it (JAX takes 0.75)')
+  return fraction
 
 
 def gpu_spec(kind: str, nodes_of: int = 0) -> Gpu:
@@ -311,6 +331,8 @@ def estimate(cfg: Config, gpu: str, fitted: Fitted = FITTED, nodes_of: int = 0) 
   step = sum(parts.values())
   memory = memory_bytes(cfg)
   memory_gib = sum(memory.values()) / GIB
+  fraction = jax_memory_fraction()
+  usable_gib = spec.hbm_gib * fraction
   model_flops = metrics.megatron_flops_per_iteration(cfg, train.global_batch_size, s)
   report = {
       'gpu': gpu,
@@ -320,8 +342,9 @@ def estimate(cfg: Config, gpu: str, fitted: Fitted = FITTED, nodes_of: int = 0) 
       'estimated_step_s': step,
       'estimated_tflops_per_gpu': model_flops / step / n / 1e12,
       'estimated_memory_gib': memory_gib,
-      'fits': memory_gib <= spec.hbm_gib,
+      'fits': memory_gib <= usable_gib,
       'hbm_gib': spec.hbm_gib,
+      'usable_gib': usable_gib,
       **parts,
       'compute_efficiency': efficiency(layer_work, fitted),
       'bubble_fraction': bubble_ticks / (micro + bubble_ticks),
@@ -335,8 +358,9 @@ def estimate(cfg: Config, gpu: str, fitted: Fitted = FITTED, nodes_of: int = 0) 
       'memory_gib_by_category': {k: v / GIB for k, v in memory.items()},
   }
   if not report['fits']:
-    report['why_not'] = (f'{memory_gib:.1f} GiB per GPU exceeds the {spec.hbm_gib:g} GiB of one '
-                         f'{gpu}')
+    report['why_not'] = (f'{memory_gib:.1f} GiB per GPU exceeds the {usable_gib:.1f} GiB JAX may '
+                         f'use of one {gpu} ({fraction:g} of {spec.hbm_gib:g} GiB; '
+                         'XLA_PYTHON_CLIENT_MEM_FRACTION raises it)')
   return report
 
 

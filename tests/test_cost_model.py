@@ -135,7 +135,24 @@ def test_estimate_adds_up_its_parts():
   assert math.isclose(r['data_parallel_bytes_per_gpu'], 7 / 8 * (stage + embedding) * 6)
   # Without ZeRO's split over data the state alone is 12 bytes x 4.6e9 params per GPU.
   whole = cost_model.estimate(cfg.replace(mesh={'data': 1}), 'a100-40gb')
-  assert not whole['fits'] and 'exceeds the 40 GiB of one a100-40gb' in whole['why_not']
+  assert not whole['fits'] and 'exceeds the 30.0 GiB JAX may use of one a100-40gb' in whole[
+      'why_not']
+
+
+def test_fits_in_what_jax_may_allocate_not_the_whole_memory(monkeypatch):
+  """JAX takes 0.75 of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: tr11's
+  ~32 GiB per GPU fits a 40 GB A100 only with a larger share."""
+  cfg = load_config_file(os.path.join(REPO, 'configs', 'bloom_176b.py'))
+  monkeypatch.delenv('XLA_PYTHON_CLIENT_MEM_FRACTION', raising=False)
+  default = cost_model.estimate(cfg, 'a100-40gb')
+  assert 30.0 < default['estimated_memory_gib'] < 36.0
+  assert not default['fits'] and default['usable_gib'] == 30.0
+  assert 'XLA_PYTHON_CLIENT_MEM_FRACTION raises it' in default['why_not']
+  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.9')
+  assert cost_model.estimate(cfg, 'a100-40gb')['fits']
+  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', '1.5')
+  with pytest.raises(ConfigError, match=r'XLA_PYTHON_CLIENT_MEM_FRACTION=1.5 is not in \(0, 1\]'):
+    cost_model.estimate(cfg, 'a100-40gb')
 
 
 def test_search_finds_exactly_the_valid_topologies():
