@@ -144,7 +144,9 @@ class OptimizerConfig:
   # blocks of quant_block_size values, one fp32 absmax each; tensors with fewer than
   # quant_min_size values per layer keep fp32 moments (t5x_like/quantized_adam.py).
   name: Literal['adamw', 'adamw_8bit'] = 'adamw'
-  quant_block_size: int = 2048  # One of QUANT_BLOCK_SIZES.
+  # One of QUANT_BLOCK_SIZES. 256: more blocks split evenly over more shards (BLOOM-176B's hidden
+  # 14336 is 56 blocks, 7 of 2048), docs/benchmarks.md's plan figures.
+  quant_block_size: int = 256
   quant_min_size: int = 4096
 
 

@@ -1057,7 +1057,7 @@ def _derive_bnb(out: Conversion, flags) -> None:
   if flag not in flags:
     return
   out.set('optimizer.name', 'adamw_8bit', flag, "bitsandbytes' Adam8bit: 8-bit block-wise "
-          'quantised moments, blocks of optimizer.quant_block_size=2048 values')
+          'quantised moments, blocks of optimizer.quant_block_size=256 values')
   out.set('model.stable_embedding', True, flag, 'StableEmbedding: Xavier-uniform embedding, '
           'the embedding LayerNorm (with gpt2: on the token lookup, before the positions), fp32 '
           'optimizer state for the embedding')

@@ -61,6 +61,29 @@ def block_axes(cfg: OptimizerConfig, params, fp32_state: tuple[str, ...] = ()):
   return quantized_adam.block_axes(params, cfg.quant_block_size, cfg.quant_min_size, fp32_state)
 
 
+def check_moments_split(cfg: OptimizerConfig, abstract_opt, param_shardings) -> None:
+  """A ConfigError when an 8-bit moment cannot be split like its parameter (its blocks would
+  straddle the shards of a mesh axis): it would be held whole along that axis, which costs more
+  memory than fp32 moments split."""
+  if cfg.name != 'adamw_8bit':
+    return
+  problems = quantized_adam.unsplit_moments(abstract_opt[0], param_shardings)
+  if problems:
+    raise ConfigError(
+        f"optimizer.name='adamw_8bit': the moments of {', '.join(problems)} cannot be split over "
+        f'that mesh axis: its shards would cut the blocks of optimizer.quant_block_size='
+        f'{cfg.quant_block_size} values. Use a quant_block_size that gives those dims a number of '
+        "blocks the axis divides, a mesh that divides it, or optimizer.name='adamw'")
+
+
+def split_blocks(cfg: OptimizerConfig, params, fp32_state: tuple[str, ...] = ()):
+  """Per param: (dim, block size) of its 8-bit moments' blocks, or None: the whole units that
+  ZeRO's `data` split must keep (partitioning.zero_spec)."""
+  is_axis = lambda x: x is None or isinstance(x, quantized_adam.BlockAxis)
+  return jax.tree.map(lambda b: None if b is None else (b.axis, b.block_size),
+                      block_axes(cfg, params, fp32_state), is_leaf=is_axis)
+
+
 def fp32_state_params(model_cfg) -> tuple[str, ...]:
   """Params whose moments stay fp32 under adamw_8bit: the embedding with StableEmbedding."""
   return ('word_embeddings',) if model_cfg.stable_embedding else ()

@@ -94,25 +94,38 @@ def spec_for(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P
   return fit_spec(logical_to_mesh(names), shape, mesh)
 
 
-def zero_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
+def split_units(shape: Sequence[int], block: tuple[int, int] | None) -> list[int]:
+  """Each dim's length in the units a `data` split must keep whole: on `block`'s dim (dim,
+  size) the 8-bit optimizer's quantisation blocks (optim.block_axes), single values elsewhere."""
+  units = [int(n) for n in shape]
+  if block is not None:
+    units[block[0]] = units[block[0]] // block[1]
+  return units
+
+
+def zero_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+              block: tuple[int, int] | None = None) -> P:
   """Rule spec plus a `data` split (ZeRO-1) on one dim that `data` divides, without padding.
 
   Prefers the largest dim the rules leave unsplit; otherwise splits an already tensor-split dim
-  further (`('tensor', 'data')`). Never the stacked `layers` dim. A tensor that `data` divides
-  nowhere stays replicated over `data` (checkpoints' canonical layout; the train state pads
-  instead, `zero_split`).
+  further (`('tensor', 'data')`). Never the stacked `layers` dim, and on the dim of the 8-bit
+  optimizer's blocks (`block`) only if `data` divides their number, so that the params, their
+  gradients and their quantised moments share one split. A tensor that `data` divides nowhere
+  stays replicated over `data` (checkpoints' canonical layout; the train state pads instead,
+  `zero_split`).
   """
   spec = list(spec_for(names, shape, mesh))
   data = mesh.shape['data']
   if data == 1:
     return P(*spec)
+  units = split_units(shape, block)
   dims = [i for i, n in enumerate(names) if n != 'layers']
-  free = [i for i in dims if spec[i] is None and shape[i] % data == 0]
+  free = [i for i in dims if spec[i] is None and units[i] % data == 0]
   if free:
     spec[max(free, key=lambda i: shape[i])] = 'data'
     return P(*spec)
   split = [i for i in dims if spec[i] is not None and
-           shape[i] % (_axis_size(mesh, spec[i]) * data) == 0]
+           units[i] % (_axis_size(mesh, spec[i]) * data) == 0]
   if split:
     best = max(split, key=lambda i: shape[i])
     axes = spec[best] if isinstance(spec[best], tuple) else (spec[best],)
@@ -129,13 +142,15 @@ class ZeroSplit:
   padded_shape: tuple[int, ...]
 
 
-def zero_split(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> ZeroSplit:
+def zero_split(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+               block: tuple[int, int] | None = None) -> ZeroSplit:
   """The ZeRO-1 layout of a tensor in the train state: `zero_spec` where `data` divides a dim;
   otherwise the largest dim the rules leave unsplit (never `layers`), padded with zeros up to a
-  multiple of `data` and split over it. Only a tensor whose every free dim is smaller than
-  `data` (padding would more than double it) stays replicated over `data`."""
+  multiple of `data` and split over it (never the dim of `block`: its blocks are whole). Only a
+  tensor whose every free dim is smaller than `data` (padding would more than double it) stays
+  replicated over `data`."""
   shape = tuple(int(n) for n in shape)
-  spec = zero_spec(names, shape, mesh)
+  spec = zero_spec(names, shape, mesh, block)
   data = mesh.shape['data']
   if data == 1 or 'data' in _mesh_axes(spec):
     return ZeroSplit(spec, shape)
@@ -143,7 +158,8 @@ def zero_split(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) ->
   # A tensor-split dim is never padded: padding would move its tensor shards' boundaries, and
   # the compute copy (no padding) would then be gathered across tensor ranks too.
   free = [i for i, n in enumerate(names)
-          if n != 'layers' and spec[i] is None and shape[i] >= data]
+          if n != 'layers' and spec[i] is None and shape[i] >= data and
+          (block is None or i != block[0])]
   if not free:
     return ZeroSplit(P(*spec), shape)
   dim = max(free, key=lambda i: shape[i])
@@ -153,18 +169,19 @@ def zero_split(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) ->
   return ZeroSplit(P(*spec), tuple(padded))
 
 
-def checkpoint_sharding(names: Sequence[str | None], shape: Sequence[int],
-                        mesh: Mesh) -> NamedSharding:
+def checkpoint_sharding(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                        block: tuple[int, int] | None = None) -> NamedSharding:
   """Where a tensor of the checkpoint (true, unpadded shape) lives while saved or restored:
   `zero_spec` where `data` divides a dim; otherwise split over the largest factor of `data` that
   a dim (never `layers`) still divides, on a mesh whose `data` axis is cut into that factor and
   `data_rest` (replicated), so that a DP-24 save holds hidden-size tensors split 8 ways, not whole.
   """
-  spec = list(zero_spec(names, shape, mesh))
+  spec = list(zero_spec(names, shape, mesh, block))
   data = mesh.shape['data']
   if data == 1 or 'data' in _mesh_axes(P(*spec)):
     return NamedSharding(mesh, P(*spec))
-  per_shard = lambda i: shape[i] // _axis_size(mesh, spec[i])
+  units = split_units(shape, block)
+  per_shard = lambda i: units[i] // _axis_size(mesh, spec[i])
   dims = [i for i, n in enumerate(names) if n != 'layers']
   best = max(dims, key=lambda i: (math.gcd(data, per_shard(i)), shape[i]), default=None)
   factor = math.gcd(data, per_shard(best)) if best is not None else 1
@@ -178,10 +195,11 @@ def checkpoint_sharding(names: Sequence[str | None], shape: Sequence[int],
   return NamedSharding(factored, P(*spec))
 
 
-def tree_checkpoint_shardings(mesh: Mesh, logical_names, shapes):
-  """`checkpoint_sharding` of every tensor of a pytree of logical-name tuples and shapes."""
-  return jax.tree.map(lambda names, shape: checkpoint_sharding(names, shape, mesh),
-                      logical_names, shapes, is_leaf=is_names)
+def tree_checkpoint_shardings(mesh: Mesh, logical_names, shapes, blocks):
+  """`checkpoint_sharding` of every tensor of pytrees of logical-name tuples, shapes and blocks
+  ((dim, size) or None, see `zero_spec`)."""
+  return jax.tree.map(lambda names, shape, block: checkpoint_sharding(names, shape, mesh, block),
+                      logical_names, shapes, blocks, is_leaf=is_names)
 
 
 def _mesh_axes(spec: P) -> list[str]:
@@ -194,10 +212,11 @@ def is_names(x) -> bool:
   return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
 
 
-def tree_zero_splits(mesh: Mesh, logical_names, shapes):
-  """`zero_split` of every tensor of a pytree of logical-name tuples and matching shapes."""
-  return jax.tree.map(lambda names, shape: zero_split(names, shape, mesh), logical_names,
-                      shapes, is_leaf=is_names)
+def tree_zero_splits(mesh: Mesh, logical_names, shapes, blocks):
+  """`zero_split` of every tensor of pytrees of logical-name tuples, matching shapes and blocks
+  ((dim, size) or None, see `zero_spec`)."""
+  return jax.tree.map(lambda names, shape, block: zero_split(names, shape, mesh, block),
+                      logical_names, shapes, blocks, is_leaf=is_names)
 
 
 def replicated_over_data(mesh: Mesh, shardings) -> list[str]:

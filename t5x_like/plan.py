@@ -266,10 +266,10 @@ def main(argv: list[str] | None = None) -> int:
                               args.json)
       return run_search(cfg, args)
     cfg = startup.check_config(cfg)
+    report = plan(cfg)  # its layout refuses a mesh the 8-bit moments cannot be split over
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  report = plan(cfg)
   if args.json:
     print(json.dumps(report))
   else:

@@ -217,6 +217,24 @@ def state_shardings(state: ScaleByAdam8bitState, param_shardings, replicated: Na
   return ScaleByAdam8bitState(replicated, per_param(state.mu), per_param(state.nu))
 
 
+def unsplit_moments(state: ScaleByAdam8bitState, param_shardings) -> list[str]:
+  """The quantised moments (by parameter path) whose shards would cut a block on some mesh axis
+  that splits their parameter, so that they are held whole along it instead, with that axis."""
+  problems = []
+  mesh_axes = lambda sharding: {a for entry in sharding.spec for a in (
+      entry if isinstance(entry, tuple) else (entry,)) if a and sharding.mesh.shape[a] > 1}
+
+  def check(path, sharding, moment):
+    if is_quantized(moment):
+      lost = mesh_axes(sharding) - mesh_axes(moment.scales.sharding)
+      if lost:
+        problems.append(f"{'/'.join(_names(path))} ({' and '.join(sorted(lost))})")
+
+  jax.tree_util.tree_map_with_path(check, param_shardings, state.mu,
+                                   is_leaf=lambda x: isinstance(x, NamedSharding))
+  return problems
+
+
 def bytes_per_param(params, axes) -> float:
   """Optimizer-state bytes per parameter (both moments with their scales, the count left out)."""
   total, count = 0, 0

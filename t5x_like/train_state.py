@@ -182,19 +182,23 @@ def make_layout(cfg: Config, mesh: Mesh) -> StateLayout:
   shapes = jax.tree_util.tree_map_with_path(
       lambda path, s: jax.ShapeDtypeStruct(pipeline.storage_shape(plan, path, s.shape), s.dtype),
       canonical_shapes)
-  optimizer = optim.make_optimizer(cfg.optimizer, shapes, optim.fp32_state_params(cfg.model))
+  fp32_state = optim.fp32_state_params(cfg.model)
+  optimizer = optim.make_optimizer(cfg.optimizer, shapes, fp32_state)
   shape_of = lambda tree: jax.tree.map(lambda s: s.shape, tree)
-  splits = partitioning.tree_zero_splits(mesh, names, shape_of(shapes))
+  # 8-bit moments' blocks are whole in every shard: ZeRO splits around them.
+  blocks = optim.split_blocks(cfg.optimizer, shapes, fp32_state)
+  splits = partitioning.tree_zero_splits(mesh, names, shape_of(shapes), blocks)
   is_split = lambda x: isinstance(x, partitioning.ZeroSplit)
   zero = jax.tree.map(lambda z: NamedSharding(mesh, z.spec), splits, is_leaf=is_split)
   padded_shapes = jax.tree.map(lambda s, z: jax.ShapeDtypeStruct(z.padded_shape, s.dtype),
                                shapes, splits, is_leaf=is_split)
   abstract = _abstract_state(mesh, optimizer, padded_shapes, zero)
+  optim.check_moments_split(cfg.optimizer, abstract.opt_state, zero)
   logical = _abstract_state(mesh, optimizer, shapes, zero)
   # Checkpoints hold the true shapes, split over as much of `data` as divides them (a brief
   # copy, while saving or restoring).
   canonical = _abstract_state(
       mesh, optimizer, canonical_shapes,
-      partitioning.tree_checkpoint_shardings(mesh, names, shape_of(canonical_shapes)))
+      partitioning.tree_checkpoint_shardings(mesh, names, shape_of(canonical_shapes), blocks))
   compute = partitioning.tree_shardings(mesh, names, shape_of(shapes), zero=False)
   return StateLayout(mesh, model, optimizer, plan, names, abstract, canonical, compute, logical)

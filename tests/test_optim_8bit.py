@@ -323,7 +323,8 @@ def test_an_unknown_block_size_and_a_switched_optimizer_are_refused_at_start_up(
 
 # ------------------------------------------------------------------------------- exact resume
 
-TINY_8BIT = TINY + ['--config.optimizer.name=adamw_8bit',
+# hidden 128: the MLP's 512 columns are 2 blocks of 256, which tiny's tensor=2 splits whole.
+TINY_8BIT = TINY + ['--config.model.hidden_size=128', '--config.optimizer.name=adamw_8bit',
                     '--config.optimizer.quant_block_size=256']
 
 
@@ -395,3 +396,26 @@ def test_gpt2_gains_the_embedding_layernorm_and_pipelines_it_like_one_device():
   single, _, _ = run_steps(cfg, num_steps=2)
   piped, _, _ = run_steps(cfg.replace(mesh={'pipeline': 2}), num_steps=2)
   np.testing.assert_allclose(piped, single, rtol=2e-6)
+
+
+def test_zero_splits_around_the_blocks_and_a_split_that_cuts_them_is_refused():
+  """hidden 1792 is 7 blocks of 256: data=8 cannot split that dim's blocks, so ZeRO splits those
+  params (and gradients and moments) on another dim; no kernel's moments are held whole on a data
+  rank (as the qkv and out moments were: BLOOM-176B's plan rose from 34.5 to 123.9 GiB). A tensor split
+  that would cut the MLP's blocks (ffn 1792 over tensor 2) is one ConfigError."""
+  cfg = eight_bit_config((8, 1, 1), model=dict(hidden_size=1792, num_heads=14, vocab_size=1000),
+                         train=dict(global_batch_size=8, micro_batch_size=1))
+  layout = make_layout(cfg, partitioning.make_mesh(8, 1, 1))
+  moments = [m for m in jax.tree.leaves(layout.abstract.opt_state[0].mu,
+                                        is_leaf=quantized_adam.is_quantized)
+             if quantized_adam.is_quantized(m)]
+  matrices = [m for m in moments if m.scales.ndim >= 3]  # the kernels (biases are [L, n])
+  assert len(matrices) == 4
+  for moment in matrices:
+    assert 'data' in jax.tree.leaves(tuple(moment.scales.sharding.spec)), moment.scales
+  qkv = layout.abstract.params['layers']['attn']['qkv_kernel']
+  assert tuple(qkv.sharding.spec)[1] is None  # not on hidden, whose 7 blocks data cannot split
+  with pytest.raises(ConfigError, match=r"the moments of layers/mlp/wi_kernel \(tensor\).*"
+                                        r'quant_block_size=256'):
+    make_layout(eight_bit_config((1, 1, 2), model=dict(hidden_size=448, num_heads=14)),
+                partitioning.make_mesh(1, 1, 2))
