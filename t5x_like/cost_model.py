@@ -32,6 +32,7 @@ import dataclasses
 import math
 import os
 
+from t5x_like import metrics  # the log line's FLOPs and peaks; imports JAX, starts no backend
 from t5x_like.config import Config, ConfigError
 
 GIB = 1024**3
@@ -55,27 +56,27 @@ class Gpu:
 
 GPUS = {
     'a100-80gb': Gpu(
-        peak_bf16_tflops=312.0, hbm_gib=80.0, hbm_gb_s=2039.0, nvlink_gb_s=300.0,
-        network_gb_s=50.0, gpus_per_node=8,
+        peak_bf16_tflops=metrics.BF16_PEAK_TFLOPS['A100'], hbm_gib=80.0, hbm_gb_s=2039.0,
+        nvlink_gb_s=300.0, network_gb_s=50.0, gpus_per_node=8,
         sources='NVIDIA A100 data sheet (SXM4 80GB: 312 TFLOPS bf16 dense, 80 GB HBM2e at 2,039 '
         'GB/s, NVLink 600 GB/s bidirectional); the node and network of Jean Zay, where BLOOM and '
         'the chronicles ran (BLOOM model card, Hardware: 8 GPUs per node, 4 Omni-Path links of '
         '100 Gb/s each)'),
     'a100-40gb': Gpu(
-        peak_bf16_tflops=312.0, hbm_gib=40.0, hbm_gb_s=1555.0, nvlink_gb_s=300.0,
-        network_gb_s=200.0, gpus_per_node=8,
+        peak_bf16_tflops=metrics.BF16_PEAK_TFLOPS['A100'], hbm_gib=40.0, hbm_gb_s=1555.0,
+        nvlink_gb_s=300.0, network_gb_s=200.0, gpus_per_node=8,
         sources='NVIDIA A100 data sheet (SXM4 40GB: 312 TFLOPS bf16 dense, 40 GB HBM2 at 1,555 '
         'GB/s, NVLink 600 GB/s bidirectional); NVIDIA DGX A100 data sheet (8 GPUs, 8 x 200 Gb/s '
         'HDR InfiniBand for compute)'),
     'h100-80gb': Gpu(
-        peak_bf16_tflops=989.0, hbm_gib=79.6, hbm_gb_s=3350.0, nvlink_gb_s=450.0,
-        network_gb_s=400.0, gpus_per_node=8,
+        peak_bf16_tflops=metrics.BF16_PEAK_TFLOPS['H100'], hbm_gib=79.6, hbm_gb_s=3350.0,
+        nvlink_gb_s=450.0, network_gb_s=400.0, gpus_per_node=8,
         sources='NVIDIA H100 data sheet (SXM5: 989 TFLOPS bf16 dense, 80 GB HBM3 at 3.35 TB/s '
         '(81,559 MiB reported), NVLink 900 GB/s bidirectional); NVIDIA DGX H100 data sheet (8 '
         'GPUs, 8 x 400 Gb/s ConnectX-7)'),
     'h200': Gpu(
-        peak_bf16_tflops=989.0, hbm_gib=140.4, hbm_gb_s=4800.0, nvlink_gb_s=450.0,
-        network_gb_s=400.0, gpus_per_node=8,
+        peak_bf16_tflops=metrics.BF16_PEAK_TFLOPS['H200'], hbm_gib=140.4, hbm_gb_s=4800.0,
+        nvlink_gb_s=450.0, network_gb_s=400.0, gpus_per_node=8,
         sources='NVIDIA H200 data sheet (SXM: 989 TFLOPS bf16 dense, 141 GB HBM3e at 4.8 TB/s '
         '(143,771 MiB reported), NVLink 900 GB/s bidirectional); NVIDIA DGX H200 data sheet (8 '
         'GPUs, 8 x 400 Gb/s ConnectX-7)'),
@@ -257,7 +258,6 @@ def estimate(cfg: Config, gpu: str, fitted: Fitted = FITTED, nodes_of: int = 0) 
   """The cost of one iteration of `cfg`'s step (at its full global batch) on its mesh of GPUs
   of kind `gpu` (`nodes_of` GPUs per node; 0: the kind's): times in seconds, bytes per GPU per
   iteration. `cfg` is a validated config (Config.validate, schedule.check)."""
-  from t5x_like import metrics  # the log line's FLOPs formula; imports JAX, starts no backend
   spec = gpu_spec(gpu, nodes_of)
   check_topology(cfg, spec)
   m, mesh, train = cfg.model, cfg.mesh, cfg.train

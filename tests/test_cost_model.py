@@ -122,9 +122,6 @@ def test_estimate_adds_up_its_parts():
   assert math.isclose(r['bubble_fraction'], pipeline.plan_for(cfg).bubble_fraction(128))
   assert math.isclose(r['estimated_memory_gib'], sum(r['memory_gib_by_category'].values()))
   assert r['fits'] and r['mesh'] == [8, 12, 4] and all(r[p] > 0 for p in parts)
-  # The same data-sheet peaks as the log line's MFU.
-  assert all(cost_model.GPUS[kind].peak_bf16_tflops == metrics.BF16_PEAK_TFLOPS[name]
-             for kind, name in (('a100-80gb', 'A100'), ('h100-80gb', 'H100'), ('h200', 'H200')))
   # Full recomputation: one more forward of the stage's 6 layer slots per micro-batch (MBS 2).
   h, tokens = 14336, 2 * 2048
   forward = 6 * (24 * tokens * h * h + 4 * tokens * 2048 * h) / 4

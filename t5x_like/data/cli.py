@@ -28,7 +28,6 @@ Exit codes: 0 done, 2 bad input (one message naming the file and the fix; nothin
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import os
@@ -110,30 +109,12 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Tokenizer |
                     'or choose another --output_prefix')
   dtype = indexed.best_dtype(tokenizer.vocab_size)
   start = time.perf_counter()
-  documents = tokens = empty = 0
-  try:
-    with indexed.IndexedDatasetWriter(output_prefix, dtype) as writer:
-      for batch in _batches(read_documents(inputs, json_key), _BATCH_DOCUMENTS):
-        for ids in tokenizer.encode_batch(batch):
-          if not ids:
-            # Megatron's preprocess_data.py writes nothing for a text without tokens; a lone EOD
-            # would shift the document count, and with it every split boundary.
-            empty += 1
-            continue
-          if append_eod:
-            ids.append(tokenizer.eod_id)
-          writer.add_document(ids)
-          documents += 1
-          tokens += len(ids)
-      if not documents:  # raised inside the block: the writer discards its temporary files
-        raise DataError(f'{", ".join(inputs)}: no text to tokenize ({empty} document(s), all '
-                        'empty); check --input and --json_key')
-  except OSError as e:
-    if e.errno != errno.ENOSPC:
-      raise
-    raise DataError(f'no space left on the device of {output_prefix} while writing it; nothing '
-                    'was written (the temporary files are removed): free some space or choose '
-                    'another --output_prefix') from None
+  encoded = (ids + [tokenizer.eod_id] if ids and append_eod else ids
+             for batch in _batches(read_documents(inputs, json_key), _BATCH_DOCUMENTS)
+             for ids in tokenizer.encode_batch(batch))
+  documents, tokens, empty = indexed.write_documents(
+      output_prefix, dtype, encoded, ', '.join(inputs), 'check --input and --json_key',
+      'free some space or choose another --output_prefix')
   if empty:
     logging.warning('preprocess: skipped %d empty document(s) (no tokens), as Megatron\'s '
                     'preprocess_data.py does; %d written', empty, documents)

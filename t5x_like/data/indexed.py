@@ -20,6 +20,7 @@ starts.
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import tempfile
@@ -133,6 +134,34 @@ class IndexedDataset:
     for start in range(0, self.num_tokens, chunk_tokens):
       top = max(top, int(self.tokens[start:start + chunk_tokens].max()))
     return top
+
+
+def write_documents(prefix: str, dtype: np.dtype, documents: Iterable, what: str,
+                    no_tokens_fix: str, no_space_fix: str) -> tuple[int, int, int]:
+  """Writes each token sequence of `documents` as one document of PREFIX.bin/.idx, all or
+  nothing (IndexedDatasetWriter). An empty one is skipped and counted, as Megatron's
+  preprocess_data.py does: a lone end-of-document would shift the document count, and with it
+  every split boundary. Returns (documents, tokens, empty ones skipped). No document with tokens,
+  or a full disk, is a DataError naming `what` and the fix."""
+  written = tokens = empty = 0
+  try:
+    with IndexedDatasetWriter(prefix, dtype) as writer:
+      for ids in documents:
+        if not len(ids):
+          empty += 1
+          continue
+        writer.add_document(ids)
+        written += 1
+        tokens += len(ids)
+      if not written:  # raised inside the block: the writer discards its temporary files
+        raise DataError(f'{what}: no text to tokenize ({empty} document(s), all empty); '
+                        f'{no_tokens_fix}')
+  except OSError as e:
+    if e.errno != errno.ENOSPC:
+      raise
+    raise DataError(f'no space left on the device of {prefix} while writing {what}; nothing was '
+                    f'written (the temporary files are removed): {no_space_fix}') from None
+  return written, tokens, empty
 
 
 class IndexedDatasetWriter:

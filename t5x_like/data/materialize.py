@@ -192,29 +192,13 @@ def _write(task, split: str, prefix: str, expected: str, described: dict) -> tup
   vocabulary = targets.vocabulary
   # An empty text comes out of seqio's append_eos as a lone EOS: no text either.
   lone_eos = [vocabulary.eos_id] if targets.add_eos else []
-  documents = tokens = empty = 0
-  total = task.source.num_input_examples(split)
-  try:
-    with indexed.IndexedDatasetWriter(prefix, indexed.best_dtype(vocabulary.vocab_size)) as writer:
-      for ids in tqdm(_examples(task, split), desc=f'{task.name}:{split}', total=total,
-                      unit=' docs', mininterval=1.0):
-        if not ids.size or ids.tolist() == lone_eos:
-          # preprocess (and Megatron's) skip texts without tokens: the split boundaries and
-          # document counts stay those of the same texts preprocessed.
-          empty += 1
-          continue
-        writer.add_document(ids)
-        documents += 1
-        tokens += int(ids.size)
-      if not documents:  # raised inside the block: the writer discards its temporary files
-        raise DataError(f'the seqio Task {task.name!r} yields no tokens for its {split!r} split '
-                        f'({empty} example(s), all empty); check its source and preprocessors')
-  except OSError as error:
-    if error.errno != errno.ENOSPC:
-      raise
-    raise DataError(f'no space left on the device of {prefix} while materialising '
-                    f'{task.name}:{split}; nothing was written: free some space or point '
-                    'data.cache_dir elsewhere') from None
+  examples = tqdm(_examples(task, split), desc=f'{task.name}:{split}',
+                  total=task.source.num_input_examples(split), unit=' docs', mininterval=1.0)
+  documents, tokens, empty = indexed.write_documents(
+      prefix, indexed.best_dtype(vocabulary.vocab_size),
+      (ids[:0] if ids.tolist() == lone_eos else ids for ids in examples),  # an empty text
+      f'the seqio Task {task.name!r}, split {split!r}', 'check its source and preprocessors',
+      'free some space or point data.cache_dir elsewhere')
   if empty:
     logging.warning('seqio %s:%s: skipped %d example(s) without tokens (an empty text), as '
                     'preprocess does; %d written', task.name, split, empty, documents)
