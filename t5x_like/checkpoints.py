@@ -407,10 +407,7 @@ class _OrbaxWriterErrors(logging.Filter):
     self.count = 0
     self._logger = logging.getLogger('absl')
     self._logger.addFilter(self)
-    # TensorStore's completion callbacks of the same save then find Orbax's event loop closed and
-    # print that through sys.excepthook, once per pending write.
-    self._excepthook = sys.excepthook
-    sys.excepthook = self._on_uncaught
+    silence_orbax_aftermath()
 
   def filter(self, record: logging.LogRecord) -> bool:
     if record.levelno >= logging.ERROR and f'{os.sep}orbax{os.sep}' in record.pathname:
@@ -418,16 +415,55 @@ class _OrbaxWriterErrors(logging.Filter):
       return False
     return True
 
-  def _on_uncaught(self, kind, value, traceback) -> None:
+  def detach(self) -> None:
+    self._logger.removeFilter(self)
+
+
+class _OrbaxAftermath:
+  """Hides the echoes of a save or restore that already failed, for the rest of the process.
+
+  When one write or read of a step fails, Orbax closes its event loop and leaves the others
+  running: each that completes later (one per array shard: hundreds on a full disk) finds the
+  loop closed, and each read that fails after the first is a coroutine nobody awaits. Python
+  prints both through sys.unraisablehook (and an uncaught error through sys.excepthook), in
+  Orbax's threads, also after the SaveError or CheckpointError that says what went wrong was
+  printed. They are counted here instead, and every other report is printed as before."""
+
+  def __init__(self):
+    self.count = 0
+    self._unraisablehook = sys.unraisablehook
+    self._excepthook = sys.excepthook
+    sys.unraisablehook = self._on_unraisable
+    sys.excepthook = self._on_uncaught
+
+  @staticmethod
+  def is_echo(value: BaseException | None, source: Any = None) -> bool:
     if isinstance(value, RuntimeError) and str(value) == 'Event loop is closed':
+      return True
+    code = getattr(source, 'cr_code', None)  # an un-awaited coroutine of Orbax's
+    return code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename
+
+  def _on_unraisable(self, unraisable) -> None:
+    if self.is_echo(unraisable.exc_value, unraisable.object):
+      self.count += 1
+      return
+    self._unraisablehook(unraisable)
+
+  def _on_uncaught(self, kind, value, traceback) -> None:
+    if self.is_echo(value):
       self.count += 1
       return
     self._excepthook(kind, value, traceback)
 
-  def detach(self) -> None:
-    self._logger.removeFilter(self)
-    if sys.excepthook == self._on_uncaught:
-      sys.excepthook = self._excepthook
+
+_AFTERMATH: list[_OrbaxAftermath] = []  # installed once per process, by the first save or restore
+
+
+def silence_orbax_aftermath() -> _OrbaxAftermath:
+  """Installs the process's _OrbaxAftermath (once) and returns it."""
+  if not _AFTERMATH:
+    _AFTERMATH.append(_OrbaxAftermath())
+  return _AFTERMATH[0]
 
 
 class Checkpointer:
@@ -631,6 +667,7 @@ def _orbax_restore(root: str, step: int, items: dict[str, Any]) -> dict[str, Any
   """All requested items or a CheckpointError: never a partially restored state."""
   step_dir = os.path.join(root, str(step))
   mgr = _manager(root, read_only=True)
+  silence_orbax_aftermath()
   try:
     return mgr.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # TensorStore raises bare Exceptions for missing or truncated files.

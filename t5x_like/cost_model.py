@@ -129,12 +129,13 @@ def jax_memory_fraction() -> float:
   return fraction
 
 
-def gpu_spec(kind: str, nodes_of: int = 0) -> Gpu:
+def gpu_spec(kind: str, nodes_of: int | None = None) -> Gpu:
   """GPUS[kind], with `nodes_of` GPUs per node when given (the node's network shared by them)."""
   if kind not in GPUS:
     raise ConfigError(f'unknown --gpu {kind!r}; known kinds: {", ".join(GPUS)}')
-  if nodes_of < 0:
-    raise ConfigError(f'--nodes-of must be a positive number of GPUs per node, got {nodes_of}')
+  if nodes_of is not None and nodes_of < 1:
+    raise ConfigError(f'--nodes-of must be a number of GPUs per node >= 1, got {nodes_of}; '
+                      f'leave it out for the kind\'s {GPUS[kind].gpus_per_node}')
   spec = GPUS[kind]
   return dataclasses.replace(spec, gpus_per_node=nodes_of) if nodes_of else spec
 
@@ -254,9 +255,9 @@ def _allreduce_bytes(size: float, ranks: int) -> float:
   return 2 * (ranks - 1) / ranks * size
 
 
-def estimate(cfg: Config, gpu: str, fitted: Fitted = FITTED, nodes_of: int = 0) -> dict:
+def estimate(cfg: Config, gpu: str, fitted: Fitted = FITTED, nodes_of: int | None = None) -> dict:
   """The cost of one iteration of `cfg`'s step (at its full global batch) on its mesh of GPUs
-  of kind `gpu` (`nodes_of` GPUs per node; 0: the kind's): times in seconds, bytes per GPU per
+  of kind `gpu` (`nodes_of` GPUs per node; None: the kind's): times in seconds, bytes per GPU per
   iteration. `cfg` is a validated config (Config.validate, schedule.check)."""
   spec = gpu_spec(gpu, nodes_of)
   check_topology(cfg, spec)
@@ -365,10 +366,28 @@ def estimate(cfg: Config, gpu: str, fitted: Fitted = FITTED, nodes_of: int = 0) 
 
 
 def _divisors(n: int) -> list[int]:
-  return [d for d in range(1, n + 1) if n % d == 0]
+  """n's divisors in increasing order, in O(sqrt(n)) steps."""
+  small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+  return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def search(cfg: Config, gpus: int, gpu: str, nodes_of: int = 0) -> list[dict]:
+def max_gpus(cfg: Config, spec: Gpu) -> tuple[int, str]:
+  """(the most GPUs any topology of `cfg`'s model and batch can use on `spec`'s nodes, why): tensor
+  at most the largest divisor of the heads within a node, and data x pipeline at most the
+  smallest batch of the run (its ramp-up's first), since every micro-batch holds a sample and
+  every stage needs a micro-batch."""
+  from t5x_like import schedule
+  heads, node = cfg.model.num_heads, spec.gpus_per_node
+  tensor = max(t for t in _divisors(heads) if t <= node and node % t == 0)
+  batch = min(schedule.ramp_batch_sizes(cfg.train))
+  which = ('train.rampup_batch_size\'s first batch' if cfg.train.rampup_batch_size else
+           'train.global_batch_size')
+  return tensor * batch, (f'tensor at most {tensor}, dividing the {heads} heads and a node of '
+                          f'{node}, x data x pipeline at most {batch}, the {which}: a sample '
+                          'per micro-batch, a micro-batch per stage')
+
+
+def search(cfg: Config, gpus: int, gpu: str, nodes_of: int | None = None) -> list[dict]:
   """Every valid (data, pipeline, tensor, micro-batch) for `gpus` GPUs of kind `gpu` at `cfg`'s
   model, sequence and global batch (and ramp-up), each with its estimate: those that fit first,
   then those that do not, each group by estimated seconds per iteration.
@@ -376,7 +395,7 @@ def search(cfg: Config, gpus: int, gpu: str, nodes_of: int = 0) -> list[dict]:
   Valid: tensor divides the heads, hidden and FFN sizes and the node; the layers go over the
   stages with at most one padding slot each; the global batch and every ramp-up batch divide by
   micro-batch x data, into at least as many micro-batches as stages (Config.validate and
-  schedule.check decide, as for a run)."""
+  schedule.check decide, as for a run). More GPUs than `max_gpus` is a ConfigError."""
   from t5x_like import schedule
   spec = gpu_spec(gpu, nodes_of)
   if gpus < 1:
@@ -384,15 +403,21 @@ def search(cfg: Config, gpus: int, gpu: str, nodes_of: int = 0) -> list[dict]:
   if gpus > spec.gpus_per_node and gpus % spec.gpus_per_node:
     raise ConfigError(f'--gpus {gpus} spans several nodes of {spec.gpus_per_node} GPUs and is '
                       f'not a multiple of {spec.gpus_per_node}; use whole nodes (or --nodes-of)')
+  # Refused before enumerating: the loops below take time with the divisors of the count.
+  limit, why = max_gpus(cfg, spec)
+  if gpus > limit:
+    raise ConfigError(f'--gpus {gpus} is more than any topology of this model and batch can use: '
+                      f'at most {limit} ({why}); use --gpus {limit} or fewer, or a larger '
+                      'batch')
   m = cfg.model
   batches = schedule.ramp_batch_sizes(cfg.train)
   results = []
-  for tensor in _divisors(min(gpus, spec.gpus_per_node)):
-    if gpus % tensor or spec.gpus_per_node % tensor or m.num_heads % tensor:
+  for tensor in _divisors(m.num_heads):
+    if gpus % tensor or spec.gpus_per_node % tensor:
       continue
     for pipeline in _divisors(gpus // tensor):
       if pipeline > m.num_layers:
-        continue
+        break
       slots = math.ceil(m.num_layers / (pipeline * cfg.pipeline.repeats))
       if slots * pipeline * cfg.pipeline.repeats - m.num_layers > pipeline:
         continue  # more than one padding slot per stage

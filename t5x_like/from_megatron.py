@@ -1,11 +1,12 @@
 """`python -m t5x_like.from_megatron`: a Megatron-DeepSpeed launch script becomes a config.
 
-  python -m t5x_like.from_megatron SCRIPT [--out CONFIG.py] [--set VAR=VALUE ...]
+  python -m t5x_like.from_megatron SCRIPT [--out CONFIG.py [--overwrite]] [--set VAR=VALUE ...]
 
 Reads a SLURM/bash launch script of Megatron-DeepSpeed's `pretrain_gpt.py` (the shape of the
 BigScience tr1/tr8/tr8b/tr11 scripts), never running it, and writes an equivalent ml_collections
-config file of ours (stdout without --out). Its report on stderr lists every flag mapped and to
-what, every flag that needs no equivalent here and why, and every flag it could not map and why.
+config file of ours (stdout without --out; an existing --out file is an error unless
+--overwrite). Its report on stderr lists every flag mapped and to what, every flag that needs no
+equivalent here and why, and every flag it could not map and why.
 
 The shell it reads: assignments (`NHIDDEN=14336`, `VAR=${VAR:-default}`), `export`, quoted
 argument groups expanded unquoted (`GPT_ARGS=" ... "` then `$GPT_ARGS`), line continuations,
@@ -16,8 +17,9 @@ variable's; a flag that needs one is reported with the `--set VAR=VALUE` that fi
 variable wins over the script's own assignments to it.
 
 Exit codes: 0 every flag mapped or explained, 1 something not mapped (the config is still written,
-with the closest setting and a NOT MAPPED comment), 2 a script it cannot read. docs/from_megatron.md
-has the full flag table and the differences a user must know.
+with the closest setting and a NOT MAPPED comment), 2 a script it cannot read or an --out that
+exists (without --overwrite). docs/from_megatron.md has the full flag table and the differences
+a user must know.
 """
 
 from __future__ import annotations
@@ -1403,9 +1405,15 @@ def main(argv: list[str] | None = None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('script', help='the Megatron-DeepSpeed launch script (SLURM/bash)')
   parser.add_argument('--out', help='the config file to write (default: stdout)')
+  parser.add_argument('--overwrite', action='store_true', help='replace an existing --out file')
   parser.add_argument('--set', action='append', default=[], metavar='VAR=VALUE',
                       help='a shell variable known only on the cluster (repeatable)')
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+  # Before reading the script: a config edited since the last conversion is not lost.
+  if args.out and os.path.exists(args.out) and not args.overwrite:
+    print(f'error: --out {args.out} already exists; pass --overwrite to replace it or choose '
+          'another --out', file=sys.stderr)
+    return 2
   try:
     sets = _parse_sets(args.set)
     try:

@@ -17,6 +17,14 @@ data was tokenized with, and a tokenizer larger than the model's vocabulary is a
 continuation is printed, then one JSON line: `prompt`, `completion`, `prompt_ids`,
 `completion_ids`.
 
+What can be generated: the prompt + --max_new_tokens buffer must fit the model (a gpt2's learned
+positions) and the device: each forward over it holds the attention scores of every head on the
+device, [heads / T, length, length] float32 (the largest array under attention_impl 'xla'), in
+what JAX may use of a GPU, or on CPU in the host's memory, shared by the T devices. A request
+beyond either is refused before the checkpoint is restored, with the limit (an upper bound: the
+scores are not all a forward holds). As each token costs a forward over the whole buffer, a
+generation that takes more than a few seconds shows its progress (tqdm) on stderr.
+
 Exit codes: 0 done, 2 bad input (one message before the model is restored).
 """
 
@@ -29,16 +37,22 @@ import sys
 
 import numpy as np
 
-from t5x_like.config import Config, ConfigError
+from t5x_like.config import Config, ConfigError, ModelConfig
+
+# A progress bar on stderr for generations that take longer than this (seconds); shorter ones
+# print nothing but their result.
+PROGRESS_DELAY_S = 2.0
 
 
 def generate_ids(cfg: Config, params, prompt_ids: list[int], max_new_tokens: int,
                  temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-                 eod_id: int | None = None) -> list[int]:
+                 eod_id: int | None = None, progress: bool = False) -> list[int]:
   """The new token ids after `prompt_ids` (without them), at most max_new_tokens, ending at
-  eod_id (included) if the model writes it. cfg, params: from `inference.load_for_inference`."""
+  eod_id (included) if the model writes it. cfg, params: from `inference.load_for_inference`.
+  `progress`: a bar on stderr once the generation has taken PROGRESS_DELAY_S."""
   import jax
   import jax.numpy as jnp
+  from tqdm import tqdm
   from t5x_like import model as model_lib
   from t5x_like import partitioning
   mesh = partitioning.make_mesh(cfg.mesh.data, 1, cfg.mesh.tensor)
@@ -66,13 +80,16 @@ def generate_ids(cfg: Config, params, prompt_ids: list[int], max_new_tokens: int
   buffer[:len(prompt_ids)] = prompt_ids
   key = jax.random.PRNGKey(seed)
   new = []
-  for position in range(len(prompt_ids), length):
-    key, step_key = jax.random.split(key)
-    token = int(next_token(params, jnp.asarray(buffer), position, step_key))
-    buffer[position] = token
-    new.append(token)
-    if token == eod_id:
-      break
+  with tqdm(total=max_new_tokens, desc='generating', unit='token', file=sys.stderr,
+            delay=PROGRESS_DELAY_S, mininterval=1.0, leave=False, disable=not progress) as bar:
+    for position in range(len(prompt_ids), length):
+      key, step_key = jax.random.split(key)
+      token = int(next_token(params, jnp.asarray(buffer), position, step_key))
+      buffer[position] = token
+      new.append(token)
+      bar.update()
+      if token == eod_id:
+        break
   return new
 
 
@@ -91,11 +108,61 @@ def load_tokenizer(args: argparse.Namespace):
     raise ConfigError(str(e)) from None
 
 
-def check_request(saved: Config, tokenizer, prompt_ids: list[int], max_new_tokens: int) -> None:
+def largest_array(model: ModelConfig, length: int, tensor: int,
+                  dtype: str | None = None) -> tuple[int, str]:
+  """(bytes, shape and dtype) of the largest array one device holds in a forward of `model` over
+  `length` tokens on a 1 x 1 x `tensor` mesh (dtype: the compute dtype, default the model's):
+  the attention scores of its heads, or without them (a fused attention_impl) the MLP's
+  activation."""
+  dtype = dtype or model.dtype
+  heads, ffn = -(-model.num_heads // tensor), -(-model.ffn_size // tensor)
+  mlp = (length * ffn * (2 if dtype == 'bfloat16' else 4),
+         f'the MLP activation [{length}, {ffn}] {dtype}')
+  if model.attention_impl == 'xla':
+    # attention_reference's scores, fp32 whatever the dtype; the bias is smaller or fused in.
+    return max(mlp, (4 * heads * length**2, f'attention scores [{heads}, {length}, {length}] '
+                     'float32'))
+  return mlp
+
+
+def device_memory(tensor: int) -> tuple[int, str]:
+  """(bytes, whose) one device of a 1 x 1 x `tensor` mesh may use: what JAX may allocate on an
+  accelerator; on CPU the host's memory, which the mesh's virtual devices share."""
+  import jax
+  stats = jax.devices()[0].memory_stats() or {}
+  if stats.get('bytes_limit'):
+    return stats['bytes_limit'], f'JAX may use of one {jax.devices()[0].device_kind}'
+  host = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  return host // tensor, ("of this host's memory" if tensor == 1 else
+                          f"of this host's memory per device (its share of {tensor})")
+
+
+def max_length(model: ModelConfig, tensor: int, budget: int, dtype: str | None = None) -> int:
+  """The longest buffer whose largest_array fits in `budget` bytes (0: none does)."""
+  low, high = 0, 1
+  while largest_array(model, high, tensor, dtype)[0] <= budget:
+    low, high = high, 2 * high
+  while high - low > 1:  # largest_array grows with the length: bisect.
+    middle = (low + high) // 2
+    low, high = (middle, high) if largest_array(model, middle, tensor, dtype)[0] <= budget else (
+        low, middle)
+  return low
+
+
+def check_request(saved: Config, tokenizer, prompt_ids: list[int], max_new_tokens: int,
+                  tensor: int = 1, dtype: str | None = None,
+                  memory: tuple[int, str] | None = None, top_k: int = 0) -> None:
+  """One ConfigError for a request that cannot run: a tokenizer larger than the model, an empty
+  prompt, a buffer longer than a gpt2's learned positions or whose forward does not fit a device
+  (`memory`: (bytes, whose), default `device_memory(tensor)`), a top_k above the vocabulary.
+  Before the restore: cheap."""
   if tokenizer.vocab_size > saved.model.vocab_size:
     raise ConfigError(f'the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint\'s '
                       f'model has {saved.model.vocab_size}: pass the tokenizer its data was '
                       'tokenized with (--tokenizer_model or --tokenizer_json)')
+  if top_k > saved.model.vocab_size:
+    raise ConfigError(f'--top_k {top_k} is more than the {saved.model.vocab_size} tokens of the '
+                      f'model; use at most {saved.model.vocab_size}, or 0 for all of them')
   if not prompt_ids:
     raise ConfigError('--prompt encodes to no tokens; give some text')
   length = len(prompt_ids) + max_new_tokens
@@ -103,6 +170,17 @@ def check_request(saved: Config, tokenizer, prompt_ids: list[int], max_new_token
     raise ConfigError(f'prompt ({len(prompt_ids)} tokens) + --max_new_tokens ({max_new_tokens}) '
                       f'exceeds the {saved.model.max_position_embeddings} learned positions of '
                       'this gpt2 model; shorten one of them')
+  budget, whose = memory or device_memory(tensor)
+  needed, what = largest_array(saved.model, length, tensor, dtype)
+  if needed > budget:
+    most = max_length(saved.model, tensor, budget, dtype) - len(prompt_ids)
+    fix = (f'at most --max_new_tokens {most} fits after this prompt' if most >= 1 else
+           'the prompt alone does not fit: shorten it')
+    raise ConfigError(f'prompt ({len(prompt_ids)} tokens) + --max_new_tokens ({max_new_tokens}) '
+                      f'is a {length}-token buffer, and each new token runs the model over all '
+                      f'of it (no KV cache): a forward over it holds {what}, '
+                      f'{needed / 2**30:.4g} GiB, more than the {budget / 2**30:.4g} GiB {whose}; '
+                      f'{fix}')
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,14 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     saved = read_config(args.checkpoint, args.step)
     tokenizer = load_tokenizer(args)
     prompt_ids = list(tokenizer.encode(args.prompt))
-    check_request(saved, tokenizer, prompt_ids, args.max_new_tokens)
+    check_request(saved, tokenizer, prompt_ids, args.max_new_tokens, args.mesh_tensor,
+                  args.dtype, top_k=args.top_k)
     cfg, params = load_for_inference(args.checkpoint, args.dtype, args.step, 1, args.mesh_tensor,
                                      with_data=False)
   except (ConfigError, CheckpointError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   new = generate_ids(cfg, params, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
-                     args.seed, tokenizer.eod_id)
+                     args.seed, tokenizer.eod_id, progress=True)
   text_ids = new[:-1] if new and new[-1] == tokenizer.eod_id else new
   completion = tokenizer.decode(text_ids)
   print(args.prompt + completion)

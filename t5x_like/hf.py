@@ -231,6 +231,29 @@ def param_shapes(cfg: ModelConfig, padded_vocab: int) -> dict[tuple[str, ...], t
   return shapes
 
 
+def _non_finite(named: Mapping[str, Any], layered: frozenset = frozenset()) -> str | None:
+  """'NAME (N NaN, M Inf of T values), ...' for the arrays of `named` that hold NaN or Inf (at
+  most 8 named), or None when none does. The names in `layered` are stacked over layers (dim 0):
+  their entry also says which layers."""
+  found = []
+  for name, value in named.items():
+    value = np.asarray(value)
+    finite = np.isfinite(value)
+    if finite.all():
+      continue
+    counts = [f'{int(n)} {kind}' for n, kind in ((np.isnan(value).sum(), 'NaN'),
+                                                 (np.isinf(value).sum(), 'Inf')) if n]
+    where = ''
+    if name in layered:
+      layers = np.flatnonzero(~finite.reshape(len(value), -1).all(axis=1))
+      where = f'; layer(s) {", ".join(map(str, layers))}'
+    found.append(f'{name!r} ({", ".join(counts)} of {value.size} values{where})')
+  if not found:
+    return None
+  more = f' and {len(found) - 8} more' if len(found) > 8 else ''
+  return f'{len(found)} tensor(s): {", ".join(found[:8])}{more}'
+
+
 def _strip_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
   """Tensor names without HF_PREFIX; a name present with and without it is an error."""
   stripped = {}
@@ -255,6 +278,13 @@ def params_from_hf_state(state: Mapping[str, np.ndarray], cfg: ModelConfig,
   if padded_vocab < cfg.vocab_size:
     raise ValueError(f'padded_vocab ({padded_vocab}) is smaller than the vocabulary '
                      f'({cfg.vocab_size})')
+  # Before anything is converted: a NaN or Inf weight makes every logit NaN, and training from
+  # it gives NaN losses at once, far from the import that brought it.
+  non_finite = _non_finite(state)
+  if non_finite:
+    raise ValueError(f'HF BLOOM state has non-finite values in {non_finite}; a model with NaN '
+                     'or Inf weights computes NaN: fetch or convert the checkpoint again (a '
+                     'damaged download or copy), or use an earlier one (a diverged run)')
   remaining = _strip_prefixes(state)
   lm_head = remaining.pop(HF_LM_HEAD, None)
   tensors = _tensors(cfg)
@@ -344,6 +374,13 @@ def hf_state_from_params(params: Mapping[str, Any], cfg: ModelConfig) -> dict[st
 
   # One device-to-host copy per param, not one per layer slice.
   host = {path: np.asarray(value, dtype=np.float32) for path, value in flat.items()}
+  non_finite = _non_finite({'/'.join(path): value for path, value in host.items()},
+                           frozenset('/'.join(t.path) for t in _tensors(cfg)
+                                     if t.layer is not None))
+  if non_finite:
+    raise ValueError(f'the params have non-finite values in {non_finite}; exported, the model '
+                     'would compute NaN: export another step (--step N; `python -m t5x_like.ckpt '
+                     'verify` checks each one), or the last good checkpoint of the run')
   state = {}
   for t in _tensors(cfg):
     value = host[t.path]

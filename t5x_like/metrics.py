@@ -9,6 +9,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -528,7 +529,12 @@ class MetricsWriter:
     """A line for stdout and main_log.txt."""
     if not self.enabled:
       return
-    print(message, flush=True)
+    try:
+      print(message, flush=True)
+    except OSError:
+      # The terminal is gone (a SIGHUP is on its way) or the reader of the pipe ended: the run
+      # goes on, and the log file has every line.
+      runtime.silence(sys.stdout)
     if self._pending is not None:
       self._pending.append(message)
       return

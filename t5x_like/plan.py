@@ -25,7 +25,8 @@ Without compiling (t5x_like/cost_model.py, docs/planner.md), in milliseconds:
 h200): seconds per iteration, TFLOP/s per GPU (Megatron's formula), memory per GPU and whether it
 fits, and the parts they add up from. --search: every valid (data, pipeline, tensor,
 micro-batch) for N GPUs at the config's model and global batch, those that fit first, each group
-by estimated time; --aot adds XLA's compiled memory (the compile above) for the top K.
+by estimated time; --aot adds XLA's compiled memory (the compile above) for the top K. More
+--gpus than any topology can use (cost_model.max_gpus) is refused at once, with the limit.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ def check_model_arguments(args) -> None:
   """One ConfigError for cost-model flags that do not go together."""
   if not (args.estimate or args.search):
     extra = [flag for flag, given in (('--gpu', args.gpu), ('--gpus', args.gpus),
-                                      ('--aot', args.aot), ('--nodes-of', args.nodes_of))
+                                      ('--aot', args.aot),
+                                      ('--nodes-of', args.nodes_of is not None))
              if given]
     if extra:
       raise ConfigError(f'{" and ".join(extra)} only apply to --estimate or --search; add one '
@@ -168,6 +170,9 @@ def check_model_arguments(args) -> None:
                       '; --gpus and --aot go with --search')
   if args.search and args.gpus is None:
     raise ConfigError('--search needs --gpus N, the GPUs to spread the model over')
+  # Before the config loads; the most GPUs the model and batch can use is cost_model.search's.
+  if args.search and args.gpus < 1:
+    raise ConfigError(f'--gpus must be >= 1, got {args.gpus}')
   if args.top < 1:
     raise ConfigError(f'--top must be >= 1, got {args.top}')
 
@@ -245,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                     help='rank every valid topology for --gpus GPUs of --gpu')
   model.add_argument('--gpu', help='GPU kind: ' + ', '.join(cost_model.GPUS))
   model.add_argument('--gpus', type=int, help='--search: how many GPUs')
-  model.add_argument('--nodes-of', type=int, default=0,
-                     help="GPUs per node (default: the kind's, 8)")
+  model.add_argument('--nodes-of', type=int, default=None,
+                     help="GPUs per node, >= 1 (default: the kind's, 8)")
   model.add_argument('--top', type=int, default=10, help='--search: how many to print')
   model.add_argument('--aot', action='store_true',
                      help="--search: add XLA's compiled memory for the top K (slow)")

@@ -57,6 +57,15 @@ def plan(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -> R
   software = provenance.software() if software is None else software
   steps, damaged = checkpoints.scan_steps(root)
   zero = {'iteration': 0, 'skipped_iterations': 0}
+  if damaged and not steps:
+    # A transient file-system fault can make every step look damaged: restarting from scratch
+    # would throw the run away, so a person decides.
+    listed = '; '.join(f'{os.path.join(root, str(s))}: {p}' for s, p in sorted(damaged.items()))
+    raise checkpoints.CheckpointError(
+        f'no checkpoint in {root} can be restored: every step is damaged ({listed}). Nothing '
+        'was changed. If the file system was at fault, fix it and rerun; to start this run over '
+        f'on purpose, move {root} aside (e.g. `mv {root} {root}.damaged`) or pass another '
+        '--workdir')
   if not steps:
     if cfg.checkpoint.init_from:
       checkpoints.check_compatible(checkpoints.read_config(cfg.checkpoint.init_from), cfg,
@@ -163,10 +172,9 @@ def begin(plan: ResumePlan, progress: Progress, layout: StateLayout, writer, wor
       moved = checkpoints.move_damaged_aside(plan.ckpt_root, step)
       writer.info(f'> checkpoint {step} is damaged ({problem}): moved aside to {moved}; it is '
                   'not restored and not counted by the keep policy')
-    if plan.damaged:
-      writer.info(f'> the run resumes from '
-                  f'{f"checkpoint {progress.iteration}" if plan.steps else "scratch"}'
-                  f' (complete checkpoints: {plan.steps or "none"})')
+    if plan.damaged:  # (with no complete step left, plan() refused the run)
+      writer.info(f'> the run resumes from checkpoint {progress.iteration} (complete '
+                  f'checkpoints: {plan.steps})')
   if distributed.joined().is_multi_process:
     # No process opens the checkpoint manager while process 0 still moves damaged steps.
     from jax.experimental import multihost_utils

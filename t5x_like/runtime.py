@@ -1,4 +1,5 @@
-"""Leaving a run cleanly: exit codes, the kill switch, the wall-clock limit, SIGTERM and SIGUSR1.
+"""Leaving a run cleanly: exit codes, the kill switch, the wall-clock limit, SIGTERM, SIGUSR1 and
+SIGHUP.
 
 A job array resubmits a job until the run is done; the exit code tells it which case it is in:
 
@@ -8,8 +9,9 @@ A job array resubmits a job until the run is done; the exit code tells it which 
                   be written (a full disk): one message. The last complete checkpoint is intact.
   2  BAD_INPUT    a bad config, command line or checkpoint; one message on stderr. Fix, then rerun.
   3  REQUEUE      saved before runtime.exit_duration_mins, or on SIGTERM / SIGUSR1 (SLURM's time
-                  limit and `--signal=USR1@SECONDS` pre-timeout warning): requeue me to continue.
-  3  (also)       SIGTERM, SIGINT or SIGUSR1 before the first iteration (start-up, data
+                  limit and `--signal=USR1@SECONDS` pre-timeout warning) / SIGHUP (the terminal
+                  or ssh session of an interactive run closed): requeue me to continue.
+  3  (also)       SIGTERM, SIGINT, SIGUSR1 or SIGHUP before the first iteration (start-up, data
                   preparation, restore, compilation): the process leaves at once, nothing to
                   save; the last checkpoint is intact.
   4  HUNG         no progress for runtime.hang_timeout_mins (a collective that never completes,
@@ -97,6 +99,34 @@ def kill_switch_present(path: str) -> bool:
   return bool(path) and os.path.exists(path)
 
 
+def detach_from_terminal() -> None:
+  """Silences stdout and stderr where they are a terminal: after SIGHUP the terminal is gone and
+  every write to it fails (EIO), which would crash the save that SIGHUP asks for."""
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      if os.isatty(stream.fileno()):
+        silence(stream)
+    except (OSError, ValueError, AttributeError):
+      continue  # closed, or not a file (a test's capture)
+
+
+def silence(stream) -> None:
+  """Points `stream`'s file descriptor at /dev/null, dropping what it still buffers."""
+  with contextlib.suppress(OSError, ValueError):
+    stream.flush()
+  try:
+    fd = stream.fileno()
+  except (OSError, ValueError, AttributeError):
+    return
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  try:
+    os.dup2(devnull, fd)
+  finally:
+    os.close(devnull)
+  with contextlib.suppress(OSError, ValueError):
+    stream.flush()  # the lines that failed to reach the terminal go to /dev/null now
+
+
 class StopConditions:
   """Watches the kill switch, the wall clock and the signals; a context manager for the handlers.
 
@@ -106,7 +136,9 @@ class StopConditions:
   side), and the limit is never knowingly crossed.
   """
 
-  SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+  # SIGHUP: the terminal of an interactive run closed. Unless it is ignored (`nohup`), it is
+  # SIGTERM's case, and what the process prints goes nowhere from then on (the log file has it).
+  SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
   # Before training, a signal raises Interrupted in the main thread; if that thread is inside a
   # long native call (an XLA compilation), Python runs no handler until it returns, so after this
   # long the process leaves from a watcher thread instead.
@@ -130,6 +162,8 @@ class StopConditions:
 
   def __enter__(self) -> StopConditions:
     for sig in self.SIGNALS:
+      if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+        continue  # started under nohup: the user asked for the run to outlive the terminal
       self._previous[sig] = signal.signal(sig, self._on_signal)
     # CPython's C-level handler writes each signal's number to this pipe at once, whatever the
     # main thread is doing: the watcher learns of a signal that no Python handler can run for.
@@ -160,6 +194,8 @@ class StopConditions:
     self.training = True
 
   def _on_signal(self, signum, frame) -> None:
+    if signum == signal.SIGHUP:
+      detach_from_terminal()
     if not self.training:
       self._interrupt_handled.set()
       raise Interrupted(signum)
@@ -181,7 +217,7 @@ class StopConditions:
         return
       if not data or data == b'\0':
         return
-      if self.training or data[0] not in [int(s) for s in self.SIGNALS]:
+      if self.training or data[0] not in [int(s) for s in self._previous]:
         continue
       if not self._interrupt_handled.wait(self.FORCE_EXIT_AFTER_S):
         print(f'> {Interrupted(data[0])} (left during a native call, e.g. a compilation)',

@@ -11,7 +11,7 @@ themselves; any other launcher passes `--coordinator_address HOST:PORT --num_pro
 A workdir that already holds checkpoints resumes from the latest complete one. Exit codes
 (runtime.py): 0 finished (or stopped by the kill switch), 1 crashed or a checkpoint could not be
 written, 2 bad config, checkpoint, data or a workdir in use, 3 saved before a time limit or on
-SIGTERM/SIGINT/SIGUSR1 (or stopped by one before training began): requeue to continue, 4 no
+SIGTERM/SIGINT/SIGUSR1/SIGHUP (or stopped by one before training began): requeue to continue, 4 no
 progress for runtime.hang_timeout_mins (stacks printed): requeue to resume from the last
 checkpoint, 5 diverged (non-finite iterations): fix, then rerun.
 """
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f'> kill switch {cfg.runtime.kill_switch_path} exists: exiting without training '
           '(remove the file to train)', flush=True)
     return runtime.ExitCode.FINISHED
-  # From here on SIGTERM, SIGINT and SIGUSR1 end the process at once until the training loop
+  # From here on SIGTERM, SIGINT, SIGUSR1 and SIGHUP end the process at once until the loop
   # starts (runtime.Interrupted), and stop it at an iteration boundary after a save from then on.
   stop = runtime.StopConditions(cfg.runtime.kill_switch_path, cfg.runtime.exit_duration_mins,
                                 num_processes=group.num_processes)

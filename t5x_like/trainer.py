@@ -143,6 +143,7 @@ class Trainer:
   def start(self, progress: Progress) -> None:
     """The run really starts: from here on the workdir changes (resume.begin)."""
     self.started = True
+    self.lock.mark_started()
     self.writer.open()
     self.checkpointer = resume.begin(self.plan, progress, self.layout, self.writer, self.workdir,
                                      self.is_writer)

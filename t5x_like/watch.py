@@ -20,12 +20,16 @@ job waiting for nodes is not taken for a dead run. States, and the exit code:
 On `stopped`, `stale` and `diverged` the run's `runtime.alert_command` (from WORKDIR/config.json, or
 `--alert-command`) is sent the event of that name (t5x_like/alerts.py), once per episode:
 the next cron tick alerts again only after the run wrote something in between.
+
+Exit code 2, with one message: a WORKDIR that holds no run, squeue missing, or a bad flag
+(--stale-mins must be a finite number of minutes > 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -34,6 +38,7 @@ import time
 
 from t5x_like import alerts
 from t5x_like.data.files import atomic_write
+from t5x_like.errors import ConfigError
 
 STATE_FILE = os.path.join('logs', 'watch_state.json')
 # squeue states of a job that is about to run or is running.
@@ -137,6 +142,15 @@ def alert_once(workdir: str, s: dict, command: str) -> bool:
   return True
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+  """One ConfigError for a flag value the watch cannot judge a run by."""
+  # nan would make every run stale (no idle time is < nan) and inf every run alive.
+  if not (math.isfinite(args.stale_mins) and args.stale_mins > 0):
+    raise ConfigError(f'--stale-mins must be a finite number of minutes > 0, got '
+                      f'{args.stale_mins}; give how long the run may go without writing (the '
+                      'default is 30)')
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog='python -m t5x_like.watch', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,11 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                       help='overrides the runtime.alert_command of WORKDIR/config.json')
   parser.add_argument('--json', action='store_true', help='print the state as one JSON object')
   args = parser.parse_args(argv)
-  if args.stale_mins <= 0:
-    parser.error('--stale-mins must be > 0')
   try:
+    check_arguments(args)
     s = status(args.workdir, args.stale_mins, args.slurm_job_name)
-  except WatchError as e:
+  except (ConfigError, WatchError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   command = args.alert_command

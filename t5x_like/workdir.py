@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from typing import Any
 
@@ -63,51 +64,71 @@ def check_writable(path: str, what: str, fix: str) -> None:
 class Lock:
   """The exclusive lock of a workdir; `acquire()` refuses a second trainer with a ConfigError
   naming the host and process that hold it. Creates the workdir if needed; `release()` removes
-  what `acquire()` created when the run never started (`started=False`)."""
+  what `acquire()` created when the run never started (`started=False`).
+
+  The lock file is opened without following a symbolic link (a link is refused: the trainer
+  writes nothing outside its workdir), and an existing one is rewritten with this process's
+  name only by `mark_started()`: a refused run leaves its bytes as they were."""
 
   def __init__(self, workdir: str):
     self.workdir = workdir
     self.path = os.path.join(workdir, LOCK_FILE)
-    self._file = None
+    self._fd: int | None = None
     self._created_workdir = False
     self._created_file = False
 
   @property
   def held(self) -> bool:
-    return self._file is not None
+    return self._fd is not None
 
   def acquire(self) -> None:
     self._created_workdir = not os.path.exists(self.workdir)
     try:
       os.makedirs(self.workdir, exist_ok=True)
-      self._created_file = not os.path.exists(self.path)
-      f = open(self.path, 'a+')  # pylint: disable=consider-using-with
+      self._created_file = not os.path.lexists(self.path)
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+                   | os.O_NONBLOCK, 0o644)
     except OSError as e:
+      if e.errno == errno.ELOOP:
+        raise ConfigError(f'{self.path} is a symbolic link (to {os.readlink(self.path)}); the '
+                          'trainer writes nothing outside its workdir: remove the link and '
+                          'rerun') from None
       raise ConfigError(f'workdir {self.workdir} is not writable ({e.strerror}); pass a '
                         '--workdir that you can write to') from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+      os.close(fd)
+      raise ConfigError(f'{self.path} is not a regular file; remove it and rerun (the trainer '
+                        'makes its own lock file)')
     try:
-      fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-      f.seek(0)
-      holder = f.read().strip()
-      f.close()
+      holder = os.pread(fd, 4096, 0).decode(errors='replace').strip()
+      os.close(fd)
       if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
         raise ConfigError(f'cannot lock workdir {self.workdir} ({e.strerror}); the filesystem '
                           'may not support file locks: use a workdir on one that does') from None
       raise ConfigError(f'workdir {self.workdir} is in use by another trainer '
                         f'({describe_holder(holder)}); wait for it to end, stop it, or pass '
                         'another --workdir') from None
-    f.seek(0)
-    f.truncate()
-    f.write(json.dumps({'host': socket.gethostname(), 'pid': os.getpid(),
-                        'since': time.strftime('%Y-%m-%d %H:%M:%S')}) + '\n')
-    f.flush()
-    self._file = f
+    self._fd = fd
+    if self._created_file:  # removed again if the run is refused
+      self._write_holder()
+
+  def mark_started(self) -> None:
+    """The run starts: the lock file names this process (for the message refusing another)."""
+    if self._fd is not None and not self._created_file:
+      self._write_holder()
+
+  def _write_holder(self) -> None:
+    holder = json.dumps({'host': socket.gethostname(), 'pid': os.getpid(),
+                         'since': time.strftime('%Y-%m-%d %H:%M:%S')}) + '\n'
+    os.ftruncate(self._fd, 0)
+    os.pwrite(self._fd, holder.encode(), 0)
 
   def release(self, started: bool = True) -> None:
     """Lets the lock go. A run that never started removes the lock file and the workdir it
     created, so a refused run leaves no trace."""
-    if self._file is None:
+    if self._fd is None:
       return
     if not started and self._created_file:
       try:
@@ -116,8 +137,8 @@ class Lock:
           os.rmdir(self.workdir)
       except OSError:
         pass  # someone else's files appeared meanwhile: leave them
-    self._file.close()  # closing the only descriptor releases the flock
-    self._file = None
+    os.close(self._fd)  # closing the only descriptor releases the flock
+    self._fd = None
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -126,16 +147,51 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def describe_holder(text: str) -> str:
+  """The holder a lock file names; a holder that is gone is the earlier run that wrote it (the
+  file names the new holder only once its run starts)."""
   try:
     holder = json.loads(text)
-    return f"host {holder['host']}, pid {holder['pid']}, since {holder['since']}"
+    described = f"host {holder['host']}, pid {holder['pid']}, since {holder['since']}"
   except (ValueError, KeyError, TypeError):
     return f'see {LOCK_FILE}'
+  if holder['host'] == socket.gethostname() and not _process_exists(holder['pid']):
+    return f'one still starting up; {LOCK_FILE} names the earlier run: {described}'
+  return described
+
+
+def _process_exists(pid: Any) -> bool:
+  try:
+    os.kill(int(pid), 0)
+  except (ValueError, TypeError, ProcessLookupError):
+    return False
+  except PermissionError:
+    return True  # another user's process
+  return True
+
+
+# The files a run appends to or rewrites in its workdir (metrics.py, alerts.py, data/replay.py,
+# resume.py); none may be a link that would carry its writes outside the workdir.
+RUN_FILES = ('config.json', 'config_history.jsonl', 'metrics.jsonl', 'eval_metrics.jsonl',
+             os.path.join('logs', 'main_log.txt'), os.path.join('logs', 'alerts.log'))
+
+
+def check_run_files(workdir: str) -> None:
+  """Refuses a run file of `workdir` that is a symbolic link or not a regular file."""
+  for name in RUN_FILES:
+    path = os.path.join(workdir, name)
+    if os.path.islink(path):
+      raise ConfigError(f'{path} is a symbolic link (to {os.readlink(path)}); the trainer writes '
+                        'nothing outside its workdir: replace the link by the file it points to '
+                        '(or remove it) and rerun')
+    if os.path.exists(path) and not os.path.isfile(path):
+      raise ConfigError(f'{path} is not a regular file; move it away and rerun')
 
 
 def check_run_outputs(workdir: str, tensorboard_dir: str, compilation_cache_dir: str) -> None:
   """Every directory a training run writes to can be written, before anything is: the workdir,
-  its logs and checkpoints, runtime.tensorboard_dir and runtime.compilation_cache_dir."""
+  its logs and checkpoints, runtime.tensorboard_dir and runtime.compilation_cache_dir; and its
+  files are its own (check_run_files)."""
+  check_run_files(workdir)
   outputs = [(workdir, 'the workdir', 'pass a --workdir that you can write to'),
              (os.path.join(workdir, 'logs'), 'the log directory',
               'remove what is in its way in the workdir')]

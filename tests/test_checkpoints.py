@@ -506,8 +506,9 @@ def test_time_limit_saves_and_asks_for_a_requeue(tmp_path, monkeypatch):
   assert checkpoints.available_steps(str(tmp_path / 'w' / 'checkpoints')) == [2]
 
 
-@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGUSR1], ids=['SIGTERM', 'SIGUSR1'])
-def test_sigterm_and_sigusr1_save_and_ask_for_a_requeue(tmp_path, sig):
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP],
+                         ids=['SIGTERM', 'SIGUSR1', 'SIGHUP'])
+def test_sigterm_sigusr1_and_sighup_save_and_ask_for_a_requeue(tmp_path, sig):
   handler_before = signal.getsignal(sig)
   trainer = Trainer(corpus_config(), str(tmp_path / 'w'))
   _on_iteration(trainer, 1, lambda: os.kill(os.getpid(), sig))

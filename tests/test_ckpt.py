@@ -177,6 +177,55 @@ def test_cli_subprocesses_and_bad_inputs(tmp_path):
   assert evaluate.main(['--checkpoint', str(tmp_path / 'none'), '--data', data]) == 2
 
 
+def one_error(err, *fragments):
+  """The one `error:` line of `err`, which holds every fragment; no traceback."""
+  errors = [line for line in err.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1 and 'Traceback' not in err, err
+  assert all(fragment in errors[0] for fragment in fragments), err
+  return errors[0]
+
+
+def test_import_hf_refuses_non_finite_weights_and_writes_nothing(tmp_path, capfd):
+  from safetensors.numpy import load_file, save_file
+  _, hf_dir = random_bloom(tmp_path, 4, 300, hidden=32)
+  weights = os.path.join(hf_dir, 'model.safetensors')
+  state = load_file(weights)
+  qkv = 'transformer.h.1.self_attention.query_key_value.weight'
+  state[qkv][0, :3] = np.nan
+  state[qkv][2, 5] = -np.inf
+  state['transformer.ln_f.bias'][7] = np.inf
+  save_file(state, weights, metadata={'format': 'pt'})
+  capfd.readouterr()
+  out = tmp_path / 'ckpt'
+  assert ckpt.main(['import-hf', hf_dir, str(out)]) == 2
+  one_error(capfd.readouterr().err, 'non-finite values in 2 tensor(s)',
+            f"'{qkv}' (3 NaN, 1 Inf of 3072 values)", "'transformer.ln_f.bias' (1 Inf of 32")
+  assert not out.exists()
+  # Into an existing empty directory: still empty.
+  out.mkdir()
+  assert ckpt.main(['import-hf', hf_dir, str(out)]) == 2
+  one_error(capfd.readouterr().err, 'non-finite values')
+  assert os.listdir(out) == []
+
+
+def test_export_hf_refuses_a_checkpoint_with_non_finite_params(tmp_path, capfd):
+  from t5x_like import checkpoints, hf
+  _, hf_dir = random_bloom(tmp_path, 4, 300, hidden=32)
+  config, state = hf.load_hf_dir(hf_dir)
+  cfg = ckpt.import_hf(hf_dir, str(tmp_path / 'ckpt'))
+  params = hf.params_from_hf_state(state, cfg.model, cfg.padded_vocab_size)
+  params['layers']['mlp']['wi_kernel'][1, 0, :4] = np.nan  # layer 1
+  nan_ckpt = str(tmp_path / 'nan_ckpt')
+  checkpoints.save_params(nan_ckpt, params, cfg)  # as a bit flip or another writer could leave
+  capfd.readouterr()
+  exported = tmp_path / 'exported'
+  assert ckpt.main(['export-hf', nan_ckpt, str(exported)]) == 2
+  one_error(capfd.readouterr().err, "'layers/mlp/wi_kernel' (4 NaN of 8192 values; layer(s) 1)",
+            'ckpt verify')
+  assert not exported.exists()
+  assert sorted(os.listdir(tmp_path)) == ['ckpt', 'hf_4_300', 'nan_ckpt']
+
+
 # ------------------------------------------------- inspect / diff / verify / stats, bad input
 
 

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 
 import pytest
@@ -184,11 +185,46 @@ def test_search_finds_exactly_the_valid_topologies():
     (['--estimate', '--gpu', 'a100-80gb', '--config.mesh.tensor=16',
       '--config.mesh.pipeline=6'], 'mesh.tensor=16 must divide the 8 GPUs of a node'),
     (['--search', '--gpu', 'h200'], '--search needs --gpus'),
+    # 0 once meant the kind's 8 and listed topologies; what is not a count is refused.
+    (['--search', '--gpus', '384', '--gpu', 'h200', '--nodes-of', '0'],
+     '--nodes-of must be a number of GPUs per node >= 1, got 0'),
+    (['--estimate', '--gpu', 'h200', '--nodes-of', '-8'],
+     '--nodes-of must be a number of GPUs per node >= 1, got -8'),
+    (['--search', '--gpus', '0', '--gpu', 'h200'], '--gpus must be >= 1, got 0'),
+    (['--search', '--gpus', '-384', '--gpu', 'h200'], '--gpus must be >= 1, got -384'),
+    (['--search', '--gpus', '384', '--gpu', 'h200', '--top', '0'], '--top must be >= 1, got 0'),
+    # BLOOM-176B: tensor at most 8 (a node; it divides the 112 heads), data x pipeline at most
+    # the ramp-up's first batch of 192 (one sample per micro-batch, no stage without one).
+    (['--search', '--gpus', '1544', '--gpu', 'h200'],
+     '--gpus 1544 is more than any topology of this model and batch can use: at most 1536'),
 ])
 def test_cli_bad_input_is_one_message_and_exit_2(args, message, capsys):
   assert plan.main(['--config', os.path.join(REPO, 'configs', 'bloom_176b.py'), *args]) == 2
   err = capsys.readouterr().err
   assert err.startswith('error: ') and message in err and len(err.splitlines()) == 1, err
+
+
+def test_search_refuses_an_impossible_gpu_count_at_once():
+  """10^12 GPUs, even on nodes as large: refused before any enumeration (which was linear in
+  the count: no answer after minutes). In a process of its own, so that a search that runs
+  fails the test at the timeout instead of hanging the suite. On nodes of 10^12 tensor may be
+  16, which divides 112 and 10^12."""
+  for nodes_of, limit in (('8', 1536), ('1000000000000', 16 * 192)):
+    args = ['-m', 't5x_like.plan', '--config', 'configs/bloom_176b.py', '--search', '--gpus',
+            '1000000000000', '--gpu', 'h200', '--nodes-of', nodes_of]
+    try:
+      r = run_cli(args, timeout=90)
+    except subprocess.TimeoutExpired:
+      pytest.fail(f'plan {" ".join(args[2:])} was still searching after 90 s')
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.startswith('error: --gpus 1000000000000 is more than any topology'), r.stderr
+    assert f'at most {limit} (' in r.stderr and 'Traceback' not in r.stderr
+  # The bound is reached: 1536 GPUs run as tensor 8 x data x pipeline 192, one sample per
+  # micro-batch.
+  cfg = load_config_file(os.path.join(REPO, 'configs', 'bloom_176b.py'))
+  largest = cost_model.search(cfg, 1536, 'h200')
+  assert largest and {(r['mesh'][2], r['mesh'][0] * r['mesh'][1], r['micro_batch_size'])
+                      for r in largest} == {(8, 192, 1)}
 
 
 def test_cli_estimate_and_search_json(capsys):

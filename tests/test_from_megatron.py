@@ -496,7 +496,8 @@ def convert_file(tmp_path, text, *sets, name='run.slurm'):
   script = tmp_path / name
   script.write_text(text)
   out = tmp_path / f'{name}.py'
-  args = [str(script), '--out', str(out)]
+  # --overwrite: a test may convert several scripts into the same file.
+  args = [str(script), '--out', str(out), '--overwrite']
   for s in sets:
     args += ['--set', s]
   err = io.StringIO()
@@ -758,3 +759,19 @@ def test_written_config_loads_with_the_config_loader(tmp_path):
   _, _, _, out = convert_file(tmp_path, TR8_SCRIPT, 'six_ALL_CCFRWORK=/data')
   cfg = load_config_file(str(out))
   assert cfg.model.dtype == 'bfloat16' and cfg.mesh.pipeline == 32 and cfg.eval.iters == 5
+
+
+def test_an_existing_out_file_is_kept_unless_overwrite(tmp_path, capsys):
+  """As `data preprocess` does: an existing --out is an error (exit 2, one message, the file
+  untouched, nothing converted) until --overwrite says to replace it."""
+  script = tmp_path / 'run.slurm'
+  script.write_text(MINIMAL.replace('{extra}', ''))
+  out = tmp_path / 'mine.py'
+  out.write_text('# my edited config\n')
+  assert from_megatron.main([str(script), '--out', str(out)]) == 2
+  captured = capsys.readouterr()
+  assert captured.err == (f'error: --out {out} already exists; pass --overwrite to replace it or '
+                          'choose another --out\n') and captured.out == ''
+  assert out.read_text() == '# my edited config\n'
+  assert from_megatron.main([str(script), '--out', str(out), '--overwrite']) == 0
+  assert config_sections(out)['train']['steps'] == 10

@@ -112,3 +112,43 @@ def test_generation_and_export_run_without_the_data_of_the_run():
   cfg = inference_config(saved, with_data=False)
   assert cfg.data == DataConfig() and cfg.model == inference_config(
       saved.replace(data={'mixture_or_task': '', 'mixture_or_task_module': ''})).model
+
+
+def test_a_generation_that_cannot_fit_is_refused_before_the_restore_and_long_ones_show_progress(
+    tmp_path, capsys, monkeypatch):
+  """Without a KV cache every new token runs the model over the whole prompt + new-token buffer,
+  whose attention scores are [heads, length, length] float32: 10^9 new tokens once aborted the
+  process inside XLA (an overflowing shape) and 10^5 asked for 160 GB here. Both are refused
+  with the limit, before the checkpoint is restored (restoring here fails the test). A
+  generation that runs shows its progress on stderr."""
+  _, out = imported(tmp_path, 4, 8192, hidden=32)
+  capsys.readouterr()  # the export's own progress
+
+  def restore(*args, **kwargs):
+    raise AssertionError('the checkpoint was restored before the request was refused')
+
+  monkeypatch.setattr(inference, 'load_for_inference', restore)
+  prompt = ['--checkpoint', out, '--prompt', 'def f(x):', '--dtype', 'float32']
+  prompt_tokens = len(Tokenizer.load_default().encode('def f(x):'))
+  assert generate.main([*prompt, '--max_new_tokens', '1000000000']) == 2
+  err = capsys.readouterr().err
+  assert err.startswith('error: ') and len(err.splitlines()) == 1, err
+  length = 10**9 + prompt_tokens
+  assert f'attention scores [4, {length}, {length}] float32' in err, err
+  # With 1 GiB to a device: 4 x 8192 x 8192 x 4 bytes is exactly 1 GiB.
+  monkeypatch.setattr(generate, 'device_memory', lambda tensor: (2**30, 'a test device\'s'))
+  assert generate.main([*prompt, '--max_new_tokens', '100000']) == 2
+  err = capsys.readouterr().err
+  assert (f'prompt ({prompt_tokens} tokens) + --max_new_tokens (100000) is a '
+          f'{100000 + prompt_tokens}-token buffer' in err), err
+  assert f'at most --max_new_tokens {8192 - prompt_tokens} fits after this prompt' in err, err
+  # lax.top_k of more than the vocabulary failed in the compile, after the restore.
+  assert generate.main([*prompt, '--temperature', '1', '--top_k', '8193']) == 2
+  assert capsys.readouterr().err == ('error: --top_k 8193 is more than the 8192 tokens of the '
+                                     'model; use at most 8192, or 0 for all of them\n')
+  monkeypatch.undo()
+  monkeypatch.setattr(generate, 'PROGRESS_DELAY_S', 0.0)  # a bar from the first token
+  assert generate.main([*prompt, '--max_new_tokens', '3']) == 0
+  captured = capsys.readouterr()
+  assert 1 <= len(json.loads(captured.out.splitlines()[-1])['completion_ids']) <= 3
+  assert 'generating:' in captured.err and '/3 ' in captured.err, captured.err

@@ -99,3 +99,16 @@ def test_bad_workdir_or_missing_squeue_is_one_clear_error(tmp_path, capsys, monk
   monkeypatch.setenv('PATH', str(tmp_path / 'empty'))
   assert watch.main([str(tmp_path), '--slurm-job-name', 'x']) == 2
   assert '--slurm-job-name needs squeue on PATH' in capsys.readouterr().err
+
+
+def test_stale_mins_must_be_a_finite_number_above_0(tmp_path, capsys):
+  """nan made every run stale (no idle time is < nan) and inf every run alive: both refused,
+  like 0 and -5, with one message and exit code 2, before the workdir is looked at."""
+  make_run(tmp_path, TRAINING, idle_mins=45)
+  for value in ('nan', 'inf', '-inf', '0', '-5'):
+    assert watch.main([str(tmp_path), f'--stale-mins={value}']) == 2, value
+    captured = capsys.readouterr()
+    assert captured.out == '' and captured.err == (
+        f'error: --stale-mins must be a finite number of minutes > 0, got {float(value)}; give '
+        'how long the run may go without writing (the default is 30)\n'), captured.err
+  assert read_alerts(tmp_path) == []

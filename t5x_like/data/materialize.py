@@ -148,21 +148,48 @@ def cache_problem(prefix: str, expected: str) -> str | None:
 
 
 class _SplitLock:
-  """An exclusive flock on PREFIX.lock, polled until `timeout_s` (then one DataError)."""
+  """An exclusive flock on PREFIX.lock, polled until `timeout_s` (then one DataError).
+
+  `discard()` (while held) removes the lock file and the directories this lock created, so a
+  split that failed to materialise leaves no trace. A process waiting on the removed file finds,
+  once it holds it, that the path no longer names it, and locks the path anew: two processes
+  never hold the split at once."""
 
   def __init__(self, prefix: str, timeout_s: float):
     self.path = prefix + '.lock'
     self.timeout_s = timeout_s
     self._file = None
+    self._created_file = False
+    self._created_dirs: list[str] = []  # innermost first
 
   def __enter__(self) -> _SplitLock:
-    os.makedirs(os.path.dirname(self.path), exist_ok=True)
-    self._file = open(self.path, 'a+', encoding='utf-8')  # pylint: disable=consider-using-with
     deadline = time.monotonic() + self.timeout_s
+    while True:
+      if self._open() and self._wait(deadline):
+        if self._still_named():
+          return self
+        self._file.close()  # removed by a writer that failed: lock the path anew
+
+  def _open(self) -> bool:
+    directory = os.path.dirname(self.path)
+    self._created_dirs = []
+    parent = directory
+    while parent and not os.path.isdir(parent):
+      self._created_dirs.append(parent)
+      parent = os.path.dirname(parent)
+    os.makedirs(directory, exist_ok=True)
+    self._created_file = not os.path.exists(self.path)
+    try:
+      self._file = open(self.path, 'a+', encoding='utf-8')  # pylint: disable=consider-using-with
+    except FileNotFoundError:  # a failing writer removed the directory just now: make it again
+      return False
+    return True
+
+  def _wait(self, deadline: float) -> bool:
     while True:
       try:
         fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return self
+        return True
       except OSError as error:
         if error.errno not in (errno.EAGAIN, errno.EACCES):
           raise
@@ -173,26 +200,55 @@ class _SplitLock:
                         't5x_like.data prepare` alone first, or point data.cache_dir elsewhere')
       time.sleep(_LOCK_POLL_S)
 
+  def _still_named(self) -> bool:
+    try:
+      return os.path.samestat(os.fstat(self._file.fileno()), os.stat(self.path))
+    except FileNotFoundError:
+      return False
+
+  def discard(self) -> None:
+    """Removes what taking the lock created (the lock file, its directories), while held."""
+    if not self._created_file:
+      return
+    try:
+      os.unlink(self.path)
+    except FileNotFoundError:
+      pass
+    for directory in self._created_dirs:
+      try:
+        os.rmdir(directory)
+      except OSError:  # not empty: another split's, or another process's by now
+        break
+
   def __exit__(self, *exc) -> None:
     fcntl.flock(self._file, fcntl.LOCK_UN)
     self._file.close()
 
 
-def _examples(task, split: str) -> Iterator[np.ndarray]:
-  """The 'targets' ids of every example of `split`, in the Task's unshuffled order."""
-  data = task.get_dataset(sequence_length=None, split=split, use_cached=False, shuffle=False,
-                          num_epochs=1)
-  for example in data.as_numpy_iterator():
-    yield example['targets']
+def _checked_ids(task, split: str, data) -> Iterator[np.ndarray]:
+  """The 'targets' ids of every example of `data` (`task`'s `split`), each checked as it is read:
+  an id outside the vocabulary is one DataError, raised before that document is written."""
+  vocab_size = int(task.output_features['targets'].vocabulary.vocab_size)
+  for index, example in enumerate(data.as_numpy_iterator()):
+    ids = example['targets']
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.size:
+      raise DataError(f'the seqio Task {task.name!r}, split {split!r}: example {index} has the '
+                      f'token id {outside[0]}, outside its "targets" vocabulary (ids '
+                      f'0..{vocab_size - 1}); nothing was written: make its preprocessors give '
+                      "ids of output_features['targets'].vocabulary, or declare the vocabulary "
+                      'that the ids are of')
+    yield ids
 
 
-def _write(task, split: str, prefix: str, expected: str, described: dict) -> tuple[int, int]:
+def _write(task, split: str, data, prefix: str, expected: str, described: dict) -> None:
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel  # only when writing
   targets = task.output_features['targets']
   vocabulary = targets.vocabulary
   # An empty text comes out of seqio's append_eos as a lone EOS: no text either.
   lone_eos = [vocabulary.eos_id] if targets.add_eos else []
-  examples = tqdm(_examples(task, split), desc=f'{task.name}:{split}',
+  # The check inside the progress bar: an error closes the bar before it is printed.
+  examples = tqdm(_checked_ids(task, split, data), desc=f'{task.name}:{split}',
                   total=task.source.num_input_examples(split), unit=' docs', mininterval=1.0)
   documents, tokens, empty = indexed.write_documents(
       prefix, indexed.best_dtype(vocabulary.vocab_size),
@@ -207,18 +263,24 @@ def _write(task, split: str, prefix: str, expected: str, described: dict) -> tup
               'bin_bytes': os.path.getsize(indexed.paths(prefix)[0]),
               'idx_sha256': _idx_sha256(prefix)}
   files.atomic_write(prefix + '.json', lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-  return documents, tokens
 
 
-def materialize(task, split: str, cache_dir: str = '',
-                timeout_s: float = LOCK_TIMEOUT_S) -> Materialized:
+def materialize(task, split: str, cache_dir: str = '', timeout_s: float = LOCK_TIMEOUT_S,
+                data=None) -> Materialized:
   """`task`'s `split` in the token store: the cached entry when it matches the definition, else
-  written now (under the split's lock, so one process writes while the others wait)."""
+  written now (under the split's lock, so one process writes while the others wait). `data`:
+  the split's pipeline, already built by `seqio_tasks.split_examples` (else built here).
+
+  A Task that gives no token ids fails before anything is created (its pipeline is built and
+  checked first), one with an id outside its vocabulary as the id is read: either way the cache
+  holds nothing of it afterwards (no .bin/.idx, no lock file, no directory of its own)."""
   described = definition(task, split)
   expected = fingerprint(described)
   prefix = cache_prefix(task.name, split, cache_dir)
+  if data is None and cache_problem(prefix, expected):
+    data = seqio_tasks.split_examples(task, split)
   built = False
-  with _SplitLock(prefix, timeout_s):
+  with _SplitLock(prefix, timeout_s) as lock:
     problem = cache_problem(prefix, expected)
     if problem:
       if problem != 'missing':
@@ -227,7 +289,13 @@ def materialize(task, split: str, cache_dir: str = '',
       if os.path.exists(manifest):  # no manifest while the files are rewritten: never trusted
         os.unlink(manifest)
       logging.info('materialising seqio %s:%s into %s', task.name, split, prefix)
-      _write(task, split, prefix, expected, described)
+      try:
+        if data is None:  # cached when this process looked, damaged or gone since
+          data = seqio_tasks.split_examples(task, split)
+        _write(task, split, data, prefix, expected, described)
+      except BaseException:
+        lock.discard()
+        raise
       built = True
   opened = indexed.IndexedDataset(prefix)
   return Materialized(task.name, split, prefix, opened.num_documents,
@@ -246,14 +314,24 @@ class MaterializedTask:
 def prepare(name: str, module: str = '', cache_dir: str = '',
             timeout_s: float = LOCK_TIMEOUT_S) -> list[MaterializedTask]:
   """Materialises every split a run on the Task or Mixture `name` reads: each training Task's
-  train split and each Task's validation splits. One DataError for a bad name or module."""
+  train split and each Task's validation splits. One DataError for a bad name or module, or a
+  Task that gives no token ids (before any split is written)."""
   provider = seqio_tasks.get_mixture_or_task(name, module)
   rates = {task.name: rate for task, rate in seqio_tasks.training_tasks(provider)}
+  tasks = seqio_tasks.subtasks(provider)
+  wanted = {task.name: ([seqio_tasks.TRAIN_SPLIT] if task.name in rates else []) +
+            seqio_tasks.validation_splits(task) for task in tasks}
+  # Every split to write is built and its 'targets' checked before the first is written: a Task
+  # that gives no token ids leaves nothing behind, not even the splits of the Tasks before it.
+  pipelines = {(task.name, split): seqio_tasks.split_examples(task, split)
+               for task in tasks for split in wanted[task.name]
+               if cache_problem(cache_prefix(task.name, split, cache_dir),
+                                fingerprint(definition(task, split)))}
   prepared = []
-  for task in seqio_tasks.subtasks(provider):
-    train = (materialize(task, seqio_tasks.TRAIN_SPLIT, cache_dir, timeout_s)
-             if task.name in rates else None)
-    valid = {split: materialize(task, split, cache_dir, timeout_s)
-             for split in seqio_tasks.validation_splits(task)}
-    prepared.append(MaterializedTask(task.name, rates.get(task.name, 0.0), train, valid))
+  for task in tasks:
+    entries = {split: materialize(task, split, cache_dir, timeout_s,
+                                  pipelines.get((task.name, split)))
+               for split in wanted[task.name]}
+    train = entries.pop(seqio_tasks.TRAIN_SPLIT, None)
+    prepared.append(MaterializedTask(task.name, rates.get(task.name, 0.0), train, entries))
   return prepared

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import numbers
 from collections.abc import Callable, Sequence
 
 from t5x_like import summaries
@@ -143,10 +144,92 @@ def get_mixture_or_task(name: str, module: str = ''):
       raise DataError(f'the seqio Task {task.name!r} has no "targets" output feature (it has '
                       f'{sorted(task.output_features)}); a decoder-only model trains on the ids '
                       'of "targets": name its token feature so')
+    check_declared_targets(task)
     if TRAIN_SPLIT not in task.splits:
       raise DataError(f'the seqio Task {task.name!r} has no {TRAIN_SPLIT!r} split (it has '
                       f'{list(task.splits)}); training reads its "train" split')
   return provider
+
+
+# What every refusal of a Task's 'targets' ends with: what the trainer needs, and the usual fix.
+TOKEN_IDS_FIX = ('a decoder-only model trains on integer token ids, one sequence per example: '
+                 'make "targets" rank-1 int32 ids of its vocabulary, e.g. add '
+                 'seqio.preprocessors.tokenize to the preprocessors (before append_eos) and '
+                 "declare output_features={'targets': seqio.Feature(vocabulary)}")
+
+
+def targets_problem(dtype, rank: int | None) -> str | None:
+  """Why a 'targets' feature of `dtype` (a tf.DType) and `rank` holds no token id sequences (its
+  description, e.g. 'float32 of rank 1'), or None when it does."""
+  if dtype.is_integer and rank == 1:
+    return None
+  return f'{dtype.name} of rank {rank}'
+
+
+def check_declared_targets(task) -> None:
+  """One DataError when `task` declares 'targets' as something other than rank-1 integer ids of
+  a vocabulary: found from the declaration alone, before any data is read. (seqio checks that
+  what the Task yields matches it.)"""
+  feature = task.output_features['targets']
+  problem = targets_problem(tf.as_dtype(feature.dtype), feature.rank)
+  if problem:
+    raise DataError(f'the seqio Task {task.name!r} declares its "targets" output feature as '
+                    f'{problem}; {TOKEN_IDS_FIX}')
+  if not isinstance(getattr(feature.vocabulary, 'vocab_size', None), numbers.Integral):
+    raise DataError(f'the seqio Task {task.name!r} declares its "targets" output feature '
+                    f'without a vocabulary of known size ({feature.vocabulary!r}); the ids are '
+                    'checked against it and the cache is keyed on it: declare '
+                    "output_features={'targets': seqio.Feature(vocabulary)}")
+
+
+def _describe_targets(spec) -> str:
+  """What an element_spec holds as 'targets', for a message."""
+  if not isinstance(spec, dict) or 'targets' not in spec:
+    found = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
+    return f'no "targets" (it gives {found})'
+  targets = spec['targets']
+  text = ' (text, not token ids)' if targets.dtype == tf.string else ''
+  return f'"targets" as {targets.dtype.name} of rank {targets.shape.rank}{text}'
+
+
+def _source_targets(task, split: str) -> str | None:
+  """What `task`'s source yields as 'targets' before the preprocessors, or None when it yields
+  rank-1 integer ids there (or cannot say: its own failure is then the news)."""
+  try:
+    spec = task.source.get_dataset(split=split, shuffle=False).element_spec
+  except Exception:  # pylint: disable=broad-except  # the Task's own error is reported instead
+    return None
+  targets = spec.get('targets') if isinstance(spec, dict) else None
+  if targets is not None and not targets_problem(targets.dtype, targets.shape.rank):
+    return None
+  return _describe_targets(spec)
+
+
+def split_examples(task, split: str):
+  """`task`'s `split` as seqio yields it for materialising (whole examples, unshuffled, one
+  epoch): a tf.data pipeline built, not read. One DataError, naming the Task and what it gives as
+  'targets', when it cannot be built or gives no rank-1 integer ids (seqio's checks of the
+  declared features raise in the middle of it)."""
+  try:
+    data = task.get_dataset(sequence_length=None, split=split, use_cached=False, shuffle=False,
+                            num_epochs=1)
+  except Exception as error:  # pylint: disable=broad-except  # any error of the user's Task
+    # TensorFlow's errors list the traced frames first: the last line is what went wrong (and
+    # may name the error's type itself).
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    said = lines[-1] if lines else ''
+    if not said.startswith(f'{type(error).__name__}:'):
+      said = f'{type(error).__name__}: {said}'
+    found = _source_targets(task, split)
+    fix = (f'its source gives {found}: {TOKEN_IDS_FIX}' if found else
+           'fix its source or preprocessors')
+    raise DataError(f'the seqio Task {task.name!r} cannot build its split {split!r} ({said}); '
+                    f'{fix}') from None
+  found = data.element_spec.get('targets') if isinstance(data.element_spec, dict) else None
+  if found is None or targets_problem(found.dtype, found.shape.rank):
+    raise DataError(f'the seqio Task {task.name!r}, split {split!r}, gives '
+                    f'{_describe_targets(data.element_spec)}; {TOKEN_IDS_FIX}')
+  return data
 
 
 def targets_decoder(name: str, module: str = '') -> Callable[[Sequence[int]], str]:

@@ -62,6 +62,46 @@ USER_TASKS = textwrap.dedent('''
     seqio.TaskRegistry.add(
         'user_no_targets', source=Source('alpha'), preprocessors=PREPROCESSORS,
         output_features={'inputs': seqio.Feature(seqio_vocabulary(), add_eos=True)})
+
+    # Tasks whose 'targets' are no token ids, declared so or found so: each is refused.
+    class ArraySource(seqio.FunctionDataSource):
+      """40 examples of `make(rng)` as the feature `key` (the ids of a tokenizer of yours)."""
+      def __init__(self, name, make, key='targets'):
+        def dataset_fn(split, shuffle_files, seed=None):
+          rng = np.random.default_rng(len(name))
+          return tf.data.Dataset.from_tensor_slices({key: np.stack([make(rng, i)
+                                                                    for i in range(40)])})
+        dataset_fn.__name__ = name
+        super().__init__(dataset_fn, splits=('train', 'validation'))
+
+    def ids(rng, i, bad=None):
+      row = rng.integers(2, 8000, 35).astype(np.int32)
+      if bad is not None and i == 30:  # late: 30 good documents come first
+        row[17] = bad
+      return row
+
+    BAD_TARGETS = {
+        # Scores, not ids (they truncate to id 0), declared as float32.
+        'user_float_targets': (lambda rng, i: rng.random(35).astype(np.float32),
+                               dict(dtype=tf.float32, add_eos=False), [], 'targets'),
+        # Text that nothing tokenizes (no seqio.preprocessors.tokenize).
+        'user_text_targets': (None, dict(add_eos=True), [seqio.preprocessors.append_eos], None),
+        # The ids land in 'text', not 'targets'.
+        'user_missing_targets': (ids, dict(add_eos=False), [], 'text'),
+        # Rows of ids, two per example.
+        'user_rank2_targets': (lambda rng, i: np.stack([ids(rng, i), ids(rng, i)]),
+                               dict(add_eos=False, rank=2), [], 'targets'),
+        'user_negative_ids': (functools.partial(ids, bad=-3), dict(add_eos=False), [], 'targets'),
+        'user_large_ids': (functools.partial(ids, bad=8192), dict(add_eos=False), [], 'targets'),
+    }
+    for name, (make, feature, preprocessors, key) in BAD_TARGETS.items():
+      seqio.TaskRegistry.add(
+          name, source=Source('beta') if make is None else ArraySource(name, make, key),
+          preprocessors=preprocessors,
+          output_features={'targets': seqio.Feature(seqio_vocabulary(), **feature)})
+    # A good Task and a bad one: the good one's splits are not written either.
+    seqio.MixtureRegistry.add('user_mix_with_text', [('user_alpha', 1.0),
+                                                     ('user_text_targets', 1.0)])
 ''')
 BROKEN_TASKS = 'raise RuntimeError("the bucket gs://nowhere is not reachable")\n'
 
@@ -188,6 +228,25 @@ def test_a_process_waiting_too_long_for_the_writer_stops_with_one_message(user_m
   assert not indexed.exists(prefix)
 
 
+def test_a_writer_that_fails_removes_its_lock_and_a_waiter_locks_the_path_anew(tmp_path):
+  import threading  # pylint: disable=import-outside-toplevel
+  prefix = str(tmp_path / 'cache' / 'seqio' / 'task' / 'train')
+  held = []
+  with materialize._SplitLock(prefix, 60) as first:  # pylint: disable=protected-access
+    def wait():
+      with materialize._SplitLock(prefix, 60) as second:  # pylint: disable=protected-access
+        held.append(os.path.samestat(os.fstat(second._file.fileno()), os.stat(second.path)))
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    waiter.join(1.0)
+    assert waiter.is_alive() and not held  # it waits on the file that `first` holds
+    first.discard()
+    assert not (tmp_path / 'cache').exists()  # what `first` created: the lock and directories
+  waiter.join(30)
+  # The waiter locked the path that exists now, not the removed file it was waiting on.
+  assert held == [True]
+
+
 def test_prepare_command(user_module, tmp_path, capsys):
   argv = ['prepare', '--mixture_or_task', 'user_mix', '--mixture_or_task_module',
           'seqio_user_tasks', '--cache_dir', str(tmp_path)]
@@ -228,6 +287,49 @@ def test_train_refuses_a_bad_task_before_compiling(argv, fragment, user_module, 
   assert data_cli.main(['prepare', '--mixture_or_task', name, '--mixture_or_task_module', module,
                         '--cache_dir', str(tmp_path)]) == 2
   assert fragment in capfd.readouterr().err
+
+
+@pytest.mark.parametrize('name, fragment', [
+    ('user_float_targets', "the seqio Task 'user_float_targets' declares its \"targets\" output "
+     'feature as float32 of rank 1; a decoder-only model trains on integer token ids'),
+    ('user_rank2_targets', "the seqio Task 'user_rank2_targets' declares its \"targets\" output "
+     'feature as int32 of rank 2'),
+    ('user_text_targets', "the seqio Task 'user_text_targets' cannot build its split 'train' "
+     '(ValueError: Fill dimensions must be >= 0'),
+    ('user_mix_with_text', "its source gives \"targets\" as string of rank 0 (text, not token "
+     'ids): a decoder-only model trains on integer token ids, one sequence per example: make '
+     '"targets" rank-1 int32 ids of its vocabulary, e.g. add seqio.preprocessors.tokenize'),
+    ('user_missing_targets', "the seqio Task 'user_missing_targets' cannot build its split "
+     "'train' (ValueError: Task dataset is missing expected output feature after preprocessing: "
+     "targets); its source gives no \"targets\" (it gives ['text'])"),
+    ('user_negative_ids', "the seqio Task 'user_negative_ids', split 'train': example 30 has the "
+     'token id -3, outside its "targets" vocabulary (ids 0..8191); nothing was written'),
+    ('user_large_ids', "the seqio Task 'user_large_ids', split 'train': example 30 has the token "
+     'id 8192, outside its "targets" vocabulary (ids 0..8191); nothing was written'),
+])
+def test_a_task_without_token_ids_is_refused_before_anything_is_written(
+    name, fragment, user_module, tmp_path, capfd):
+  """Float scores, untokenized text, no 'targets', rows of ids, ids outside the vocabulary: one
+  message, exit code 2 from `prepare` and `train`, and neither a cache entry nor a workdir."""
+  def one_error(err):
+    errors = [line for line in err.splitlines() if line.startswith('error:')]
+    assert len(errors) == 1 and fragment in errors[0] and 'Traceback' not in err, err
+    return errors[0]
+
+  cache = tmp_path / 'cache'
+  assert data_cli.main(['prepare', '--mixture_or_task', name, '--mixture_or_task_module',
+                        'seqio_user_tasks', '--cache_dir', str(cache)]) == 2
+  one_error(capfd.readouterr().err)
+  assert not cache.exists()  # no .bin/.idx, no temporary file, no lock, no directory
+  workdir = tmp_path / 'workdir'
+  code = train.main(['--config', os.path.join(REPO, 'configs', 'tiny.py'),
+                     '--config.data.split=969,30,1', f'--config.data.mixture_or_task={name}',
+                     '--config.data.mixture_or_task_module=seqio_user_tasks',
+                     f'--config.data.cache_dir={cache}', '--workdir', str(workdir)])
+  out, err = capfd.readouterr()
+  assert code == 2, out + err
+  one_error(err)
+  assert not cache.exists() and not workdir.exists()
 
 
 def mixture_config(cache_dir, **sections):
