@@ -15,12 +15,22 @@ Each step dequantises, updates the moments in fp32, computes the update from the
 
 The block axis is chosen from the parameter's mesh-independent shape (the same on every mesh, so
 a checkpoint's codes restore anywhere): the last axis whose length B divides, never the stacked
-`layers` axis and never the (mesh-dependent, padded) vocabulary axis. The codes and scales take
-the parameter's sharding, except that on the block axis a mesh axis is kept only where it divides
-the number of blocks (`partitioning.fit_spec`): a shard always holds whole blocks, and a state
-whose shards would cut a block is replicated along that axis instead. Tensors with fewer than
-`quant_min_size` values per layer, with no axis that B divides, or listed as fp32-state (the
-embedding under model.stable_embedding) keep fp32 moments, exactly as optax.scale_by_adam's.
+`layers` axis. The codes and scales take the parameter's sharding, except that on the block axis a
+mesh axis is kept only where it divides the number of blocks (`partitioning.fit_spec`): a shard
+always holds whole blocks, and a state whose shards would cut a block is replicated along that
+axis instead. Tensors with fewer than `quant_min_size` values per layer, with no axis that B
+divides, listed as fp32-state, and the token embedding always (FP32_STATE) keep fp32 moments,
+exactly as optax.scale_by_adam's.
+
+The token embedding's moments stay fp32 because that is how bitsandbytes' Adam8bit runs language
+models, and what its parity with 32-bit Adam is reported for: its StableEmbedding (which
+Megatron-DeepSpeed's --use-bnb-optimizer uses) keeps its own state in 32 bits (GlobalOptimManager's
+'optim_bits': 32 override). Quantised, the tied embedding's moments drift from AdamW's: fed the
+tiny config's gradients, its update was 9% from AdamW's at iteration 100 and up to 14% after (the
+other quantised matrices: 3%), in this module and in a numpy transcription of bitsandbytes'
+kernel alike (benchmarks/adam8bit_vs_bnb.py, which also steps both from the same state: the same
+codes but for a few in a million); trained that way the tiny config ended 200 iterations 4.8%
+above AdamW, and with fp32 embedding moments 0.4% below (docs/model.md).
 """
 
 from __future__ import annotations
@@ -96,19 +106,25 @@ def _names(path) -> list[str]:
   return [str(getattr(k, 'key', getattr(k, 'name', ''))) for k in path]
 
 
+# Params whose moments are fp32 whatever the config: the token embedding (and tied output
+# layer), as bitsandbytes' StableEmbedding keeps its state in 32 bits (module docstring).
+FP32_STATE = ('word_embeddings',)
+
+
 def block_axes(params, block_size: int, min_size: int, fp32_state: tuple[str, ...] = ()):
   """Per parameter (a tree like `params`, of arrays or shapes): its BlockAxis, or None for fp32
-  moments (see the module docstring for the choice)."""
+  moments (see the module docstring for the choice). `fp32_state` names params kept fp32 on top
+  of FP32_STATE."""
+  fp32 = FP32_STATE + tuple(fp32_state)
 
   def one(path, leaf):
     names = _names(path)
     shape = tuple(leaf.shape)
     stacked = 'layers' in names
     per_layer = math.prod(shape[1:] if stacked else shape)
-    if any(n in fp32_state for n in names) or per_layer < min_size:
+    if any(n in fp32 for n in names) or per_layer < min_size:
       return None
-    excluded = {0} if stacked or 'word_embeddings' in names else set()
-    candidates = [a for a in range(len(shape)) if a not in excluded and
+    candidates = [a for a in range(len(shape)) if not (stacked and a == 0) and
                   shape[a] % block_size == 0]
     if not candidates:
       return None
@@ -119,7 +135,8 @@ def block_axes(params, block_size: int, min_size: int, fp32_state: tuple[str, ..
 
 def quantize(x: jax.Array, where: BlockAxis, code: np.ndarray) -> QuantizedMoment:
   """x (fp32, the parameter's shape) as codes and per-block absmax scales; each value becomes
-  the code nearest to value / absmax."""
+  the code nearest to value / absmax, except that in the signed code a negative value nearest to
+  0 becomes the negative code nearest to 0 (bitsandbytes' kernel keeps the first moment's sign)."""
   a, b = where.axis, where.block_size
   blocks = x.reshape(x.shape[:a] + (x.shape[a] // b, b) + x.shape[a + 1:])
   blocks = jnp.moveaxis(blocks, a + 1, -1)
@@ -129,6 +146,8 @@ def quantize(x: jax.Array, where: BlockAxis, code: np.ndarray) -> QuantizedMomen
   above = jnp.clip(jnp.searchsorted(table, normalised), 1, len(code) - 1)
   lower, upper = table[above - 1], table[above]
   index = jnp.where(normalised - lower <= upper - normalised, above - 1, above)
+  if code.min() < 0:
+    index = jnp.where((normalised < 0) & (index == _zero_index(code)), index - 1, index)
   codes = ((index - _zero_index(code)) % 256).astype(jnp.uint8)
   return QuantizedMoment(codes, scales.astype(jnp.float32))
 
