@@ -65,7 +65,7 @@ def bnb_dynamic_map(signed: bool) -> np.ndarray:
   sorted. 256 float32 values: the signed map has +1 but not -1."""
   data = []
   for i in range(7):
-    pieces = 2 ** i if signed else 2 ** (i + 1)
+    pieces = 2**i if signed else 2 ** (i + 1)
     bounds = np.linspace(0.1, 1, pieces + 1, dtype=np.float32)
     means = (bounds[:-1] + bounds[1:]) / np.float32(2)
     data += [float(10.0 ** (i - 6) * float(x)) for x in means]
@@ -93,8 +93,15 @@ class BnbAdam8bit:
   (sqrt(v_hat) + eps), per param as kOptimizerStatic8bit2StateBlockwise computes it (weight
   decay left to the caller)."""
 
-  def __init__(self, shapes: dict[str, tuple[int, ...]], axes: dict[str, int | None], b1: float,
-               b2: float, eps: float, block_size: int = 256):
+  def __init__(
+    self,
+    shapes: dict[str, tuple[int, ...]],
+    axes: dict[str, int | None],
+    b1: float,
+    b2: float,
+    eps: float,
+    block_size: int = 256,
+  ):
     self.b1, self.b2, self.eps, self.block, self.axes = b1, b2, eps, block_size, axes
     self.code1, self.code2 = bnb_dynamic_map(True), bnb_dynamic_map(False)
     self.state = {}
@@ -105,10 +112,12 @@ class BnbAdam8bit:
         blocked = self.to_blocks(name, np.zeros(shape, np.float32)).shape
         # The first state starts at the signed code's 0 (bitsandbytes' buffers are zeros of
         # the unsigned code, its index 0; the signed code's 0 is index 127).
-        self.state[name] = dict(c1=np.full(blocked, self.zero1, np.uint8),
-                                c2=np.zeros(blocked, np.uint8),
-                                a1=np.zeros(blocked[:-1], np.float32),
-                                a2=np.zeros(blocked[:-1], np.float32))
+        self.state[name] = dict(
+          c1=np.full(blocked, self.zero1, np.uint8),
+          c2=np.zeros(blocked, np.uint8),
+          a1=np.zeros(blocked[:-1], np.float32),
+          a2=np.zeros(blocked[:-1], np.float32),
+        )
 
   @property
   def zero1(self) -> int:
@@ -134,8 +143,8 @@ class BnbAdam8bit:
 
   def update(self, grads: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
     b1, b2 = np.float32(self.b1), np.float32(self.b2)
-    correction1 = np.float32(1 - self.b1 ** count)
-    correction2 = np.float32(math.sqrt(1 - self.b2 ** count))
+    correction1 = np.float32(1 - self.b1**count)
+    correction2 = np.float32(math.sqrt(1 - self.b2**count))
     out = {}
     for name, g in grads.items():
       g = np.asarray(g, np.float32)
@@ -145,7 +154,8 @@ class BnbAdam8bit:
       v = v * b2 + (np.float32(1) - b2) * g * g
       m = m * b1 + (np.float32(1) - b1) * g
       out[name] = (m / (np.sqrt(v) + correction2 * np.float32(self.eps))) * (
-          correction2 / correction1)
+        correction2 / correction1
+      )
       s = self.state[name]
       if 's1' in s:
         s['s1'], s['s2'] = m, v
@@ -170,8 +180,10 @@ class BnbAdam8bit:
       s['s1'], s['s2'] = np.asarray(mu, np.float32), np.asarray(nu, np.float32)
       return
     axis = self.axes[name]
-    for moment, (c, a), zero in ((mu, ('c1', 'a1'), zero_index[0]),
-                                 (nu, ('c2', 'a2'), zero_index[1])):
+    for moment, (c, a), zero in (
+      (mu, ('c1', 'a1'), zero_index[0]),
+      (nu, ('c2', 'a2'), zero_index[1]),
+    ):
       codes = np.moveaxis(np.asarray(moment.codes), axis, -2).astype(np.int32)  # [.., n/B, B]
       s[c] = ((codes + zero) % 256).astype(np.uint8)
       s[a] = np.moveaxis(np.asarray(moment.scales, np.float32), axis, -1)
@@ -186,8 +198,8 @@ def adam_update_bound(b1: float, b2: float, count: int) -> float:
   m_t^2 <= K_t v_t by Cauchy-Schwarz on the two moving averages, K_t = (1 - b1)^2 / (1 - b2) *
   (1 - (b1^2 / b2)^t) / (1 - b1^2 / b2); then the bias corrections. 1 at the first step."""
   r = b1 * b1 / b2
-  k = (1 - b1) ** 2 / (1 - b2) * (1 - r ** count) / (1 - r)
-  return math.sqrt(k) * math.sqrt(1 - b2 ** count) / (1 - b1 ** count)
+  k = (1 - b1) ** 2 / (1 - b2) * (1 - r**count) / (1 - r)
+  return math.sqrt(k) * math.sqrt(1 - b2**count) / (1 - b1**count)
 
 
 # ------------------------------------------------------------------------------ the run
@@ -196,8 +208,11 @@ def adam_update_bound(b1: float, b2: float, count: int) -> float:
 def param_names(tree) -> dict[str, object]:
   """{'layers/mlp/wi_kernel': leaf, ...} in the tree's leaf order."""
   import jax
-  return {'/'.join(str(getattr(k, 'key', k)) for k in path): leaf
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+  return {
+    '/'.join(str(getattr(k, 'key', k)) for k in path): leaf
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 def bnb_axes(params, block_size: int, stable_embedding: bool) -> dict[str, int | None]:
@@ -208,11 +223,13 @@ def bnb_axes(params, block_size: int, stable_embedding: bool) -> dict[str, int |
   blocks ours has)."""
   import jax
 
-  from t5x_like import quantized_adam
+  from t5x_like.optim import quantized_adam
+
   is_axis = lambda x: x is None or isinstance(x, quantized_adam.BlockAxis)
   leaves = param_names(params)
-  ours = jax.tree.leaves(quantized_adam.block_axes(params, block_size, 4096, fp32_state=()),
-                         is_leaf=is_axis)
+  ours = jax.tree.leaves(
+    quantized_adam.block_axes(params, block_size, 4096, fp32_state=()), is_leaf=is_axis
+  )
   axes = {}
   for (name, leaf), where in zip(leaves.items(), ours):
     if 'word_embeddings' in name:
@@ -227,15 +244,20 @@ def load_ours(bnb: BnbAdam8bit, adam_state) -> None:
   its codes and scales."""
   import jax
 
-  from t5x_like import quantized_adam as qa
-  zero = (int(np.flatnonzero(qa.SIGNED_CODE == 0)[0]),
-          int(np.flatnonzero(qa.UNSIGNED_CODE == 0)[0]))
+  from t5x_like.optim import quantized_adam as qa
+
+  zero = (
+    int(np.flatnonzero(qa.SIGNED_CODE == 0)[0]),
+    int(np.flatnonzero(qa.UNSIGNED_CODE == 0)[0]),
+  )
   mu = jax.tree.leaves(adam_state.mu, is_leaf=qa.is_quantized)
   nu = jax.tree.leaves(adam_state.nu, is_leaf=qa.is_quantized)
   for name, m, v in zip(bnb.state, mu, nu):
     if qa.is_quantized(m) != ('c1' in bnb.state[name]):
-      raise ValueError(f'{name}: ours keeps {"8-bit" if qa.is_quantized(m) else "fp32"} '
-                       'moments, this bitsandbytes the other')
+      raise ValueError(
+        f'{name}: ours keeps {"8-bit" if qa.is_quantized(m) else "fp32"} '
+        'moments, this bitsandbytes the other'
+      )
     bnb.load(name, m, v, zero)
 
 
@@ -246,17 +268,23 @@ class TinyRun:
   def __init__(self, config_path: str, overrides: list[str] | None = None):
     import jax
 
-    from t5x_like import losses, optim, partitioning
     from t5x_like.config import load_config_file, parse_overrides
-    from t5x_like.step import batch_sharding
-    from t5x_like.train_state import make_layout
-    from t5x_like.trainer import open_data
+    from t5x_like.mesh import partitioning
+    from t5x_like.model import losses
+    from t5x_like.optim import adamw as optim
+    from t5x_like.parallel.train_state import make_layout
+    from t5x_like.training.step import batch_sharding
+    from t5x_like.training.trainer import open_data
 
-    cfg = load_config_file(config_path, parse_overrides(overrides or [])).replace(
-        mesh={'data': 1, 'pipeline': 1, 'tensor': 1}).validate()
+    cfg = (
+      load_config_file(config_path, parse_overrides(overrides or []))
+      .replace(mesh={'data': 1, 'pipeline': 1, 'tensor': 1})
+      .validate()
+    )
     self.cfg = cfg
-    self.layout = make_layout(cfg.replace(optimizer={'name': 'adamw'}).validate(),
-                              partitioning.make_mesh(1, 1, 1))
+    self.layout = make_layout(
+      cfg.replace(optimizer={'name': 'adamw'}).validate(), partitioning.make_mesh(1, 1, 1)
+    )
     self.source = open_data(cfg, cfg.train.seed).train
     self.sharding = batch_sharding(self.layout)
     model, clip = self.layout.model, cfg.optimizer.clip_grad
@@ -264,6 +292,7 @@ class TinyRun:
     def loss_and_grads(params, batch):
       def loss_fn(params):
         return jax.vmap(lambda tokens: losses.mean_loss(model, params, tokens))(batch).mean()
+
       loss, grads = jax.value_and_grad(loss_fn)(params)
       grads, norm = optim.clip_by_global_norm(grads, clip)
       return loss, grads, norm
@@ -276,8 +305,8 @@ class TinyRun:
   def gradients(self, params, iteration: int):
     """(loss, clipped gradients, pre-clip norm) at `params` on the batch of `iteration` (0-based),
     and that iteration's learning rate."""
-    from t5x_like import schedule
-    from t5x_like.data import batches
+    from t5x_like.training import batches, schedule
+
     gbs = self.cfg.train.global_batch_size
     batch = batches.global_batch(self.cfg, self.sharding, self.source, iteration * gbs, gbs)
     loss, grads, norm = self._grads(params, batch)
@@ -285,22 +314,27 @@ class TinyRun:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument('--config', default=os.path.join(REPO, 'configs', 'tiny.py'))
   parser.add_argument('--steps', type=int, default=200)
-  parser.add_argument('--teacher', default='adamw',
-                      choices=['adamw', 'ours', 'bnb', 'bnb_stable'])
+  parser.add_argument('--teacher', default='adamw', choices=['adamw', 'ours', 'bnb', 'bnb_stable'])
   parser.add_argument('--agree_every', type=int, default=10)
-  parser.add_argument('--ours_8bit_embedding', action='store_true',
-                      help="ours as it was before its embedding's moments were fp32 (8-bit)")
+  parser.add_argument(
+    '--ours_8bit_embedding',
+    action='store_true',
+    help="ours as it was before its embedding's moments were fp32 (8-bit)",
+  )
   parser.add_argument('--json', default='')
   args, rest = parser.parse_known_args(argv)
 
   import jax
   import jax.numpy as jnp
 
-  from t5x_like import optim, quantized_adam
+  from t5x_like.optim import adamw as optim
+  from t5x_like.optim import quantized_adam
+
   if args.ours_8bit_embedding:
     quantized_adam.FP32_STATE = ()
 
@@ -308,8 +342,7 @@ def main(argv: list[str] | None = None) -> int:
   cfg, o = run.cfg, run.cfg.optimizer
   params = run.init_params()
   opt8 = cfg.replace(optimizer={'name': 'adamw_8bit'}).validate().optimizer
-  tx32 = optim.make_optimizer(cfg.replace(optimizer={'name': 'adamw'}).validate().optimizer,
-                              params)
+  tx32 = optim.make_optimizer(cfg.replace(optimizer={'name': 'adamw'}).validate().optimizer, params)
   tx8 = optim.make_optimizer(opt8, params, optim.fp32_state_params(cfg.model))
   s32, s8 = tx32.init(params), tx8.init(params)
   update32, update8 = jax.jit(tx32.update), jax.jit(tx8.update)
@@ -322,12 +355,21 @@ def main(argv: list[str] | None = None) -> int:
   eight = {n: axes[False][n] is not None for n in names}  # 8-bit in bitsandbytes' default
   bnb = BnbAdam8bit(shapes, axes[False], o.beta1, o.beta2, o.eps, o.quant_block_size)
   bnb_stable = BnbAdam8bit(shapes, axes[True], o.beta1, o.beta2, o.eps, o.quant_block_size)
-  ours_axes = dict(zip(names, jax.tree.leaves(
-      optim.block_axes(opt8, params, optim.fp32_state_params(cfg.model)),
-      is_leaf=lambda x: x is None or isinstance(x, quantized_adam.BlockAxis))))
-  print(f'> {args.config}: {sum(x.size for x in leaves.values()) / 1e6:.2f}M params; 8-bit in '
-        f'bitsandbytes: {", ".join(n for n in names if eight[n])}; in ours: '
-        f'{", ".join(n for n in names if ours_axes[n] is not None)}', flush=True)
+  ours_axes = dict(
+    zip(
+      names,
+      jax.tree.leaves(
+        optim.block_axes(opt8, params, optim.fp32_state_params(cfg.model)),
+        is_leaf=lambda x: x is None or isinstance(x, quantized_adam.BlockAxis),
+      ),
+    )
+  )
+  print(
+    f'> {args.config}: {sum(x.size for x in leaves.values()) / 1e6:.2f}M params; 8-bit in '
+    f'bitsandbytes: {", ".join(n for n in names if eight[n])}; in ours: '
+    f'{", ".join(n for n in names if ours_axes[n] is not None)}',
+    flush=True,
+  )
 
   def summary(updates: dict[str, np.ndarray], reference: dict[str, np.ndarray], count: int):
     """(distance to AdamW's update over the embedding, over the other 8-bit params; the largest
@@ -341,8 +383,10 @@ def main(argv: list[str] | None = None) -> int:
       row.append(diff / max(ref, 1e-30))
     for group in (True, False):
       chosen = [n for n in names if eight[n] and is_embedding[n] == group]
-      row.append(max(float(np.abs(updates[n]).max()) for n in chosen) /
-                 adam_update_bound(o.beta1, o.beta2, count))
+      row.append(
+        max(float(np.abs(updates[n]).max()) for n in chosen)
+        / adam_update_bound(o.beta1, o.beta2, count)
+      )
     return row
 
   rows = []
@@ -358,20 +402,35 @@ def main(argv: list[str] | None = None) -> int:
     p = {n: np.asarray(x) for n, x in param_names(jax.device_get(teacher_params)).items()}
     # Decoupled weight decay as optax adds it (the step multiplies the update by -lr).
     decay = lambda n: o.weight_decay * p[n] if mask[n] else 0.0
-    without_decay = lambda u: {n: np.asarray(x) - decay(n)
-                               for n, x in param_names(jax.device_get(u)).items()}
-    adam = {'adamw': without_decay(u32), 'ours': without_decay(u8),
-            'bnb': bnb.update(g, count), 'bnb_stable': bnb_stable.update(g, count)}
+    without_decay = lambda u: {
+      n: np.asarray(x) - decay(n) for n, x in param_names(jax.device_get(u)).items()
+    }
+    adam = {
+      'adamw': without_decay(u32),
+      'ours': without_decay(u8),
+      'bnb': bnb.update(g, count),
+      'bnb_stable': bnb_stable.update(g, count),
+    }
     record = dict(iteration=count, lm_loss=float(loss), grad_norm=float(norm), lr=lr)
     for label in ('ours', 'bnb', 'bnb_stable'):
       d_emb, d_rest, r_emb, r_rest = summary(adam[label], adam['adamw'], count)
-      record[label] = dict(update_distance_embedding=d_emb, update_distance_other=d_rest,
-                           largest_update_embedding=r_emb, largest_update_other=r_rest)
+      record[label] = dict(
+        update_distance_embedding=d_emb,
+        update_distance_other=d_rest,
+        largest_update_embedding=r_emb,
+        largest_update_other=r_rest,
+      )
     if args.agree_every and count % args.agree_every == 0:
       # bitsandbytes' kernel from ours' state before this step (the same codes and scales, the
       # same 8-bit tensors), with this step's gradient, against ours' step.
-      probe = BnbAdam8bit(shapes, {n: None if ours_axes[n] is None else ours_axes[n].axis
-                                   for n in names}, o.beta1, o.beta2, o.eps, o.quant_block_size)
+      probe = BnbAdam8bit(
+        shapes,
+        {n: None if ours_axes[n] is None else ours_axes[n].axis for n in names},
+        o.beta1,
+        o.beta2,
+        o.eps,
+        o.quant_block_size,
+      )
       load_ours(probe, s8_before[0])
       after = BnbAdam8bit(shapes, probe.axes, o.beta1, o.beta2, o.eps, o.quant_block_size)
       load_ours(after, s8[0])
@@ -383,28 +442,37 @@ def main(argv: list[str] | None = None) -> int:
             differing += int(np.sum(mine != theirs))
             total += mine.size
       record['agreement'] = dict(
-          codes_differing=differing / max(total, 1),
-          largest_update_difference=max(float(np.abs(update[n] - adam['ours'][n]).max())
-                                        for n in names))
+        codes_differing=differing / max(total, 1),
+        largest_update_difference=max(
+          float(np.abs(update[n] - adam['ours'][n]).max()) for n in names
+        ),
+      )
     rows.append(record)
-    line = (f"{count:4d} loss {record['lm_loss']:.4f} gn {record['grad_norm']:5.2f} | " +
-            ' | '.join(f"{k} d_emb {record[k]['update_distance_embedding']:.3f} d_oth "
-                       f"{record[k]['update_distance_other']:.3f} max_emb "
-                       f"{record[k]['largest_update_embedding']:.2f} max_oth "
-                       f"{record[k]['largest_update_other']:.2f}"
-                       for k in ('ours', 'bnb', 'bnb_stable')))
+    line = f'{count:4d} loss {record["lm_loss"]:.4f} gn {record["grad_norm"]:5.2f} | ' + ' | '.join(
+      f'{k} d_emb {record[k]["update_distance_embedding"]:.3f} d_oth '
+      f'{record[k]["update_distance_other"]:.3f} max_emb '
+      f'{record[k]["largest_update_embedding"]:.2f} max_oth '
+      f'{record[k]["largest_update_other"]:.2f}'
+      for k in ('ours', 'bnb', 'bnb_stable')
+    )
     if 'agreement' in record:
-      line += (f" | bnb from ours' state: codes differing "
-               f"{record['agreement']['codes_differing']:.1e}, largest update difference "
-               f"{record['agreement']['largest_update_difference']:.1e}")
+      line += (
+        f" | bnb from ours' state: codes differing "
+        f'{record["agreement"]["codes_differing"]:.1e}, largest update difference '
+        f'{record["agreement"]["largest_update_difference"]:.1e}'
+      )
     print(line, flush=True)
     teacher_params = jax.tree.map(
-        lambda x, n: x - lr * jnp.asarray(adam[args.teacher][n] + decay(n), x.dtype),
-        teacher_params, jax.tree_util.tree_unflatten(jax.tree.structure(teacher_params), names))
+      lambda x, n: x - lr * jnp.asarray(adam[args.teacher][n] + decay(n), x.dtype),
+      teacher_params,
+      jax.tree_util.tree_unflatten(jax.tree.structure(teacher_params), names),
+    )
   losses = [r['lm_loss'] for r in rows]
   last5 = float(np.mean(losses[-5:]))
-  print(f'> teacher {args.teacher}: mean lm loss of the last 5 iterations {last5:.4f} '
-        f'({time.perf_counter() - start:.0f} s)')
+  print(
+    f'> teacher {args.teacher}: mean lm loss of the last 5 iterations {last5:.4f} '
+    f'({time.perf_counter() - start:.0f} s)'
+  )
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(dict(config=args.config, teacher=args.teacher, rows=rows, last5=last5), f)

@@ -16,7 +16,7 @@ seq 2048 -> batch 8, seq 4096 -> batch 4). For each implementation and sequence 
 FLOPs (FlashAttention's convention): forward 4 B H S^2 D, halved for causal; backward 2.5 x the
 forward (five matmuls against two); so fwd+bwd = 3.5 x forward. The backward's own rate comes from
 (fwd+bwd time - fwd time). Percentages are of the device's dense bf16 peak
-(`metrics.BF16_PEAK_TFLOPS`; on CPU a matmul probe). The issue's aims: forward >= 50%, backward
+(`accounting.BF16_PEAK_TFLOPS`; on CPU a matmul probe). The issue's aims: forward >= 50%, backward
 >= 40%.
 
 `cudnn` runs `jax.nn.dot_product_attention(implementation='cudnn')` with a materialised
@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_like import attention as attention_lib
-from t5x_like import metrics
 from t5x_like.kernels import BlockSizes, attention_reference, flash_attention
-from t5x_like.model import alibi_slopes
+from t5x_like.model import attention as attention_lib
+from t5x_like.model.transformer import alibi_slopes
+from t5x_like.training import accounting
 
 TOLERANCE = 2.5e-2  # bf16 inputs against the fp32 reference (max error / max reference)
 
@@ -52,8 +52,11 @@ def make_impl(name: str, platform: str, slopes, blocks: BlockSizes | None):
   if name == 'pallas':
     if platform not in ('gpu', 'cpu'):
       return None, f'Pallas/Triton needs a GPU (or CPU interpret mode), not {platform}'
-    return (lambda q, k, v: flash_attention(q, k, v, alibi_slopes=slopes, causal=True,
-                                            block_sizes=blocks, interpret=platform == 'cpu')), None
+    return (
+      lambda q, k, v: flash_attention(
+        q, k, v, alibi_slopes=slopes, causal=True, block_sizes=blocks, interpret=platform == 'cpu'
+      )
+    ), None
   if name == 'cudnn':
     if platform != 'gpu':
       return None, f'cuDNN attention needs a GPU, not {platform}'
@@ -92,8 +95,9 @@ def relative_error(actual, expected) -> float:
 
 def random_inputs(batch, seq, heads, head_dim, dtype, seed=0):
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-  return [jax.random.normal(key, (batch, seq, heads, head_dim), jnp.float32).astype(dtype)
-          for key in keys]
+  return [
+    jax.random.normal(key, (batch, seq, heads, head_dim), jnp.float32).astype(dtype) for key in keys
+  ]
 
 
 def check(fn, seq, heads, head_dim, dtype, slopes) -> dict[str, float]:
@@ -110,33 +114,52 @@ def check(fn, seq, heads, head_dim, dtype, slopes) -> dict[str, float]:
 def run(args) -> dict:
   device = jax.devices()[0]
   platform = device.platform
-  peak, peak_source = metrics.device_peak_tflops('bfloat16')
+  peak, peak_source = accounting.device_peak_tflops('bfloat16')
   dtype = jnp.dtype(args.dtype)
   slopes = alibi_slopes(args.heads)
   blocks = None
   if args.blocks or args.num_warps or args.num_stages:
     base = BlockSizes.for_head_dim(args.head_dim)
-    sizes = dict(zip(('block_q', 'block_k', 'block_q_dkv', 'block_k_dkv', 'block_q_dq',
-                      'block_k_dq'), (int(b) for b in args.blocks.split(',')) if args.blocks
-                     else ()))
-    blocks = BlockSizes(**{**base.__dict__, **sizes,
-                           **({'num_warps': args.num_warps} if args.num_warps else {}),
-                           **({'num_stages': args.num_stages} if args.num_stages else {})})
+    sizes = dict(
+      zip(
+        ('block_q', 'block_k', 'block_q_dkv', 'block_k_dkv', 'block_q_dq', 'block_k_dq'),
+        (int(b) for b in args.blocks.split(',')) if args.blocks else (),
+      )
+    )
+    blocks = BlockSizes(
+      **{
+        **base.__dict__,
+        **sizes,
+        **({'num_warps': args.num_warps} if args.num_warps else {}),
+        **({'num_stages': args.num_stages} if args.num_stages else {}),
+      }
+    )
   report = {
-      'date': datetime.date.today().isoformat(),
-      'device': f'{platform} {device.device_kind}',
-      'jax': jax.__version__,
-      'peak_tflops': peak,
-      'peak_source': peak_source,
-      'shape': {'tokens': args.tokens, 'heads': args.heads, 'head_dim': args.head_dim,
-                'dtype': args.dtype, 'causal': True, 'alibi': True},
-      'blocks': None if blocks is None else blocks.__dict__,
-      'results': [],
+    'date': datetime.date.today().isoformat(),
+    'device': f'{platform} {device.device_kind}',
+    'jax': jax.__version__,
+    'peak_tflops': peak,
+    'peak_source': peak_source,
+    'shape': {
+      'tokens': args.tokens,
+      'heads': args.heads,
+      'head_dim': args.head_dim,
+      'dtype': args.dtype,
+      'causal': True,
+      'alibi': True,
+    },
+    'blocks': None if blocks is None else blocks.__dict__,
+    'results': [],
   }
-  print(f'# {report["device"]}, jax {jax.__version__}, bf16 peak {peak:.1f} TFLOP/s '
-        f'({peak_source})', flush=True)
-  print('impl    seq  batch |  fwd ms  fwd TFLOP/s (% peak) | fwd+bwd ms  TFLOP/s | bwd TFLOP/s '
-        '(% peak) | max rel. error out/dq/dk/dv', flush=True)
+  print(
+    f'# {report["device"]}, jax {jax.__version__}, bf16 peak {peak:.1f} TFLOP/s ({peak_source})',
+    flush=True,
+  )
+  print(
+    'impl    seq  batch |  fwd ms  fwd TFLOP/s (% peak) | fwd+bwd ms  TFLOP/s | bwd TFLOP/s '
+    '(% peak) | max rel. error out/dq/dk/dv',
+    flush=True,
+  )
   for seq in args.seqs:
     batch = max(1, args.tokens // seq)
     fwd_flops = 4 * batch * args.heads * seq * seq * args.head_dim * 0.5  # causal
@@ -163,25 +186,37 @@ def run(args) -> dict:
       all_tflops = 3.5 * fwd_flops / t_all / 1e12
       # Timing noise can make fwd+bwd no slower than fwd on tiny (smoke) shapes: no bwd rate then.
       bwd_tflops = 2.5 * fwd_flops / (t_all - t_fwd) / 1e12 if t_all > t_fwd else None
-      row.update(fwd_ms=t_fwd * 1e3, fwd_tflops=fwd_tflops, fwd_bwd_ms=t_all * 1e3,
-                 fwd_bwd_tflops=all_tflops, bwd_tflops=bwd_tflops,
-                 fwd_pct_peak=100 * fwd_tflops / peak,
-                 bwd_pct_peak=None if bwd_tflops is None else 100 * bwd_tflops / peak,
-                 errors=errors, correct=all(e <= TOLERANCE for e in errors.values()))
+      row.update(
+        fwd_ms=t_fwd * 1e3,
+        fwd_tflops=fwd_tflops,
+        fwd_bwd_ms=t_all * 1e3,
+        fwd_bwd_tflops=all_tflops,
+        bwd_tflops=bwd_tflops,
+        fwd_pct_peak=100 * fwd_tflops / peak,
+        bwd_pct_peak=None if bwd_tflops is None else 100 * bwd_tflops / peak,
+        errors=errors,
+        correct=all(e <= TOLERANCE for e in errors.values()),
+      )
       report['results'].append(row)
       flag = '' if row['correct'] else f'  WRONG (> {TOLERANCE})'
-      bwd = ('     n/a         ' if bwd_tflops is None else
-             f'{bwd_tflops:8.3g} ({row["bwd_pct_peak"]:4.1f}%)')
-      print(f'{name:6} {seq:5} {batch:5} | {t_fwd * 1e3:7.2f}  {fwd_tflops:8.3g} '
-            f'({row["fwd_pct_peak"]:4.1f}%)      | {t_all * 1e3:9.2f}  {all_tflops:7.3g} | {bwd}'
-            '    | ' + '/'.join(f'{errors[n]:.1e}' for n in ('out', 'dq', 'dk', 'dv')) + flag,
-            flush=True)
+      bwd = (
+        '     n/a         '
+        if bwd_tflops is None
+        else f'{bwd_tflops:8.3g} ({row["bwd_pct_peak"]:4.1f}%)'
+      )
+      print(
+        f'{name:6} {seq:5} {batch:5} | {t_fwd * 1e3:7.2f}  {fwd_tflops:8.3g} '
+        f'({row["fwd_pct_peak"]:4.1f}%)      | {t_all * 1e3:9.2f}  {all_tflops:7.3g} | {bwd}'
+        '    | ' + '/'.join(f'{errors[n]:.1e}' for n in ('out', 'dq', 'dk', 'dv')) + flag,
+        flush=True,
+      )
   return report
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument('--seqs', default='2048,4096')
   parser.add_argument('--impls', default='pallas,cudnn,xla')
   parser.add_argument('--tokens', type=int, default=16384, help='batch x seq per measurement')
@@ -189,13 +224,17 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--head_dim', type=int, default=128)
   parser.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float16', 'float32'])
   parser.add_argument('--iters', type=int, default=20)
-  parser.add_argument('--blocks', default='',
-                      help='block_q,block_k,block_q_dkv,block_k_dkv,block_q_dq,block_k_dq')
+  parser.add_argument(
+    '--blocks', default='', help='block_q,block_k,block_q_dkv,block_k_dkv,block_q_dq,block_k_dq'
+  )
   parser.add_argument('--num_warps', type=int, default=0)
   parser.add_argument('--num_stages', type=int, default=0)
-  parser.add_argument('--smoke', action='store_true',
-                      help='tiny shapes (seq 64 and 80, 2 heads of 64, 2 iterations): checks that '
-                           'the script and every implementation run, e.g. on CPU')
+  parser.add_argument(
+    '--smoke',
+    action='store_true',
+    help='tiny shapes (seq 64 and 80, 2 heads of 64, 2 iterations): checks that '
+    'the script and every implementation run, e.g. on CPU',
+  )
   parser.add_argument('--json', default='', help='also write the report here')
   args = parser.parse_args(argv)
   if args.smoke:

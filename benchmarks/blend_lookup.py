@@ -23,8 +23,7 @@ from t5x_like.data.blending import CHUNK, Blend, DivisorBlend
 
 
 def tr11_weights() -> list[float]:
-  cfg = load_config_file(os.path.join(os.path.dirname(__file__), '..', 'configs',
-                                      'bloom_176b.py'))
+  cfg = load_config_file(os.path.join(os.path.dirname(__file__), '..', 'configs', 'bloom_176b.py'))
   [(_, entries)] = sources.weighted_split_groups(cfg.data, 'train')
   return [entry.weight for entry in entries]
 
@@ -40,8 +39,10 @@ def main() -> None:
   parser.add_argument('--samples', type=int, default=220_000_000)
   parser.add_argument('--lookups', type=int, default=50)
   args = parser.parse_args()
-  weight_sets = {"tr11's 28": tr11_weights(),
-                 '50 Dirichlet(0.3)': np.random.default_rng(1).dirichlet(np.full(50, 0.3))}
+  weight_sets = {
+    "tr11's 28": tr11_weights(),
+    '50 Dirichlet(0.3)': np.random.default_rng(1).dirichlet(np.full(50, 0.3)),
+  }
   for name, weights in weight_sets.items():
     first = seconds(lambda: Blend(weights).assign(0, 1_000_000))
     divisor = seconds(lambda: DivisorBlend(weights).assign(0, 1_000_000))
@@ -51,9 +52,11 @@ def main() -> None:
     picks = np.random.default_rng(0).integers(0, args.samples - 1, args.lookups)
     single = seconds(lambda: [blend.assign(int(i), int(i) + 1) for i in picks]) / len(picks)
     batch = seconds(lambda: blend.assign(150_000_000, 150_002_048))
-    print(f'{name}: first 10^6 samples {first:.2f} s (divisor order {divisor:.2f} s); table to '
-          f'{args.samples:,} samples {build:.1f} s, {table_mb:.1f} MB; a random single lookup '
-          f'{single * 1e3:.1f} ms; a 2048-sample batch at 150M {batch * 1e3:.1f} ms')
+    print(
+      f'{name}: first 10^6 samples {first:.2f} s (divisor order {divisor:.2f} s); table to '
+      f'{args.samples:,} samples {build:.1f} s, {table_mb:.1f} MB; a random single lookup '
+      f'{single * 1e3:.1f} ms; a 2048-sample batch at 150M {batch * 1e3:.1f} ms'
+    )
 
 
 if __name__ == '__main__':

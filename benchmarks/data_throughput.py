@@ -26,25 +26,29 @@ import os
 # The config's mesh (tiny: 4 devices) on CPU needs virtual devices, set before JAX starts.
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
 
-import jax  # noqa: E402
+import jax
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from t5x_like import partitioning, startup  # noqa: E402
-from t5x_like import step as step_lib  # noqa: E402
-from t5x_like.config import load_config_file, parse_overrides  # noqa: E402
-from t5x_like.data import batches, materialize, seqio_tasks, sources  # noqa: E402
-from t5x_like.train_state import make_layout  # noqa: E402
+from step_throughput import measure
 
-from step_throughput import measure  # noqa: E402  pylint: disable=wrong-import-position
+from t5x_like.config import load_config_file, parse_overrides
+from t5x_like.data import materialize, seqio_tasks, sources
+from t5x_like.mesh import partitioning
+from t5x_like.parallel.train_state import make_layout
+from t5x_like.training import (
+  batches,
+  startup,
+)
+from t5x_like.training import step as step_lib
 
 
 def delivered_tokens_per_s(cfg, iterations: int) -> dict:
@@ -58,9 +62,12 @@ def delivered_tokens_per_s(cfg, iterations: int) -> dict:
   for iteration in range(1, iterations + 1):
     jax.block_until_ready(batches.global_batch(cfg, sharding, data.train, iteration * gbs, gbs))
   elapsed = time.perf_counter() - start
-  return {'iterations': iterations, 'seconds': elapsed,
-          'tokens_per_s': iterations * gbs * cfg.train.seq_len / elapsed,
-          'datasets': data.train_names}
+  return {
+    'iterations': iterations,
+    'seconds': elapsed,
+    'tokens_per_s': iterations * gbs * cfg.train.seq_len / elapsed,
+    'datasets': data.train_names,
+  }
 
 
 def main() -> None:
@@ -74,35 +81,60 @@ def main() -> None:
   args, rest = parser.parse_known_args()
   overrides = parse_overrides(rest)
   overrides.update({'data.split': '969,30,1', 'data.valid_path': {}, 'eval.interval': 0})
-  seqio_cfg = startup.check_config(load_config_file(args.config, {
-      **overrides, 'data.mixture_or_task': seqio_tasks.CORPUS_MIXTURE,
-      'data.cache_dir': args.cache_dir}))
+  seqio_cfg = startup.check_config(
+    load_config_file(
+      args.config,
+      {
+        **overrides,
+        'data.mixture_or_task': seqio_tasks.CORPUS_MIXTURE,
+        'data.cache_dir': args.cache_dir,
+      },
+    )
+  )
   prepared = materialize.prepare(seqio_tasks.CORPUS_MIXTURE, cache_dir=args.cache_dir)
   blend = ' '.join(f'{task.rate:g} {task.train.prefix}' for task in prepared)
-  megatron_cfg = startup.check_config(load_config_file(args.config, {
-      **overrides, 'data.train_path': blend}))
+  megatron_cfg = startup.check_config(
+    load_config_file(args.config, {**overrides, 'data.train_path': blend})
+  )
 
   device = jax.devices()[0]
-  report = {'date': datetime.date.today().isoformat(), 'device': device.device_kind,
-            'platform': device.platform, 'cpus': os.cpu_count(), 'machine': platform.machine(),
-            'config': args.config, 'overrides': overrides, 'global_batch_size':
-            seqio_cfg.train.global_batch_size, 'seq_len': seqio_cfg.train.seq_len}
+  report = {
+    'date': datetime.date.today().isoformat(),
+    'device': device.device_kind,
+    'platform': device.platform,
+    'cpus': os.cpu_count(),
+    'machine': platform.machine(),
+    'config': args.config,
+    'overrides': overrides,
+    'global_batch_size': seqio_cfg.train.global_batch_size,
+    'seq_len': seqio_cfg.train.seq_len,
+  }
   for name, cfg in (('seqio', seqio_cfg), ('megatron', megatron_cfg)):
     report[name] = delivered_tokens_per_s(cfg, args.iterations)
-    print(f"{name:>8}: {report[name]['tokens_per_s']:12,.0f} tokens/s delivered "
-          f"({args.iterations} global batches of {cfg.train.global_batch_size} x "
-          f"{cfg.train.seq_len} in {report[name]['seconds']:.2f} s)", flush=True)
-  step_cfg = seqio_cfg.replace(mesh={'data': 1, 'pipeline': 1, 'tensor': 1},
-                               train={'steps': 2 + args.steps})
+    print(
+      f'{name:>8}: {report[name]["tokens_per_s"]:12,.0f} tokens/s delivered '
+      f'({args.iterations} global batches of {cfg.train.global_batch_size} x '
+      f'{cfg.train.seq_len} in {report[name]["seconds"]:.2f} s)',
+      flush=True,
+    )
+  step_cfg = seqio_cfg.replace(
+    mesh={'data': 1, 'pipeline': 1, 'tensor': 1}, train={'steps': 2 + args.steps}
+  )
   step = measure(step_cfg, args.steps)
   report['train_step'] = {k: step[k] for k in ('step_s_median', 'tokens_per_s', 'compile_s')}
-  print(f"   train: {step['tokens_per_s']:12,.0f} tokens/s consumed (median step "
-        f"{step['step_s_median'] * 1e3:.1f} ms, 1 x 1 x 1 mesh)")
-  ratios = {name: report[name]['tokens_per_s'] / step['tokens_per_s']
-            for name in ('seqio', 'megatron')}
+  print(
+    f'   train: {step["tokens_per_s"]:12,.0f} tokens/s consumed (median step '
+    f'{step["step_s_median"] * 1e3:.1f} ms, 1 x 1 x 1 mesh)'
+  )
+  ratios = {
+    name: report[name]['tokens_per_s'] / step['tokens_per_s'] for name in ('seqio', 'megatron')
+  }
   report['ratio'] = ratios
-  print('   ratio: ' + ', '.join(f'{name} {ratio:.0f}x' for name, ratio in ratios.items()) +
-        f' (needed: >= {args.min_ratio:g}x)')
+  print(
+    '   ratio: '
+    + ', '.join(f'{name} {ratio:.0f}x' for name, ratio in ratios.items())
+    + f' (needed: >= {args.min_ratio:g}x)'
+  )
   if args.json:
     with open(args.json, 'w', encoding='utf-8') as f:
       json.dump(report, f, indent=1)

@@ -24,44 +24,59 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from t5x_like import cost_model  # noqa: E402  (after the path: a script run from anywhere)
-from t5x_like.config import Config, load_config_file  # noqa: E402
+from t5x_like.config import Config, load_config_file
+from t5x_like.planning import cost_model
 
 # (DP, TP, PP, MBS, GBS, measured GB or None, sec/it), seed 004, 02-25, "Tweaking TP ...";
 # NLAYERS 72, NHIDDEN 14336, NHEADS 64. The two OOM rows (DP32 TP2 PP6) have no time.
 FIT_TABLE = [
-    (8, 4, 12, 4, 2048, 60, 111.89),
-    (8, 4, 12, 2, 2048, 44, 110.48),
-    (8, 4, 12, 2, 2048, 38, 113.54),
-    (16, 4, 6, 4, 2048, 75, 117.11),
-    (16, 4, 6, 2, 2048, 57, 111.71),
-    (16, 2, 12, 2, 2048, 63, 112.50),
-    (8, 2, 24, 1, 2048, 44, 119.53),
-    (8, 2, 24, 2, 2048, 53, 122.75),
-    (4, 4, 24, 1, 2048, None, 130.60),
+  (8, 4, 12, 4, 2048, 60, 111.89),
+  (8, 4, 12, 2, 2048, 44, 110.48),
+  (8, 4, 12, 2, 2048, 38, 113.54),
+  (16, 4, 6, 4, 2048, 75, 117.11),
+  (16, 4, 6, 2, 2048, 57, 111.71),
+  (16, 2, 12, 2, 2048, 63, 112.50),
+  (8, 2, 24, 1, 2048, 44, 119.53),
+  (8, 2, 24, 2, 2048, 53, 122.75),
+  (4, 4, 24, 1, 2048, None, 130.60),
 ]
 FIT_SHAPE = (72, 14336, 64)  # NLAYERS, NHIDDEN, NHEADS
 GPU = 'a100-80gb'
 
 
-def chronicles_config(layers: int, hidden: int, heads: int, dp: int, tp: int, pp: int, mbs: int,
-                      gbs: int) -> Config:
+def chronicles_config(
+  layers: int, hidden: int, heads: int, dp: int, tp: int, pp: int, mbs: int, gbs: int
+) -> Config:
   """A chronicles row as t5x_like runs it: configs/bloom_176b.py (BLOOM's vocabulary, seq 2048,
   bf16, full recomputation, 1F1B) at the row's shape and topology, without the ramp-up."""
-  return load_config_file(os.path.join(REPO, 'configs', 'bloom_176b.py'), {
-      'model.num_layers': layers, 'model.hidden_size': hidden, 'model.num_heads': heads,
-      'mesh.data': dp, 'mesh.tensor': tp, 'mesh.pipeline': pp, 'train.micro_batch_size': mbs,
-      'train.global_batch_size': gbs, 'train.rampup_batch_size': ()})
+  return load_config_file(
+    os.path.join(REPO, 'configs', 'bloom_176b.py'),
+    {
+      'model.num_layers': layers,
+      'model.hidden_size': hidden,
+      'model.num_heads': heads,
+      'mesh.data': dp,
+      'mesh.tensor': tp,
+      'mesh.pipeline': pp,
+      'train.micro_batch_size': mbs,
+      'train.global_batch_size': gbs,
+      'train.rampup_batch_size': (),
+    },
+  )
 
 
 def fit_configs() -> list[tuple[Config, float]]:
-  return [(chronicles_config(*FIT_SHAPE, dp, tp, pp, mbs, gbs), sec)
-          for dp, tp, pp, mbs, gbs, _, sec in FIT_TABLE]
+  return [
+    (chronicles_config(*FIT_SHAPE, dp, tp, pp, mbs, gbs), sec)
+    for dp, tp, pp, mbs, gbs, _, sec in FIT_TABLE
+  ]
 
 
 def loss(rows: list[tuple[Config, float]], fitted: cost_model.Fitted) -> float:
-  return sum(math.log(cost_model.estimate(cfg, GPU, fitted)['estimated_step_s'] / sec) ** 2
-             for cfg, sec in rows)
+  return sum(
+    math.log(cost_model.estimate(cfg, GPU, fitted)['estimated_step_s'] / sec) ** 2
+    for cfg, sec in rows
+  )
 
 
 def fit(rows: list[tuple[Config, float]]) -> cost_model.Fitted:
@@ -91,18 +106,28 @@ def main(argv=None) -> None:
   residuals = []
   for (cfg, sec), row in zip(rows, FIT_TABLE):
     estimated = cost_model.estimate(cfg, GPU, fitted)['estimated_step_s']
-    residuals.append({'row': row, 'measured_s': sec, 'estimated_s': round(estimated, 2),
-                      'error': round(estimated / sec - 1, 4)})
+    residuals.append(
+      {
+        'row': row,
+        'measured_s': sec,
+        'estimated_s': round(estimated, 2),
+        'error': round(estimated / sec - 1, 4),
+      }
+    )
   rms = math.sqrt(loss(rows, fitted) / len(rows))
   if args.json:
     print(json.dumps({'fitted': vars(fitted), 'rms_log_error': rms, 'rows': residuals}))
     return
-  print(f'FITTED = Fitted(peak_fraction={fitted.peak_fraction}, '
-        f'half_work={fitted.half_work:.4g})  # rms log error {rms:.4f}')
+  print(
+    f'FITTED = Fitted(peak_fraction={fitted.peak_fraction}, '
+    f'half_work={fitted.half_work:.4g})  # rms log error {rms:.4f}'
+  )
   for r in residuals:
     dp, tp, pp, mbs, gbs, _, _ = r['row']
-    print(f'DP{dp:<3} TP{tp} PP{pp:<3} MBS{mbs} GBS{gbs}: measured {r["measured_s"]:7.2f} s, '
-          f'estimated {r["estimated_s"]:7.2f} s ({100 * r["error"]:+.1f}%)')
+    print(
+      f'DP{dp:<3} TP{tp} PP{pp:<3} MBS{mbs} GBS{gbs}: measured {r["measured_s"]:7.2f} s, '
+      f'estimated {r["estimated_s"]:7.2f} s ({100 * r["error"]:+.1f}%)'
+    )
 
 
 if __name__ == '__main__':

@@ -19,20 +19,27 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (DP, TP, PP, MBS, GBS, Megatron-DeepSpeed's measured GB), seed 004's 02-25 table.
 TABLE = [
-    (8, 4, 12, 2, 2048, 44),
-    (8, 8, 6, 4, 2048, 55),
-    (4, 8, 12, 4, 2048, 49),
-    (16, 4, 6, 2, 2048, 57),
-    (8, 2, 24, 1, 2048, 44),
-    (16, 2, 12, 2, 2048, 63),
-    (12, 8, 4, 4, 2016, 59),
-    (24, 8, 2, 2, 2016, 76),
+  (8, 4, 12, 2, 2048, 44),
+  (8, 8, 6, 4, 2048, 55),
+  (4, 8, 12, 4, 2048, 49),
+  (16, 4, 6, 2, 2048, 57),
+  (8, 2, 24, 1, 2048, 44),
+  (16, 2, 12, 2, 2048, 63),
+  (12, 8, 4, 4, 2016, 59),
+  (24, 8, 2, 2, 2016, 76),
 ]
 
 
 def plan(overrides: list[str]) -> dict:
-  cmd = [sys.executable, '-m', 't5x_like.plan', '--config', 'configs/bloom_176b.py', '--json',
-         *overrides]
+  cmd = [
+    sys.executable,
+    '-m',
+    't5x_like.plan',
+    '--config',
+    'configs/bloom_176b.py',
+    '--json',
+    *overrides,
+  ]
   r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
   if r.returncode:
     raise SystemExit(f'{" ".join(cmd)} failed:\n{r.stderr[-3000:]}')
@@ -40,10 +47,17 @@ def plan(overrides: list[str]) -> dict:
 
 
 def row_overrides(dp, tp, pp, mbs, gbs) -> list[str]:
-  return ['--config.model.num_layers=72', '--config.model.hidden_size=14336',
-          '--config.model.num_heads=64', f'--config.mesh.data={dp}', f'--config.mesh.tensor={tp}',
-          f'--config.mesh.pipeline={pp}', f'--config.train.micro_batch_size={mbs}',
-          f'--config.train.global_batch_size={gbs}', '--config.train.rampup_batch_size=()']
+  return [
+    '--config.model.num_layers=72',
+    '--config.model.hidden_size=14336',
+    '--config.model.num_heads=64',
+    f'--config.mesh.data={dp}',
+    f'--config.mesh.tensor={tp}',
+    f'--config.mesh.pipeline={pp}',
+    f'--config.train.micro_batch_size={mbs}',
+    f'--config.train.global_batch_size={gbs}',
+    '--config.train.rampup_batch_size=()',
+  ]
 
 
 def main(argv=None) -> None:
@@ -56,16 +70,26 @@ def main(argv=None) -> None:
     if args.only is not None and i not in args.only:
       continue
     r = plan(row_overrides(dp, tp, pp, mbs, gbs))
-    print(f'| {dp} | {tp} | {pp} | {mbs} | {gbs} | {megatron} | {r["peak_gib"]:.2f} | '
-          f'{r["gpu_estimate_peak_gib"]:.2f} |', flush=True)
-  for name, extra in (('tr11 (MBS 2, ramp-up)', []),
-                      ('tr11 MBS 4 (no ramp-up)', ['--config.train.micro_batch_size=4',
-                                                   '--config.train.rampup_batch_size=()'])):
+    print(
+      f'| {dp} | {tp} | {pp} | {mbs} | {gbs} | {megatron} | {r["peak_gib"]:.2f} | '
+      f'{r["gpu_estimate_peak_gib"]:.2f} |',
+      flush=True,
+    )
+  for name, extra in (
+    ('tr11 (MBS 2, ramp-up)', []),
+    (
+      'tr11 MBS 4 (no ramp-up)',
+      ['--config.train.micro_batch_size=4', '--config.train.rampup_batch_size=()'],
+    ),
+  ):
     if args.only is not None:
       break
     r = plan(extra)
-    print(f'{name}: XLA peak {r["peak_gib"]:.2f} GiB, GPU estimate '
-          f'{r["gpu_estimate_peak_gib"]:.2f} GiB', flush=True)
+    print(
+      f'{name}: XLA peak {r["peak_gib"]:.2f} GiB, GPU estimate '
+      f'{r["gpu_estimate_peak_gib"]:.2f} GiB',
+      flush=True,
+    )
 
 
 if __name__ == '__main__':

@@ -49,17 +49,21 @@ def measure(config: str, stages: int, real: int, full: int, steps: int, remat: s
   import jax.numpy as jnp
   import numpy as np
 
-  from t5x_like import losses, partitioning, step as trainer
   from t5x_like.config import load_config_file
-  from t5x_like.train_state import make_layout
+  from t5x_like.mesh import partitioning
+  from t5x_like.model import losses
+  from t5x_like.parallel.train_state import make_layout
+  from t5x_like.training import step as trainer
 
   base = load_config_file(config)
   mbs = base.train.micro_batch_size
   overrides = {
-      'mesh.data': 1, 'mesh.pipeline': stages, 'mesh.tensor': 1,
-      'train.global_batch_size': full * mbs,
-      'train.rampup_batch_size': (real * mbs, (full - real) * mbs, 1),
-      'train.rampup_microbatch_multiple': full,
+    'mesh.data': 1,
+    'mesh.pipeline': stages,
+    'mesh.tensor': 1,
+    'train.global_batch_size': full * mbs,
+    'train.rampup_batch_size': (real * mbs, (full - real) * mbs, 1),
+    'train.rampup_microbatch_multiple': full,
   }
   if remat:
     overrides['model.remat_policy'] = remat
@@ -76,54 +80,85 @@ def measure(config: str, stages: int, real: int, full: int, steps: int, remat: s
   runs = {}
   for name, batch in batches.items():
     step = trainer.jit_train_step(cfg, layout)
-    runs[name] = {'step': step, 'state': layout.init(cfg.train.seed),
-                  'batch': jax.device_put(batch, sharding), 'times': [], 'losses': []}
+    runs[name] = {
+      'step': step,
+      'state': layout.init(cfg.train.seed),
+      'batch': jax.device_put(batch, sharding),
+      'times': [],
+      'losses': [],
+    }
   lr = jnp.float32(1e-4)
   for i in range(steps + 1):  # step 0 compiles and warms up
-    for name, run in runs.items():
+    for run in runs.values():
       start = time.perf_counter()
       run['state'], stats = run['step'](run['state'], run['batch'], lr, jnp.int32(i))
       loss = float(jax.device_get(stats['lm_loss']))
       if i:
         run['times'].append(time.perf_counter() - start)
       run['losses'].append(loss)
-  return {name: {'step_s_median': statistics.median(run['times']), 'times': run['times'],
-                 'losses': run['losses'],
-                 'micro_batches_compiled': int(run['batch'].shape[0]),
-                 'micro_batches_real': real if name != 'full' else full}
-          for name, run in runs.items()}
+  return {
+    name: {
+      'step_s_median': statistics.median(run['times']),
+      'times': run['times'],
+      'losses': run['losses'],
+      'micro_batches_compiled': int(run['batch'].shape[0]),
+      'micro_batches_real': real if name != 'full' else full,
+    }
+    for name, run in runs.items()
+  }
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
   stages = [int(s) for s in args.stages.split(',')]
   if args.real < max(stages) or args.full <= args.real:
-    print(f'--real ({args.real}) must be at least the largest pipeline depth ({max(stages)}) and '
-          f'below --full ({args.full})', file=sys.stderr)
+    print(
+      f'--real ({args.real}) must be at least the largest pipeline depth ({max(stages)}) and '
+      f'below --full ({args.full})',
+      file=sys.stderr,
+    )
     return 2
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from t5x_like import partitioning
+  from t5x_like.mesh import partitioning
+
   partitioning.ensure_devices(max(stages))  # virtual CPU devices, before JAX starts
   results, ok = {}, True
-  print(f'{args.config}{" remat " + args.remat if args.remat else ""}: {args.real} real '
-        f'micro-batches in a program of {args.full}; medians of {args.steps} steps')
+  print(
+    f'{args.config}{" remat " + args.remat if args.remat else ""}: {args.real} real '
+    f'micro-batches in a program of {args.full}; medians of {args.steps} steps'
+  )
   print('| pipeline | exact s | padded s | full s | padded / exact | padded / full |')
   print('|---:|---:|---:|---:|---:|---:|')
   for p in stages:
     r = measure(args.config, p, args.real, args.full, args.steps, args.remat)
     results[f'pipeline={p}'] = r
     exact, padded, full = (r[k]['step_s_median'] for k in ('exact', 'padded', 'full'))
-    print(f'| {p} | {exact:.3f} | {padded:.3f} | {full:.3f} | {padded / exact:.2f} | '
-          f'{padded / full:.2f} |')
+    print(
+      f'| {p} | {exact:.3f} | {padded:.3f} | {full:.3f} | {padded / exact:.2f} | '
+      f'{padded / full:.2f} |'
+    )
     for a, b in zip(r['exact']['losses'], r['padded']['losses']):
       if abs(a - b) > 1e-5 * abs(a):
-        print(f'pipeline={p}: padded losses {r["padded"]["losses"]} differ from exact '
-              f'{r["exact"]["losses"]}', file=sys.stderr)
+        print(
+          f'pipeline={p}: padded losses {r["padded"]["losses"]} differ from exact '
+          f'{r["exact"]["losses"]}',
+          file=sys.stderr,
+        )
         ok = False
   if args.json:
     with open(args.json, 'w') as f:
-      json.dump({'config': args.config, 'remat': args.remat, 'real': args.real, 'full': args.full,
-                 'steps': args.steps, 'results': results}, f, indent=1)
+      json.dump(
+        {
+          'config': args.config,
+          'remat': args.remat,
+          'real': args.real,
+          'full': args.full,
+          'steps': args.steps,
+          'results': results,
+        },
+        f,
+        indent=1,
+      )
   return 0 if ok else 1
 
 

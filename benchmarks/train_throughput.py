@@ -17,11 +17,11 @@ with the other's):
   then again under `torch.autocast('cpu', dtype=torch.bfloat16)`.
 
 Throughput: tokens/s = global_batch x seq_len / median step time; model TFLOP/s from
-`metrics.megatron_flops_per_iteration` (the same FLOP count for every implementation); MFU against
-the best f32 matmul probe (`metrics.measure_matmul_tflops('float32')`, n = 1024 and 2048) measured
-at the start and at the end of the same run (the best of both: on a shared machine a probe that ran
-while another process held a core would flatter the MFU). bf16 matmul probes (JAX and torch) are
-reported alongside.
+`accounting.megatron_flops_per_iteration` (the same FLOP count for every implementation); MFU
+against the best f32 matmul probe (`accounting.measure_matmul_tflops('float32')`, n = 1024 and 2048)
+measured at the start and at the end of the same run (the best of both: on a shared machine a probe
+that ran while another process held a core would flatter the MFU). bf16 matmul probes (JAX and
+torch) are reported alongside.
 
 `--rounds N` measures every (model, implementation) N times, the rounds interleaved, and keeps the
 fastest median of each, so that on a shared machine both frameworks get the same chances at a quiet
@@ -72,19 +72,19 @@ WARMUP = 2
 # [L, ...] residuals cost more than recomputing the softmax, LayerNorms and GeLU (tiny: 0.76-0.82
 # vs 0.87-0.94 s per step in three interleaved pairs, 2026-11-22 07:12 UTC).
 MODELS = {
-    # The tiny config's own shapes: global batch 16 in 4 micro-batches of 4, seq 128.
-    'tiny': {'model.cross_entropy_impl': 'fused', 'model.remat_policy': 'save_dots'},
-    # BLOOM with GPT-2-small shapes (12 layers, hidden 768, 12 heads, vocab 8192).
-    'bloom_100m': {
-        'model.cross_entropy_impl': 'fused',
-        'model.remat_policy': 'save_dots',
-        'model.num_layers': 12,
-        'model.hidden_size': 768,
-        'model.num_heads': 12,
-        'train.seq_len': 256,
-        'train.global_batch_size': 8,
-        'train.micro_batch_size': 8,
-    },
+  # The tiny config's own shapes: global batch 16 in 4 micro-batches of 4, seq 128.
+  'tiny': {'model.cross_entropy_impl': 'fused', 'model.remat_policy': 'save_dots'},
+  # BLOOM with GPT-2-small shapes (12 layers, hidden 768, 12 heads, vocab 8192).
+  'bloom_100m': {
+    'model.cross_entropy_impl': 'fused',
+    'model.remat_policy': 'save_dots',
+    'model.num_layers': 12,
+    'model.hidden_size': 768,
+    'model.num_heads': 12,
+    'train.seq_len': 256,
+    'train.global_batch_size': 8,
+    'train.micro_batch_size': 8,
+  },
 }
 DEFAULT_STEPS = {'tiny': 10, 'bloom_100m': 3}
 
@@ -107,14 +107,21 @@ def _best_time(fn, repeats: int = 5) -> float:
 
 def build_config(model: str, dtype: str = 'float32'):
   from t5x_like.config import load_config_file
-  overrides = {'mesh.data': 1, 'mesh.pipeline': 1, 'mesh.tensor': 1, 'model.dtype': dtype,
-               **MODELS[model]}
+
+  overrides = {
+    'mesh.data': 1,
+    'mesh.pipeline': 1,
+    'mesh.tensor': 1,
+    'model.dtype': dtype,
+    **MODELS[model],
+  }
   return load_config_file(os.path.join(REPO, 'configs', 'tiny.py'), overrides).validate()
 
 
 def random_batch(cfg, seed: int = 0):
   """int32 [num_micro, micro_batch, seq_len + 1] tokens in [0, vocab_size)."""
   import numpy as np
+
   rng = np.random.default_rng(seed)
   shape = (cfg.num_microbatches, cfg.train.micro_batch_size, cfg.train.seq_len + 1)
   return rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
@@ -123,22 +130,23 @@ def random_batch(cfg, seed: int = 0):
 def _summary(times: list[float], cpu_s: float, cfg) -> dict:
   """Throughput from the median step; cpu_util = this process's CPU time / (wall x nproc) over
   the timed steps, which drops below ~1 when other work on the machine takes the cores."""
-  from t5x_like import metrics
+  from t5x_like.training import accounting
+
   gbs, seq = cfg.train.global_batch_size, cfg.train.seq_len
   median = statistics.median(times)
-  flops = metrics.megatron_flops_per_iteration(cfg, gbs, seq)
+  flops = accounting.megatron_flops_per_iteration(cfg, gbs, seq)
   return {
-      'step_times_s': times,
-      'step_s_median': median,
-      'step_s_min': min(times),
-      'step_s_max': max(times),
-      'tokens_per_sec': gbs * seq / median,
-      'tokens_per_sec_best': gbs * seq / min(times),
-      'flops_per_iteration': flops,
-      'tflops': flops / median / 1e12,
-      'cpu_util': cpu_s / (sum(times) * len(os.sched_getaffinity(0))),
-      # With one thread this is close to the throughput of an idle core, whatever else runs.
-      'tokens_per_cpu_sec': gbs * seq * len(times) / cpu_s,
+    'step_times_s': times,
+    'step_s_median': median,
+    'step_s_min': min(times),
+    'step_s_max': max(times),
+    'tokens_per_sec': gbs * seq / median,
+    'tokens_per_sec_best': gbs * seq / min(times),
+    'flops_per_iteration': flops,
+    'tflops': flops / median / 1e12,
+    'cpu_util': cpu_s / (sum(times) * len(os.sched_getaffinity(0))),
+    # With one thread this is close to the throughput of an idle core, whatever else runs.
+    'tokens_per_cpu_sec': gbs * seq * len(times) / cpu_s,
   }
 
 
@@ -152,14 +160,19 @@ def _cpu_time() -> float:
 
 def worker_jax_probe(_: argparse.Namespace) -> dict:
   import jax
-  from t5x_like import metrics
+
+  from t5x_like.training import accounting
+
   out = {'jax_version': jax.__version__, 'device': str(jax.devices()[0])}
   for dtype in ('float32', 'bfloat16'):
     for n, repeats in ((1024, 8), (2048, 4)):
-      out[f'jax_{dtype}_n{n}_tflops'] = metrics.measure_matmul_tflops(dtype, n=n, repeats=repeats)
+      out[f'jax_{dtype}_n{n}_tflops'] = accounting.measure_matmul_tflops(
+        dtype, n=n, repeats=repeats
+      )
   # The same f32 matmul per CPU-second of this process: with --threads 1, an idle core's peak
   # even while other work shares the machine.
   import jax.numpy as jnp
+
   n = 2048
   a = jnp.ones((n, n), jnp.float32)
   matmul = jax.jit(lambda x, y: x @ y)
@@ -170,8 +183,11 @@ def worker_jax_probe(_: argparse.Namespace) -> dict:
   out[f'jax_float32_n{n}_per_cpu_s_tflops'] = 4 * 2 * n**3 / (_cpu_time() - cpu_start) / 1e12
   t, h, f = GEMM_SHAPE
   x, w, dy = jnp.ones((t, h)), jnp.ones((h, f)), jnp.ones((t, f))
-  forms = {'fwd': (lambda x, w, dy: x @ w), 'dx': (lambda x, w, dy: dy @ w.T),
-           'dw': (lambda x, w, dy: x.T @ dy)}
+  forms = {
+    'fwd': (lambda x, w, dy: x @ w),
+    'dx': (lambda x, w, dy: dy @ w.T),
+    'dw': (lambda x, w, dy: x.T @ dy),
+  }
   for form in GEMM_FORMS:
     gemm = jax.jit(forms[form])
     seconds = _best_time(lambda: gemm(x, w, dy).block_until_ready())
@@ -181,6 +197,7 @@ def worker_jax_probe(_: argparse.Namespace) -> dict:
 
 def worker_torch_probe(_: argparse.Namespace) -> dict:
   import torch
+
   torch.set_num_threads(len(os.sched_getaffinity(0)))
   out = {'torch_version': torch.__version__, 'torch_threads': torch.get_num_threads()}
   for dtype in (torch.float32, torch.bfloat16):
@@ -206,13 +223,16 @@ def worker_torch_probe(_: argparse.Namespace) -> dict:
 def worker_jax(args: argparse.Namespace) -> dict:
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  from t5x_like import partitioning
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from t5x_like.mesh import partitioning
+
   try:  # The step's own module; older revisions kept it in trainer.py.
-    from t5x_like import step as trainer
+    from t5x_like.training import step as trainer
   except ImportError:
-    from t5x_like import trainer
-  from t5x_like.train_state import make_layout
+    from t5x_like.training import trainer
+  from t5x_like.parallel.train_state import make_layout
 
   cfg = build_config(args.model, args.dtype)
   mesh = partitioning.make_mesh(1, 1, 1)
@@ -224,10 +244,12 @@ def worker_jax(args: argparse.Namespace) -> dict:
   if hasattr(trainer, 'lower_train_step'):  # What Trainer.compile compiles.
     lowered = trainer.lower_train_step(cfg, layout, cfg.num_microbatches)
   else:  # Older trainers: the same jit, written out.
-    step = jax.jit(trainer.make_train_step(cfg, layout),
-                   in_shardings=(layout.shardings, batch_sharding, None, None),
-                   out_shardings=(layout.shardings, None),
-                   donate_argnums=(0,))
+    step = jax.jit(
+      trainer.make_train_step(cfg, layout),
+      in_shardings=(layout.shardings, batch_sharding, None, None),
+      out_shardings=(layout.shardings, None),
+      donate_argnums=(0,),
+    )
     abstract_batch = jax.ShapeDtypeStruct(host_batch.shape, jnp.int32, sharding=batch_sharding)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     lowered = step.lower(layout.abstract, abstract_batch, scalar, scalar)
@@ -239,7 +261,8 @@ def worker_jax(args: argparse.Namespace) -> dict:
 
   def schedule_arg(i: int):
     if takes_lr:
-      from t5x_like import schedule
+      from t5x_like.training import schedule
+
       return jnp.float32(schedule.learning_rate(cfg.optimizer, i * gbs))
     return jnp.int32(i * gbs)
 
@@ -257,8 +280,12 @@ def worker_jax(args: argparse.Namespace) -> dict:
       cpu_s += _cpu_time() - cpu_start
       if len(times) >= 2 and sum(times) > args.max_timed_s:
         break
-  out = {'compile_s': compile_s, 'losses': losses, 'num_params': cfg.model.num_params(),
-         **_summary(times, cpu_s, cfg)}
+  out = {
+    'compile_s': compile_s,
+    'losses': losses,
+    'num_params': cfg.model.num_params(),
+    **_summary(times, cpu_s, cfg),
+  }
   if args.profile:
     state, out['profile'] = jax_profile(compiled, state, batch, gbs, schedule_arg(0))
   if args.breakdown:
@@ -284,8 +311,14 @@ def _profile_category(meta: str) -> str:
     return 'attention elementwise (ALiBi, mask, softmax)'
   if '/layers/mlp/' in m:
     return 'MLP elementwise (bias, GeLU)'
-  if (not m or m.endswith('closed_call') or 'dynamic_slice' in m or 'dynamic_update_slice' in m
-      or 'dynamic_index_in_dim' in m or re.search(r'Transformer\)\)?/(while|broadcast_in_dim)', m)):
+  if (
+    not m
+    or m.endswith('closed_call')
+    or 'dynamic_slice' in m
+    or 'dynamic_update_slice' in m
+    or 'dynamic_index_in_dim' in m
+    or re.search(r'Transformer\)\)?/(while|broadcast_in_dim)', m)
+  ):
     return 'layer scan: stacking, slicing, zero-init, copies'
   if '/layers/' in m:
     return 'other per-layer elementwise (residual adds, biases)'
@@ -331,6 +364,7 @@ def jax_profile(compiled, state, batch, gbs: int, schedule_arg):
   import glob
   import gzip
   import tempfile
+
   import jax
   import jax.numpy as jnp
 
@@ -359,17 +393,22 @@ def jax_profile(compiled, state, batch, gbs: int, schedule_arg):
   span, by_category[UNTRACED] = untraced_time(intervals)
   total = sum(by_category.values())
   top = [{'op': name, 's': t, 'op_name': meta[name][-120:]} for name, t in by_op.most_common(12)]
-  return state, {'step_wall_s': wall, 'op_time_s': op_time, 'ops_span_s': span,
-                 'untraced_s': by_category[UNTRACED],
-                 'share': {c: t / total for c, t in by_category.most_common()},
-                 'top_ops': top}
+  return state, {
+    'step_wall_s': wall,
+    'op_time_s': op_time,
+    'ops_span_s': span,
+    'untraced_s': by_category[UNTRACED],
+    'share': {c: t / total for c, t in by_category.most_common()},
+    'top_ops': top,
+  }
 
 
 def jax_breakdown(cfg, layout, host_batch, steps: int) -> dict:
   """Times the forward, forward+backward and the attention core alone (same shapes, jitted)."""
   import jax
   import jax.numpy as jnp
-  from t5x_like import model as model_lib
+
+  from t5x_like.model import transformer as model_lib
 
   model = layout.model.clone(mesh=None)
   dtype = jnp.dtype(cfg.model.dtype)
@@ -397,14 +436,17 @@ def jax_breakdown(cfg, layout, host_batch, steps: int) -> dict:
   # Host data pipeline: the Trainer builds each global batch from the embedded corpus.
   def data_batch():
     from t5x_like.data import load_default
+
     _, source = load_default(cfg.train.seq_len, cfg.train.seed)
     return lambda: source.batch(0, cfg.train.global_batch_size)
 
   cases = {
-      'forward_per_micro': (jax.jit(loss_fn), (params, micro)),
-      'fwd_bwd_per_micro': (jax.jit(jax.value_and_grad(loss_fn)), (params, micro)),
-      'attention_core_fwd_bwd_per_layer_per_micro':
-          (jax.jit(jax.value_and_grad(attention_loss, argnums=(0, 1, 2))), qkv),
+    'forward_per_micro': (jax.jit(loss_fn), (params, micro)),
+    'fwd_bwd_per_micro': (jax.jit(jax.value_and_grad(loss_fn)), (params, micro)),
+    'attention_core_fwd_bwd_per_layer_per_micro': (
+      jax.jit(jax.value_and_grad(attention_loss, argnums=(0, 1, 2))),
+      qkv,
+    ),
   }
   out = {}
   for name, (fn, fn_args) in cases.items():
@@ -431,6 +473,7 @@ def jax_breakdown(cfg, layout, host_batch, steps: int) -> dict:
 
 def worker_torch(args: argparse.Namespace) -> dict:
   import contextlib
+
   import torch
   from transformers import BloomConfig, BloomForCausalLM
 
@@ -438,22 +481,35 @@ def worker_torch(args: argparse.Namespace) -> dict:
   torch.manual_seed(0)
   cfg = build_config(args.model)
   m, o = cfg.model, cfg.optimizer
-  hf_config = BloomConfig(vocab_size=cfg.padded_vocab_size, hidden_size=m.hidden_size,
-                          n_layer=m.num_layers, n_head=m.num_heads,
-                          layer_norm_epsilon=m.layernorm_epsilon, hidden_dropout=0.0,
-                          attention_dropout=0.0, initializer_range=0.02, use_cache=False)
+  hf_config = BloomConfig(
+    vocab_size=cfg.padded_vocab_size,
+    hidden_size=m.hidden_size,
+    n_layer=m.num_layers,
+    n_head=m.num_heads,
+    layer_norm_epsilon=m.layernorm_epsilon,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    initializer_range=0.02,
+    use_cache=False,
+  )
   model = BloomForCausalLM(hf_config)
   model.train()
   decay, no_decay = [], []
-  for name, p in model.named_parameters():
+  for _, p in model.named_parameters():
     (no_decay if p.ndim < 2 else decay).append(p)
-  optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': o.weight_decay},
-                                 {'params': no_decay, 'weight_decay': 0.0}],
-                                lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+  optimizer = torch.optim.AdamW(
+    [{'params': decay, 'weight_decay': o.weight_decay}, {'params': no_decay, 'weight_decay': 0.0}],
+    lr=o.lr,
+    betas=(o.beta1, o.beta2),
+    eps=o.eps,
+  )
   batch = torch.from_numpy(random_batch(cfg)).long()
   num_micro = batch.shape[0]
-  autocast = (lambda: torch.autocast('cpu', dtype=torch.bfloat16)) if args.dtype == 'bfloat16' \
-      else contextlib.nullcontext
+  autocast = (
+    (lambda: torch.autocast('cpu', dtype=torch.bfloat16))
+    if args.dtype == 'bfloat16'
+    else contextlib.nullcontext
+  )
   times, losses, cpu_s = [], [], 0.0
   for i in range(WARMUP + args.steps):
     cpu_start, start = _cpu_time(), time.perf_counter()
@@ -474,24 +530,52 @@ def worker_torch(args: argparse.Namespace) -> dict:
       cpu_s += _cpu_time() - cpu_start
       if len(times) >= 2 and sum(times) > args.max_timed_s:
         break
-  return {'losses': losses, 'hf_num_params': sum(p.numel() for p in model.parameters()),
-          'torch_version': torch.__version__, **_summary(times, cpu_s, cfg)}
+  return {
+    'losses': losses,
+    'hf_num_params': sum(p.numel() for p in model.parameters()),
+    'torch_version': torch.__version__,
+    **_summary(times, cpu_s, cfg),
+  }
 
 
-WORKERS = {'jax_probe': worker_jax_probe, 'torch_probe': worker_torch_probe, 'jax': worker_jax,
-           'torch': worker_torch}
+WORKERS = {
+  'jax_probe': worker_jax_probe,
+  'torch_probe': worker_torch_probe,
+  'jax': worker_jax,
+  'torch': worker_torch,
+}
 
 
 # ------------------------------------------------------------------------------------ driver
 
 
-def run_worker(kind: str, model: str = '', dtype: str = 'float32', steps: int = 0,
-               max_timed_s: float = 60.0, breakdown: bool = False, profile: bool = False,
-               threads: int = 0,
-               timeout: float = 480) -> dict:
-  cmd = [sys.executable, os.path.abspath(__file__), '--_worker', kind, '--_model', model,
-         '--_dtype', dtype, '--steps', str(steps), '--threads', str(threads),
-         '--max-timed-s', str(max_timed_s)]
+def run_worker(
+  kind: str,
+  model: str = '',
+  dtype: str = 'float32',
+  steps: int = 0,
+  max_timed_s: float = 60.0,
+  breakdown: bool = False,
+  profile: bool = False,
+  threads: int = 0,
+  timeout: float = 480,
+) -> dict:
+  cmd = [
+    sys.executable,
+    os.path.abspath(__file__),
+    '--_worker',
+    kind,
+    '--_model',
+    model,
+    '--_dtype',
+    dtype,
+    '--steps',
+    str(steps),
+    '--threads',
+    str(threads),
+    '--max-timed-s',
+    str(max_timed_s),
+  ]
   if breakdown:
     cmd.append('--breakdown')
   if profile:
@@ -506,7 +590,7 @@ def run_worker(kind: str, model: str = '', dtype: str = 'float32', steps: int = 
     return {'error': f'timed out after {timeout:.0f} s'}
   for line in proc.stdout.splitlines():
     if line.startswith(MARKER):
-      result = json.loads(line[len(MARKER):])
+      result = json.loads(line[len(MARKER) :])
       result['wall_s'] = time.perf_counter() - start
       result['loadavg_1m_after'] = os.getloadavg()[0]
       return result
@@ -526,12 +610,12 @@ def machine_info() -> dict:
   except OSError:
     flags = []
   return {
-      'date': datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
-      'nproc': os.cpu_count(),
-      'cpu': cpu,
-      'cpu_flags': sorted(f for f in flags if f.startswith(('amx', 'avx512_bf16', 'avx512f'))),
-      'loadavg_start': os.getloadavg(),
-      'python': platform.python_version(),
+    'date': datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC'),
+    'nproc': os.cpu_count(),
+    'cpu': cpu,
+    'cpu_flags': sorted(f for f in flags if f.startswith(('amx', 'avx512_bf16', 'avx512f'))),
+    'loadavg_start': os.getloadavg(),
+    'python': platform.python_version(),
   }
 
 
@@ -544,9 +628,11 @@ def _gemm_pair(form: str, probes: dict, probes_end: dict):
 
 
 def fmt_table(results: dict, peak: float, cpu_peak: float) -> str:
-  header = ('| model | implementation | step s: median (min-max) | tokens/s (median step) '
-            '| tokens/s (best step) | TFLOP/s | MFU vs f32 peak | vs torch f32 '
-            '| tokens per CPU-s | MFU per CPU-s | CPU util | load |')
+  header = (
+    '| model | implementation | step s: median (min-max) | tokens/s (median step) '
+    '| tokens/s (best step) | TFLOP/s | MFU vs f32 peak | vs torch f32 '
+    '| tokens per CPU-s | MFU per CPU-s | CPU util | load |'
+  )
   lines = [header, '|' + '---|' * 12]
   for model, rows in results.items():
     ref = rows.get('torch f32', {}).get('tokens_per_sec')
@@ -554,47 +640,75 @@ def fmt_table(results: dict, peak: float, cpu_peak: float) -> str:
       if 'error' in r:
         lines.append(f'| {model} | {impl} | error: {r["error"][-120:]!r} | | | | | | | | | |')
         continue
-      ratio = f"{r['tokens_per_sec'] / ref:.2f}x" if ref else '-'
+      ratio = f'{r["tokens_per_sec"] / ref:.2f}x' if ref else '-'
       tokens = r['tokens_per_sec'] * r['step_s_median']  # per iteration
       cpu_mfu = r['flops_per_iteration'] * r['tokens_per_cpu_sec'] / tokens / 1e12 / cpu_peak
       lines.append(
-          f"| {model} | {impl} | {r['step_s_median']:.3f} ({r['step_s_min']:.3f}-"
-          f"{r['step_s_max']:.3f}) | {r['tokens_per_sec']:,.0f} | {r['tokens_per_sec_best']:,.0f} "
-          f"| {r['tflops']:.4f} | {100 * r['tflops'] / peak:.1f}% | {ratio} "
-          f"| {r['tokens_per_cpu_sec']:,.0f} "
-          f"| {100 * cpu_mfu:.1f}% "
-          f"| {r['cpu_util']:.2f} "
-          f"| {r.get('loadavg_1m_after', float('nan')):.1f} |")
+        f'| {model} | {impl} | {r["step_s_median"]:.3f} ({r["step_s_min"]:.3f}-'
+        f'{r["step_s_max"]:.3f}) | {r["tokens_per_sec"]:,.0f} | {r["tokens_per_sec_best"]:,.0f} '
+        f'| {r["tflops"]:.4f} | {100 * r["tflops"] / peak:.1f}% | {ratio} '
+        f'| {r["tokens_per_cpu_sec"]:,.0f} '
+        f'| {100 * cpu_mfu:.1f}% '
+        f'| {r["cpu_util"]:.2f} '
+        f'| {r.get("loadavg_1m_after", float("nan")):.1f} |'
+      )
   return '\n'.join(lines)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('--models', default='tiny,bloom_100m',
-                      help=f'comma-separated, from {sorted(MODELS)}')
-  parser.add_argument('--steps', type=int, default=0,
-                      help=f'timed steps per measurement (after {WARMUP} warm-up steps); '
-                           f'0: per-model defaults {DEFAULT_STEPS}')
-  parser.add_argument('--impls', default='ours_f32,torch_f32,ours_bf16,torch_bf16',
-                      help='which of ours_f32, ours_bf16, torch_f32, torch_bf16 to run')
-  parser.add_argument('--threads', type=int, default=0,
-                      help='0 (default): both frameworks use every CPU; N: each worker is pinned '
-                           'to the first N CPUs (sched_setaffinity) and torch uses N threads')
-  parser.add_argument('--max-timed-s', type=float, default=60.0,
-                      help='stop a measurement after this many seconds of timed steps (at least '
-                           '2 steps), so a loaded machine cannot stretch the run without bound')
-  parser.add_argument('--rounds', type=int, default=1,
-                      help='measure every (model, implementation) this many times, the rounds '
-                           'interleaved, and keep the fastest median of each: on a shared machine '
-                           'both frameworks then get the same chances at a quiet spell')
-  parser.add_argument('--budget-s', type=float, default=540.0,
-                      help='start no further measurement after this many seconds in all')
+  parser.add_argument(
+    '--models', default='tiny,bloom_100m', help=f'comma-separated, from {sorted(MODELS)}'
+  )
+  parser.add_argument(
+    '--steps',
+    type=int,
+    default=0,
+    help=f'timed steps per measurement (after {WARMUP} warm-up steps); '
+    f'0: per-model defaults {DEFAULT_STEPS}',
+  )
+  parser.add_argument(
+    '--impls',
+    default='ours_f32,torch_f32,ours_bf16,torch_bf16',
+    help='which of ours_f32, ours_bf16, torch_f32, torch_bf16 to run',
+  )
+  parser.add_argument(
+    '--threads',
+    type=int,
+    default=0,
+    help='0 (default): both frameworks use every CPU; N: each worker is pinned '
+    'to the first N CPUs (sched_setaffinity) and torch uses N threads',
+  )
+  parser.add_argument(
+    '--max-timed-s',
+    type=float,
+    default=60.0,
+    help='stop a measurement after this many seconds of timed steps (at least '
+    '2 steps), so a loaded machine cannot stretch the run without bound',
+  )
+  parser.add_argument(
+    '--rounds',
+    type=int,
+    default=1,
+    help='measure every (model, implementation) this many times, the rounds '
+    'interleaved, and keep the fastest median of each: on a shared machine '
+    'both frameworks then get the same chances at a quiet spell',
+  )
+  parser.add_argument(
+    '--budget-s',
+    type=float,
+    default=540.0,
+    help='start no further measurement after this many seconds in all',
+  )
   parser.add_argument('--json', default='', help='write all results to this file')
-  parser.add_argument('--profile', action='store_true',
-                      help='trace one step of ours f32 with jax.profiler and report where the '
-                           'XLA op time goes')
-  parser.add_argument('--breakdown', action='store_true',
-                      help='also time forward / fwd+bwd / attention for ours f32')
+  parser.add_argument(
+    '--profile',
+    action='store_true',
+    help='trace one step of ours f32 with jax.profiler and report where the XLA op time goes',
+  )
+  parser.add_argument(
+    '--breakdown', action='store_true', help='also time forward / fwd+bwd / attention for ours f32'
+  )
   parser.add_argument('--_worker', default='', help=argparse.SUPPRESS)
   parser.add_argument('--_model', default='', help=argparse.SUPPRESS)
   parser.add_argument('--_dtype', default='float32', help=argparse.SUPPRESS)
@@ -603,7 +717,7 @@ def main() -> None:
   if args._worker:
     args.model, args.dtype = args._model, args._dtype
     if args.threads:  # Before JAX or torch start their thread pools.
-      os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
+      os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
     print(MARKER + json.dumps(WORKERS[args._worker](args)), flush=True)
     return
 
@@ -615,31 +729,49 @@ def main() -> None:
   info = machine_info()
   total_start = time.perf_counter()
   threads = args.threads
-  probes = {**run_worker('jax_probe', threads=threads),
-            **run_worker('torch_probe', threads=threads)}
-  names = {'ours_f32': 'ours f32', 'ours_bf16': 'ours bf16', 'torch_f32': 'torch f32',
-           'torch_bf16': 'torch bf16 autocast'}
+  probes = {
+    **run_worker('jax_probe', threads=threads),
+    **run_worker('torch_probe', threads=threads),
+  }
+  names = {
+    'ours_f32': 'ours f32',
+    'ours_bf16': 'ours bf16',
+    'torch_f32': 'torch f32',
+    'torch_bf16': 'torch bf16 autocast',
+  }
   bad = set(impls) - set(names)
   if bad:
     parser.error(f'unknown implementation(s) {sorted(bad)}; choose from {sorted(names)}')
   # The f32 pair (the goals) of every model first, then the bf16 ones, so a run cut short by
   # --budget-s still has what matters most.
-  results = {model: {names[i]: {'error': 'skipped: --budget-s spent'} for i in impls}
-             for model in models}
-  order = sorted(((model, impl) for model in models for impl in impls),
-                 key=lambda mi: ('bf16' in mi[1], models.index(mi[0]), impls.index(mi[1])))
+  results = {
+    model: {names[i]: {'error': 'skipped: --budget-s spent'} for i in impls} for model in models
+  }
+  order = sorted(
+    ((model, impl) for model in models for impl in impls),
+    key=lambda mi: ('bf16' in mi[1], models.index(mi[0]), impls.index(mi[1])),
+  )
   for round_index, (model, impl) in ((r, mi) for r in range(args.rounds) for mi in order):
     if time.perf_counter() - total_start > args.budget_s:
-      print(f'# skipping {model} {impl} (round {round_index + 1}): --budget-s={args.budget_s:.0f} '
-            'spent', file=sys.stderr)
+      print(
+        f'# skipping {model} {impl} (round {round_index + 1}): --budget-s={args.budget_s:.0f} '
+        'spent',
+        file=sys.stderr,
+      )
       continue
     kind, dtype = impl.split('_')
     dtype = {'f32': 'float32', 'bf16': 'bfloat16'}[dtype]
     first = round_index == 0  # The profile and breakdown once, in the first round.
-    result = run_worker('jax' if kind == 'ours' else 'torch', model, dtype,
-                        args.steps or DEFAULT_STEPS[model], max_timed_s=args.max_timed_s,
-                        breakdown=args.breakdown and impl == 'ours_f32' and first,
-                        profile=args.profile and impl == 'ours_f32' and first, threads=threads)
+    result = run_worker(
+      'jax' if kind == 'ours' else 'torch',
+      model,
+      dtype,
+      args.steps or DEFAULT_STEPS[model],
+      max_timed_s=args.max_timed_s,
+      breakdown=args.breakdown and impl == 'ours_f32' and first,
+      profile=args.profile and impl == 'ours_f32' and first,
+      threads=threads,
+    )
     kept = results[model][names[impl]]
     medians = kept.get('round_step_s_medians', []) + [result.get('step_s_median')]
     if 'error' in kept or result.get('step_s_median', float('inf')) < kept['step_s_median']:
@@ -650,39 +782,63 @@ def main() -> None:
   probes_end = run_worker('jax_probe', threads=threads)
   info['loadavg_end'] = os.getloadavg()
   # The MFU reference: the best square f32 matmul (n = 1024, 2048), as defined by the goals.
-  peak = max(v for p in (probes, probes_end) for k, v in p.items()
-             if re.fullmatch(r'jax_float32_n\d+_tflops', k))
+  peak = max(
+    v
+    for p in (probes, probes_end)
+    for k, v in p.items()
+    if re.fullmatch(r'jax_float32_n\d+_tflops', k)
+  )
   cpu_peak = max(p.get('jax_float32_n2048_per_cpu_s_tflops', 0) for p in (probes, probes_end))
   info['total_s'] = time.perf_counter() - total_start
 
   info['threads'] = threads or info['nproc']
-  print(f"\n{info['date']}; {info['nproc']} CPUs: {info['cpu']} ({' '.join(info['cpu_flags'])}); "
-        f"workers use {info['threads']} CPU(s)")
-  print(f"load average at start {info['loadavg_start'][0]:.2f}, at end "
-        f"{info['loadavg_end'][0]:.2f}; total {info['total_s']:.0f} s")
-  print('matmul probes (TFLOP/s): ' + ', '.join(
-      f'{k.removesuffix("_tflops")} {v:.4f}' for k, v in probes.items() if k.endswith('tflops')))
-  print('matmul probes at the end (TFLOP/s): ' + ', '.join(
-      f'{k.removesuffix("_tflops")} {v:.4f}' for k, v in probes_end.items()
-      if k.endswith('tflops')))
-  print(f'MFU reference (best JAX f32 probe): {peak:.4f} TFLOP/s; per CPU-second: '
-        f'{cpu_peak:.4f} TFLOP/CPU-s')
-  print(f"f32 GEMMs at bloom_100m's MLP shape {'x'.join(map(str, GEMM_SHAPE))} (TFLOP/s, best "
-        'JAX of both probes / torch; JAX relative to torch): ' + ', '.join(
-            f'{form} {gemm[0]:.4f} / {gemm[1]:.4f} ({gemm[0] / gemm[1]:.2f}x)'
-            for form in GEMM_FORMS if (gemm := _gemm_pair(form, probes, probes_end))))
+  print(
+    f'\n{info["date"]}; {info["nproc"]} CPUs: {info["cpu"]} ({" ".join(info["cpu_flags"])}); '
+    f'workers use {info["threads"]} CPU(s)'
+  )
+  print(
+    f'load average at start {info["loadavg_start"][0]:.2f}, at end '
+    f'{info["loadavg_end"][0]:.2f}; total {info["total_s"]:.0f} s'
+  )
+  print(
+    'matmul probes (TFLOP/s): '
+    + ', '.join(
+      f'{k.removesuffix("_tflops")} {v:.4f}' for k, v in probes.items() if k.endswith('tflops')
+    )
+  )
+  print(
+    'matmul probes at the end (TFLOP/s): '
+    + ', '.join(
+      f'{k.removesuffix("_tflops")} {v:.4f}' for k, v in probes_end.items() if k.endswith('tflops')
+    )
+  )
+  print(
+    f'MFU reference (best JAX f32 probe): {peak:.4f} TFLOP/s; per CPU-second: '
+    f'{cpu_peak:.4f} TFLOP/CPU-s'
+  )
+  print(
+    f"f32 GEMMs at bloom_100m's MLP shape {'x'.join(map(str, GEMM_SHAPE))} (TFLOP/s, best "
+    'JAX of both probes / torch; JAX relative to torch): '
+    + ', '.join(
+      f'{form} {gemm[0]:.4f} / {gemm[1]:.4f} ({gemm[0] / gemm[1]:.2f}x)'
+      for form in GEMM_FORMS
+      if (gemm := _gemm_pair(form, probes, probes_end))
+    )
+  )
   print()
   for model, rows in results.items():
     r = rows.get('ours f32') or rows.get('ours bf16') or {}
     if 'num_params' in r:
       cfg = build_config(model)
-      print(f"{model}: {r['num_params'] / 1e6:.2f}M params (ModelConfig.num_params), "
-            f"{cfg.model.num_layers} layers x hidden {cfg.model.hidden_size} x "
-            f"{cfg.model.num_heads} heads, vocab {cfg.padded_vocab_size}, seq {cfg.train.seq_len}, "
-            f"global batch {cfg.train.global_batch_size} in {cfg.num_microbatches} micro-batch(es) "
-            f"of {cfg.train.micro_batch_size}; "
-            f"{r['flops_per_iteration'] / 1e9:.1f} GFLOP/iteration; "
-            f"{len(r['step_times_s'])} timed steps after {WARMUP} warm-up")
+      print(
+        f'{model}: {r["num_params"] / 1e6:.2f}M params (ModelConfig.num_params), '
+        f'{cfg.model.num_layers} layers x hidden {cfg.model.hidden_size} x '
+        f'{cfg.model.num_heads} heads, vocab {cfg.padded_vocab_size}, seq {cfg.train.seq_len}, '
+        f'global batch {cfg.train.global_batch_size} in {cfg.num_microbatches} micro-batch(es) '
+        f'of {cfg.train.micro_batch_size}; '
+        f'{r["flops_per_iteration"] / 1e9:.1f} GFLOP/iteration; '
+        f'{len(r["step_times_s"])} timed steps after {WARMUP} warm-up'
+      )
   print()
   print(fmt_table(results, peak, cpu_peak))
   print()
@@ -691,39 +847,60 @@ def main() -> None:
     if 'tokens_per_sec' in ours and 'tokens_per_sec' in ref:
       speedup = ours['tokens_per_sec'] / ref['tokens_per_sec']
       mfu = ours['tflops'] / peak
-      print(f'{model}: ours f32 / torch f32 = {speedup:.2f}x (goal >= 1.20: '
-            f"{'met' if speedup >= 1.2 else 'NOT met'}); MFU {100 * mfu:.1f}% (goal >= 60%: "
-            f"{'met' if mfu >= 0.6 else 'NOT met'})")
+      print(
+        f'{model}: ours f32 / torch f32 = {speedup:.2f}x (goal >= 1.20: '
+        f'{"met" if speedup >= 1.2 else "NOT met"}); MFU {100 * mfu:.1f}% (goal >= 60%: '
+        f'{"met" if mfu >= 0.6 else "NOT met"})'
+      )
       cpu_speedup = ours['tokens_per_cpu_sec'] / ref['tokens_per_cpu_sec']
       cpu_mfu = ours['flops_per_iteration'] / (ours['step_s_median'] * ours['tokens_per_sec'])
       cpu_mfu *= ours['tokens_per_cpu_sec'] / 1e12 / cpu_peak if cpu_peak else float('nan')
-      print(f'{model} per CPU-second (meaningful with --threads 1): ours / torch = '
-            f'{cpu_speedup:.2f}x, MFU {100 * cpu_mfu:.1f}%')
+      print(
+        f'{model} per CPU-second (meaningful with --threads 1): ours / torch = '
+        f'{cpu_speedup:.2f}x, MFU {100 * cpu_mfu:.1f}%'
+      )
     if 'breakdown' in ours:
       b = ours['breakdown']
-      print(f'{model} breakdown (ours f32, separate jitted functions, unsharded, timed after '
-            f'the steps; s): ' + ', '.join(
-                f'{k} {v:.4f}' if isinstance(v, float) else f'{k} {v}' for k, v in b.items()))
+      print(
+        f'{model} breakdown (ours f32, separate jitted functions, unsharded, timed after '
+        f'the steps; s): '
+        + ', '.join(f'{k} {v:.4f}' if isinstance(v, float) else f'{k} {v}' for k, v in b.items())
+      )
     if 'profile' in ours:
       prof = ours['profile']
-      print(f"{model} profile (ours f32, one traced step of {prof['step_wall_s']:.2f} s wall: "
-            f"{prof['op_time_s']:.2f} s of XLA op time, {prof['untraced_s']:.2f} s with no "
-            f"traced op running):")
+      print(
+        f'{model} profile (ours f32, one traced step of {prof["step_wall_s"]:.2f} s wall: '
+        f'{prof["op_time_s"]:.2f} s of XLA op time, {prof["untraced_s"]:.2f} s with no '
+        f'traced op running):'
+      )
       for category, share in prof['share'].items():
         print(f'  {100 * share:5.1f}%  {category}')
-      print('  top ops: ' + '; '.join(f"{o['op']} {o['s']:.3f} s ({o['op_name'][-60:]})"
-                                      for o in prof['top_ops'][:6]))
+      print(
+        '  top ops: '
+        + '; '.join(f'{o["op"]} {o["s"]:.3f} s ({o["op_name"][-60:]})' for o in prof['top_ops'][:6])
+      )
     for impl, r in rows.items():
       if len(r.get('round_step_s_medians', [])) > 1:
-        print(f"{model} {impl}: median step of each round (s) "
-              f"{[None if m is None else round(m, 3) for m in r['round_step_s_medians']]}")
+        print(
+          f'{model} {impl}: median step of each round (s) '
+          f'{[None if m is None else round(m, 3) for m in r["round_step_s_medians"]]}'
+        )
       if 'losses' in r:
-        print(f"{model} {impl}: losses {[round(l, 3) for l in r['losses']]}")
+        print(f'{model} {impl}: losses {[round(l, 3) for l in r["losses"]]}')
   if args.json:
     with open(args.json, 'w') as f:
-      json.dump({'machine': info, 'probes': probes, 'probes_end': probes_end,
-                 'peak_f32_tflops': peak, 'peak_f32_tflops_per_cpu_s': cpu_peak,
-                 'results': results}, f, indent=2)
+      json.dump(
+        {
+          'machine': info,
+          'probes': probes,
+          'probes_end': probes_end,
+          'peak_f32_tflops': peak,
+          'peak_f32_tflops_per_cpu_s': cpu_peak,
+          'results': results,
+        },
+        f,
+        indent=2,
+      )
     print(f'\nwrote {args.json}')
 
 

@@ -10,32 +10,51 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.model = dict(
-      architecture='bloom',
-      num_layers=24,
-      hidden_size=2048,
-      num_heads=16,
-      vocab_size=250680,
-      pad_vocab_size_to=250880,
-      hidden_dropout=0.0,
-      attention_dropout=0.0,
-      init_std=0.0127,  # sqrt(1 / (3 * 2048))
-      dtype='bfloat16',
-      # Per device (plan, CPU compile, 2026-11-24): chunked + save_dots peak 26.4 GiB (dense 32.5),
-      # chunked + full 12.3 (dense 23.1). save_dots skips the layers' recomputation: 15.8% fewer
-      # FLOPs than dense + full (plan --unroll); chunked + full costs 5.9% more (global batch 64).
-      cross_entropy_impl='chunked',
-      remat_policy='save_dots',
+    architecture='bloom',
+    num_layers=24,
+    hidden_size=2048,
+    num_heads=16,
+    vocab_size=250680,
+    pad_vocab_size_to=250880,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    init_std=0.0127,  # sqrt(1 / (3 * 2048))
+    dtype='bfloat16',
+    # Per device (plan, CPU compile, 2026-11-24): chunked + save_dots peak 26.4 GiB (dense 32.5),
+    # chunked + full 12.3 (dense 23.1). save_dots skips the layers' recomputation: 15.8% fewer
+    # FLOPs than dense + full (plan --unroll); chunked + full costs 5.9% more (global batch 64).
+    cross_entropy_impl='chunked',
+    remat_policy='save_dots',
   )
-  c.train = dict(steps=0, train_samples=220_000_000, global_batch_size=512, micro_batch_size=4,
-                 seq_len=2048, seed=42)
-  c.optimizer = dict(lr=2e-4, min_lr=1e-5, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                     clip_grad=1.0, warmup_samples=183_105, decay_samples=200_000_000,
-                     decay_style='cosine')
+  c.train = dict(
+    steps=0,
+    train_samples=220_000_000,
+    global_batch_size=512,
+    micro_batch_size=4,
+    seq_len=2048,
+    seed=42,
+  )
+  c.optimizer = dict(
+    lr=2e-4,
+    min_lr=1e-5,
+    beta1=0.9,
+    beta2=0.95,
+    eps=1e-8,
+    weight_decay=0.1,
+    clip_grad=1.0,
+    warmup_samples=183_105,
+    decay_samples=200_000_000,
+    decay_style='cosine',
+  )
   c.mesh = dict(data=8, pipeline=2, tensor=1)
   c.eval = dict(interval=1000, iters=1)  # --eval-interval 1000, on the split's validation share
   c.checkpoint = dict(save_interval=500, max_to_keep=3, init_from='')
   # SLURM's 20 h limit as in tr8/tr11 (--exit-duration-in-mins 1190), and no progress for 30
   # minutes ends the job with every thread's stack (exit 4) instead of an hours-long hang.
-  c.runtime = dict(exit_duration_mins=1190.0, hang_timeout_mins=30.0, replica_check_interval=1000,
-                   compilation_cache_dir='compilation_cache')
+  c.runtime = dict(
+    exit_duration_mins=1190.0,
+    hang_timeout_mins=30.0,
+    replica_check_interval=1000,
+    compilation_cache_dir='compilation_cache',
+  )
   return c

@@ -11,18 +11,24 @@
   `attention_impl='xla'` path uses and that every kernel is tested against.
 """
 
-from t5x_like.kernels.cross_entropy import (chunked_logsumexp, fused_cross_entropy_mean,
-                                            vocab_parallel_cross_entropy)
-from t5x_like.kernels.flash_attention import (BlockSizes, FlashAttentionConstraintError,
-                                              flash_attention)
+from t5x_like.kernels.cross_entropy import (
+  chunked_logsumexp,
+  fused_cross_entropy_mean,
+  vocab_parallel_cross_entropy,
+)
+from t5x_like.kernels.flash_attention import (
+  BlockSizes,
+  FlashAttentionConstraintError,
+  flash_attention,
+)
 from t5x_like.kernels.reference import attention_reference
 
 __all__ = [
-    'BlockSizes',
-    'FlashAttentionConstraintError',
-    'attention_reference',
-    'chunked_logsumexp',
-    'flash_attention',
-    'fused_cross_entropy_mean',
-    'vocab_parallel_cross_entropy',
+  'BlockSizes',
+  'FlashAttentionConstraintError',
+  'attention_reference',
+  'chunked_logsumexp',
+  'flash_attention',
+  'fused_cross_entropy_mean',
+  'vocab_parallel_cross_entropy',
 ]

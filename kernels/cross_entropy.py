@@ -58,8 +58,9 @@ def _logsumexp_forward(hidden, embedding, valid_rows, chunk: int):
 
   def combine(running_max, running_sum, logits):
     new_max = jnp.maximum(running_max, logits.max(-1))
-    new_sum = (running_sum * jnp.exp(running_max - new_max) +
-               jnp.exp(logits - new_max[:, None]).sum(-1))
+    new_sum = running_sum * jnp.exp(running_max - new_max) + jnp.exp(logits - new_max[:, None]).sum(
+      -1
+    )
     return new_max, new_sum
 
   def visit(carry, xs):
@@ -88,8 +89,9 @@ def _logsumexp_bwd(chunk: int, residuals, grad):
   def tile(embedding_chunk, index):
     logits = _chunk_logits(hidden, embedding_chunk, index, chunk, valid_rows)
     d_logits = (jnp.exp(logits - lse[:, None]) * grad[:, None]).astype(hidden.dtype)
-    d_hidden = jnp.einsum('nc,ce->ne', d_logits, embedding_chunk,
-                          preferred_element_type=jnp.float32)
+    d_hidden = jnp.einsum(
+      'nc,ce->ne', d_logits, embedding_chunk, preferred_element_type=jnp.float32
+    )
     d_chunk = jnp.einsum('nc,ne->ce', d_logits, hidden, preferred_element_type=jnp.float32)
     return d_hidden, d_chunk.astype(embedding.dtype)
 
@@ -126,9 +128,16 @@ def _local_problem(hidden, embedding, labels, vocab_size: int, axis_name, token_
   return hidden, embedding, labels, offset, valid_rows
 
 
-def vocab_parallel_cross_entropy(hidden, embedding, labels, *, vocab_size: int,
-                                 chunk_size: int = 4096, axis_name: str | None = None,
-                                 token_axis_names: tuple[str, ...] = ()):
+def vocab_parallel_cross_entropy(
+  hidden,
+  embedding,
+  labels,
+  *,
+  vocab_size: int,
+  chunk_size: int = 4096,
+  axis_name: str | None = None,
+  token_axis_names: tuple[str, ...] = (),
+):
   """Per-token fp32 cross-entropy [...] of logits hidden . embedding^T, chunked over the vocabulary.
 
   hidden [..., E]; labels [...] (ids < vocab_size); embedding [V_local, E], the whole padded
@@ -139,7 +148,8 @@ def vocab_parallel_cross_entropy(hidden, embedding, labels, *, vocab_size: int,
   """
   batch_shape = labels.shape
   hidden, embedding, labels, offset, valid_rows = _local_problem(
-      hidden, embedding, labels, vocab_size, axis_name, token_axis_names)
+    hidden, embedding, labels, vocab_size, axis_name, token_axis_names
+  )
   local_rows = embedding.shape[0]
   local_lse = chunked_logsumexp(hidden, embedding, valid_rows, pick_chunk(local_rows, chunk_size))
 
@@ -163,9 +173,17 @@ def vocab_parallel_cross_entropy(hidden, embedding, labels, *, vocab_size: int,
 # ------------------------------------------------------------------- gradient in the forward pass
 
 
-def fused_cross_entropy_mean(hidden, embedding, labels, *, vocab_size: int, weights=None,
-                             token_chunk: int = 4096, axis_name: str | None = None,
-                             token_axis_names: tuple[str, ...] = ()):
+def fused_cross_entropy_mean(
+  hidden,
+  embedding,
+  labels,
+  *,
+  vocab_size: int,
+  weights=None,
+  token_chunk: int = 4096,
+  axis_name: str | None = None,
+  token_axis_names: tuple[str, ...] = (),
+):
   """Mean fp32 cross-entropy of logits hidden . embedding^T, its gradient computed in the forward.
 
   The same loss as `vocab_parallel_cross_entropy(...).mean()`, for speed rather than memory: each
@@ -189,7 +207,8 @@ def fused_cross_entropy_mean(hidden, embedding, labels, *, vocab_size: int, weig
   if token_axis_names:
     count = jax.lax.psum(count, tuple(token_axis_names))
   hidden, embedding, labels, offset, valid_rows = _local_problem(
-      hidden, embedding, labels, vocab_size, axis_name, token_axis_names)
+    hidden, embedding, labels, vocab_size, axis_name, token_axis_names
+  )
   chunk = pick_chunk(hidden.shape[0], token_chunk)
   # Each token's share of the mean; a batch of padding only (count 0) has loss and gradient 0.
   scale = weights / jnp.maximum(count, 1.0)
@@ -227,11 +246,13 @@ def _fused_forward(hidden, embedding, local_labels, valid_rows, scale, chunk: in
     loss_sum = (scale_chunk * (top[:, 0] + jnp.log(total[:, 0]) - label_logit)).sum()
     d_logits = exp * (scale_chunk[:, None] / total)  # (softmax - one_hot) x the token's share ...
     d_logits = d_logits.at[jnp.arange(labels_chunk.shape[0]), label_rows].add(
-        jnp.where(in_shard, -scale_chunk, 0.0))  # ... the one_hot part.
+      jnp.where(in_shard, -scale_chunk, 0.0)
+    )  # ... the one_hot part.
     d_logits = d_logits.astype(hidden.dtype)
     d_hidden = jnp.einsum('nv,ve->ne', d_logits, embedding, preferred_element_type=jnp.float32)
-    d_embedding = jnp.einsum('nv,ne->ve', d_logits, hidden_chunk,
-                             preferred_element_type=jnp.float32)
+    d_embedding = jnp.einsum(
+      'nv,ne->ve', d_logits, hidden_chunk, preferred_element_type=jnp.float32
+    )
     return loss_sum, d_hidden.astype(hidden.dtype), d_embedding
 
   hidden_chunks = hidden.reshape(num_tokens // chunk, chunk, width)
@@ -246,15 +267,21 @@ def _fused_forward(hidden, embedding, local_labels, valid_rows, scale, chunk: in
     return (loss_sum + chunk_loss, d_embedding + chunk_d_embedding), d_hidden
 
   (loss_sum, d_embedding), d_rest = jax.lax.scan(
-      visit, (loss_sum, d_embedding), (hidden_chunks[1:], label_chunks[1:], scale_chunks[1:]))
+    visit, (loss_sum, d_embedding), (hidden_chunks[1:], label_chunks[1:], scale_chunks[1:])
+  )
   d_hidden = jnp.concatenate([d_first[None], d_rest]).reshape(num_tokens, width)
   return loss_sum, (d_hidden, d_embedding.astype(embedding.dtype))
 
 
 def _fused_bwd(chunk: int, axis_name, residuals, grad):
   d_hidden, d_embedding = residuals
-  return ((d_hidden * grad).astype(d_hidden.dtype), (d_embedding * grad).astype(d_embedding.dtype),
-          None, None, None)
+  return (
+    (d_hidden * grad).astype(d_hidden.dtype),
+    (d_embedding * grad).astype(d_embedding.dtype),
+    None,
+    None,
+    None,
+  )
 
 
 _fused_mean.defvjp(_fused_forward, _fused_bwd)

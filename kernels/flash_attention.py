@@ -59,6 +59,7 @@ class BlockSizes:
   queries and loop over block_k_dq keys. Blocks larger than the (power-of-two rounded) sequence
   are shrunk to it, so short sequences are not padded to 128.
   """
+
   block_q: int = 128
   block_k: int = 64
   block_q_dkv: int = 64
@@ -75,44 +76,82 @@ class BlockSizes:
     if head_dim <= 64:
       return cls(block_q=128, block_k=64, num_warps=4, num_stages=3)
     if head_dim <= 128:  # 128-row tiles throughout: the H100 sweep in docs/benchmarks.md.
-      return cls(block_q=128, block_k=128, block_q_dkv=128, block_k_dkv=128, block_q_dq=128,
-                 block_k_dq=128, num_warps=8, num_stages=2)
-    return cls(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=32, block_q_dq=32,
-               block_k_dq=32, num_warps=8, num_stages=1)
+      return cls(
+        block_q=128,
+        block_k=128,
+        block_q_dkv=128,
+        block_k_dkv=128,
+        block_q_dq=128,
+        block_k_dq=128,
+        num_warps=8,
+        num_stages=2,
+      )
+    return cls(
+      block_q=64,
+      block_k=32,
+      block_q_dkv=32,
+      block_k_dkv=32,
+      block_q_dq=32,
+      block_k_dq=32,
+      num_warps=8,
+      num_stages=1,
+    )
 
   def blocks(self) -> tuple[int, ...]:
-    return (self.block_q, self.block_k, self.block_q_dkv, self.block_k_dkv, self.block_q_dq,
-            self.block_k_dq)
+    return (
+      self.block_q,
+      self.block_k,
+      self.block_q_dkv,
+      self.block_k_dkv,
+      self.block_q_dq,
+      self.block_k_dq,
+    )
 
   def fitted_to(self, seq_len: int) -> BlockSizes:
     cap = max(MIN_BLOCK, pl.next_power_of_2(seq_len))
-    fitted = {f: min(getattr(self, f), cap) for f in ('block_q', 'block_k', 'block_q_dkv',
-                                                       'block_k_dkv', 'block_q_dq', 'block_k_dq')}
+    fitted = {
+      f: min(getattr(self, f), cap)
+      for f in ('block_q', 'block_k', 'block_q_dkv', 'block_k_dkv', 'block_q_dq', 'block_k_dq')
+    }
     return dataclasses.replace(self, **fitted)
 
 
-def unmet_constraints(*, head_dim: int, dtype, shapes_match: bool = True,
-                      block_sizes: BlockSizes | None = None) -> list[str]:
+def unmet_constraints(
+  *, head_dim: int, dtype, shapes_match: bool = True, block_sizes: BlockSizes | None = None
+) -> list[str]:
   """Every constraint of the kernels the arguments violate (empty: supported)."""
   problems = []
   if not shapes_match:
-    problems.append('q, k and v must have the same shape [batch, seq, heads, head_dim] and dtype '
-                    '(self-attention; no grouped or cross attention)')
+    problems.append(
+      'q, k and v must have the same shape [batch, seq, heads, head_dim] and dtype '
+      '(self-attention; no grouped or cross attention)'
+    )
   if head_dim not in SUPPORTED_HEAD_DIMS:
-    problems.append(f'head_dim must be one of {SUPPORTED_HEAD_DIMS} (a power of two >= 16 for '
-                    f"Triton's tiles), got {head_dim}")
+    problems.append(
+      f'head_dim must be one of {SUPPORTED_HEAD_DIMS} (a power of two >= 16 for '
+      f"Triton's tiles), got {head_dim}"
+    )
   if jnp.dtype(dtype).name not in SUPPORTED_DTYPES:
     problems.append(f'dtype must be one of {SUPPORTED_DTYPES}, got {jnp.dtype(dtype).name}')
-  for size in (block_sizes.blocks() if block_sizes else ()):
+  for size in block_sizes.blocks() if block_sizes else ():
     if size < MIN_BLOCK or size & (size - 1):
       problems.append(f'block sizes must be powers of two >= {MIN_BLOCK}, got {size}')
       break
   return problems
 
 
-def flash_attention(q, k, v, *, alibi_slopes=None, causal: bool = True, segment_ids=None,
-                    sm_scale: float | None = None, block_sizes: BlockSizes | None = None,
-                    interpret: bool = False):
+def flash_attention(
+  q,
+  k,
+  v,
+  *,
+  alibi_slopes=None,
+  causal: bool = True,
+  segment_ids=None,
+  sm_scale: float | None = None,
+  block_sizes: BlockSizes | None = None,
+  interpret: bool = False,
+):
   """softmax(q k^T * sm_scale + alibi, causal, segments) v: [batch, seq, heads, head_dim].
 
   alibi_slopes: [heads]; bias slope[h] * (key_pos - query_pos). sm_scale None: 1/sqrt(head_dim).
@@ -124,13 +163,16 @@ def flash_attention(q, k, v, *, alibi_slopes=None, causal: bool = True, segment_
   batch, seq_len, num_heads, head_dim = q.shape
   block_sizes = block_sizes or BlockSizes.for_head_dim(head_dim)
   same = q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype
-  problems = unmet_constraints(head_dim=head_dim, dtype=q.dtype, shapes_match=same,
-                               block_sizes=block_sizes)
+  problems = unmet_constraints(
+    head_dim=head_dim, dtype=q.dtype, shapes_match=same, block_sizes=block_sizes
+  )
   if alibi_slopes is not None and np.shape(alibi_slopes) != (num_heads,):
-    problems.append(f'alibi_slopes must have shape [heads] = ({num_heads},), got '
-                    f'{np.shape(alibi_slopes)}')
-  if segment_ids is not None and (np.shape(segment_ids) != (batch, seq_len) or
-                                  not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+    problems.append(
+      f'alibi_slopes must have shape [heads] = ({num_heads},), got {np.shape(alibi_slopes)}'
+    )
+  if segment_ids is not None and (
+    np.shape(segment_ids) != (batch, seq_len) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)
+  ):
     problems.append(f'segment_ids must be integers of shape [batch, seq] = ({batch}, {seq_len})')
   if problems:
     raise FlashAttentionConstraintError('flash_attention: ' + '; '.join(problems))
@@ -138,12 +180,12 @@ def flash_attention(q, k, v, *, alibi_slopes=None, causal: bool = True, segment_
   blocks = block_sizes.fitted_to(seq_len)
   padded_len = -(-seq_len // max(blocks.blocks())) * max(blocks.blocks())
   static = _Static(
-      causal=causal,
-      sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
-      # Causal attention never lets a real query reach a padded key; otherwise mask them.
-      kv_len=seq_len if padded_len != seq_len and not causal else None,
-      blocks=blocks,
-      interpret=interpret,
+    causal=causal,
+    sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
+    # Causal attention never lets a real query reach a padded key; otherwise mask them.
+    kv_len=seq_len if padded_len != seq_len and not causal else None,
+    blocks=blocks,
+    interpret=interpret,
   )
   if padded_len != seq_len:
     pad = [(0, 0), (0, padded_len - seq_len), (0, 0), (0, 0)]
@@ -173,8 +215,21 @@ class _Static:
 # ------------------------------------------------------------------------------- tile algebra
 
 
-def _tile_scores(q, k, *, q_start, k_start, block_q, block_k, scale2, slope2, q_seg, k_seg,
-                 causal_mask: bool, kv_len: int | None):
+def _tile_scores(
+  q,
+  k,
+  *,
+  q_start,
+  k_start,
+  block_q,
+  block_k,
+  scale2,
+  slope2,
+  q_seg,
+  k_seg,
+  causal_mask: bool,
+  kv_len: int | None,
+):
   """Masked scores of one [block_q, block_k] tile in the log2 domain (exp2 is the fast one)."""
   s = plgpu.dot(q, k, trans_b=True) * scale2
   q_pos = q_start + jnp.arange(block_q)
@@ -193,8 +248,9 @@ def _tile_scores(q, k, *, q_start, k_start, block_q, block_k, scale2, slope2, q_
   return s if mask is None else jnp.where(mask, s, _MASK_VALUE)
 
 
-def _causal_ranges(causal: bool, own_start, own_block: int, other_block: int, num_other: int,
-                   own_is_query: bool):
+def _causal_ranges(
+  causal: bool, own_start, own_block: int, other_block: int, num_other: int, own_is_query: bool
+):
   """(unmasked range, masked range) of the other axis's blocks that one program visits.
 
   A query block [qs, qs + bq) needs key blocks below cdiv(qs + bq, bk); those below qs // bk are
@@ -219,8 +275,9 @@ def _slope2(slope_ref):
 # ------------------------------------------------------------------------------------ forward
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, slope_ref, seg_ref, o_ref, lse_ref, *,
-                    static: _Static, num_blocks: int):
+def _forward_kernel(
+  q_ref, k_ref, v_ref, slope_ref, seg_ref, o_ref, lse_ref, *, static: _Static, num_blocks: int
+):
   block_q, block_k = static.blocks.block_q, static.blocks.block_k
   # Heaviest causal rows first: the last query blocks visit the most key blocks.
   q_block = num_blocks - 1 - pl.program_id(0) if static.causal else pl.program_id(0)
@@ -237,9 +294,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, slope_ref, seg_ref, o_ref, lse_ref, *,
     k = k_ref[pl.ds(k_start, block_k), :]
     v = v_ref[pl.ds(k_start, block_k), :]
     k_seg = None if seg_ref is None else seg_ref[pl.ds(k_start, block_k)]
-    s = _tile_scores(q, k, q_start=q_start, k_start=k_start, block_q=block_q, block_k=block_k,
-                     scale2=scale2, slope2=slope2, q_seg=q_seg, k_seg=k_seg,
-                     causal_mask=causal_mask, kv_len=static.kv_len)
+    s = _tile_scores(
+      q,
+      k,
+      q_start=q_start,
+      k_start=k_start,
+      block_q=block_q,
+      block_k=block_k,
+      scale2=scale2,
+      slope2=slope2,
+      q_seg=q_seg,
+      k_seg=k_seg,
+      causal_mask=causal_mask,
+      kv_len=static.kv_len,
+    )
     m_new = jnp.maximum(m, s.max(axis=-1))
     correction = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
@@ -247,8 +315,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, slope_ref, seg_ref, o_ref, lse_ref, *,
     acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v)
     return acc, m_new, l
 
-  carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), _MASK_VALUE, jnp.float32),
-           jnp.zeros((block_q,), jnp.float32))
+  carry = (
+    jnp.zeros(q.shape, jnp.float32),
+    jnp.full((block_q,), _MASK_VALUE, jnp.float32),
+    jnp.zeros((block_q,), jnp.float32),
+  )
   unmasked, masked = _causal_ranges(static.causal, q_start, block_q, block_k, num_k, True)
   carry = lax.fori_loop(*unmasked, functools.partial(visit, causal_mask=False), carry)
   if static.causal:
@@ -262,37 +333,57 @@ def _forward(q, k, v, slopes, segment_ids, static: _Static):
   batch, seq_len, num_heads, head_dim = q.shape
   block_q = static.blocks.block_q
   num_q = seq_len // block_q
-  q_block_index = ((lambda i, b, h: (b, num_q - 1 - i, h, 0)) if static.causal else
-                   (lambda i, b, h: (b, i, h, 0)))
-  lse_index = ((lambda i, b, h: (b, h, num_q - 1 - i)) if static.causal else
-               (lambda i, b, h: (b, h, i)))
+  q_block_index = (
+    (lambda i, b, h: (b, num_q - 1 - i, h, 0)) if static.causal else (lambda i, b, h: (b, i, h, 0))
+  )
+  lse_index = (
+    (lambda i, b, h: (b, h, num_q - 1 - i)) if static.causal else (lambda i, b, h: (b, h, i))
+  )
   whole = pl.BlockSpec((None, seq_len, None, head_dim), lambda i, b, h: (b, 0, h, 0))
   in_specs = [
-      pl.BlockSpec((None, block_q, None, head_dim), q_block_index), whole, whole,
-      None if slopes is None else pl.BlockSpec((1,), lambda i, b, h: (h,)),
-      None if segment_ids is None else pl.BlockSpec((None, seq_len), lambda i, b, h: (b, 0)),
+    pl.BlockSpec((None, block_q, None, head_dim), q_block_index),
+    whole,
+    whole,
+    None if slopes is None else pl.BlockSpec((1,), lambda i, b, h: (h,)),
+    None if segment_ids is None else pl.BlockSpec((None, seq_len), lambda i, b, h: (b, 0)),
   ]
-  out_specs = [pl.BlockSpec((None, block_q, None, head_dim), q_block_index),
-               pl.BlockSpec((None, None, block_q), lse_index)]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-               jax.ShapeDtypeStruct((batch, num_heads, seq_len), jnp.float32)]
+  out_specs = [
+    pl.BlockSpec((None, block_q, None, head_dim), q_block_index),
+    pl.BlockSpec((None, None, block_q), lse_index),
+  ]
+  out_shape = [
+    jax.ShapeDtypeStruct(q.shape, q.dtype),
+    jax.ShapeDtypeStruct((batch, num_heads, seq_len), jnp.float32),
+  ]
   return pl.pallas_call(
-      functools.partial(_forward_kernel, static=static, num_blocks=num_q),
-      grid=(num_q, batch, num_heads),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      compiler_params=static.compiler_params(head_dim),
-      interpret=static.interpret,
-      name='flash_attention_forward',
+    functools.partial(_forward_kernel, static=static, num_blocks=num_q),
+    grid=(num_q, batch, num_heads),
+    in_specs=in_specs,
+    out_specs=out_specs,
+    out_shape=out_shape,
+    compiler_params=static.compiler_params(head_dim),
+    interpret=static.interpret,
+    name='flash_attention_forward',
   )(q, k, v, slopes, segment_ids)
 
 
 # ----------------------------------------------------------------------------------- backward
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slope_ref, seg_ref,
-                 dk_ref, dv_ref, *, static: _Static):
+def _dkdv_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  slope_ref,
+  seg_ref,
+  dk_ref,
+  dv_ref,
+  *,
+  static: _Static,
+):
   block_q, block_k = static.blocks.block_q_dkv, static.blocks.block_k_dkv
   num_q = q_ref.shape[0] // block_q
   k_start = pl.program_id(0) * block_k
@@ -309,9 +400,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slope_ref, seg
     q = q_ref[rows, :]
     do = do_ref[rows, :]
     q_seg = None if seg_ref is None else seg_ref[rows]
-    s = _tile_scores(q, k, q_start=q_start, k_start=k_start, block_q=block_q, block_k=block_k,
-                     scale2=scale2, slope2=slope2, q_seg=q_seg, k_seg=k_seg,
-                     causal_mask=causal_mask, kv_len=static.kv_len)
+    s = _tile_scores(
+      q,
+      k,
+      q_start=q_start,
+      k_start=k_start,
+      block_q=block_q,
+      block_k=block_k,
+      scale2=scale2,
+      slope2=slope2,
+      q_seg=q_seg,
+      k_seg=k_seg,
+      causal_mask=causal_mask,
+      kv_len=static.kv_len,
+    )
     p = jnp.exp2(s - lse_ref[rows][:, None])
     dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
     dp = plgpu.dot(do, v, trans_b=True)
@@ -329,8 +431,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slope_ref, seg
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slope_ref, seg_ref, dq_ref, *,
-               static: _Static):
+def _dq_kernel(
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slope_ref, seg_ref, dq_ref, *, static: _Static
+):
   block_q, block_k = static.blocks.block_q_dq, static.blocks.block_k_dq
   num_k = k_ref.shape[0] // block_k
   q_start = pl.program_id(0) * block_q
@@ -347,9 +450,20 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slope_ref, seg_r
     k = k_ref[pl.ds(k_start, block_k), :]
     v = v_ref[pl.ds(k_start, block_k), :]
     k_seg = None if seg_ref is None else seg_ref[pl.ds(k_start, block_k)]
-    s = _tile_scores(q, k, q_start=q_start, k_start=k_start, block_q=block_q, block_k=block_k,
-                     scale2=scale2, slope2=slope2, q_seg=q_seg, k_seg=k_seg,
-                     causal_mask=causal_mask, kv_len=static.kv_len)
+    s = _tile_scores(
+      q,
+      k,
+      q_start=q_start,
+      k_start=k_start,
+      block_q=block_q,
+      block_k=block_k,
+      scale2=scale2,
+      slope2=slope2,
+      q_seg=q_seg,
+      k_seg=k_seg,
+      causal_mask=causal_mask,
+      kv_len=static.kv_len,
+    )
     p = jnp.exp2(s - lse[:, None])
     dp = plgpu.dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
@@ -380,33 +494,37 @@ def _backward(static: _Static, residuals, do):
     per_query = (own, own_row) if own_is_query else (whole, whole_row)
     per_key = whole if own_is_query else own
     return [
-        per_query[0], per_key, per_key, per_query[0], per_query[1], per_query[1],
-        None if slopes is None else pl.BlockSpec((1,), lambda i, b, h: (h,)),
-        None if segment_ids is None else pl.BlockSpec((None, seq_len), lambda i, b, h: (b, 0)),
+      per_query[0],
+      per_key,
+      per_key,
+      per_query[0],
+      per_query[1],
+      per_query[1],
+      None if slopes is None else pl.BlockSpec((1,), lambda i, b, h: (h,)),
+      None if segment_ids is None else pl.BlockSpec((None, seq_len), lambda i, b, h: (b, 0)),
     ]
 
   operands = (q, k, v, do, lse, delta, slopes, segment_ids)
   key_block = pl.BlockSpec((None, blocks.block_k_dkv, None, head_dim), lambda i, b, h: (b, i, h, 0))
   dk, dv = pl.pallas_call(
-      functools.partial(_dkdv_kernel, static=static),
-      grid=(seq_len // blocks.block_k_dkv, batch, num_heads),
-      in_specs=specs(blocks.block_k_dkv, own_is_query=False),
-      out_specs=[key_block, key_block],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=static.compiler_params(head_dim),
-      interpret=static.interpret,
-      name='flash_attention_dkdv',
+    functools.partial(_dkdv_kernel, static=static),
+    grid=(seq_len // blocks.block_k_dkv, batch, num_heads),
+    in_specs=specs(blocks.block_k_dkv, own_is_query=False),
+    out_specs=[key_block, key_block],
+    out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+    compiler_params=static.compiler_params(head_dim),
+    interpret=static.interpret,
+    name='flash_attention_dkdv',
   )(*operands)
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, static=static),
-      grid=(seq_len // blocks.block_q_dq, batch, num_heads),
-      in_specs=specs(blocks.block_q_dq, own_is_query=True),
-      out_specs=pl.BlockSpec((None, blocks.block_q_dq, None, head_dim),
-                             lambda i, b, h: (b, i, h, 0)),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=static.compiler_params(head_dim),
-      interpret=static.interpret,
-      name='flash_attention_dq',
+    functools.partial(_dq_kernel, static=static),
+    grid=(seq_len // blocks.block_q_dq, batch, num_heads),
+    in_specs=specs(blocks.block_q_dq, own_is_query=True),
+    out_specs=pl.BlockSpec((None, blocks.block_q_dq, None, head_dim), lambda i, b, h: (b, i, h, 0)),
+    out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+    compiler_params=static.compiler_params(head_dim),
+    interpret=static.interpret,
+    name='flash_attention_dq',
   )(*operands)
   d_slopes = None if slopes is None else jnp.zeros_like(slopes)  # ALiBi slopes are constants.
   return dq, dk, dv, d_slopes, None

@@ -8,8 +8,18 @@ import jax
 import jax.numpy as jnp
 
 
-def attention_reference(q, k, v, *, alibi_slopes=None, causal: bool = True, sm_scale=None,
-                        dropout_rate: float = 0.0, dropout_rng=None, segment_ids=None):
+def attention_reference(
+  q,
+  k,
+  v,
+  *,
+  alibi_slopes=None,
+  causal: bool = True,
+  sm_scale=None,
+  dropout_rate: float = 0.0,
+  dropout_rng=None,
+  segment_ids=None,
+):
   """softmax(q k^T * sm_scale + alibi, causal, segments) v, with fp32 scores and softmax.
 
   q, k, v: [batch, seq, heads, head_dim]; alibi_slopes: [heads], bias slope[h] * (key - query);
@@ -40,6 +50,10 @@ def attention_reference(q, k, v, *, alibi_slopes=None, causal: bool = True, sm_s
     # Dropout of the normalised probabilities: the sum above is taken before it.
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
     weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-  out = jnp.einsum('bnqk,bnkd->bnqd', weights.astype(v.dtype), v_heads,
-                   preferred_element_type=jnp.float32) / total
+  out = (
+    jnp.einsum(
+      'bnqk,bnkd->bnqd', weights.astype(v.dtype), v_heads, preferred_element_type=jnp.float32
+    )
+    / total
+  )
   return jnp.swapaxes(out, 1, 2).astype(v.dtype)

@@ -32,6 +32,7 @@ TRITON_CALL_TARGET = '__gpu$xla.gpu.triton'
 @dataclasses.dataclass(frozen=True)
 class TritonKernel:
   """One Pallas kernel as lowered for CUDA."""
+
   name: str
   grid: tuple[int, int, int]
   num_warps: int
@@ -56,11 +57,16 @@ def triton_kernels(module: ir.Module) -> list[TritonKernel]:
     with context:
       triton_module = ir.Module.parse(ir.StringAttr(config['ir']).value_bytes)
       verified = bool(triton_module.operation.verify())
-      kernels.append(TritonKernel(
+      kernels.append(
+        TritonKernel(
           name=ir.StringAttr(config['name']).value,
           grid=(integer('grid_x'), integer('grid_y'), integer('grid_z')),
-          num_warps=integer('num_warps'), num_stages=integer('num_stages'),
-          triton_ir=str(triton_module), verified=verified))
+          num_warps=integer('num_warps'),
+          num_stages=integer('num_stages'),
+          triton_ir=str(triton_module),
+          verified=verified,
+        )
+      )
   return kernels
 
 
@@ -69,15 +75,26 @@ def _triton_calls(operation):
     for block in region.blocks:
       for op in block.operations:
         op = op.operation
-        if (op.name == 'stablehlo.custom_call' and
-            ir.StringAttr(op.attributes['call_target_name']).value == TRITON_CALL_TARGET):
+        if (
+          op.name == 'stablehlo.custom_call'
+          and ir.StringAttr(op.attributes['call_target_name']).value == TRITON_CALL_TARGET
+        ):
           yield op
         yield from _triton_calls(op)
 
 
-def flash_attention_kernels(*, batch: int, seq: int, heads: int, head_dim: int, dtype,
-                            causal: bool = True, alibi: bool = True, segments: bool = False,
-                            block_sizes=None) -> list[TritonKernel]:
+def flash_attention_kernels(
+  *,
+  batch: int,
+  seq: int,
+  heads: int,
+  head_dim: int,
+  dtype,
+  causal: bool = True,
+  alibi: bool = True,
+  segments: bool = False,
+  block_sizes=None,
+) -> list[TritonKernel]:
   """The forward and backward flash-attention kernels of one shape, lowered for CUDA."""
   from t5x_like.kernels.flash_attention import flash_attention
 
@@ -86,8 +103,9 @@ def flash_attention_kernels(*, batch: int, seq: int, heads: int, head_dim: int, 
   slopes = jnp.linspace(0.5, 0.01, heads) if alibi else None
 
   def loss(q, k, v, segment_ids):
-    out = flash_attention(q, k, v, alibi_slopes=slopes, causal=causal, segment_ids=segment_ids,
-                          block_sizes=block_sizes)
+    out = flash_attention(
+      q, k, v, alibi_slopes=slopes, causal=causal, segment_ids=segment_ids, block_sizes=block_sizes
+    )
     return out.astype(jnp.float32).sum()
 
   grads = jax.value_and_grad(loss, argnums=(0, 1, 2))
@@ -104,12 +122,20 @@ def main(argv=None) -> int:
   parser.add_argument('--no_causal', action='store_true')
   parser.add_argument('--segments', action='store_true')
   args = parser.parse_args(argv)
-  kernels = flash_attention_kernels(batch=args.batch, seq=args.seq, heads=args.heads,
-                                    head_dim=args.head_dim, dtype=jnp.dtype(args.dtype),
-                                    causal=not args.no_causal, segments=args.segments)
+  kernels = flash_attention_kernels(
+    batch=args.batch,
+    seq=args.seq,
+    heads=args.heads,
+    head_dim=args.head_dim,
+    dtype=jnp.dtype(args.dtype),
+    causal=not args.no_causal,
+    segments=args.segments,
+  )
   for kernel in kernels:
-    print(f'{kernel.name:<28} grid={kernel.grid} warps={kernel.num_warps} '
-          f'stages={kernel.num_stages} verified={kernel.verified}')
+    print(
+      f'{kernel.name:<28} grid={kernel.grid} warps={kernel.num_warps} '
+      f'stages={kernel.num_stages} verified={kernel.verified}'
+    )
   return 0 if kernels and all(k.verified for k in kernels) else 1
 
 

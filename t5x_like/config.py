@@ -159,6 +159,7 @@ class CurriculumConfig:
   """Sequence-length curriculum (DeepSpeed's `curriculum_type: seqlen`, tr8b's runs): iteration
   n trains on the first `seq_len_at(n)` tokens of each sample, rising from min_seq_len to
   train.seq_len over total_iterations; evaluation always uses the full length."""
+
   min_seq_len: int = 0  # DeepSpeed's min_difficulty; 0: no curriculum.
   total_iterations: int = 0  # total_curriculum_step: iterations until train.seq_len.
   difficulty_step: int = 8  # Every length is a multiple of this (tensor-core shapes).
@@ -174,6 +175,7 @@ class CurriculumConfig:
   @property
   def enabled(self) -> bool:
     return self.min_seq_len > 0
+
   # The lengths it gives each iteration: t5x_like/schedule.py.
 
 
@@ -284,7 +286,7 @@ class RuntimeConfig:
   # Every this many iterations, compare the copies that devices hold of each replicated array
   # (LayerNorms and biases across tensor ranks, ...) and log the result; 0: never.
   replica_check_interval: int = 0
-  # Loss-spike report (metrics.SpikeWatch): an lm loss more than spike_loss_threshold (a fraction)
+  # Loss-spike report (watches.SpikeWatch): an lm loss more than spike_loss_threshold (a fraction)
   # above the median of the previous spike_window iterations, or a grad norm above
   # spike_grad_factor times theirs; 0 turns that check off.
   spike_window: int = 50
@@ -313,24 +315,29 @@ class RuntimeConfig:
     if not self.profile_steps:
       return None
     parts = str(self.profile_steps).split('-')
-    if (len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or
-        not 1 <= int(parts[0]) <= int(parts[1])):
-      raise ConfigError(f'runtime.profile_steps must be iterations FIRST-LAST with 1 <= FIRST <= '
-                        f"LAST, e.g. '20-25' ('' for no profile), got {self.profile_steps!r}")
+    if (
+      len(parts) != 2
+      or not all(p.strip().isdigit() for p in parts)
+      or not 1 <= int(parts[0]) <= int(parts[1])
+    ):
+      raise ConfigError(
+        f'runtime.profile_steps must be iterations FIRST-LAST with 1 <= FIRST <= '
+        f"LAST, e.g. '20-25' ('' for no profile), got {self.profile_steps!r}"
+      )
     return int(parts[0]), int(parts[1])
 
 
 SECTIONS = {
-    'model': ModelConfig,
-    'train': TrainConfig,
-    'optimizer': OptimizerConfig,
-    'curriculum': CurriculumConfig,
-    'data': DataConfig,
-    'eval': EvalConfig,
-    'mesh': MeshConfig,
-    'pipeline': PipelineConfig,
-    'checkpoint': CheckpointConfig,
-    'runtime': RuntimeConfig,
+  'model': ModelConfig,
+  'train': TrainConfig,
+  'optimizer': OptimizerConfig,
+  'curriculum': CurriculumConfig,
+  'data': DataConfig,
+  'eval': EvalConfig,
+  'mesh': MeshConfig,
+  'pipeline': PipelineConfig,
+  'checkpoint': CheckpointConfig,
+  'runtime': RuntimeConfig,
 }
 
 
@@ -371,16 +378,19 @@ class Config:
     raw = _without_retired_keys(raw)
     unknown = set(raw) - set(SECTIONS)
     if unknown:
-      raise ConfigError(f'unknown config section(s) {sorted(unknown)}; '
-                        f'known sections are {sorted(SECTIONS)}')
+      raise ConfigError(
+        f'unknown config section(s) {sorted(unknown)}; known sections are {sorted(SECTIONS)}'
+      )
     sections = {}
     for name, section_cls in SECTIONS.items():
       values = dict(raw.get(name) or {})
       fields = {f.name: f for f in dataclasses.fields(section_cls)}
       bad = set(values) - set(fields)
       if bad:
-        raise ConfigError(f'unknown config key(s) {[f"{name}.{k}" for k in sorted(bad)]}; '
-                          f'known keys of {name!r}: {sorted(fields)}')
+        raise ConfigError(
+          f'unknown config key(s) {[f"{name}.{k}" for k in sorted(bad)]}; '
+          f'known keys of {name!r}: {sorted(fields)}'
+        )
       for key, value in values.items():
         values[key] = _coerce(f'{name}.{key}', value, type(getattr(section_cls(), key)))
       sections[name] = section_cls(**values)
@@ -410,146 +420,234 @@ class Config:
         raise ConfigError(message)
 
     self.check_ranges()
-    need(m.architecture in ('bloom', 'gpt2'),
-         f"model.architecture must be 'bloom' or 'gpt2', got {m.architecture!r}")
-    need(m.hidden_size % m.num_heads == 0,
-         f'model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads '
-         f'({m.num_heads}); pick a head count that divides it')
-    need(m.num_heads % mesh.tensor == 0,
-         f'model.num_heads ({m.num_heads}) must be divisible by mesh.tensor ({mesh.tensor}): '
-         'tensor parallelism splits whole heads; use a mesh.tensor that divides the head count')
-    need(m.ffn_size % mesh.tensor == 0,
-         f'the FFN size ({m.ffn_size}) must be divisible by mesh.tensor ({mesh.tensor})')
-    need(not m.sequence_parallel or t.seq_len % mesh.tensor == 0,
-         f'model.sequence_parallel splits the sequence over mesh.tensor, so train.seq_len '
-         f'({t.seq_len}) must be divisible by mesh.tensor ({mesh.tensor}); change one of them '
-         'or set model.sequence_parallel=False')
+    need(
+      m.architecture in ('bloom', 'gpt2'),
+      f"model.architecture must be 'bloom' or 'gpt2', got {m.architecture!r}",
+    )
+    need(
+      m.hidden_size % m.num_heads == 0,
+      f'model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads '
+      f'({m.num_heads}); pick a head count that divides it',
+    )
+    need(
+      m.num_heads % mesh.tensor == 0,
+      f'model.num_heads ({m.num_heads}) must be divisible by mesh.tensor ({mesh.tensor}): '
+      'tensor parallelism splits whole heads; use a mesh.tensor that divides the head count',
+    )
+    need(
+      m.ffn_size % mesh.tensor == 0,
+      f'the FFN size ({m.ffn_size}) must be divisible by mesh.tensor ({mesh.tensor})',
+    )
+    need(
+      not m.sequence_parallel or t.seq_len % mesh.tensor == 0,
+      f'model.sequence_parallel splits the sequence over mesh.tensor, so train.seq_len '
+      f'({t.seq_len}) must be divisible by mesh.tensor ({mesh.tensor}); change one of them '
+      'or set model.sequence_parallel=False',
+    )
     padded = self.padded_vocab_size
-    need(padded >= m.vocab_size,
-         f'model.pad_vocab_size_to ({m.pad_vocab_size_to}) is smaller than model.vocab_size '
-         f'({m.vocab_size})')
-    need(padded % mesh.tensor == 0,
-         f'the padded vocabulary ({padded}) must be divisible by mesh.tensor ({mesh.tensor}); '
-         'set model.pad_vocab_size_to to a multiple of it')
+    need(
+      padded >= m.vocab_size,
+      f'model.pad_vocab_size_to ({m.pad_vocab_size_to}) is smaller than model.vocab_size '
+      f'({m.vocab_size})',
+    )
+    need(
+      padded % mesh.tensor == 0,
+      f'the padded vocabulary ({padded}) must be divisible by mesh.tensor ({mesh.tensor}); '
+      'set model.pad_vocab_size_to to a multiple of it',
+    )
     # fp16 gradients underflow without Megatron's dynamic loss scaling, which this trainer does
     # not have; bf16 (BLOOM's choice after tr8's fp16 divergences) has fp32's range.
-    need(self.runtime.replica_check_interval >= 0,
-         f'runtime.replica_check_interval must be >= 0 (0: never), got '
-         f'{self.runtime.replica_check_interval}')
-    need(m.dtype != 'float16',
-         "model.dtype='float16' needs dynamic loss scaling, which t5x_like does not implement "
-         "(its gradients would underflow); use 'bfloat16', as BLOOM-176B did, or 'float32'")
-    need(m.dtype in ('float32', 'bfloat16'),
-         f"model.dtype must be 'float32' or 'bfloat16', got {m.dtype!r}")
-    need(m.attention_impl in ('xla', 'pallas', 'cudnn'),
-         f"model.attention_impl must be 'xla', 'pallas' or 'cudnn', got {m.attention_impl!r}")
+    need(
+      self.runtime.replica_check_interval >= 0,
+      f'runtime.replica_check_interval must be >= 0 (0: never), got '
+      f'{self.runtime.replica_check_interval}',
+    )
+    need(
+      m.dtype != 'float16',
+      "model.dtype='float16' needs dynamic loss scaling, which t5x_like does not implement "
+      "(its gradients would underflow); use 'bfloat16', as BLOOM-176B did, or 'float32'",
+    )
+    need(
+      m.dtype in ('float32', 'bfloat16'),
+      f"model.dtype must be 'float32' or 'bfloat16', got {m.dtype!r}",
+    )
+    need(
+      m.attention_impl in ('xla', 'pallas', 'cudnn'),
+      f"model.attention_impl must be 'xla', 'pallas' or 'cudnn', got {m.attention_impl!r}",
+    )
     if m.attention_impl != 'xla':
-      need(m.attention_dropout == 0.0,
-           f'model.attention_dropout={m.attention_dropout} needs model.attention_impl=\'xla\': the '
-           f'fused {m.attention_impl!r} attention has no dropout; set model.attention_dropout=0')
-    need(m.cross_entropy_impl in ('dense', 'chunked', 'fused'),
-         "model.cross_entropy_impl must be 'dense', 'chunked' or 'fused', got "
-         f'{m.cross_entropy_impl!r}')
-    need(m.cross_entropy_chunk >= 1,
-         f'model.cross_entropy_chunk must be >= 1, got {m.cross_entropy_chunk}')
-    need(m.remat_policy in ('none', 'full', 'save_dots'),
-         f"model.remat_policy must be 'none', 'full' or 'save_dots', got {m.remat_policy!r}")
-    need(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
-         'model.hidden_dropout and model.attention_dropout must be in [0, 1)')
+      need(
+        m.attention_dropout == 0.0,
+        f"model.attention_dropout={m.attention_dropout} needs model.attention_impl='xla': the "
+        f'fused {m.attention_impl!r} attention has no dropout; set model.attention_dropout=0',
+      )
+    need(
+      m.cross_entropy_impl in ('dense', 'chunked', 'fused'),
+      "model.cross_entropy_impl must be 'dense', 'chunked' or 'fused', got "
+      f'{m.cross_entropy_impl!r}',
+    )
+    need(
+      m.cross_entropy_chunk >= 1,
+      f'model.cross_entropy_chunk must be >= 1, got {m.cross_entropy_chunk}',
+    )
+    need(
+      m.remat_policy in ('none', 'full', 'save_dots'),
+      f"model.remat_policy must be 'none', 'full' or 'save_dots', got {m.remat_policy!r}",
+    )
+    need(
+      0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
+      'model.hidden_dropout and model.attention_dropout must be in [0, 1)',
+    )
     if m.architecture == 'gpt2':
-      need(t.seq_len <= m.max_position_embeddings,
-           f'train.seq_len ({t.seq_len}) exceeds model.max_position_embeddings '
-           f'({m.max_position_embeddings}) of the gpt2 architecture')
-    need(t.steps > 0 or t.train_samples > 0,
-         'set train.steps (iterations) or train.train_samples (samples) so the run can end')
+      need(
+        t.seq_len <= m.max_position_embeddings,
+        f'train.seq_len ({t.seq_len}) exceeds model.max_position_embeddings '
+        f'({m.max_position_embeddings}) of the gpt2 architecture',
+      )
+    need(
+      t.steps > 0 or t.train_samples > 0,
+      'set train.steps (iterations) or train.train_samples (samples) so the run can end',
+    )
     per_step = t.micro_batch_size * mesh.data
-    need(t.global_batch_size % per_step == 0,
-         f'train.global_batch_size ({t.global_batch_size}) must be divisible by '
-         f'train.micro_batch_size x mesh.data ({t.micro_batch_size} x {mesh.data} = {per_step})')
+    need(
+      t.global_batch_size % per_step == 0,
+      f'train.global_batch_size ({t.global_batch_size}) must be divisible by '
+      f'train.micro_batch_size x mesh.data ({t.micro_batch_size} x {mesh.data} = {per_step})',
+    )
     if t.rampup_batch_size:
-      need(len(t.rampup_batch_size) == 3 and all(isinstance(v, int) and v > 0
-                                                 for v in t.rampup_batch_size),
-           f'train.rampup_batch_size must be (start, increment, samples) of positive ints, got '
-           f'{t.rampup_batch_size}')
+      need(
+        len(t.rampup_batch_size) == 3
+        and all(isinstance(v, int) and v > 0 for v in t.rampup_batch_size),
+        f'train.rampup_batch_size must be (start, increment, samples) of positive ints, got '
+        f'{t.rampup_batch_size}',
+      )
       start, increment, _ = t.rampup_batch_size
-      need(start < t.global_batch_size and (t.global_batch_size - start) % increment == 0,
-           f'train.rampup_batch_size: global_batch_size - start ({t.global_batch_size} - {start}) '
-           f'must be a positive multiple of the increment ({increment})')
-    need(isinstance(t.rampup_microbatch_multiple, int) and t.rampup_microbatch_multiple >= 0,
-         f'train.rampup_microbatch_multiple must be an int >= 0 (0: no padding), got '
-         f'{t.rampup_microbatch_multiple!r}')
-    need(not t.rampup_microbatch_multiple or t.rampup_batch_size,
-         f'train.rampup_microbatch_multiple ({t.rampup_microbatch_multiple}) pads the micro-batch '
-         'counts of a batch-size ramp-up, and there is none (train.rampup_batch_size is empty); '
-         'set train.rampup_batch_size, or train.rampup_microbatch_multiple=0')
+      need(
+        start < t.global_batch_size and (t.global_batch_size - start) % increment == 0,
+        f'train.rampup_batch_size: global_batch_size - start ({t.global_batch_size} - {start}) '
+        f'must be a positive multiple of the increment ({increment})',
+      )
+    need(
+      isinstance(t.rampup_microbatch_multiple, int) and t.rampup_microbatch_multiple >= 0,
+      f'train.rampup_microbatch_multiple must be an int >= 0 (0: no padding), got '
+      f'{t.rampup_microbatch_multiple!r}',
+    )
+    need(
+      not t.rampup_microbatch_multiple or t.rampup_batch_size,
+      f'train.rampup_microbatch_multiple ({t.rampup_microbatch_multiple}) pads the micro-batch '
+      'counts of a batch-size ramp-up, and there is none (train.rampup_batch_size is empty); '
+      'set train.rampup_batch_size, or train.rampup_microbatch_multiple=0',
+    )
     p, r = mesh.pipeline, self.pipeline.repeats
     need(r >= 1, f'pipeline.repeats must be >= 1, got {r}')
-    need(p * r <= m.num_layers,
-         f'mesh.pipeline x pipeline.repeats ({p} x {r}) exceeds model.num_layers '
-         f'({m.num_layers}): every stage needs at least one layer per repeat')
+    need(
+      p * r <= m.num_layers,
+      f'mesh.pipeline x pipeline.repeats ({p} x {r}) exceeds model.num_layers '
+      f'({m.num_layers}): every stage needs at least one layer per repeat',
+    )
     if r > 1:
-      fits = [k for k in range(1, m.num_layers // p + 1)
-              if k * -(-m.num_layers // (p * k)) == -(-m.num_layers // p)]
-      need(r in fits,
-           f'pipeline.repeats={r} does not fit {m.num_layers} layers on {p} stages: every stage '
-           f'would hold more than one padding slot; repeats that fit: {fits}')
+      fits = [
+        k
+        for k in range(1, m.num_layers // p + 1)
+        if k * -(-m.num_layers // (p * k)) == -(-m.num_layers // p)
+      ]
+      need(
+        r in fits,
+        f'pipeline.repeats={r} does not fit {m.num_layers} layers on {p} stages: every stage '
+        f'would hold more than one padding slot; repeats that fit: {fits}',
+      )
     if p > 1 and self.pipeline.schedule == '1f1b':
-      need(r == 1, f"pipeline.schedule='1f1b' runs one repeat, and pipeline.repeats is {r}; use "
-           "pipeline.repeats=1 with '1f1b', or pipeline.schedule='gpipe' for the circular "
-           'schedule')
-      need(not self.pipeline.microbatch_group,
-           f"pipeline.schedule='1f1b' already keeps at most 2P - 1 stage inputs, and "
-           f'pipeline.microbatch_group={self.pipeline.microbatch_group} would only add a fill '
-           "and drain per group; set pipeline.microbatch_group=0 with '1f1b'")
+      need(
+        r == 1,
+        f"pipeline.schedule='1f1b' runs one repeat, and pipeline.repeats is {r}; use "
+        "pipeline.repeats=1 with '1f1b', or pipeline.schedule='gpipe' for the circular "
+        'schedule',
+      )
+      need(
+        not self.pipeline.microbatch_group,
+        f"pipeline.schedule='1f1b' already keeps at most 2P - 1 stage inputs, and "
+        f'pipeline.microbatch_group={self.pipeline.microbatch_group} would only add a fill '
+        "and drain per group; set pipeline.microbatch_group=0 with '1f1b'",
+      )
     if p > 1:
-      need(m.cross_entropy_impl != 'fused',
-           "model.cross_entropy_impl='fused' keeps an embedding-sized gradient from each "
-           'micro-batch\'s forward to its backward pass, one per micro-batch in flight in the '
-           "pipeline; use 'chunked' (or 'dense') with mesh.pipeline > 1")
-    need(o.decay_style in ('cosine', 'linear', 'constant'),
-         f"optimizer.decay_style must be 'cosine', 'linear' or 'constant', got {o.decay_style!r}")
-    need(o.min_lr <= o.lr,
-         f'optimizer.min_lr ({o.min_lr}) must not exceed optimizer.lr ({o.lr}): the schedule '
-         'decays from lr down to min_lr; lower min_lr or raise lr')
-    need(o.decay_samples == 0 or o.decay_samples > o.warmup_samples,
-         f'optimizer.decay_samples ({o.decay_samples}) must exceed optimizer.warmup_samples '
-         f'({o.warmup_samples}), or be 0 for no decay')
-    need(o.decay_tokens >= 0, f'optimizer.decay_tokens must be >= 0 (0: decay by samples), got '
-         f'{o.decay_tokens}')
-    need(o.name in ('adamw', 'adamw_8bit'),
-         f"optimizer.name must be 'adamw' or 'adamw_8bit', got {o.name!r}")
-    need(o.name != 'adamw_8bit' or o.quant_block_size in QUANT_BLOCK_SIZES,
-         f'optimizer.quant_block_size must be one of {", ".join(map(str, QUANT_BLOCK_SIZES))} '
-         f"with optimizer.name='adamw_8bit', got {o.quant_block_size}; set one of these")
+      need(
+        m.cross_entropy_impl != 'fused',
+        "model.cross_entropy_impl='fused' keeps an embedding-sized gradient from each "
+        "micro-batch's forward to its backward pass, one per micro-batch in flight in the "
+        "pipeline; use 'chunked' (or 'dense') with mesh.pipeline > 1",
+      )
+    need(
+      o.decay_style in ('cosine', 'linear', 'constant'),
+      f"optimizer.decay_style must be 'cosine', 'linear' or 'constant', got {o.decay_style!r}",
+    )
+    need(
+      o.min_lr <= o.lr,
+      f'optimizer.min_lr ({o.min_lr}) must not exceed optimizer.lr ({o.lr}): the schedule '
+      'decays from lr down to min_lr; lower min_lr or raise lr',
+    )
+    need(
+      o.decay_samples == 0 or o.decay_samples > o.warmup_samples,
+      f'optimizer.decay_samples ({o.decay_samples}) must exceed optimizer.warmup_samples '
+      f'({o.warmup_samples}), or be 0 for no decay',
+    )
+    need(
+      o.decay_tokens >= 0,
+      f'optimizer.decay_tokens must be >= 0 (0: decay by samples), got {o.decay_tokens}',
+    )
+    need(
+      o.name in ('adamw', 'adamw_8bit'),
+      f"optimizer.name must be 'adamw' or 'adamw_8bit', got {o.name!r}",
+    )
+    need(
+      o.name != 'adamw_8bit' or o.quant_block_size in QUANT_BLOCK_SIZES,
+      f'optimizer.quant_block_size must be one of {", ".join(map(str, QUANT_BLOCK_SIZES))} '
+      f"with optimizer.name='adamw_8bit', got {o.quant_block_size}; set one of these",
+    )
     _validate_curriculum(self)
     need(self.checkpoint.save_interval >= 0, 'checkpoint.save_interval must be >= 0')
-    need(self.checkpoint.max_to_keep >= 1,
-         f'checkpoint.max_to_keep must be >= 1, got {self.checkpoint.max_to_keep}')
-    need(self.checkpoint.keep_period >= 0,
-         f'checkpoint.keep_period must be >= 0 (0 keeps no extra steps), got '
-         f'{self.checkpoint.keep_period}')
-    need(self.runtime.spike_window >= 1 and self.runtime.spike_loss_threshold >= 0 and
-         self.runtime.spike_grad_factor >= 0,
-         f'runtime.spike_window must be >= 1, runtime.spike_loss_threshold and '
-         f'runtime.spike_grad_factor >= 0 (0: that check off); got {self.runtime.spike_window}, '
-         f'{self.runtime.spike_loss_threshold}, {self.runtime.spike_grad_factor}')
-    need(self.runtime.hang_timeout_mins >= 0,
-         f'runtime.hang_timeout_mins must be >= 0 (0: no watchdog), got '
-         f'{self.runtime.hang_timeout_mins}')
-    need(isinstance(self.runtime.max_consecutive_nan, int) and
-         self.runtime.max_consecutive_nan >= 0,
-         f'runtime.max_consecutive_nan must be an int >= 0 (0: never stop for non-finite '
-         f'iterations), got {self.runtime.max_consecutive_nan!r}')
-    need(self.runtime.exit_duration_mins >= 0,
-         f'runtime.exit_duration_mins must be >= 0 (0: no limit), got '
-         f'{self.runtime.exit_duration_mins}')
-    need(self.runtime.profile_range() is None or bool(self.runtime.tensorboard_dir),
-         f'runtime.profile_steps={self.runtime.profile_steps!r} writes its trace under '
-         "runtime.tensorboard_dir, which is ''; set a tensorboard_dir or profile_steps=''")
+    need(
+      self.checkpoint.max_to_keep >= 1,
+      f'checkpoint.max_to_keep must be >= 1, got {self.checkpoint.max_to_keep}',
+    )
+    need(
+      self.checkpoint.keep_period >= 0,
+      f'checkpoint.keep_period must be >= 0 (0 keeps no extra steps), got '
+      f'{self.checkpoint.keep_period}',
+    )
+    need(
+      self.runtime.spike_window >= 1
+      and self.runtime.spike_loss_threshold >= 0
+      and self.runtime.spike_grad_factor >= 0,
+      f'runtime.spike_window must be >= 1, runtime.spike_loss_threshold and '
+      f'runtime.spike_grad_factor >= 0 (0: that check off); got {self.runtime.spike_window}, '
+      f'{self.runtime.spike_loss_threshold}, {self.runtime.spike_grad_factor}',
+    )
+    need(
+      self.runtime.hang_timeout_mins >= 0,
+      f'runtime.hang_timeout_mins must be >= 0 (0: no watchdog), got '
+      f'{self.runtime.hang_timeout_mins}',
+    )
+    need(
+      isinstance(self.runtime.max_consecutive_nan, int) and self.runtime.max_consecutive_nan >= 0,
+      f'runtime.max_consecutive_nan must be an int >= 0 (0: never stop for non-finite '
+      f'iterations), got {self.runtime.max_consecutive_nan!r}',
+    )
+    need(
+      self.runtime.exit_duration_mins >= 0,
+      f'runtime.exit_duration_mins must be >= 0 (0: no limit), got '
+      f'{self.runtime.exit_duration_mins}',
+    )
+    need(
+      self.runtime.profile_range() is None or bool(self.runtime.tensorboard_dir),
+      f'runtime.profile_steps={self.runtime.profile_steps!r} writes its trace under '
+      "runtime.tensorboard_dir, which is ''; set a tensorboard_dir or profile_steps=''",
+    )
     if self.checkpoint.init_from:
-      need(os.path.isdir(self.checkpoint.init_from),
-           f'checkpoint.init_from={self.checkpoint.init_from!r} is not a directory; point it at a '
-           'checkpoint directory (a run\'s WORKDIR/checkpoints or one step inside it)')
+      need(
+        os.path.isdir(self.checkpoint.init_from),
+        f'checkpoint.init_from={self.checkpoint.init_from!r} is not a directory; point it at a '
+        "checkpoint directory (a run's WORKDIR/checkpoints or one step inside it)",
+      )
     return self
 
 
@@ -589,32 +687,32 @@ def _without_retired_keys(raw: dict[str, Any]) -> dict[str, Any]:
 # intervals, durations). Every float must also be finite.
 _INF = math.inf
 _RANGES: dict[str, tuple[float, float, str]] = {
-    'model.num_layers': (1, _INF, '[]'),
-    'model.hidden_size': (1, _INF, '[]'),
-    'model.num_heads': (1, _INF, '[]'),
-    'model.vocab_size': (1, _INF, '[]'),
-    'model.max_position_embeddings': (1, _INF, '[]'),
-    'model.layernorm_epsilon': (0, _INF, '(]'),  # 0 divides by zero on a constant input
-    'model.hidden_dropout': (0, 1, '[)'),
-    'model.attention_dropout': (0, 1, '[)'),
-    'model.cross_entropy_chunk': (1, _INF, '[]'),
-    'train.global_batch_size': (1, _INF, '[]'),
-    'train.micro_batch_size': (1, _INF, '[]'),
-    'train.seq_len': (1, _INF, '[]'),
-    # jax.random.PRNGKey without 64-bit mode keeps 32 bits: 2**32 would be the same key as 0.
-    'train.seed': (0, 2**32 - 1, '[]'),
-    'optimizer.beta1': (0, 1, '[)'),
-    'optimizer.beta2': (0, 1, '[)'),
-    'optimizer.eps': (0, _INF, '(]'),  # 0 makes 0/0 of a parameter whose gradient is 0
-    'curriculum.difficulty_step': (1, _INF, '[]'),
-    'curriculum.root_degree': (1, _INF, '[]'),
-    'eval.iters': (1, _INF, '[]'),
-    'mesh.data': (1, _INF, '[]'),
-    'mesh.pipeline': (1, _INF, '[]'),
-    'mesh.tensor': (1, _INF, '[]'),
-    'pipeline.repeats': (1, _INF, '[]'),
-    'checkpoint.max_to_keep': (1, _INF, '[]'),
-    'runtime.spike_window': (1, _INF, '[]'),
+  'model.num_layers': (1, _INF, '[]'),
+  'model.hidden_size': (1, _INF, '[]'),
+  'model.num_heads': (1, _INF, '[]'),
+  'model.vocab_size': (1, _INF, '[]'),
+  'model.max_position_embeddings': (1, _INF, '[]'),
+  'model.layernorm_epsilon': (0, _INF, '(]'),  # 0 divides by zero on a constant input
+  'model.hidden_dropout': (0, 1, '[)'),
+  'model.attention_dropout': (0, 1, '[)'),
+  'model.cross_entropy_chunk': (1, _INF, '[]'),
+  'train.global_batch_size': (1, _INF, '[]'),
+  'train.micro_batch_size': (1, _INF, '[]'),
+  'train.seq_len': (1, _INF, '[]'),
+  # jax.random.PRNGKey without 64-bit mode keeps 32 bits: 2**32 would be the same key as 0.
+  'train.seed': (0, 2**32 - 1, '[]'),
+  'optimizer.beta1': (0, 1, '[)'),
+  'optimizer.beta2': (0, 1, '[)'),
+  'optimizer.eps': (0, _INF, '(]'),  # 0 makes 0/0 of a parameter whose gradient is 0
+  'curriculum.difficulty_step': (1, _INF, '[]'),
+  'curriculum.root_degree': (1, _INF, '[]'),
+  'eval.iters': (1, _INF, '[]'),
+  'mesh.data': (1, _INF, '[]'),
+  'mesh.pipeline': (1, _INF, '[]'),
+  'mesh.tensor': (1, _INF, '[]'),
+  'pipeline.repeats': (1, _INF, '[]'),
+  'checkpoint.max_to_keep': (1, _INF, '[]'),
+  'runtime.spike_window': (1, _INF, '[]'),
 }
 
 
@@ -641,47 +739,64 @@ def _validate_ranges(cfg: Config) -> None:
         continue
       key = f'{name}.{f.name}'
       low, high, bounds = numeric_range(key)
-      inside = (math.isfinite(value) and
-                (low <= value if bounds[0] == '[' else low < value) and
-                (value <= high if bounds[1] == ']' else value < high))
+      inside = (
+        math.isfinite(value)
+        and (low <= value if bounds[0] == '[' else low < value)
+        and (value <= high if bounds[1] == ']' else value < high)
+      )
       if not inside:
         kind = '' if isinstance(value, int) else ' and finite'
-        raise ConfigError(f'{key} must be {describe_range(low, high, bounds)}{kind}, got '
-                          f'{value!r}; set it within that range')
+        raise ConfigError(
+          f'{key} must be {describe_range(low, high, bounds)}{kind}, got '
+          f'{value!r}; set it within that range'
+        )
 
 
 def _validate_curriculum(cfg: Config) -> None:
   c, seq = cfg.curriculum, cfg.train.seq_len
   if not c.enabled:
     if c.min_seq_len < 0:
-      raise ConfigError(f'curriculum.min_seq_len must be >= 0 (0: no curriculum), got '
-                        f'{c.min_seq_len}')
+      raise ConfigError(
+        f'curriculum.min_seq_len must be >= 0 (0: no curriculum), got {c.min_seq_len}'
+      )
     if c.pad_to_multiple:
-      raise ConfigError(f'curriculum.pad_to_multiple ({c.pad_to_multiple}) pads the lengths of a '
-                        'sequence-length curriculum, and there is none (curriculum.min_seq_len '
-                        '= 0); set curriculum.min_seq_len, or curriculum.pad_to_multiple=0')
+      raise ConfigError(
+        f'curriculum.pad_to_multiple ({c.pad_to_multiple}) pads the lengths of a '
+        'sequence-length curriculum, and there is none (curriculum.min_seq_len '
+        '= 0); set curriculum.min_seq_len, or curriculum.pad_to_multiple=0'
+      )
     return
   fix = 'set curriculum.min_seq_len=0 for no curriculum'
   if c.difficulty_step < 1 or c.total_iterations < 1:
-    raise ConfigError(f'curriculum.difficulty_step ({c.difficulty_step}) and curriculum.'
-                      f'total_iterations ({c.total_iterations}) must be >= 1; {fix}')
+    raise ConfigError(
+      f'curriculum.difficulty_step ({c.difficulty_step}) and curriculum.'
+      f'total_iterations ({c.total_iterations}) must be >= 1; {fix}'
+    )
   if c.schedule not in ('fixed_linear', 'fixed_root') or c.root_degree < 1:
-    raise ConfigError(f"curriculum.schedule must be 'fixed_linear' or 'fixed_root' with "
-                      f'curriculum.root_degree >= 1, got {c.schedule!r}, {c.root_degree}')
+    raise ConfigError(
+      f"curriculum.schedule must be 'fixed_linear' or 'fixed_root' with "
+      f'curriculum.root_degree >= 1, got {c.schedule!r}, {c.root_degree}'
+    )
   if c.min_seq_len % c.difficulty_step or seq % c.difficulty_step:
     # DeepSpeed rounds every length down to the step: a train.seq_len off the step is never
     # reached, and a min_seq_len below it starts at length 0.
-    raise ConfigError(f'curriculum.min_seq_len ({c.min_seq_len}) and train.seq_len ({seq}) must '
-                      f'be multiples of curriculum.difficulty_step ({c.difficulty_step}), or the '
-                      'schedule would never reach train.seq_len; change one of them')
+    raise ConfigError(
+      f'curriculum.min_seq_len ({c.min_seq_len}) and train.seq_len ({seq}) must '
+      f'be multiples of curriculum.difficulty_step ({c.difficulty_step}), or the '
+      'schedule would never reach train.seq_len; change one of them'
+    )
   if c.min_seq_len >= seq:
-    raise ConfigError(f'curriculum.min_seq_len ({c.min_seq_len}) must be below train.seq_len '
-                      f'({seq}), where the curriculum ends; {fix}')
+    raise ConfigError(
+      f'curriculum.min_seq_len ({c.min_seq_len}) must be below train.seq_len '
+      f'({seq}), where the curriculum ends; {fix}'
+    )
   if c.pad_to_multiple < 0 or c.pad_to_multiple % c.difficulty_step:
     # Padded lengths stay on the step's grid (tensor-core shapes), as every unpadded one is.
-    raise ConfigError(f'curriculum.pad_to_multiple ({c.pad_to_multiple}) must be 0 (no padding) '
-                      f'or a positive multiple of curriculum.difficulty_step '
-                      f'({c.difficulty_step}), e.g. {8 * c.difficulty_step}')
+    raise ConfigError(
+      f'curriculum.pad_to_multiple ({c.pad_to_multiple}) must be 0 (no padding) '
+      f'or a positive multiple of curriculum.difficulty_step '
+      f'({c.difficulty_step}), e.g. {8 * c.difficulty_step}'
+    )
 
 
 def _coerce(key: str, value: Any, want: type) -> Any:
@@ -709,15 +824,21 @@ def _coerce(key: str, value: Any, want: type) -> Any:
 def load_config_file(path: str, overrides: dict[str, Any] | None = None) -> Config:
   """Loads `configs/*.py` (a `get_config()` returning a ConfigDict) plus dotted overrides."""
   import importlib.util
+
   if not os.path.isfile(path):
-    raise ConfigError(f'config file {path!r} not found; pass an existing file such as '
-                      'configs/tiny.py')
+    raise ConfigError(
+      f'config file {path!r} not found; pass an existing file such as configs/tiny.py'
+    )
   if path.endswith('.gin'):
-    raise ConfigError(f'{path} is a gin file; pass it with --gin_file (--config takes a Python '
-                      'file with get_config(), such as configs/tiny.py)')
+    raise ConfigError(
+      f'{path} is a gin file; pass it with --gin_file (--config takes a Python '
+      'file with get_config(), such as configs/tiny.py)'
+    )
   if not path.endswith('.py'):
-    raise ConfigError(f'config file {path!r} is not a Python file; --config takes a .py file '
-                      'with get_config() (such as configs/tiny.py), --gin_file a .gin file')
+    raise ConfigError(
+      f'config file {path!r} is not a Python file; --config takes a .py file '
+      'with get_config() (such as configs/tiny.py), --gin_file a .gin file'
+    )
   spec = importlib.util.spec_from_file_location('_t5x_like_config', path)
   module = importlib.util.module_from_spec(spec)
   try:
@@ -725,22 +846,27 @@ def load_config_file(path: str, overrides: dict[str, Any] | None = None) -> Conf
   except SyntaxError as e:
     raise ConfigError(f'{path}, line {e.lineno}: syntax error ({e.msg}); fix the file') from None
   except Exception as e:  # the file is the user's code: whatever it raises is a bad config
-    raise ConfigError(f'{path} raised {type(e).__name__}: {e} while loading; fix the '
-                      'file') from None
+    raise ConfigError(
+      f'{path} raised {type(e).__name__}: {e} while loading; fix the file'
+    ) from None
   if not callable(getattr(module, 'get_config', None)):
-    raise ConfigError(f'{path} defines no get_config() function; config files define one that '
-                      'returns an ml_collections.ConfigDict (see configs/tiny.py)')
+    raise ConfigError(
+      f'{path} defines no get_config() function; config files define one that '
+      'returns an ml_collections.ConfigDict (see configs/tiny.py)'
+    )
   try:
     raw = module.get_config()
   except Exception as e:  # as above: the user's code
-    raise ConfigError(f'{path}: get_config() raised {type(e).__name__}: {e}; fix the '
-                      'file') from None
+    raise ConfigError(
+      f'{path}: get_config() raised {type(e).__name__}: {e}; fix the file'
+    ) from None
   raw = raw.to_dict() if hasattr(raw, 'to_dict') else raw
-  if not isinstance(raw, dict) or not all(isinstance(v, dict) or v is None
-                                          for v in raw.values()):
-    raise ConfigError(f'{path}: get_config() returned {_one_line(repr(raw))[:60]}, not a '
-                      'mapping of sections to their keys (an ml_collections.ConfigDict or dict '
-                      "such as {'train': {'steps': 10}}); return one, as configs/tiny.py does")
+  if not isinstance(raw, dict) or not all(isinstance(v, dict) or v is None for v in raw.values()):
+    raise ConfigError(
+      f'{path}: get_config() returned {_one_line(repr(raw))[:60]}, not a '
+      'mapping of sections to their keys (an ml_collections.ConfigDict or dict '
+      "such as {'train': {'steps': 10}}); return one, as configs/tiny.py does"
+    )
   raw = dict(raw)
   for dotted, value in (overrides or {}).items():
     apply_override(raw, dotted, value)
@@ -768,6 +894,7 @@ def apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
 def parse_override_value(text: str) -> Any:
   """`--config.a.b=VALUE` values: Python/JSON literals, else the raw string."""
   import ast
+
   lowered = text.strip().lower()
   if lowered in ('true', 'false'):
     return lowered == 'true'
@@ -786,9 +913,10 @@ def parse_overrides(rest: list[str]) -> dict:
   while i < len(rest):
     arg = rest[i]
     if not arg.startswith('--config.'):
-      raise ConfigError(f'unrecognised argument {arg!r}; overrides look like '
-                        '--config.train.steps=10')
-    key, eq, value = arg[len('--config.'):].partition('=')
+      raise ConfigError(
+        f'unrecognised argument {arg!r}; overrides look like --config.train.steps=10'
+      )
+    key, eq, value = arg[len('--config.') :].partition('=')
     if not eq:
       if i + 1 >= len(rest):
         raise ConfigError(f'{arg} needs a value')
@@ -805,6 +933,7 @@ _GIN_MAKERS: dict[str, Any] = {}
 def _gin_makers() -> dict[str, Any]:
   """Registers each section dataclass with gin once, under its section name."""
   import gin
+
   if not _GIN_MAKERS:
     for name, section_cls in SECTIONS.items():
       _GIN_MAKERS[name] = gin.external_configurable(section_cls, name=name)
@@ -818,10 +947,12 @@ def _one_line(text: str) -> str:
 def load_gin(files: list[str], bindings: list[str]) -> Config:
   """Loads gin files binding `section.key = value` (the same names as the config files)."""
   import gin
+
   for path in files:
     if not os.path.isfile(path):
-      raise ConfigError(f'gin file {path!r} not found; pass an existing file such as '
-                        'configs/tiny.gin')
+      raise ConfigError(
+        f'gin file {path!r} not found; pass an existing file such as configs/tiny.gin'
+      )
   gin.clear_config()
   makers = _gin_makers()
   try:
@@ -830,8 +961,10 @@ def load_gin(files: list[str], bindings: list[str]) -> Config:
   except Exception as e:  # gin raises many types for bad text (SyntaxError,
     # tokenize.TokenError, IOError for a missing include, ValueError, ...): all are bad input.
     where = ', '.join([*files, *(f'--gin_bindings {b!r}' for b in bindings)])
-    raise ConfigError(f'gin configuration error in {where}: {type(e).__name__}: '
-                      f'{_one_line(str(e))}; bindings look like train.steps = 10') from None
+    raise ConfigError(
+      f'gin configuration error in {where}: {type(e).__name__}: '
+      f'{_one_line(str(e))}; bindings look like train.steps = 10'
+    ) from None
   finally:
     gin.clear_config()
   # Round-trip through from_dict so both front ends get the same type coercion.

@@ -13,7 +13,7 @@ import sys
 TEST_XLA_FLAG = '--xla_backend_optimization_level=0'
 # The GPU suite (JAX_PLATFORMS=cuda,cpu; docs/tests.md) compiles kernels as users run them.
 if not os.environ.get('JAX_PLATFORMS', '').startswith(('cuda', 'gpu')):
-  os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
+  os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {TEST_XLA_FLAG}'.strip()
 
 import jax  # noqa: E402
 
@@ -37,13 +37,23 @@ def config_with(base: dict, sections: dict) -> Config:
 
 def small_config(**sections) -> Config:
   """A BLOOM small enough to compile in seconds; heads and vocab divisible by 8-way tensor."""
-  return config_with({
-      'model': dict(architecture='bloom', num_layers=2, hidden_size=64, num_heads=8,
-                    vocab_size=1000, init_std=0.02, dtype='float32'),
+  return config_with(
+    {
+      'model': dict(
+        architecture='bloom',
+        num_layers=2,
+        hidden_size=64,
+        num_heads=8,
+        vocab_size=1000,
+        init_std=0.02,
+        dtype='float32',
+      ),
       'train': dict(steps=3, global_batch_size=8, micro_batch_size=1, seq_len=16, seed=7),
       'optimizer': dict(lr=1e-3, min_lr=1e-4, warmup_samples=8, decay_samples=800),
       'mesh': dict(data=1, pipeline=1, tensor=1),
-  }, sections)
+    },
+    sections,
+  )
 
 
 def run_steps(cfg, num_steps=4, padding_microbatches=0):
@@ -54,9 +64,10 @@ def run_steps(cfg, num_steps=4, padding_microbatches=0):
   import jax.numpy as jnp
   import numpy as np
 
-  from t5x_like import partitioning, schedule
-  from t5x_like import step as step_lib
-  from t5x_like.train_state import make_layout
+  from t5x_like.mesh import partitioning
+  from t5x_like.parallel.train_state import make_layout
+  from t5x_like.training import schedule
+  from t5x_like.training import step as step_lib
 
   m = cfg.mesh
   mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor)
@@ -65,7 +76,8 @@ def run_steps(cfg, num_steps=4, padding_microbatches=0):
   state = layout.init(cfg.train.seed)
   rows = cfg.train.micro_batch_size * m.data
   tokens = np.random.default_rng(0).integers(
-      0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1))
+    0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1)
+  )
   tokens = tokens.astype(np.int32)
   batch = tokens.reshape(cfg.num_microbatches, rows, -1)
   padding = np.full((padding_microbatches,) + batch.shape[1:], -1, np.int32)  # losses.PAD_ID
@@ -82,6 +94,7 @@ def run_steps(cfg, num_steps=4, padding_microbatches=0):
 def free_port() -> int:
   """A TCP port nobody listens on now: the coordinator of a multi-process test."""
   import socket
+
   with socket.socket() as s:
     s.bind(('localhost', 0))
     return s.getsockname()[1]
@@ -90,10 +103,12 @@ def free_port() -> int:
 def run_cli(args, cwd=REPO, timeout=600, env=None):
   """Runs a `python -m ...` command of this package in a fresh process."""
   import subprocess
+
   full_env = dict(os.environ)
   full_env.update(env or {})
-  return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
-                        timeout=timeout, env=full_env)
+  return subprocess.run(
+    [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env
+  )
 
 
 @pytest.fixture(scope='session')
@@ -106,8 +121,12 @@ def persistent_compilation_cache(tmp_path_factory):
   """Within a module, programs compiled again (a new Trainer, a new layout's init) load the first
   compilation from a disk cache instead of recompiling: the same executable, seconds saved each."""
   from jax._src import compilation_cache
-  keys = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs',
-          'jax_persistent_cache_min_entry_size_bytes')
+
+  keys = (
+    'jax_compilation_cache_dir',
+    'jax_persistent_cache_min_compile_time_secs',
+    'jax_persistent_cache_min_entry_size_bytes',
+  )
   before = {k: getattr(jax.config, k) for k in keys}
   jax.config.update(keys[0], str(tmp_path_factory.mktemp('jax_cache')))
   jax.config.update(keys[1], 0)
@@ -122,9 +141,16 @@ def random_bloom(tmp_path, n_head, vocab, hidden=48, layers=2, seed=0):
   """A random BloomForCausalLM saved with save_pretrained (safetensors): (model, its directory)."""
   import torch
   import transformers
+
   torch.manual_seed(seed)
-  cfg = transformers.BloomConfig(vocab_size=vocab, hidden_size=hidden, n_layer=layers,
-                                 n_head=n_head, hidden_dropout=0.0, attention_dropout=0.0)
+  cfg = transformers.BloomConfig(
+    vocab_size=vocab,
+    hidden_size=hidden,
+    n_layer=layers,
+    n_head=n_head,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+  )
   model = transformers.BloomForCausalLM(cfg).eval()
   with torch.no_grad():  # Non-trivial LayerNorms and biases, so a dropped one shows.
     for name, p in model.named_parameters():
@@ -135,7 +161,7 @@ def random_bloom(tmp_path, n_head, vocab, hidden=48, layers=2, seed=0):
   return model, hf_dir
 
 
-_READ_EVENTS = r'''
+_READ_EVENTS = r"""
 import json, os, sys
 os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'
 import tensorflow as tf
@@ -160,7 +186,7 @@ for directory in sys.argv[1:]:
         kinds[kind].setdefault(value.tag, []).append((event.step, point))
   out.append(kinds)
 print(json.dumps(out))
-'''
+"""
 
 
 def read_tensorboard(*directories, kind='scalars'):
@@ -171,15 +197,21 @@ def read_tensorboard(*directories, kind='scalars'):
   fresh reader, not the writer's TensorFlow."""
   r = run_cli(['-c', _READ_EVENTS, *directories], timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
-  read = [{name: {tag: [tuple(p) for p in points] for tag, points in tags.items()}
-           for name, tags in kinds.items()}
-          for kinds in json.loads(r.stdout.strip().splitlines()[-1])]
+  read = [
+    {
+      name: {tag: [tuple(p) for p in points] for tag, points in tags.items()}
+      for name, tags in kinds.items()
+    }
+    for kinds in json.loads(r.stdout.strip().splitlines()[-1])
+  ]
   return read if kind == 'all' else [kinds[kind] for kinds in read]
 
 
 # runtime.alert_command for tests: one line per alert in WORKDIR/alerts.txt (t5x_like/alerts.py).
-ALERT_RECORD = ('echo "$T5X_LIKE_EVENT|$T5X_LIKE_ITERATION|$T5X_LIKE_PROCESS|$T5X_LIKE_MESSAGE" '
-                '>> "$T5X_LIKE_WORKDIR/alerts.txt"')
+ALERT_RECORD = (
+  'echo "$T5X_LIKE_EVENT|$T5X_LIKE_ITERATION|$T5X_LIKE_PROCESS|$T5X_LIKE_MESSAGE" '
+  '>> "$T5X_LIKE_WORKDIR/alerts.txt"'
+)
 
 
 def read_alerts(workdir):

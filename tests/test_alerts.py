@@ -1,12 +1,13 @@
-"""t5x_like.alerts: the alert command's environment, who sends, and that it never blocks."""
+"""training/alerts.py: the alert command's environment, who sends, and that it never blocks."""
 
 import os
 
 import pytest
+from conftest import ALERT_RECORD as RECORD
+from conftest import read_alerts
 
-from t5x_like import alerts
+from t5x_like.training import alerts
 
-from conftest import ALERT_RECORD as RECORD, read_alerts
 
 def test_the_command_gets_the_event_in_its_environment_and_the_log_records_it(tmp_path):
   sender = alerts.Alerts(RECORD, str(tmp_path))
@@ -15,12 +16,14 @@ def test_the_command_gets_the_event_in_its_environment_and_the_log_records_it(tm
   sender.wait()
   # The commands run concurrently: their lines may land in either order; the log's are in order.
   assert sorted(read_alerts(tmp_path)) == [
-      ['finished', '', '0', '> done: 20 iterations'],
-      ['spike', '12', '0', '> spike at iteration 12: lm loss 9.1']]
+    ['finished', '', '0', '> done: 20 iterations'],
+    ['spike', '12', '0', '> spike at iteration 12: lm loss 9.1'],
+  ]
   with open(tmp_path / 'logs' / 'alerts.log') as f:
-    assert f.read().splitlines() == ['> alert spike at iteration 12: > spike at iteration 12: lm '
-                                     'loss 9.1', '> alert finished at iteration -: > done: 20 '
-                                     'iterations']
+    assert f.read().splitlines() == [
+      '> alert spike at iteration 12: > spike at iteration 12: lm loss 9.1',
+      '> alert finished at iteration -: > done: 20 iterations',
+    ]
 
 
 def test_run_events_come_from_process_0_and_a_replica_mismatch_from_any(tmp_path):

@@ -12,30 +12,42 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from t5x_like import checkpoints, losses, optim, partitioning, runtime, schedule, train
-from t5x_like.checkpoints import CheckpointError
-from t5x_like.config import Config, ConfigError
-from t5x_like.train_state import Progress, TrainState, make_layout
-from t5x_like.trainer import Trainer
-from t5x_like.workdir import read_metrics
-
 from conftest import REPO, config_with, run_cli, small_config
 
+from t5x_like.checkpointing import checkpoints
+from t5x_like.checkpointing.checkpoints import CheckpointError
+from t5x_like.cli import train
+from t5x_like.config import Config, ConfigError
+from t5x_like.mesh import partitioning
+from t5x_like.model import losses
+from t5x_like.optim import adamw as optim
+from t5x_like.parallel.train_state import Progress, TrainState, make_layout
+from t5x_like.training import runtime, schedule
+from t5x_like.training.trainer import Trainer
+from t5x_like.training.workdir import read_metrics
 
 pytestmark = pytest.mark.usefixtures('persistent_compilation_cache')
 
 
 def corpus_config(**sections) -> Config:
   """A one-layer BLOOM with dropout (so the RNG matters) on the embedded corpus, one device."""
-  return config_with({
-      'model': dict(num_layers=1, hidden_size=32, num_heads=4, vocab_size=8192, init_std=0.02,
-                    hidden_dropout=0.1),
+  return config_with(
+    {
+      'model': dict(
+        num_layers=1,
+        hidden_size=32,
+        num_heads=4,
+        vocab_size=8192,
+        init_std=0.02,
+        hidden_dropout=0.1,
+      ),
       'train': dict(steps=4, global_batch_size=4, micro_batch_size=2, seq_len=16, seed=3),
       'optimizer': dict(lr=2e-3, min_lr=2e-4, warmup_samples=4, decay_samples=400),
       'mesh': dict(data=1, pipeline=1, tensor=1),
       'checkpoint': dict(save_interval=2),
-  }, sections)
+    },
+    sections,
+  )
 
 
 @pytest.fixture(scope='module')
@@ -92,8 +104,9 @@ def tiny_state():
 
 def save_step(checkpointer, cfg, state, step):
   progress = Progress(iteration=step)
-  meta = checkpoints.make_meta(cfg, progress, cfg.train.seed,
-                               {'iteration': 0, 'skipped_iterations': 0})
+  meta = checkpoints.make_meta(
+    cfg, progress, cfg.train.seed, {'iteration': 0, 'skipped_iterations': 0}
+  )
   return checkpointer.save(state, progress, cfg, meta)
 
 
@@ -110,12 +123,12 @@ def test_keep_policy_keeps_the_latest_k_and_every_nth(tmp_path):
   assert not os.listdir(os.path.join(root, checkpoints.DELETED_SUBDIR))
 
 
-INTERRUPTED_SAVE = '''
+INTERRUPTED_SAVE = """
 import os, sys
 sys.path.insert(0, {tests!r})
 from conftest import small_config
-from t5x_like import checkpoints, partitioning
-from t5x_like.train_state import Progress, make_layout
+from t5x_like.checkpointing import checkpoints; from t5x_like.mesh import partitioning
+from t5x_like.parallel.train_state import Progress, make_layout
 cfg = small_config(model=dict(num_layers=4, hidden_size=256)).validate()
 layout = make_layout(cfg, partitioning.make_mesh(1, 1, 1))
 state = layout.init(0)
@@ -127,7 +140,7 @@ for step in (1, 2):
   if step == 1:
     checkpointer.wait()
 os._exit(9)  # dies while step 2 is being written
-'''
+"""
 
 
 def test_an_interrupted_save_is_never_restored_and_is_cleaned_up(tmp_path):
@@ -150,12 +163,21 @@ def test_an_interrupted_save_is_never_restored_and_is_cleaned_up(tmp_path):
 
 # ------------------------------------------------------------------------------- exact resume
 
-TINY = ['--config', 'configs/tiny.py', '--config.eval.interval=0', '--config.model.num_layers=2',
-        '--config.model.hidden_size=64', '--config.model.num_heads=4',
-        '--config.model.hidden_dropout=0.1', '--config.train.seq_len=32',
-        '--config.train.global_batch_size=8', '--config.train.micro_batch_size=2',
-        '--config.train.steps=8', '--config.checkpoint.save_interval=2',
-        '--config.optimizer.warmup_samples=16']
+TINY = [
+  '--config',
+  'configs/tiny.py',
+  '--config.eval.interval=0',
+  '--config.model.num_layers=2',
+  '--config.model.hidden_size=64',
+  '--config.model.num_heads=4',
+  '--config.model.hidden_dropout=0.1',
+  '--config.train.seq_len=32',
+  '--config.train.global_batch_size=8',
+  '--config.train.micro_batch_size=2',
+  '--config.train.steps=8',
+  '--config.checkpoint.save_interval=2',
+  '--config.optimizer.warmup_samples=16',
+]
 
 
 # `python -m t5x_like.train ARGS` that stops at one point of its work ($KILL_POINT): it creates
@@ -164,10 +186,12 @@ TINY = ['--config', 'configs/tiny.py', '--config.eval.interval=0', '--config.mod
 # be in flight); during checkpoint 4's asynchronous save (its arrays written in the background,
 # not committed: training goes on meanwhile); and in its finalisation, with the commit marker
 # written in `4.orbax-checkpoint-tmp` but the rename to `4` not done (Orbax's own functions).
-_STOPPING_TRAINER = r'''
+_STOPPING_TRAINER = r"""
 import os, sys, threading
 from orbax.checkpoint._src.path import atomicity
-from t5x_like import checkpoints, step, train, trainer
+from t5x_like.checkpointing import checkpoints
+from t5x_like.cli import train
+from t5x_like.training import step, trainer
 
 point = os.environ['KILL_POINT']
 
@@ -204,7 +228,7 @@ elif point == 'finalisation':
     return await rename(source, destination, *args, **kwargs)
   atomicity.async_path.rename = rename_then_stop
 sys.exit(train.main(sys.argv[1:]))
-'''
+"""
 
 
 @pytest.fixture(scope='module')
@@ -225,9 +249,12 @@ def _kill_9_at(point: str, workdir, env, args=TINY) -> None:
   log_path = str(workdir) + '.log'
   with open(log_path, 'w') as log:
     process = subprocess.Popen(
-        [sys.executable, '-c', _STOPPING_TRAINER, *args, '--workdir', str(workdir)], cwd=REPO,
-        env={**os.environ, **env, 'KILL_POINT': point, 'REACHED': reached}, stdout=log,
-        stderr=subprocess.STDOUT)
+      [sys.executable, '-c', _STOPPING_TRAINER, *args, '--workdir', str(workdir)],
+      cwd=REPO,
+      env={**os.environ, **env, 'KILL_POINT': point, 'REACHED': reached},
+      stdout=log,
+      stderr=subprocess.STDOUT,
+    )
     try:
       deadline = time.monotonic() + 400  # a guard against a point never reached
       while not os.path.exists(reached):
@@ -241,8 +268,9 @@ def _kill_9_at(point: str, workdir, env, args=TINY) -> None:
   assert process.returncode == -signal.SIGKILL
 
 
-@pytest.mark.parametrize('point', ['start-up', 'between iterations', 'asynchronous save',
-                                   'finalisation'])
+@pytest.mark.parametrize(
+  'point', ['start-up', 'between iterations', 'asynchronous save', 'finalisation']
+)
 def test_kill_9_then_restart_reproduces_the_uninterrupted_run(uninterrupted, point, tmp_path):
   """SIGKILL at `point` (see _STOPPING_TRAINER), then the same command: it resumes from the last
   complete checkpoint (none after a kill at start-up) and its losses and gradient norms are the
@@ -282,8 +310,10 @@ RESTORE_MESHES = [(1, 1, 1), (8, 1, 1), (1, 1, 4), (2, 1, 4), (2, 2, 2)]
 
 def mesh_config(mesh) -> Config:
   data, pipe, tensor = mesh
-  return small_config(mesh=dict(data=data, pipeline=pipe, tensor=tensor),
-                      train=dict(global_batch_size=8, micro_batch_size=1)).validate()
+  return small_config(
+    mesh=dict(data=data, pipeline=pipe, tensor=tensor),
+    train=dict(global_batch_size=8, micro_batch_size=1),
+  ).validate()
 
 
 def layout_on(mesh):
@@ -306,8 +336,10 @@ def saved_on_each_mesh(tmp_path_factory):
   for mesh in SAVE_MESHES:
     cfg, layout = mesh_config(mesh), layout_on(mesh)
     placed = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), canonical, layout.canonical)
-    state = TrainState(layout.from_canonical(placed.params, 'params'),
-                       layout.from_canonical(placed.opt_state, 'opt_state'))
+    state = TrainState(
+      layout.from_canonical(placed.params, 'params'),
+      layout.from_canonical(placed.opt_state, 'opt_state'),
+    )
     roots[mesh] = str(tmp_path_factory.mktemp('mesh') / 'ckpt')
     checkpointer = checkpoints.Checkpointer(roots[mesh], 1, 1, layout)
     save_step(checkpointer, cfg, state, 5)
@@ -324,14 +356,15 @@ def next_step_loss(mesh, layout, state) -> float:
     batch = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec('data', None))
     params = jax.tree.map(lambda a: a.sharding, layout.canonical.params)
     _loss_fns[mesh] = jax.jit(
-        lambda p, tokens: losses.token_losses(layout.model, p, tokens).mean(),
-        in_shardings=(params, batch))
+      lambda p, tokens: losses.token_losses(layout.model, p, tokens).mean(),
+      in_shardings=(params, batch),
+    )
   tokens = np.random.default_rng(1).integers(0, 1000, (8, 17)).astype(np.int32)
   return float(_loss_fns[mesh](layout.to_canonical(state.params, 'params'), tokens))
 
 
-@pytest.mark.parametrize('restore_mesh', RESTORE_MESHES, ids=lambda m: 'to%dx%dx%d' % m)
-@pytest.mark.parametrize('save_mesh', SAVE_MESHES, ids=lambda m: 'from%dx%dx%d' % m)
+@pytest.mark.parametrize('restore_mesh', RESTORE_MESHES, ids=lambda m: 'to{}x{}x{}'.format(*m))
+@pytest.mark.parametrize('save_mesh', SAVE_MESHES, ids=lambda m: 'from{}x{}x{}'.format(*m))
 def test_restore_onto_any_mesh(saved_on_each_mesh, save_mesh, restore_mesh):
   canonical, roots = saved_on_each_mesh
   cfg, layout = mesh_config(restore_mesh), layout_on(restore_mesh)
@@ -341,8 +374,9 @@ def test_restore_onto_any_mesh(saved_on_each_mesh, save_mesh, restore_mesh):
   assert all(jax.tree.leaves(placed))  # restored straight into the target shardings
   for which in ('params', 'opt_state'):
     restored = layout.to_canonical(getattr(state, which), which)
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored),
-                 getattr(canonical, which))  # bitwise
+    jax.tree.map(
+      np.testing.assert_array_equal, jax.device_get(restored), getattr(canonical, which)
+    )  # bitwise
   loss = next_step_loss(restore_mesh, layout, state)
   reference = _losses.setdefault('loss', loss)
   assert abs(loss - reference) <= 1e-5 * abs(reference)
@@ -364,19 +398,28 @@ def test_load_optimizer_false_starts_fresh_moments_and_count(base_run, tmp_path)
   assert int(optim.adam_count(restored.opt_state)) == 2  # iterations 3 and 4
   meta = checkpoints.read_meta(root)
   assert meta['adam_count_base'] == {'iteration': 2, 'skipped_iterations': 0}
-  assert 'load_optimizer=False: fresh Adam moments' in open(
-      os.path.join(workdir, 'logs', 'main_log.txt')).read()
+  assert (
+    'load_optimizer=False: fresh Adam moments'
+    in open(os.path.join(workdir, 'logs', 'main_log.txt')).read()
+  )
   # The job is requeued with the same flags: the reset is not repeated (Megatron's
   # --no-load-optim reset the optimizer at every restart of such a job).
-  again = Trainer(corpus_config(train=dict(steps=6),
-                                checkpoint=dict(save_interval=2, load_optimizer=False)), workdir)
+  again = Trainer(
+    corpus_config(train=dict(steps=6), checkpoint=dict(save_interval=2, load_optimizer=False)),
+    workdir,
+  )
   state, progress = again.initial_state()
   assert progress.iteration == 4 and int(optim.adam_count(state.opt_state)) == 2
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.opt_state),
-               jax.device_get(restored.opt_state))
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    jax.device_get(state.opt_state),
+    jax.device_get(restored.opt_state),
+  )
   again.writer.open()  # as the run's start does: the lines logged so far reach the log file
-  assert 'already applied at iteration 2 by the job that saved this checkpoint' in open(
-      os.path.join(workdir, 'logs', 'main_log.txt')).read()
+  assert (
+    'already applied at iteration 2 by the job that saved this checkpoint'
+    in open(os.path.join(workdir, 'logs', 'main_log.txt')).read()
+  )
   assert again.adam_count_base == {'iteration': 2, 'skipped_iterations': 0}
 
 
@@ -385,8 +428,11 @@ def test_a_changed_lr_schedule_needs_override_lr_scheduler(base_run, tmp_path):
   workdir = resumable_copy(base_run[0], tmp_path / 'w')
   metrics_before = read_metrics(workdir)
   changed = dict(lr=1e-3, min_lr=1e-4, warmup_samples=4, decay_samples=400)
-  with pytest.raises(ConfigError, match=r'optimizer.lr: checkpoint 0.002 vs config 0.001; '
-                                        r'optimizer.min_lr: .*override_lr_scheduler=True'):
+  with pytest.raises(
+    ConfigError,
+    match=r'optimizer.lr: checkpoint 0.002 vs config 0.001; '
+    r'optimizer.min_lr: .*override_lr_scheduler=True',
+  ):
     Trainer(corpus_config(optimizer=changed), workdir)
   assert read_metrics(workdir) == metrics_before
   overridden = corpus_config(optimizer=changed, checkpoint=dict(override_lr_scheduler=True))
@@ -397,12 +443,14 @@ def test_a_checkpoint_from_before_token_decay_has_the_default_schedule():
   """Checkpoints written before optimizer.decay_tokens existed lack it in their meta: they
   resume with its default (decay by samples), and setting it is a schedule change."""
   cfg = corpus_config()
-  old_meta = {'lr_schedule': {k: v for k, v in checkpoints.lr_schedule(cfg).items()
-                              if k != 'decay_tokens'}}
+  old_meta = {
+    'lr_schedule': {k: v for k, v in checkpoints.lr_schedule(cfg).items() if k != 'decay_tokens'}
+  }
   checkpoints.check_lr_schedule(old_meta, cfg, 'the checkpoint')
   with pytest.raises(ConfigError, match='optimizer.decay_tokens: checkpoint 0 vs config 5000'):
-    checkpoints.check_lr_schedule(old_meta, cfg.replace(optimizer={'decay_tokens': 5000}),
-                                  'the checkpoint')
+    checkpoints.check_lr_schedule(
+      old_meta, cfg.replace(optimizer={'decay_tokens': 5000}), 'the checkpoint'
+    )
 
 
 def test_load_rng_keeps_the_checkpoints_stream_and_false_takes_the_configs(base_run, tmp_path):
@@ -429,9 +477,10 @@ def test_optimizer_reset_recipe(base_run, tmp_path):
   root = os.path.join(workdir, 'checkpoints')
   before, _ = checkpoints.restore(root, base_run[1].layout, base_run[1].cfg)
   before = jax.device_get(before.params)
-  warmup = corpus_config(optimizer=dict(lr=0.0, min_lr=0.0),
-                         checkpoint=dict(save_interval=2, load_optimizer=False,
-                                         override_lr_scheduler=True))
+  warmup = corpus_config(
+    optimizer=dict(lr=0.0, min_lr=0.0),
+    checkpoint=dict(save_interval=2, load_optimizer=False, override_lr_scheduler=True),
+  )
   trainer = Trainer(warmup, workdir)
   trainer.run()
   state = jax.device_get(trainer.final_state)
@@ -439,13 +488,15 @@ def test_optimizer_reset_recipe(base_run, tmp_path):
   assert int(optim.adam_count(state.opt_state)) == 2
   assert all(np.any(x) for x in jax.tree.leaves(state.opt_state[0].nu))  # moments warmed up
   # Back to the normal schedule; the checkpoint holds lr 0, so override once more.
-  normal = corpus_config(train=dict(steps=6), checkpoint=dict(save_interval=2,
-                                                              override_lr_scheduler=True))
+  normal = corpus_config(
+    train=dict(steps=6), checkpoint=dict(save_interval=2, override_lr_scheduler=True)
+  )
   Trainer(normal, workdir).run()
   records = read_metrics(workdir)
   assert [r['learning_rate'] for r in records[2:4]] == [0.0, 0.0]
   assert records[4]['learning_rate'] == pytest.approx(
-      float(schedule.learning_rate(normal.optimizer, 16)))
+    float(schedule.learning_rate(normal.optimizer, 16))
+  )
   assert all(np.isfinite(r['lm_loss']) for r in records)
   restored, _ = checkpoints.restore(root, trainer.layout, trainer.cfg)
   assert int(optim.adam_count(restored.opt_state)) == 4  # counted since the reset
@@ -479,8 +530,18 @@ def test_kill_switch_saves_and_exits_0_then_blocks_new_starts(tmp_path):
   assert checkpoints.available_steps(os.path.join(workdir, 'checkpoints')) == [1]
   log_before = open(os.path.join(workdir, 'logs', 'main_log.txt')).read()
   # At start-up: no work at all, from the command line (before JAX) and from the library.
-  assert train.main(['--config', os.path.join(REPO, 'configs', 'tiny.py'), '--workdir', workdir,
-                     f'--config.runtime.kill_switch_path={switch}']) == 0
+  assert (
+    train.main(
+      [
+        '--config',
+        os.path.join(REPO, 'configs', 'tiny.py'),
+        '--workdir',
+        workdir,
+        f'--config.runtime.kill_switch_path={switch}',
+      ]
+    )
+    == 0
+  )
   again = Trainer(cfg, workdir)
   assert again.run().iteration == 1 and again.stop_reason is runtime.StopReason.KILL_SWITCH
   # Printed, not logged: a run that never starts leaves the workdir as it was.
@@ -506,8 +567,9 @@ def test_time_limit_saves_and_asks_for_a_requeue(tmp_path, monkeypatch):
   assert checkpoints.available_steps(str(tmp_path / 'w' / 'checkpoints')) == [2]
 
 
-@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP],
-                         ids=['SIGTERM', 'SIGUSR1', 'SIGHUP'])
+@pytest.mark.parametrize(
+  'sig', [signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP], ids=['SIGTERM', 'SIGUSR1', 'SIGHUP']
+)
 def test_sigterm_sigusr1_and_sighup_save_and_ask_for_a_requeue(tmp_path, sig):
   handler_before = signal.getsignal(sig)
   trainer = Trainer(corpus_config(), str(tmp_path / 'w'))
@@ -515,16 +577,26 @@ def test_sigterm_sigusr1_and_sighup_save_and_ask_for_a_requeue(tmp_path, sig):
   progress = trainer.run()
   assert progress.iteration == 1 and trainer.stop_reason is runtime.StopReason.SIGNAL
   assert checkpoints.available_steps(str(tmp_path / 'w' / 'checkpoints')) == [1]
-  assert f'received {signal.Signals(sig).name}' in open(
-      str(tmp_path / 'w' / 'logs' / 'main_log.txt')).read()
+  assert (
+    f'received {signal.Signals(sig).name}'
+    in open(str(tmp_path / 'w' / 'logs' / 'main_log.txt')).read()
+  )
   assert signal.getsignal(sig) == handler_before  # the handler is put back
 
 
 def test_the_command_line_exits_3_to_be_requeued(tmp_path):
   """A limit already used up at start: no iteration is begun, nothing is saved, exit code 3."""
   workdir = str(tmp_path / 'w')
-  code = train.main(['--config', os.path.join(REPO, 'configs', 'tiny.py'), '--workdir', workdir,
-                     '--config.model.num_layers=1', '--config.runtime.exit_duration_mins=1e-9'])
+  code = train.main(
+    [
+      '--config',
+      os.path.join(REPO, 'configs', 'tiny.py'),
+      '--workdir',
+      workdir,
+      '--config.model.num_layers=1',
+      '--config.runtime.exit_duration_mins=1e-9',
+    ]
+  )
   assert code == runtime.ExitCode.REQUEUE == 3
   assert checkpoints.available_steps(os.path.join(workdir, 'checkpoints')) == []
   assert 'exit code 3 (REQUEUE)' in open(os.path.join(workdir, 'logs', 'main_log.txt')).read()
@@ -553,8 +625,11 @@ def test_damaged_or_missing_checkpoints_are_one_clear_error(base_run, tmp_path):
       os.truncate(biggest, 100)
     else:
       os.remove(biggest)
-    with pytest.raises(CheckpointError, match=r'4 is damaged or incomplete and cannot be '
-                                              r'restored: .*available: \[2\]'):
+    with pytest.raises(
+      CheckpointError,
+      match=r'4 is damaged or incomplete and cannot be '
+      r'restored: .*available: \[2\]',
+    ):
       checkpoints.restore(copy, layout, cfg)
     state, progress = checkpoints.restore(copy, layout, cfg, step=2)  # an older step still works
     assert progress.iteration == 2

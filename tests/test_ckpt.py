@@ -2,18 +2,18 @@
 
 import json
 import os
-import unittest.mock
 import shutil
+import unittest.mock
 
 import numpy as np
 import pytest
 import torch
 import transformers
-
-from t5x_like import ckpt, evaluate, inference
-from t5x_like.data.indexed import IndexedDatasetWriter
-
 from conftest import random_bloom, run_cli
+
+from t5x_like.cli import ckpt, evaluate
+from t5x_like.data.indexed import IndexedDatasetWriter
+from t5x_like.inference import loading as inference
 
 
 def hf_loss(model, tokens):
@@ -35,8 +35,8 @@ def test_import_hf_then_evaluate_gives_hf_loss(tmp_path, n_head, vocab):
   # The default chunked loss (here 100 vocabulary rows at a time: several chunks, the padded rows
   # in the last) and the dense one; a padded last batch too.
   chunked = cfg.replace(model={'cross_entropy_chunk': 100})
-  for cfg, cross_entropy in ((chunked, 'chunked'), (cfg, 'dense')):
-    result = evaluate.evaluate(cfg, params, tokens, batch_size=2, cross_entropy=cross_entropy)
+  for loss_cfg, cross_entropy in ((chunked, 'chunked'), (cfg, 'dense')):
+    result = evaluate.evaluate(loss_cfg, params, tokens, batch_size=2, cross_entropy=cross_entropy)
     assert result['tokens'] == 5 * 16
     assert abs(result['loss'] - want) < 1e-5, cross_entropy
 
@@ -59,6 +59,7 @@ def test_evaluate_on_data_and_tensor_meshes_gives_hf_loss(tmp_path):
   split over `tensor`, the saved 256-row padded vocabulary is rounded up to 258 where 3 does not
   divide it, and every mesh gives HF's loss, through the command line too."""
   import jax
+
   n_head, vocab = 6, 200
   model, hf_dir = random_bloom(tmp_path, n_head, vocab, hidden=48)
   out = str(tmp_path / 'ckpt')
@@ -74,19 +75,36 @@ def test_evaluate_on_data_and_tensor_meshes_gives_hf_loss(tmp_path):
     assert emb.sharding.shard_shape(emb.shape)[0] == emb.shape[0] // tensor
     assert len(jax.tree.leaves(params)[0].sharding.device_set) == data * tensor
     for cross_entropy in ('chunked', 'dense'):
-      result = evaluate.evaluate(cfg, params, tokens, batch_size=2 * data,
-                                 cross_entropy=cross_entropy)
+      result = evaluate.evaluate(
+        cfg, params, tokens, batch_size=2 * data, cross_entropy=cross_entropy
+      )
       assert abs(result['loss'] - want) < 1e-5, (data, tensor, cross_entropy)
   data_file = str(tmp_path / 'tokens.npy')
   np.save(data_file, tokens)
-  r = run_cli(['-m', 't5x_like.evaluate', '--checkpoint', out, '--data', data_file,
-               '--mesh.data', '2', '--mesh.tensor', '3', '--batch_size', '4'])
+  r = run_cli(
+    [
+      '-m',
+      't5x_like.evaluate',
+      '--checkpoint',
+      out,
+      '--data',
+      data_file,
+      '--mesh.data',
+      '2',
+      '--mesh.tensor',
+      '3',
+      '--batch_size',
+      '4',
+    ]
+  )
   assert r.returncode == 0, r.stderr
   assert abs(json.loads(r.stdout.strip().splitlines()[-1])['loss'] - want) < 1e-5
   # A mesh the model or the batch cannot use: one message naming the flag, before any restore.
-  for flags, message in ((['--mesh.tensor', '4'], 'mesh.tensor'),
-                         (['--mesh.data', '2', '--batch_size', '3'], '--batch_size'),
-                         (['--mesh.data', '0'], '--mesh.data')):
+  for flags, message in (
+    (['--mesh.tensor', '4'], 'mesh.tensor'),
+    (['--mesh.data', '2', '--batch_size', '3'], '--batch_size'),
+    (['--mesh.data', '0'], '--mesh.data'),
+  ):
     r = run_cli(['-m', 't5x_like.evaluate', '--checkpoint', out, '--data', data_file] + flags)
     assert r.returncode == 2 and message in r.stderr and 'Traceback' not in r.stderr, r.stderr
 
@@ -104,7 +122,8 @@ def test_export_hf_gives_back_the_original_logits(tmp_path):
 
 
 def test_evaluate_on_a_megatron_dataset_reads_consecutive_samples_of_its_documents(
-    tmp_path, capsys):
+  tmp_path, capsys
+):
   model, hf_dir = random_bloom(tmp_path, 4, 300, hidden=32)
   out = str(tmp_path / 'ckpt')
   assert ckpt.main(['import-hf', hf_dir, out]) == 0
@@ -118,12 +137,11 @@ def test_evaluate_on_a_megatron_dataset_reads_consecutive_samples_of_its_documen
   def run(*flags):
     code = evaluate.main(['--checkpoint', out, '--data', prefix, '--dtype', 'float32', *flags])
     captured = capsys.readouterr()
-    return code, (json.loads(captured.out.strip().splitlines()[-1]) if code == 0 else
-                  captured.err)
+    return code, (json.loads(captured.out.strip().splitlines()[-1]) if code == 0 else captured.err)
 
   def samples(tokens, seq_len):  # what the docstring promises: stride S, S + 1 tokens each
     count = (len(tokens) - 1) // seq_len
-    return np.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(count)])
+    return np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in range(count)])
 
   every = np.concatenate(documents).astype(np.int32)
   want = samples(every, 8)
@@ -145,12 +163,14 @@ def test_evaluate_on_a_megatron_dataset_reads_consecutive_samples_of_its_documen
   assert evaluate.main(['--checkpoint', out, '--data', str(tmp_path / 'missing')]) == 2
   assert 'neither a .npy file nor a dataset prefix' in capsys.readouterr().err
   np.save(tmp_path / 't.npy', want)
-  assert evaluate.main(['--checkpoint', out, '--data', str(tmp_path / 't.npy'),
-                        '--seq_len', '8']) == 2
+  assert (
+    evaluate.main(['--checkpoint', out, '--data', str(tmp_path / 't.npy'), '--seq_len', '8']) == 2
+  )
   with IndexedDatasetWriter(str(tmp_path / 'wide'), np.uint16) as writer:
     writer.add_document(np.full(20, 300))
-  assert evaluate.main(['--checkpoint', out, '--data', str(tmp_path / 'wide'),
-                        '--seq_len', '8']) == 2
+  assert (
+    evaluate.main(['--checkpoint', out, '--data', str(tmp_path / 'wide'), '--seq_len', '8']) == 2
+  )
   assert 'token id 300' in capsys.readouterr().err
 
 
@@ -162,8 +182,9 @@ def test_cli_subprocesses_and_bad_inputs(tmp_path):
   tokens = np.random.default_rng(1).integers(0, 300, (3, 9))
   data = str(tmp_path / 't.npy')
   np.save(data, tokens)
-  r = run_cli(['-m', 't5x_like.evaluate', '--checkpoint', out, '--data', data,
-               '--dtype', 'float32'])
+  r = run_cli(
+    ['-m', 't5x_like.evaluate', '--checkpoint', out, '--data', data, '--dtype', 'float32']
+  )
   assert r.returncode == 0, r.stderr
   result = json.loads(r.stdout.strip().splitlines()[-1])
   assert set(result) == {'loss', 'ppl', 'tokens'} and result['tokens'] == 3 * 8
@@ -187,6 +208,7 @@ def one_error(err, *fragments):
 
 def test_import_hf_refuses_non_finite_weights_and_writes_nothing(tmp_path, capfd):
   from safetensors.numpy import load_file, save_file
+
   _, hf_dir = random_bloom(tmp_path, 4, 300, hidden=32)
   weights = os.path.join(hf_dir, 'model.safetensors')
   state = load_file(weights)
@@ -198,8 +220,12 @@ def test_import_hf_refuses_non_finite_weights_and_writes_nothing(tmp_path, capfd
   capfd.readouterr()
   out = tmp_path / 'ckpt'
   assert ckpt.main(['import-hf', hf_dir, str(out)]) == 2
-  one_error(capfd.readouterr().err, 'non-finite values in 2 tensor(s)',
-            f"'{qkv}' (3 NaN, 1 Inf of 3072 values)", "'transformer.ln_f.bias' (1 Inf of 32")
+  one_error(
+    capfd.readouterr().err,
+    'non-finite values in 2 tensor(s)',
+    f"'{qkv}' (3 NaN, 1 Inf of 3072 values)",
+    "'transformer.ln_f.bias' (1 Inf of 32",
+  )
   assert not out.exists()
   # Into an existing empty directory: still empty.
   out.mkdir()
@@ -209,7 +235,8 @@ def test_import_hf_refuses_non_finite_weights_and_writes_nothing(tmp_path, capfd
 
 
 def test_export_hf_refuses_a_checkpoint_with_non_finite_params(tmp_path, capfd):
-  from t5x_like import checkpoints, hf
+  from t5x_like.checkpointing import checkpoints, hf
+
   _, hf_dir = random_bloom(tmp_path, 4, 300, hidden=32)
   config, state = hf.load_hf_dir(hf_dir)
   cfg = ckpt.import_hf(hf_dir, str(tmp_path / 'ckpt'))
@@ -220,8 +247,11 @@ def test_export_hf_refuses_a_checkpoint_with_non_finite_params(tmp_path, capfd):
   capfd.readouterr()
   exported = tmp_path / 'exported'
   assert ckpt.main(['export-hf', nan_ckpt, str(exported)]) == 2
-  one_error(capfd.readouterr().err, "'layers/mlp/wi_kernel' (4 NaN of 8192 values; layer(s) 1)",
-            'ckpt verify')
+  one_error(
+    capfd.readouterr().err,
+    "'layers/mlp/wi_kernel' (4 NaN of 8192 values; layer(s) 1)",
+    'ckpt verify',
+  )
   assert not exported.exists()
   assert sorted(os.listdir(tmp_path)) == ['ckpt', 'hf_4_300', 'nan_ckpt']
 
@@ -235,10 +265,14 @@ def save_fake_run(root, steps, mesh=(2, 1, 2), seed=0, edit=None, count=None, mo
   import jax
   import jax.numpy as jnp
   from conftest import small_config
-  from t5x_like import checkpoints, partitioning
-  from t5x_like.train_state import Progress, TrainState, make_layout
-  cfg = small_config(mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh)),
-                     model=model or {}).validate()
+
+  from t5x_like.checkpointing import checkpoints
+  from t5x_like.mesh import partitioning
+  from t5x_like.parallel.train_state import Progress, TrainState, make_layout
+
+  cfg = small_config(
+    mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh)), model=model or {}
+  ).validate()
   layout = make_layout(cfg, partitioning.make_mesh(*mesh))
   state = layout.init(seed)
   adam = state.opt_state[0]
@@ -246,12 +280,20 @@ def save_fake_run(root, steps, mesh=(2, 1, 2), seed=0, edit=None, count=None, mo
   for step in steps:
     params = edit(state.params) if edit else state.params
     moments = jax.tree.map(lambda p: jnp.abs(p) + 1e-3, state.params)
-    opt = (adam._replace(count=jnp.int32(step if count is None else count), mu=moments,
-                         nu=jax.tree.map(jnp.square, moments)), *state.opt_state[1:])
-    progress = Progress(iteration=step, consumed_samples=8 * step,
-                        consumed_tokens=8 * step * cfg.train.seq_len)
-    meta = checkpoints.make_meta(cfg, progress, cfg.train.seed,
-                                 {'iteration': 0, 'skipped_iterations': 0})
+    opt = (
+      adam._replace(
+        count=jnp.int32(step if count is None else count),
+        mu=moments,
+        nu=jax.tree.map(jnp.square, moments),
+      ),
+      *state.opt_state[1:],
+    )
+    progress = Progress(
+      iteration=step, consumed_samples=8 * step, consumed_tokens=8 * step * cfg.train.seq_len
+    )
+    meta = checkpoints.make_meta(
+      cfg, progress, cfg.train.seed, {'iteration': 0, 'skipped_iterations': 0}
+    )
     # The Checkpointer never writes non-finite params; a NaN checkpoint made here stands for
     # one that a bit flip, or another writer, left for `verify` to find.
     with unittest.mock.patch.object(checkpoints, 'all_finite', lambda tree: True):
@@ -274,7 +316,7 @@ def run_ckpt(capsys, *argv):
 
 
 def test_inspect_shows_step_config_and_tensors_from_metadata_only(fake_run, capsys, monkeypatch):
-  from t5x_like import checkpoint_inspection
+  from t5x_like.checkpointing import inspection as checkpoint_inspection
 
   def no_data(*_):
     raise AssertionError('inspect read tensor data')
@@ -297,7 +339,7 @@ def test_inspect_shows_step_config_and_tensors_from_metadata_only(fake_run, caps
   code, out, _ = run_ckpt(capsys, 'inspect', os.path.join(fake_run, '2'))  # a step directory
   assert code == 0
   assert 'step 2' in out and 'params/layers.attn.qkv_kernel' in out and 'total: params' in out
-  assert f'written by: python ' in out and f'jax {info["meta"]["software"]["jax"]}' in out
+  assert 'written by: python ' in out and f'jax {info["meta"]["software"]["jax"]}' in out
 
 
 def test_diff_reports_each_tensor_and_fails_beyond_atol(fake_run, tmp_path, capsys):
@@ -307,8 +349,12 @@ def test_diff_reports_each_tensor_and_fails_beyond_atol(fake_run, tmp_path, caps
   code, out, _ = run_ckpt(capsys, 'diff', fake_run, fake_run, '--step-b', '2')
   assert code == 0 and 'every tensor is equal within atol=0' in out
   other = str(tmp_path / 'other')
-  save_fake_run(other, steps=(2,), mesh=(1, 1, 1), edit=lambda p: {
-      **p, 'final_ln': {**p['final_ln'], 'scale': p['final_ln']['scale'] + 1e-3}})
+  save_fake_run(
+    other,
+    steps=(2,),
+    mesh=(1, 1, 1),
+    edit=lambda p: {**p, 'final_ln': {**p['final_ln'], 'scale': p['final_ln']['scale'] + 1e-3}},
+  )
   code, out, _ = run_ckpt(capsys, 'diff', fake_run, other, '--json')
   result = json.loads(out)
   assert code == 1 and result['differ'] == ['params/final_ln.scale']  # saved on another mesh
@@ -322,8 +368,14 @@ def test_diff_reports_each_tensor_and_fails_beyond_atol(fake_run, tmp_path, caps
 def test_verify_passes_a_sound_checkpoint_and_names_each_failure(fake_run, tmp_path, capsys):
   code, out, _ = run_ckpt(capsys, 'verify', fake_run)
   assert code == 0, out
-  for check in ('finite', 'adam step count', 'progress', 'shapes match the config',
-                'restorable', 'replicas identical'):
+  for check in (
+    'finite',
+    'adam step count',
+    'progress',
+    'shapes match the config',
+    'restorable',
+    'replicas identical',
+  ):
     assert f'ok   {check}:' in out
   assert 'identical on all 4 devices of the saved mesh' in out
   # The chronicles' step-count bug: a checkpoint whose Adam count restarted at 0.
@@ -334,23 +386,31 @@ def test_verify_passes_a_sound_checkpoint_and_names_each_failure(fake_run, tmp_p
   assert 'FAILED (adam step count)' in err
   nan = str(tmp_path / 'nan')
   import jax.numpy as jnp
-  save_fake_run(nan, steps=(1,), edit=lambda p: {**p, 'word_embeddings':
-                                                  p['word_embeddings'].at[3, 5].set(jnp.nan)})
+
+  save_fake_run(
+    nan,
+    steps=(1,),
+    edit=lambda p: {**p, 'word_embeddings': p['word_embeddings'].at[3, 5].set(jnp.nan)},
+  )
   code, out, _ = run_ckpt(capsys, 'verify', nan)
   assert code == 1
   assert 'FAIL finite: 1 tensor(s) hold NaN or inf: params/word_embeddings' in out
 
 
 def test_stats_streams_params_and_both_adam_moments(fake_run, capsys, monkeypatch):
-  from t5x_like import checkpoint_inspection
+  from t5x_like.checkpointing import inspection as checkpoint_inspection
+
   monkeypatch.setattr(checkpoint_inspection, 'CHUNK_BYTES', 4096)  # many slices per tensor
   code, out, _ = run_ckpt(capsys, 'stats', fake_run, '--json')
   assert code == 0
   rows = {r['name']: r for r in json.loads(out)}
   assert {r['group'] for r in rows.values()} == {'params', 'adam_mu', 'adam_nu'}
   reader = checkpoint_inspection.CheckpointReader(fake_run)
-  for name in ('params/word_embeddings', 'opt_state/0.nu.layers.mlp.wi_kernel',
-               'params/final_ln.bias'):
+  for name in (
+    'params/word_embeddings',
+    'opt_state/0.nu.layers.mlp.wi_kernel',
+    'params/final_ln.bias',
+  ):
     info = next(t for t in reader.tensors() if t.key == name)
     x = np.concatenate([c.reshape(-1) for c in reader.chunks(info)]).astype(np.float64)
     r = rows[name]
@@ -374,8 +434,9 @@ def test_bad_checkpoints_are_one_message_and_a_nonzero_exit(fake_run, tmp_path, 
   os.makedirs(tmp_path / 'empty')
   fails(2, 'holds no complete checkpoint', 'verify', str(tmp_path / 'empty'))
   fails(2, 'step 7 is not in', 'stats', fake_run, '--step', '7')
-  fails(2, 'is step 2, but step 1 was asked for', 'inspect', os.path.join(fake_run, '2'),
-        '--step', '1')
+  fails(
+    2, 'is step 2, but step 1 was asked for', 'inspect', os.path.join(fake_run, '2'), '--step', '1'
+  )
   truncated, removed = str(tmp_path / 'truncated'), str(tmp_path / 'removed')
   for copy in (truncated, removed):
     shutil.copytree(fake_run, copy)

@@ -1,12 +1,11 @@
 import os
 
 import pytest
-
-from t5x_like import metrics, schedule, startup
-from t5x_like.config import Config, ConfigError, load_config_file, load_gin
-from t5x_like.train import parse_args
-
 from conftest import REPO
+
+from t5x_like.cli.train import parse_args
+from t5x_like.config import Config, ConfigError, load_config_file, load_gin
+from t5x_like.training import accounting, schedule, startup
 
 
 def cfg_path(name):
@@ -21,25 +20,52 @@ def test_config_file_and_gin_file_give_the_same_config(name):
 
 
 def test_overrides_on_both_front_ends_agree():
-  a, _ = parse_args(['--config', cfg_path('tiny.py'), '--workdir', '/tmp/x',
-                     '--config.train.steps=7', '--config.mesh.data', '4',
-                     '--config.mesh.tensor=1', '--config.optimizer.lr=3e-4'])
-  b, _ = parse_args(['--gin_file', cfg_path('tiny.gin'), '--workdir', '/tmp/x',
-                     '--gin_bindings', 'train.steps = 7', '--gin_bindings', 'mesh.data = 4',
-                     '--gin_bindings', 'mesh.tensor = 1', '--gin_bindings', 'optimizer.lr = 3e-4'])
+  a, _ = parse_args(
+    [
+      '--config',
+      cfg_path('tiny.py'),
+      '--workdir',
+      '/tmp/x',
+      '--config.train.steps=7',
+      '--config.mesh.data',
+      '4',
+      '--config.mesh.tensor=1',
+      '--config.optimizer.lr=3e-4',
+    ]
+  )
+  b, _ = parse_args(
+    [
+      '--gin_file',
+      cfg_path('tiny.gin'),
+      '--workdir',
+      '/tmp/x',
+      '--gin_bindings',
+      'train.steps = 7',
+      '--gin_bindings',
+      'mesh.data = 4',
+      '--gin_bindings',
+      'mesh.tensor = 1',
+      '--gin_bindings',
+      'optimizer.lr = 3e-4',
+    ]
+  )
   assert a == b
   assert (a.train.steps, a.mesh.data, a.optimizer.lr) == (7, 4, 3e-4)
 
 
-@pytest.mark.parametrize('argv, message', [
+@pytest.mark.parametrize(
+  'argv, message',
+  [
     (['--config.model.num_layerz=3'], 'model.num_layerz'),
     (['--config.modle.num_layers=3'], 'modle.num_layers'),
     (['--config.model.num_layers=three'], 'model.num_layers must be of type int'),
     (['--config.model.num_heads=6'], 'must be divisible by model.num_heads'),
     (['--config.mesh.tensor=3'], 'divisible by mesh.tensor'),
     (['--config.train.global_batch_size=12'], 'global_batch_size (12) must be divisible'),
-    (['--config.mesh.pipeline=2', '--config.mesh.data=1', '--config.train.global_batch_size=4'],
-     'fewer than the 2 pipeline stages'),
+    (
+      ['--config.mesh.pipeline=2', '--config.mesh.data=1', '--config.train.global_batch_size=4'],
+      'fewer than the 2 pipeline stages',
+    ),
     (['--config.train.steps=0'], 'set train.steps'),
     (['--config.runtime.replica_check_interval=-1'], 'replica_check_interval must be >= 0'),
     (['--config.model.dtype=float16'], 'needs dynamic loss scaling'),
@@ -54,9 +80,12 @@ def test_overrides_on_both_front_ends_agree():
     (['--config.eval.iters=0'], 'eval.iters must be >= 1, got 0'),
     (['--config.runtime.hang_timeout_mins=-1'], 'runtime.hang_timeout_mins must be >= 0'),
     (['--config.runtime.spike_window=0'], 'runtime.spike_window must be >= 1'),
-    (['--config.runtime.spike_grad_factor=-2'],
-     'runtime.spike_grad_factor must be >= 0 and finite, got -2.0'),
-])
+    (
+      ['--config.runtime.spike_grad_factor=-2'],
+      'runtime.spike_grad_factor must be >= 0 and finite, got -2.0',
+    ),
+  ],
+)
 def test_bad_config_is_one_clear_error(argv, message):
   with pytest.raises(ConfigError, match=None) as info:
     parse_args(['--config', cfg_path('tiny.py'), '--workdir', '/tmp/x', *argv])
@@ -64,20 +93,35 @@ def test_bad_config_is_one_clear_error(argv, message):
 
 
 def test_string_keys_take_the_command_line_text_and_mappings_round_trip():
-  cfg, _ = parse_args(['--config', cfg_path('tiny.py'), '--workdir', '/tmp/x',
-                       '--config.data.split=98,2,0', '--config.data.train_path', '0.5 /a 0.5 /b',
-                       '--config.data.valid_path={"en": "/d/en", "fr": "/d/fr"}',
-                       '--config.data.skip_train_iteration_range=["5-7", "20-20"]'])
+  cfg, _ = parse_args(
+    [
+      '--config',
+      cfg_path('tiny.py'),
+      '--workdir',
+      '/tmp/x',
+      '--config.data.split=98,2,0',
+      '--config.data.train_path',
+      '0.5 /a 0.5 /b',
+      '--config.data.valid_path={"en": "/d/en", "fr": "/d/fr"}',
+      '--config.data.skip_train_iteration_range=["5-7", "20-20"]',
+    ]
+  )
   assert cfg.data.split == '98,2,0' and cfg.data.train_path == '0.5 /a 0.5 /b'
   assert cfg.data.valid_path == (('en', '/d/en'), ('fr', '/d/fr'))
   assert cfg.data.skip_ranges() == [(5, 7), (20, 20)]
   assert [i for i in range(1, 25) if cfg.data.skips(i)] == [5, 6, 7, 20]
   import json
+
   assert Config.from_dict(json.loads(cfg.to_json())) == cfg  # as config.json stores it
-  gin_cfg = load_gin([cfg_path('tiny.gin')], ['data.split = "98,2,0"',
-                                              'data.train_path = "0.5 /a 0.5 /b"',
-                                              'data.valid_path = {"en": "/d/en", "fr": "/d/fr"}',
-                                              'data.skip_train_iteration_range = ["5-7", "20-20"]'])
+  gin_cfg = load_gin(
+    [cfg_path('tiny.gin')],
+    [
+      'data.split = "98,2,0"',
+      'data.train_path = "0.5 /a 0.5 /b"',
+      'data.valid_path = {"en": "/d/en", "fr": "/d/fr"}',
+      'data.skip_train_iteration_range = ["5-7", "20-20"]',
+    ],
+  )
   assert gin_cfg == cfg
   # Checkpoints written before data.corpus was retired still load their config.
   assert Config.from_dict({'data': {'corpus': 'embedded'}}) == Config()
@@ -95,7 +139,7 @@ def test_unknown_gin_binding_and_missing_files():
 def test_from_dict_rejects_unknown_sections_and_keys():
   with pytest.raises(ConfigError, match='unknown config section'):
     Config.from_dict({'trian': {}})
-  with pytest.raises(ConfigError, match="unknown config key"):
+  with pytest.raises(ConfigError, match='unknown config key'):
     Config.from_dict({'train': {'stepz': 1}})
 
 
@@ -116,7 +160,14 @@ def test_bloom_176b_is_exactly_tr11():
   assert (t.micro_batch_size, t.global_batch_size, t.seq_len) == (2, 2048, 2048)
   assert t.train_samples == 220_000_000
   assert (o.lr, o.min_lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.clip_grad) == (
-      6e-5, 6e-6, 0.9, 0.95, 1e-8, 0.1, 1.0)
+    6e-5,
+    6e-6,
+    0.9,
+    0.95,
+    1e-8,
+    0.1,
+    1.0,
+  )
   assert (o.warmup_samples, o.decay_samples, o.decay_style) == (183_105, 200_000_000, 'cosine')
   assert t.rampup_batch_size == (192, 16, 9_765_625)
   assert (m.hidden_dropout, m.attention_dropout, m.dtype) == (0.1, 0.1, 'bfloat16')
@@ -125,22 +176,23 @@ def test_bloom_176b_is_exactly_tr11():
   # size: 2048 | ... elapsed time per iteration (s): 105.22 | ... TFLOPs: 149.02".
   assert schedule.total_iterations(t) == 115_311
   assert schedule.consumed_samples_after(t, 12_695) == 9_841_584
-  flops = metrics.megatron_flops_per_iteration(cfg, 2048, 2048)
+  flops = accounting.megatron_flops_per_iteration(cfg, 2048, 2048)
   assert round(flops / 105.22 / 384 / 1e12, 2) == 149.02
 
 
 def test_iterations_follow_megatrons_train_samples_count():
   def total(**train):
-    return schedule.total_iterations(
-        startup.check_config(Config.from_dict({'train': train})).train)
+    return schedule.total_iterations(startup.check_config(Config.from_dict({'train': train})).train)
+
   # Whole global batches only: Megatron drops a last partial batch, never trains past the count.
   assert total(steps=0, train_samples=100, global_batch_size=8) == 12
   assert total(steps=5, train_samples=100, global_batch_size=8) == 5  # train.steps caps
   assert total(steps=7, global_batch_size=8) == 7
   # Ramp-up 4 -> 8 by 4 over 16 samples: the ramp loop runs while consumed <= 16 (at 0, 4, 8, 12
   # with batches of 4, at 16 with 8), then (60 - 24) // 8 = 4 whole batches; 4 samples unused.
-  cfg = Config.from_dict({'train': dict(steps=0, train_samples=60, global_batch_size=8,
-                                        rampup_batch_size=(4, 4, 16))})
+  cfg = Config.from_dict(
+    {'train': dict(steps=0, train_samples=60, global_batch_size=8, rampup_batch_size=(4, 4, 16))}
+  )
   startup.check_config(cfg)
   t = cfg.train
   sizes, consumed = [], 0
@@ -158,7 +210,12 @@ def test_rampup_microbatch_multiple_rounds_tr11s_ramp_to_fewer_programs():
   padded = startup.check_config(cfg.replace(train={'rampup_microbatch_multiple': 8}))
   assert [m for m, _ in schedule.step_shapes(padded)] == list(range(16, 129, 8))  # 15 programs
   assert [schedule.step_microbatches(padded, g) for g in (192, 208, 320, 336, 2048)] == [
-      16, 16, 24, 24, 128]
+    16,
+    16,
+    24,
+    24,
+    128,
+  ]
   assert padded.microbatches_for(208) == 13  # the batch itself, 3 padding micro-batches added
   # Counted over the run: 0.31% of the micro-batches the step runs are padding, all of them in
   # the ramp-up's 12,658 iterations.
@@ -170,11 +227,16 @@ def test_rampup_microbatch_multiple_rounds_tr11s_ramp_to_fewer_programs():
   assert schedule.step_shapes(whole) == [(128, 2048)]
 
 
-@pytest.mark.parametrize('train, message', [
+@pytest.mark.parametrize(
+  'train, message',
+  [
     ({'rampup_microbatch_multiple': 4}, 'there is none'),
-    ({'rampup_microbatch_multiple': -2, 'rampup_batch_size': (4, 4, 8)},
-     'rampup_microbatch_multiple must be >= 0, got -2'),
-])
+    (
+      {'rampup_microbatch_multiple': -2, 'rampup_batch_size': (4, 4, 8)},
+      'rampup_microbatch_multiple must be >= 0, got -2',
+    ),
+  ],
+)
 def test_bad_rampup_microbatch_multiple_is_one_clear_error(train, message):
   with pytest.raises(ConfigError, match=message):
     startup.check_config(Config().replace(train={'global_batch_size': 16, 'steps': 4, **train}))
@@ -210,13 +272,21 @@ def test_cluster_configs_guard_against_hangs_and_the_job_time_limit():
 
 def test_curriculum_follows_deepspeeds_seqlen_schedules_with_tr8bs_settings():
   """tr8b: min_difficulty 64, max 2048, fixed_linear over 36,000 steps, difficulty_step 8."""
-  cfg = Config().replace(train={'seq_len': 2048, 'steps': 40_000},
-                         curriculum={'min_seq_len': 64, 'total_iterations': 36_000})
+  cfg = Config().replace(
+    train={'seq_len': 2048, 'steps': 40_000},
+    curriculum={'min_seq_len': 64, 'total_iterations': 36_000},
+  )
   startup.check_config(cfg)
   # floor(64 + 1984 * n / 36000), rounded down to a multiple of 8; iteration n is 1-based.
-  assert [schedule.seq_len_at(cfg, n)
-          for n in (1, 145, 146, 18_000, 35_999, 36_000, 39_999)] == [
-      64, 64, 72, 1056, 2040, 2048, 2048]
+  assert [schedule.seq_len_at(cfg, n) for n in (1, 145, 146, 18_000, 35_999, 36_000, 39_999)] == [
+    64,
+    64,
+    72,
+    1056,
+    2040,
+    2048,
+    2048,
+  ]
   lengths = [schedule.seq_len_at(cfg, n) for n in range(1, 40_001)]
   assert lengths == sorted(lengths) and all(n % 8 == 0 for n in lengths)
   # 249 lengths: one compiled step each
@@ -232,9 +302,13 @@ def test_curriculum_follows_deepspeeds_seqlen_schedules_with_tr8bs_settings():
   startup.check_config(padded)
   assert schedule.seq_lens(padded) == schedule.seq_lens(cfg)
   assert schedule.step_seq_lens(padded) == list(range(256, 2049, 256))
-  assert [schedule.padded_seq_len_at(padded, n)
-          for n in (1, 145, 3_629, 3_630, 36_000)] == [
-      256, 256, 256, 512, 2048]
+  assert [schedule.padded_seq_len_at(padded, n) for n in (1, 145, 3_629, 3_630, 36_000)] == [
+    256,
+    256,
+    256,
+    512,
+    2048,
+  ]
   # The lengths trained on.
   assert [schedule.seq_len_at(padded, n) for n in (1, 3_629, 3_630)] == [64, 256, 264]
   # A multiple above train.seq_len: every iteration at the full length, one program.
@@ -242,35 +316,49 @@ def test_curriculum_follows_deepspeeds_seqlen_schedules_with_tr8bs_settings():
 
 
 def test_warmup_end_tokens_follow_the_curriculum_and_the_batch_ramp():
-  cfg = Config().replace(train={'seq_len': 32, 'global_batch_size': 8, 'micro_batch_size': 2,
-                                'rampup_batch_size': (4, 4, 8), 'steps': 6},
-                         curriculum={'min_seq_len': 8, 'total_iterations': 4},
-                         optimizer={'warmup_samples': 10})
+  cfg = Config().replace(
+    train={
+      'seq_len': 32,
+      'global_batch_size': 8,
+      'micro_batch_size': 2,
+      'rampup_batch_size': (4, 4, 8),
+      'steps': 6,
+    },
+    curriculum={'min_seq_len': 8, 'total_iterations': 4},
+    optimizer={'warmup_samples': 10},
+  )
   # Lengths 8, 16, 24, 32, 32, 32 (iteration n: floor(8 + 24 n / 4) rounded down to 8); global
   # batches 4, 4, 8, 8, ... (the ramp adds 4 after 8 samples).
   assert [schedule.seq_len_at(cfg, n) for n in range(1, 7)] == [8, 16, 24, 32, 32, 32]
   # The warm-up ends at the first iteration boundary at or past 10 samples: after iteration 3
   # (4 + 4 + 8 samples), whose tokens are those of the three lengths.
   assert schedule.warmup_end_tokens(cfg) == 4 * 8 + 4 * 16 + 8 * 24
-  assert (schedule.warmup_end_tokens(cfg.replace(optimizer={'warmup_samples': 8})) ==
-          4 * 8 + 4 * 16)
+  assert schedule.warmup_end_tokens(cfg.replace(optimizer={'warmup_samples': 8})) == 4 * 8 + 4 * 16
 
 
-@pytest.mark.parametrize('sections, message', [
+@pytest.mark.parametrize(
+  'sections, message',
+  [
     ({'curriculum': {'min_seq_len': 12}}, 'multiples of curriculum.difficulty_step'),
-    ({'train': {'seq_len': 60}, 'curriculum': {'min_seq_len': 8}},
-     'never reach train.seq_len'),
+    ({'train': {'seq_len': 60}, 'curriculum': {'min_seq_len': 8}}, 'never reach train.seq_len'),
     ({'curriculum': {'min_seq_len': 64}}, 'must be below train.seq_len'),
     ({'curriculum': {'min_seq_len': 8, 'total_iterations': 0}}, 'total_iterations'),
     ({'curriculum': {'min_seq_len': 8, 'schedule': 'fixed_discrete'}}, "'fixed_linear'"),
-    ({'optimizer': {'warmup_samples': 16, 'decay_tokens': 100}},
-     'must exceed the 1024 tokens consumed by the end of the warm-up'),
+    (
+      {'optimizer': {'warmup_samples': 16, 'decay_tokens': 100}},
+      'must exceed the 1024 tokens consumed by the end of the warm-up',
+    ),
     ({'curriculum': {'pad_to_multiple': 16}}, 'there is none'),
-    ({'curriculum': {'min_seq_len': 8, 'pad_to_multiple': 12}},
-     'positive multiple of curriculum.difficulty_step'),
-    ({'curriculum': {'min_seq_len': 8, 'pad_to_multiple': -8}},
-     'curriculum.pad_to_multiple must be >= 0, got -8'),
-])
+    (
+      {'curriculum': {'min_seq_len': 8, 'pad_to_multiple': 12}},
+      'positive multiple of curriculum.difficulty_step',
+    ),
+    (
+      {'curriculum': {'min_seq_len': 8, 'pad_to_multiple': -8}},
+      'curriculum.pad_to_multiple must be >= 0, got -8',
+    ),
+  ],
+)
 def test_bad_curriculum_or_token_decay_is_one_clear_error(sections, message):
   base = {'train': {'seq_len': 64, 'steps': 10}, 'curriculum': {'total_iterations': 5}}
   for name, values in sections.items():

@@ -7,12 +7,15 @@ import subprocess
 import sys
 
 from conftest import REPO, free_port, run_cli
-from t5x_like import devices
+
+from t5x_like.cli import devices
 
 
 def rows(*tflops):
-  return [{'process': i // 2, 'host': f'node{i // 2}', 'device': i, 'tflops': t}
-          for i, t in enumerate(tflops)]
+  return [
+    {'process': i // 2, 'host': f'node{i // 2}', 'device': i, 'tflops': t}
+    for i, t in enumerate(tflops)
+  ]
 
 
 def test_devices_below_the_median_by_more_than_the_tolerance_are_named():
@@ -30,12 +33,33 @@ def test_devices_below_the_median_by_more_than_the_tolerance_are_named():
 
 def test_every_device_of_every_process_is_measured_and_reported():
   port = free_port()
-  common = ['-m', 't5x_like.devices', '--cpu_devices', '4', '--size', '64', '--repeats', '2',
-            '--dtype', 'float32', '--json', '--coordinator_address', f'localhost:{port}',
-            '--num_processes', '2']
-  procs = [subprocess.Popen([sys.executable, *common, '--process_id', str(i)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
+  common = [
+    '-m',
+    't5x_like.devices',
+    '--cpu_devices',
+    '4',
+    '--size',
+    '64',
+    '--repeats',
+    '2',
+    '--dtype',
+    'float32',
+    '--json',
+    '--coordinator_address',
+    f'localhost:{port}',
+    '--num_processes',
+    '2',
+  ]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, *common, '--process_id', str(i)],
+      cwd=REPO,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   try:
     outputs = [p.communicate(timeout=180) for p in procs]
   finally:

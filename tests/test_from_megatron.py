@@ -8,14 +8,13 @@ import json
 import os
 
 import pytest
-
-from t5x_like import from_megatron
-from t5x_like.config import Config, load_config_file
-
 from conftest import REPO, run_cli
 
+from t5x_like.cli import from_megatron
+from t5x_like.config import Config, load_config_file
+
 # tr8-104B: unmodified Megatron GPT-2 in the 'wide' shape, fp16, batch ramp-up, 32 nodes x 4 GPUs.
-TR8_SCRIPT = r'''#!/bin/bash
+TR8_SCRIPT = r"""#!/bin/bash
 #SBATCH --job-name=tr8-104B
 #SBATCH --constraint=v100-32g
 #SBATCH --nodes=32
@@ -165,11 +164,11 @@ echo $CMD
 # to debug - add echo (it exits and prints what it would have launched)
 srun --jobid $SLURM_JOBID bash -c '$LAUNCHER --node_rank $SLURM_PROCID $CMD' 2>&1 \
     | tee $OUTPUT_PATH/main_log.txt
-'''
+"""
 
 # tr8b-104B: the 64-layer shape with the sequence-length curriculum (in the DeepSpeed JSON),
 # token-based decay, 8-bit Adam and the data skipped past the spikes; 64 nodes x 8 GPUs.
-TR8B_SCRIPT = r'''#!/bin/bash
+TR8B_SCRIPT = r"""#!/bin/bash
 #SBATCH --job-name=tr8b-104B-cl-bnb
 #SBATCH --nodes=64
 #SBATCH --gres=gpu:8
@@ -290,10 +289,10 @@ export CMD=" \
     $DEEPSPEED_ARGS \
     "
 srun --jobid $SLURM_JOBID bash -c "$LAUNCHER --node_rank \$SLURM_PROCID $CMD"
-'''
+"""
 
 # tr11-176B-ml: BLOOM, the weighted multilingual splits from files the script generates.
-TR11_SCRIPT = r'''#!/bin/bash
+TR11_SCRIPT = r"""#!/bin/bash
 #SBATCH --job-name=tr11-176B-ml
 #SBATCH --partition=gpu_p5
 #SBATCH --nodes=48
@@ -486,7 +485,7 @@ clear; srun --jobid $SLURM_JOBID bash -c "$LAUNCHER --node_rank \$SLURM_PROCID $
     | tee -a $LOGS_PATH/main_log.txt
 
 echo "END TIME: $(date)"
-'''
+"""
 
 BLOOM_CONFIG = os.path.join(REPO, 'configs', 'bloom_176b.py')
 
@@ -521,8 +520,10 @@ def tr11_files(tmp_path):
   data = tmp_path / 'code' / 'tr11-176B-ml' / 'Megatron-DeepSpeed' / 'data'
   data.mkdir(parents=True)
   bloom = load_config_file(BLOOM_CONFIG).data
-  for name, groups in (('train', bloom.train_weighted_split_paths),
-                       ('valid', bloom.valid_weighted_split_paths)):
+  for name, groups in (
+    ('train', bloom.train_weighted_split_paths),
+    ('valid', bloom.valid_weighted_split_paths),
+  ):
     (data / f'{name}-splits.txt').write_text(''.join(f'"{g}"\n' for g in groups))
   return f'six_ALL_CCFRWORK={tmp_path}'
 
@@ -533,44 +534,112 @@ def typed(section, key, value):
 
 
 TR8_EXPECTED = {
-    'model': dict(architecture='gpt2', num_layers=32, hidden_size=16384, num_heads=32,
-                  ffn_hidden_size=65536, vocab_size=50257, pad_vocab_size_to=0,
-                  max_position_embeddings=2048, layernorm_epsilon=1e-5, hidden_dropout=0.1,
-                  attention_dropout=0.1, init_std=0.006, dtype='bfloat16', remat_policy='full'),
-    'train': dict(steps=0, train_samples=300_000_000, global_batch_size=2048, micro_batch_size=1,
-                  seq_len=2048, seed=42, rampup_batch_size=(32, 32, 6_000_000)),
-    'optimizer': dict(lr=6e-5, min_lr=6e-6, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                      clip_grad=1.0, warmup_samples=216_320, decay_samples=126_953_125,
-                      decay_style='cosine', decay_tokens=0),
-    'data': dict(train_path='/data/datasets-custom/oscar-en/meg-gpt2_text_document',
-                 split='949,50,1', skip_train_iteration_range=()),
-    'eval': dict(interval=1000, iters=5),
-    'mesh': dict(data=1, pipeline=32, tensor=4),
-    'checkpoint': dict(save_interval=300, load_optimizer=True, override_lr_scheduler=False,
-                       load_rng=True),
-    'runtime': dict(exit_duration_mins=1190.0, kill_switch_path=''),
+  'model': dict(
+    architecture='gpt2',
+    num_layers=32,
+    hidden_size=16384,
+    num_heads=32,
+    ffn_hidden_size=65536,
+    vocab_size=50257,
+    pad_vocab_size_to=0,
+    max_position_embeddings=2048,
+    layernorm_epsilon=1e-5,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+    init_std=0.006,
+    dtype='bfloat16',
+    remat_policy='full',
+  ),
+  'train': dict(
+    steps=0,
+    train_samples=300_000_000,
+    global_batch_size=2048,
+    micro_batch_size=1,
+    seq_len=2048,
+    seed=42,
+    rampup_batch_size=(32, 32, 6_000_000),
+  ),
+  'optimizer': dict(
+    lr=6e-5,
+    min_lr=6e-6,
+    beta1=0.9,
+    beta2=0.95,
+    eps=1e-8,
+    weight_decay=0.1,
+    clip_grad=1.0,
+    warmup_samples=216_320,
+    decay_samples=126_953_125,
+    decay_style='cosine',
+    decay_tokens=0,
+  ),
+  'data': dict(
+    train_path='/data/datasets-custom/oscar-en/meg-gpt2_text_document',
+    split='949,50,1',
+    skip_train_iteration_range=(),
+  ),
+  'eval': dict(interval=1000, iters=5),
+  'mesh': dict(data=1, pipeline=32, tensor=4),
+  'checkpoint': dict(
+    save_interval=300, load_optimizer=True, override_lr_scheduler=False, load_rng=True
+  ),
+  'runtime': dict(exit_duration_mins=1190.0, kill_switch_path=''),
 }
 
 TR8B_EXPECTED = {
-    'model': dict(architecture='gpt2', num_layers=64, hidden_size=11600, num_heads=80,
-                  ffn_hidden_size=0, vocab_size=50257, pad_vocab_size_to=0,
-                  max_position_embeddings=2048, layernorm_epsilon=1e-5, hidden_dropout=0.1,
-                  attention_dropout=0.1, init_std=0.006, dtype='bfloat16', remat_policy='full',
-                  stable_embedding=True),
-    'train': dict(steps=0, train_samples=600_000_000, global_batch_size=2048, micro_batch_size=2,
-                  seq_len=2048, seed=43, rampup_batch_size=()),
-    'optimizer': dict(lr=6e-5, min_lr=6e-6, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                      clip_grad=1.0, warmup_samples=3_750_000, decay_samples=600_000_000,
-                      decay_style='cosine', decay_tokens=260_000_000_000, name='adamw_8bit'),
-    'curriculum': dict(min_seq_len=64, total_iterations=36000, difficulty_step=8,
-                       schedule='fixed_linear'),
-    'data': dict(train_path='/data/datasets-custom/oscar-en/meg-gpt2_text_document',
-                 split='949,50,1', skip_train_iteration_range=('13251-14000', '16651-19500')),
-    'eval': dict(interval=150, iters=5),
-    'mesh': dict(data=4, pipeline=32, tensor=4),
-    'checkpoint': dict(save_interval=150, load_optimizer=True, override_lr_scheduler=False,
-                       load_rng=True),
-    'runtime': dict(exit_duration_mins=0.0, kill_switch_path=''),
+  'model': dict(
+    architecture='gpt2',
+    num_layers=64,
+    hidden_size=11600,
+    num_heads=80,
+    ffn_hidden_size=0,
+    vocab_size=50257,
+    pad_vocab_size_to=0,
+    max_position_embeddings=2048,
+    layernorm_epsilon=1e-5,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+    init_std=0.006,
+    dtype='bfloat16',
+    remat_policy='full',
+    stable_embedding=True,
+  ),
+  'train': dict(
+    steps=0,
+    train_samples=600_000_000,
+    global_batch_size=2048,
+    micro_batch_size=2,
+    seq_len=2048,
+    seed=43,
+    rampup_batch_size=(),
+  ),
+  'optimizer': dict(
+    lr=6e-5,
+    min_lr=6e-6,
+    beta1=0.9,
+    beta2=0.95,
+    eps=1e-8,
+    weight_decay=0.1,
+    clip_grad=1.0,
+    warmup_samples=3_750_000,
+    decay_samples=600_000_000,
+    decay_style='cosine',
+    decay_tokens=260_000_000_000,
+    name='adamw_8bit',
+  ),
+  'curriculum': dict(
+    min_seq_len=64, total_iterations=36000, difficulty_step=8, schedule='fixed_linear'
+  ),
+  'data': dict(
+    train_path='/data/datasets-custom/oscar-en/meg-gpt2_text_document',
+    split='949,50,1',
+    skip_train_iteration_range=('13251-14000', '16651-19500'),
+  ),
+  'eval': dict(interval=150, iters=5),
+  'mesh': dict(data=4, pipeline=32, tensor=4),
+  'checkpoint': dict(
+    save_interval=150, load_optimizer=True, override_lr_scheduler=False, load_rng=True
+  ),
+  'runtime': dict(exit_duration_mins=0.0, kill_switch_path=''),
 }
 
 
@@ -601,8 +670,9 @@ def test_tr8b_curriculum_and_bnb_convert_and_report_what_is_missing(tmp_path):
 
 
 def test_bnb_optimizer_on_bloom_maps_to_8bit_adam_and_stable_embedding(tmp_path):
-  script = TR11_SCRIPT.replace('    --embed-layernorm \\\n',
-                               '    --embed-layernorm \\\n    --use-bnb-optimizer \\\n')
+  script = TR11_SCRIPT.replace(
+    '    --embed-layernorm \\\n', '    --embed-layernorm \\\n    --use-bnb-optimizer \\\n'
+  )
   assert '--use-bnb-optimizer' in script
   code, raw, report, _ = convert_file(tmp_path, script, tr11_files(tmp_path))
   assert code == 0, report
@@ -616,11 +686,18 @@ def test_tr11_converts_to_configs_bloom_176b_on_every_shared_key(tmp_path):
   reference = config_sections(BLOOM_CONFIG)
   shared = [(s, k) for s in raw for k in raw[s] if k in (reference.get(s) or {})]
   assert len(shared) >= 40
-  differ = {f'{s}.{k}': (raw[s][k], reference[s][k]) for s, k in shared
-            if typed(s, k, raw[s][k]) != typed(s, k, reference[s][k])}
+  differ = {
+    f'{s}.{k}': (raw[s][k], reference[s][k])
+    for s, k in shared
+    if typed(s, k, raw[s][k]) != typed(s, k, reference[s][k])
+  }
   # The kill switch is a path given with --set; every other shared key is the same.
-  assert differ == {'runtime.kill_switch_path': (
-      str(tmp_path / 'code/tr11-176B-ml/Megatron-DeepSpeed/kill-switch-tr11-176B-exp1'), '')}
+  assert differ == {
+    'runtime.kill_switch_path': (
+      str(tmp_path / 'code/tr11-176B-ml/Megatron-DeepSpeed/kill-switch-tr11-176B-exp1'),
+      '',
+    )
+  }
   assert {'train_weighted_split_paths', 'valid_weighted_split_paths'} <= set(raw['data'])
   assert len(raw['data']['valid_weighted_split_paths']) == 29  # the blend and 28 languages
   assert raw['mesh'] == dict(data=8, pipeline=12, tensor=4)
@@ -629,35 +706,57 @@ def test_tr11_converts_to_configs_bloom_176b_on_every_shared_key(tmp_path):
 
 # The tiny model's shape and scale over a converted config: what each run's own script sets
 # stays (architecture, seed, betas, dropout, the optimizer and curriculum kinds).
-TINY_SHAPE = ['model.num_layers=1', 'model.hidden_size=32', 'model.num_heads=4',
-              'model.ffn_hidden_size=0', 'model.vocab_size=8192', 'model.pad_vocab_size_to=0',
-              'model.dtype=float32', 'model.remat_policy=none', 'train.train_samples=0',
-              'train.steps=2', 'train.seq_len=32', 'train.global_batch_size=4',
-              'train.micro_batch_size=2', 'train.rampup_batch_size=()',
-              'optimizer.warmup_samples=4', 'optimizer.decay_samples=8', 'mesh.data=1',
-              'mesh.pipeline=1', 'mesh.tensor=1', 'eval.interval=0', 'checkpoint.save_interval=0',
-              'runtime.kill_switch_path=', 'runtime.exit_duration_mins=0']
+TINY_SHAPE = [
+  'model.num_layers=1',
+  'model.hidden_size=32',
+  'model.num_heads=4',
+  'model.ffn_hidden_size=0',
+  'model.vocab_size=8192',
+  'model.pad_vocab_size_to=0',
+  'model.dtype=float32',
+  'model.remat_policy=none',
+  'train.train_samples=0',
+  'train.steps=2',
+  'train.seq_len=32',
+  'train.global_batch_size=4',
+  'train.micro_batch_size=2',
+  'train.rampup_batch_size=()',
+  'optimizer.warmup_samples=4',
+  'optimizer.decay_samples=8',
+  'mesh.data=1',
+  'mesh.pipeline=1',
+  'mesh.tensor=1',
+  'eval.interval=0',
+  'checkpoint.save_interval=0',
+  'runtime.kill_switch_path=',
+  'runtime.exit_duration_mins=0',
+]
 # Each run's data and schedule scaled to the embedded corpus and 2 iterations of 32 tokens.
 EMBEDDED_DATA = {
-    'tr8': ['data.train_path=', 'data.split=959,30,11'],
-    'tr8b': ['data.train_path=', 'data.split=959,30,11', 'optimizer.decay_tokens=256',
-             'curriculum.min_seq_len=8', 'curriculum.total_iterations=2'],
-    'tr11': ['data.train_weighted_split_paths=()', 'data.valid_weighted_split_paths=()'],
+  'tr8': ['data.train_path=', 'data.split=959,30,11'],
+  'tr8b': [
+    'data.train_path=',
+    'data.split=959,30,11',
+    'optimizer.decay_tokens=256',
+    'curriculum.min_seq_len=8',
+    'curriculum.total_iterations=2',
+  ],
+  'tr11': ['data.train_weighted_split_paths=()', 'data.valid_weighted_split_paths=()'],
 }
 
 
 @pytest.mark.parametrize('run', ['tr8', 'tr8b', 'tr11'])
 def test_converted_config_trains_the_tiny_model(tmp_path, run):
   script, sets, expected = {
-      'tr8': (TR8_SCRIPT, ['six_ALL_CCFRWORK=/data'], TR8_EXPECTED),
-      'tr8b': (TR8B_SCRIPT, ['six_ALL_CCFRWORK=/data'], TR8B_EXPECTED),
-      'tr11': (TR11_SCRIPT, [tr11_files(tmp_path)], None)}[run]
+    'tr8': (TR8_SCRIPT, ['six_ALL_CCFRWORK=/data'], TR8_EXPECTED),
+    'tr8b': (TR8B_SCRIPT, ['six_ALL_CCFRWORK=/data'], TR8B_EXPECTED),
+    'tr11': (TR11_SCRIPT, [tr11_files(tmp_path)], None),
+  }[run]
   code, raw, report, out = convert_file(tmp_path, script, *sets)
   assert code in (0, 1), report  # tr8 and tr8b report their fp16 (exit code 1)
   workdir = tmp_path / 'run'
   overrides = [f'--config.{o}' for o in TINY_SHAPE + EMBEDDED_DATA[run]]
-  r = run_cli(['-m', 't5x_like.train', '--config', str(out), '--workdir', str(workdir),
-               *overrides])
+  r = run_cli(['-m', 't5x_like.train', '--config', str(out), '--workdir', str(workdir), *overrides])
   assert r.returncode == 0, r.stderr[-3000:]
   with open(workdir / 'metrics.jsonl') as f:
     rows = [json.loads(line) for line in f]
@@ -665,10 +764,18 @@ def test_converted_config_trains_the_tiny_model(tmp_path, run):
   with open(workdir / 'config.json') as f:
     recorded = json.load(f)
   # What the conversion set and the overrides left alone reached the run.
-  kept = [(section, key) for section, key in (
-      ('train', 'seed'), ('model', 'architecture'), ('optimizer', 'beta2'),
-      ('optimizer', 'name'), ('model', 'hidden_dropout'), ('data', 'skip_train_iteration_range'))
-      if key in raw[section]]
+  kept = [
+    (section, key)
+    for section, key in (
+      ('train', 'seed'),
+      ('model', 'architecture'),
+      ('optimizer', 'beta2'),
+      ('optimizer', 'name'),
+      ('model', 'hidden_dropout'),
+      ('data', 'skip_train_iteration_range'),
+    )
+    if key in raw[section]
+  ]
   assert len(kept) >= 4
   for section, key in kept:
     want = raw[section][key]
@@ -684,13 +791,13 @@ def test_converted_config_trains_the_tiny_model(tmp_path, run):
     assert recorded['optimizer']['beta2'] == 0.95 and recorded['model']['hidden_dropout'] == 0.1
 
 
-MINIMAL = '''NLAYERS=${NLAYERS:-2}
+MINIMAL = """NLAYERS=${NLAYERS:-2}
 deepspeed --num_nodes 1 --num_gpus 2 pretrain_gpt.py --num-layers $NLAYERS --hidden-size 64 \\
   --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 \\
   --global-batch-size 8 --train-iters 10 --lr 1e-3 --vocab-file v.json --merge-file m.txt \\
   --train-weighted-split-paths "train: 0.6 0:0.9 /d/a, 0.4 0:0.9 /d/b" \\
   --valid-weighted-split-paths "valid_a: 1 0.9:1 /d/a" "valid_b: 1 0.9:1 /d/b" {extra}
-'''
+"""
 
 
 def test_a_flag_it_cannot_map_is_reported_and_sets_exit_code_1(tmp_path):
@@ -701,20 +808,25 @@ def test_a_flag_it_cannot_map_is_reported_and_sets_exit_code_1(tmp_path):
   # Megatron's iteration-based decay defaults to --train-iters x the global batch.
   assert raw['optimizer']['decay_samples'] == 80
   assert raw['data']['train_weighted_split_paths'] == ('train: 0.6 0:0.9 /d/a, 0.4 0:0.9 /d/b',)
-  assert raw['data']['valid_weighted_split_paths'] == ('valid_a: 1 0.9:1 /d/a',
-                                                       'valid_b: 1 0.9:1 /d/b')
+  assert raw['data']['valid_weighted_split_paths'] == (
+    'valid_a: 1 0.9:1 /d/a',
+    'valid_b: 1 0.9:1 /d/b',
+  )
   assert 'split' not in raw['data']  # Megatron has no --split with weighted split paths
-  code, raw, report, _ = convert_file(tmp_path,
-                                      MINIMAL.replace('{extra}', '--glu-activation swiglu'))
+  code, raw, report, _ = convert_file(
+    tmp_path, MINIMAL.replace('{extra}', '--glu-activation swiglu')
+  )
   assert code == 1
   assert report.split('NOT MAPPED (1):\n')[1].startswith(
-      '  --glu-activation swiglu: the MLP here is GeLU')
+    '  --glu-activation swiglu: the MLP here is GeLU'
+  )
   code, _, report, _ = convert_file(tmp_path, MINIMAL.replace('{extra}', '--some-new-flag 3'))
   assert code == 1 and '--some-new-flag 3: no rule for this flag here' in report
 
 
 def test_shell_subset():
-  shell = from_megatron.read_script(r'''#SBATCH --nodes=3
+  shell = from_megatron.read_script(
+    r"""#SBATCH --nodes=3
 A=${A:-7}  # comment
 B=${UNSET:-x}$A
 export C="a \
@@ -728,7 +840,9 @@ EOT
 G=$(date)/x
 P=$HOME
 echo run $GROUP
-''', {'A': '5', 'P': 'kept'})
+""",
+    {'A': '5', 'P': 'kept'},
+  )
   v = shell.variables
   assert shell.lookup('A') == '5'  # --set wins over the script's assignment
   assert (v['B'], v['C'], v['D'], v['E'], v['F']) == ('x5', 'a b', '11', '$A', '5')
@@ -739,13 +853,18 @@ echo run $GROUP
   assert shell.commands[-1].words == ['echo', 'run', '--x', '5', '--y', "'q", "r'"]
 
 
-@pytest.mark.parametrize('text, message', [
+@pytest.mark.parametrize(
+  'text, message',
+  [
     ('if [ -z "$A" ]; then A=1; fi\npython pretrain_gpt.py --lr 1\n', 'line 1: "if" blocks'),
     ('A="open\npython pretrain_gpt.py\n', 'line 1: a double quote is never closed'),
     ('python train.py --lr 1\n', 'no command runs pretrain_gpt.py'),
-    ('cat <<EOT > c.json\n{"a": $X}\nEOT\npython pretrain_gpt.py --deepspeed_config c.json\n',
-     'the DeepSpeed config c.json is not JSON'),
-])
+    (
+      'cat <<EOT > c.json\n{"a": $X}\nEOT\npython pretrain_gpt.py --deepspeed_config c.json\n',
+      'the DeepSpeed config c.json is not JSON',
+    ),
+  ],
+)
 def test_a_script_it_cannot_read_exits_2_with_one_message(tmp_path, capsys, text, message):
   script = tmp_path / 'bad.slurm'
   script.write_text(text)
@@ -770,8 +889,13 @@ def test_an_existing_out_file_is_kept_unless_overwrite(tmp_path, capsys):
   out.write_text('# my edited config\n')
   assert from_megatron.main([str(script), '--out', str(out)]) == 2
   captured = capsys.readouterr()
-  assert captured.err == (f'error: --out {out} already exists; pass --overwrite to replace it or '
-                          'choose another --out\n') and captured.out == ''
+  assert (
+    captured.err
+    == (
+      f'error: --out {out} already exists; pass --overwrite to replace it or choose another --out\n'
+    )
+    and captured.out == ''
+  )
   assert out.read_text() == '# my edited config\n'
   assert from_megatron.main([str(script), '--out', str(out), '--overwrite']) == 0
   assert config_sections(out)['train']['steps'] == 10

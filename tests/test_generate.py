@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
+from conftest import random_bloom, run_cli, small_config
 
-from t5x_like import ckpt, generate, inference
+from t5x_like.cli import ckpt, generate
 from t5x_like.config import ConfigError
 from t5x_like.data.tokenizer import Tokenizer
-
-from conftest import random_bloom, run_cli, small_config
+from t5x_like.inference import loading as inference
 
 
 def imported(tmp_path, n_head, vocab, hidden, swap=None):
@@ -40,21 +40,38 @@ def test_greedy_generation_is_hf_generate_and_sampling_follows_its_seed(tmp_path
   prompt = [5, 17, 42, 7, 250]
   ours = generate.generate_ids(cfg, params, prompt, 12, eod_id=model.config.eos_token_id)
   with torch.no_grad():
-    hf = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                        eos_token_id=model.config.eos_token_id,
-                        pad_token_id=model.config.eos_token_id)[0, len(prompt):].tolist()
+    hf = model.generate(
+      torch.tensor([prompt]),
+      max_new_tokens=12,
+      do_sample=False,
+      eos_token_id=model.config.eos_token_id,
+      pad_token_id=model.config.eos_token_id,
+    )[0, len(prompt) :].tolist()
   assert ours == hf and len(set(ours)) > 3  # a varied continuation, not one token repeated
   # Sampling is a function of the seed; top-k 1 leaves only the greedy token.
-  sample = lambda seed, **kw: generate.generate_ids(cfg, params, prompt, 12, temperature=1.5,
-                                                    seed=seed, **kw)
+  sample = lambda seed, **kw: generate.generate_ids(
+    cfg, params, prompt, 12, temperature=1.5, seed=seed, **kw
+  )
   assert sample(3) == sample(3) and sample(3) != sample(4)
   assert sample(3, top_k=1) == generate.generate_ids(cfg, params, prompt, 12)
 
 
 def test_cli_continues_text_with_the_shipped_tokenizer_and_refuses_a_smaller_model(tmp_path):
   _, out = imported(tmp_path, 4, 8192, hidden=32)
-  r = run_cli(['-m', 't5x_like.generate', '--checkpoint', out, '--prompt', 'def f(x):',
-               '--max_new_tokens', '5', '--dtype', 'float32'])
+  r = run_cli(
+    [
+      '-m',
+      't5x_like.generate',
+      '--checkpoint',
+      out,
+      '--prompt',
+      'def f(x):',
+      '--max_new_tokens',
+      '5',
+      '--dtype',
+      'float32',
+    ]
+  )
   assert r.returncode == 0, r.stderr
   result = json.loads(r.stdout.strip().splitlines()[-1])
   tokenizer = Tokenizer.load_default()
@@ -104,18 +121,30 @@ def test_generation_and_export_run_without_the_data_of_the_run():
   """A run on a user's seqio Task: evaluation needs its registry module, generating (and the HF
   export) reads no data, so a module that is gone does not stop them."""
   from t5x_like.config import DataConfig
+
   inference_config = inference.inference_config
-  saved = small_config(data=dict(mixture_or_task='users_task', split='969,30,1',
-                                 mixture_or_task_module='users_tasks_that_are_gone'))
+  saved = small_config(
+    data=dict(
+      mixture_or_task='users_task',
+      split='969,30,1',
+      mixture_or_task_module='users_tasks_that_are_gone',
+    )
+  )
   with pytest.raises(ConfigError, match='users_tasks_that_are_gone'):
     inference_config(saved)
   cfg = inference_config(saved, with_data=False)
-  assert cfg.data == DataConfig() and cfg.model == inference_config(
-      saved.replace(data={'mixture_or_task': '', 'mixture_or_task_module': ''})).model
+  assert (
+    cfg.data == DataConfig()
+    and cfg.model
+    == inference_config(
+      saved.replace(data={'mixture_or_task': '', 'mixture_or_task_module': ''})
+    ).model
+  )
 
 
 def test_a_generation_that_cannot_fit_is_refused_before_the_restore_and_long_ones_show_progress(
-    tmp_path, capsys, monkeypatch):
+  tmp_path, capsys, monkeypatch
+):
   """Without a KV cache every new token runs the model over the whole prompt + new-token buffer,
   whose attention scores are [heads, length, length] float32: 10^9 new tokens once aborted the
   process inside XLA (an overflowing shape) and 10^5 asked for 160 GB here. Both are refused
@@ -136,16 +165,20 @@ def test_a_generation_that_cannot_fit_is_refused_before_the_restore_and_long_one
   length = 10**9 + prompt_tokens
   assert f'attention scores [4, {length}, {length}] float32' in err, err
   # With 1 GiB to a device: 4 x 8192 x 8192 x 4 bytes is exactly 1 GiB.
-  monkeypatch.setattr(generate, 'device_memory', lambda tensor: (2**30, 'a test device\'s'))
+  monkeypatch.setattr(generate, 'device_memory', lambda tensor: (2**30, "a test device's"))
   assert generate.main([*prompt, '--max_new_tokens', '100000']) == 2
   err = capsys.readouterr().err
-  assert (f'prompt ({prompt_tokens} tokens) + --max_new_tokens (100000) is a '
-          f'{100000 + prompt_tokens}-token buffer' in err), err
+  assert (
+    f'prompt ({prompt_tokens} tokens) + --max_new_tokens (100000) is a '
+    f'{100000 + prompt_tokens}-token buffer' in err
+  ), err
   assert f'at most --max_new_tokens {8192 - prompt_tokens} fits after this prompt' in err, err
   # lax.top_k of more than the vocabulary failed in the compile, after the restore.
   assert generate.main([*prompt, '--temperature', '1', '--top_k', '8193']) == 2
-  assert capsys.readouterr().err == ('error: --top_k 8193 is more than the 8192 tokens of the '
-                                     'model; use at most 8192, or 0 for all of them\n')
+  assert capsys.readouterr().err == (
+    'error: --top_k 8193 is more than the 8192 tokens of the '
+    'model; use at most 8192, or 0 for all of them\n'
+  )
   monkeypatch.undo()
   monkeypatch.setattr(generate, 'PROGRESS_DELAY_S', 0.0)  # a bar from the first token
   assert generate.main([*prompt, '--max_new_tokens', '3']) == 0

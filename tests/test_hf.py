@@ -16,20 +16,20 @@ import torch
 import transformers
 from flax import linen as nn
 
-from t5x_like import hf
+from t5x_like.checkpointing import hf
 from t5x_like.config import Config, ModelConfig
-from t5x_like.model import Transformer, cross_entropy
+from t5x_like.model.transformer import Transformer, cross_entropy
 
 # Head counts 3, 5 and 6 exercise the non-power-of-two ALiBi slopes; vocabularies that are not
 # multiples of 128 exercise the embedding padding. A larger initializer_range than HF's 0.02 gives
 # logits of order 1, so that the tolerance below is a real test.
 CASES = [
-    dict(hidden_size=48, n_head=3, n_layer=2, vocab_size=250, initializer_range=0.2, seed=0),
-    dict(hidden_size=40, n_head=5, n_layer=3, vocab_size=1000, initializer_range=0.3, seed=1),
-    dict(hidden_size=60, n_head=6, n_layer=2, vocab_size=333, initializer_range=0.25, seed=2),
-    dict(hidden_size=64, n_head=8, n_layer=2, vocab_size=1000, initializer_range=0.2, seed=3),
+  dict(hidden_size=48, n_head=3, n_layer=2, vocab_size=250, initializer_range=0.2, seed=0),
+  dict(hidden_size=40, n_head=5, n_layer=3, vocab_size=1000, initializer_range=0.3, seed=1),
+  dict(hidden_size=60, n_head=6, n_layer=2, vocab_size=333, initializer_range=0.25, seed=2),
+  dict(hidden_size=64, n_head=8, n_layer=2, vocab_size=1000, initializer_range=0.2, seed=3),
 ]
-CASE_IDS = [f"h{c['hidden_size']}-n{c['n_head']}-L{c['n_layer']}-V{c['vocab_size']}" for c in CASES]
+CASE_IDS = [f'h{c["hidden_size"]}-n{c["n_head"]}-L{c["n_layer"]}-V{c["vocab_size"]}' for c in CASES]
 
 # What holds in fp32 on CPU at these sizes (largest differences seen: 6e-6 on logits of magnitude
 # up to 8, 1e-6 on the loss). Both sides are fp32 rounding, not a model mismatch: against HF run
@@ -87,9 +87,9 @@ def test_logits_and_loss_match_hf(case):
   logits = our_logits(cfg, padded, params, tokens)
 
   assert np.abs(hf_logits).max() > 1.0  # The comparison is not between near-zero numbers.
-  np.testing.assert_allclose(logits[..., :cfg.vocab_size], hf_logits, rtol=0, atol=LOGITS_ATOL)
+  np.testing.assert_allclose(logits[..., : cfg.vocab_size], hf_logits, rtol=0, atol=LOGITS_ATOL)
   # The padded rows can never be predicted.
-  assert np.all(logits[..., cfg.vocab_size:] == np.finfo(np.float32).min)
+  assert np.all(logits[..., cfg.vocab_size :] == np.finfo(np.float32).min)
 
   # HF shifts the labels inside the model: position t predicts token t+1.
   loss = float(cross_entropy(jnp.asarray(logits[:, :-1]), jnp.asarray(tokens[:, 1:])).mean())
@@ -100,10 +100,13 @@ def test_param_layout_matches_the_flax_model():
   # The converter's table must describe exactly the tree that Transformer.init creates.
   cfg = ModelConfig(num_layers=3, hidden_size=40, num_heads=5, vocab_size=250)
   padded = cfg.padded_vocab_size(2)
-  shapes = jax.eval_shape(Transformer(cfg, padded).init, jax.random.PRNGKey(0),
-                          jnp.zeros((1, 4), jnp.int32))
-  flat = {tuple(k.key for k in path): leaf.shape for path, leaf in
-          jax.tree_util.tree_flatten_with_path(nn.unbox(shapes['params']))[0]}
+  shapes = jax.eval_shape(
+    Transformer(cfg, padded).init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)
+  )
+  flat = {
+    tuple(k.key for k in path): leaf.shape
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nn.unbox(shapes['params']))[0]
+  }
   assert flat == hf.param_shapes(cfg, padded)
 
 
@@ -116,7 +119,7 @@ def test_state_round_trip_is_bitwise(case):
   full_state = torch_state(hf_model)
   assert hf.HF_LM_HEAD in full_state
   params = hf.params_from_hf_state(full_state, cfg, padded)
-  assert np.all(params['word_embeddings'][cfg.vocab_size:] == 0)
+  assert np.all(params['word_embeddings'][cfg.vocab_size :] == 0)
 
   state = hf.hf_state_from_params(params, cfg)
   expected = {k: v for k, v in full_state.items() if k != hf.HF_LM_HEAD}
@@ -135,11 +138,12 @@ def test_state_round_trip_is_bitwise(case):
 def test_params_round_trip_from_our_init_is_bitwise():
   cfg = ModelConfig(num_layers=2, hidden_size=48, num_heads=6, vocab_size=300)
   padded = cfg.padded_vocab_size(2)
-  params = nn.unbox(Transformer(cfg, padded).init(jax.random.PRNGKey(3),
-                                                  jnp.zeros((1, 4), jnp.int32))['params'])
+  params = nn.unbox(
+    Transformer(cfg, padded).init(jax.random.PRNGKey(3), jnp.zeros((1, 4), jnp.int32))['params']
+  )
   params = jax.tree.map(np.array, params)  # Writable host copies.
   # The padded rows carry nothing the model computes, so the HF side drops them; zero them here.
-  params['word_embeddings'][cfg.vocab_size:] = 0
+  params['word_embeddings'][cfg.vocab_size :] = 0
   state = hf.hf_state_from_params(params, cfg)
   assert state['transformer.word_embeddings.weight'].shape == (300, 48)
   back = hf.params_from_hf_state(state, cfg, padded)
@@ -147,9 +151,16 @@ def test_params_round_trip_from_our_init_is_bitwise():
 
 
 def test_config_round_trip():
-  cfg = ModelConfig(num_layers=3, hidden_size=60, num_heads=6, vocab_size=1000,
-                    layernorm_epsilon=1e-6, hidden_dropout=0.1, attention_dropout=0.05,
-                    init_std=0.01)
+  cfg = ModelConfig(
+    num_layers=3,
+    hidden_size=60,
+    num_heads=6,
+    vocab_size=1000,
+    layernorm_epsilon=1e-6,
+    hidden_dropout=0.1,
+    attention_dropout=0.05,
+    init_std=0.01,
+  )
   hf_config = hf.hf_config_from_model_config(cfg)
   bloom = transformers.BloomConfig(**hf_config)
   assert (bloom.n_layer, bloom.n_head, bloom.hidden_size, bloom.vocab_size) == (3, 6, 60, 1000)
@@ -158,13 +169,20 @@ def test_config_round_trip():
   assert Config.from_dict({'model': values}).model == cfg
   # init_std 0 means sqrt(1/(3h)); the HF config carries the resolved value.
   default_std = hf.hf_config_from_model_config(dataclasses.replace(cfg, init_std=0.0))
-  assert default_std['initializer_range'] == pytest.approx((1 / (3 * 60))**0.5)
+  assert default_std['initializer_range'] == pytest.approx((1 / (3 * 60)) ** 0.5)
 
 
 def test_old_config_key_aliases():
   # bigscience/bloom-560m's config.json says n_embed and num_attention_heads.
-  values = hf.model_config_from_hf({'model_type': 'bloom', 'n_embed': 64, 'num_attention_heads': 4,
-                                    'n_layer': 2, 'vocab_size': 250880})
+  values = hf.model_config_from_hf(
+    {
+      'model_type': 'bloom',
+      'n_embed': 64,
+      'num_attention_heads': 4,
+      'n_layer': 2,
+      'vocab_size': 250880,
+    }
+  )
   assert (values['hidden_size'], values['num_heads'], values['init_std']) == (64, 4, 0.02)
 
 
@@ -174,13 +192,15 @@ def test_save_then_from_pretrained_gives_identical_logits(tmp_path):
   params = hf.params_from_hf_state(torch_state(hf_model), cfg, cfg.padded_vocab_size(1))
   out_dir = tmp_path / 'export'
   out_dir.mkdir()  # An existing empty directory is fine.
-  hf.save_hf_dir(str(out_dir), hf.hf_config_from_model_config(cfg),
-                 hf.hf_state_from_params(params, cfg))
+  hf.save_hf_dir(
+    str(out_dir), hf.hf_config_from_model_config(cfg), hf.hf_state_from_params(params, cfg)
+  )
   assert sorted(os.listdir(out_dir)) == ['config.json', 'model.safetensors']
   assert os.listdir(tmp_path) == ['export']  # No staging directory left behind.
 
-  loaded, info = transformers.BloomForCausalLM.from_pretrained(str(out_dir),
-                                                               output_loading_info=True)
+  loaded, info = transformers.BloomForCausalLM.from_pretrained(
+    str(out_dir), output_loading_info=True
+  )
   assert not any(info.values()), info  # No missing, unexpected or mismatched keys.
   loaded.eval()
   ids = torch.from_numpy(random_tokens(cfg.vocab_size, 7)).long()
@@ -189,8 +209,11 @@ def test_save_then_from_pretrained_gives_identical_logits(tmp_path):
 
   config, state = hf.load_hf_dir(str(out_dir))
   assert config == json.loads(json.dumps(hf.hf_config_from_model_config(cfg)))
-  jax.tree.map(np.testing.assert_array_equal,
-               hf.params_from_hf_state(state, cfg, cfg.padded_vocab_size(1)), params)
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    hf.params_from_hf_state(state, cfg, cfg.padded_vocab_size(1)),
+    params,
+  )
 
 
 def test_save_pretrained_omits_tied_lm_head_and_sharded_dirs_load(tmp_path):
@@ -207,8 +230,7 @@ def test_save_pretrained_omits_tied_lm_head_and_sharded_dirs_load(tmp_path):
     config, state = hf.load_hf_dir(str(directory))
     assert hf.HF_LM_HEAD not in state  # save_pretrained drops the tied head.
     assert hf.model_config_from_hf(config) == hf.model_config_from_hf(hf_model.config.to_dict())
-    jax.tree.map(np.testing.assert_array_equal, hf.params_from_hf_state(state, cfg, 256),
-                 expected)
+    jax.tree.map(np.testing.assert_array_equal, hf.params_from_hf_state(state, cfg, 256), expected)
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
@@ -236,8 +258,9 @@ def fixture_small():
 def test_missing_tensor_is_named(small):
   cfg, state = small
   del state['transformer.h.1.mlp.dense_4h_to_h.bias']
-  with pytest.raises(ValueError,
-                     match=r'missing 1 tensor.*transformer\.h\.1\.mlp\.dense_4h_to_h\.bias'):
+  with pytest.raises(
+    ValueError, match=r'missing 1 tensor.*transformer\.h\.1\.mlp\.dense_4h_to_h\.bias'
+  ):
     hf.params_from_hf_state(state, cfg, 256)
 
 
@@ -289,8 +312,9 @@ def test_save_refuses_non_empty_dir(small, tmp_path):
   target.mkdir()
   (target / 'keep.txt').write_text('precious')
   with pytest.raises(FileExistsError, match='not an empty directory'):
-    hf.save_hf_dir(str(target), hf.hf_config_from_model_config(cfg),
-                   hf.hf_state_from_params(params, cfg))
+    hf.save_hf_dir(
+      str(target), hf.hf_config_from_model_config(cfg), hf.hf_state_from_params(params, cfg)
+    )
   assert os.listdir(target) == ['keep.txt']
   assert sorted(os.listdir(tmp_path)) == ['out']
 
@@ -304,16 +328,27 @@ def test_save_refuses_state_that_does_not_fit_the_config(small, tmp_path):
   assert not os.listdir(tmp_path)
 
 
-@pytest.mark.parametrize('change, message', [
+@pytest.mark.parametrize(
+  'change, message',
+  [
     ({'model_type': 'gpt2'}, "model_type='gpt2'"),
-    ({'apply_residual_connection_post_layernorm': True},
-     'apply_residual_connection_post_layernorm'),
+    (
+      {'apply_residual_connection_post_layernorm': True},
+      'apply_residual_connection_post_layernorm',
+    ),
     ({'tie_word_embeddings': False}, 'tie_word_embeddings'),
     ({'n_head': 7}, 'not divisible'),
-])
+  ],
+)
 def test_unsupported_hf_configs_are_refused(change, message):
-  config = {'model_type': 'bloom', 'hidden_size': 48, 'n_head': 3, 'n_layer': 2,
-            'vocab_size': 250, **change}
+  config = {
+    'model_type': 'bloom',
+    'hidden_size': 48,
+    'n_head': 3,
+    'n_layer': 2,
+    'vocab_size': 250,
+    **change,
+  }
   with pytest.raises(ValueError, match=message):
     hf.model_config_from_hf(config)
 

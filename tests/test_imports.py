@@ -1,27 +1,96 @@
-"""The package's imports form no cycle (function-level imports included): config and errors are
-leaves that the rest builds on."""
+"""The package's layers: no import cycle (function-level imports included), no module that
+imports a layer above its own, and config and errors as leaves that the rest builds on."""
 
 import ast
 import functools
 import os
 
+import pytest
 from conftest import REPO
 
 from t5x_like.data.corpus import parse_python
 
-# Source directory of each package of the distribution (setup.cfg's package_dir).
-PACKAGES = {'t5x_like': 't5x_like', 't5x_like.data': 't5x_like/data',
-            't5x_like.kernels': 'kernels'}
+# Source directory of each top-level package of the distribution (setup.cfg's package_dir).
+PACKAGE_ROOTS = {'t5x_like': 't5x_like', 't5x_like.kernels': 'kernels'}
+
+# The layers, lowest first (t5x_like/__init__.py draws them): a module imports its own package
+# and the layers below its own. Packages of one layer do not import each other, but for the
+# leaves of layer 0.
+LAYERS = {
+  't5x_like.errors': 0,
+  't5x_like.config': 0,
+  't5x_like.files': 0,
+  't5x_like.kernels': 0,
+  't5x_like.mesh': 1,
+  't5x_like.data': 1,
+  't5x_like.model': 2,
+  't5x_like.optim': 2,
+  't5x_like.parallel': 3,
+  't5x_like.checkpointing': 4,
+  't5x_like.training': 5,
+  't5x_like.inference': 6,
+  't5x_like.planning': 6,
+  't5x_like.cli': 7,
+}
+# `python -m t5x_like.<command>` runs these root modules: entry points of cli's layer, as is
+# `python -m t5x_like.data` (data/__main__.py).
+COMMANDS = (
+  'train',
+  'evaluate',
+  'generate',
+  'ckpt',
+  'plan',
+  'plot',
+  'watch',
+  'devices',
+  'from_megatron',
+)
+ENTRY_POINTS = {f't5x_like.{c}' for c in COMMANDS} | {'t5x_like.data.__main__'}
 
 
 def module_files() -> dict[str, str]:
+  """{module: its file} for every module of the distribution, subpackages included."""
   modules = {}
-  for package, directory in PACKAGES.items():
-    for name in os.listdir(os.path.join(REPO, directory)):
-      if name.endswith('.py'):
-        module = package if name == '__init__.py' else f'{package}.{name[:-3]}'
-        modules[module] = os.path.join(REPO, directory, name)
+  for package, directory in PACKAGE_ROOTS.items():
+    base = os.path.join(REPO, directory)
+    for root, dirs, files in os.walk(base):
+      dirs[:] = sorted(d for d in dirs if d != '__pycache__')
+      rel = os.path.relpath(root, base)
+      prefix = '.'.join([package, *([] if rel == '.' else rel.split(os.sep))])
+      for name in files:
+        if name.endswith('.py'):
+          module = prefix if name == '__init__.py' else f'{prefix}.{name[:-3]}'
+          modules[module] = os.path.join(root, name)
   return modules
+
+
+def unit_of(module: str) -> str | None:
+  """The layer unit (a key of LAYERS) that `module` belongs to; None for the package's root
+  __init__, which imports nothing."""
+  if module in ENTRY_POINTS:
+    return 't5x_like.cli'
+  for unit in sorted(LAYERS, key=len, reverse=True):
+    if module == unit or module.startswith(unit + '.'):
+      return unit
+  return None
+
+
+def layer_violations(graph: dict[str, frozenset[str]]) -> list[str]:
+  """'a -> b (layer i -> j)' for every import of a layer above a module's own, or of another
+  package of its own layer (above 0)."""
+  found = []
+  for module, imports in sorted(graph.items()):
+    unit = unit_of(module)
+    if unit is None:
+      continue
+    for imported in sorted(imports):
+      other = unit_of(imported)
+      if other is None or other == unit:
+        continue
+      low, high = LAYERS[other], LAYERS[unit]
+      if low > high or (low == high and high > 0):
+        found.append(f'{module} -> {imported} (layer {high} -> {low})')
+  return found
 
 
 def parse(path: str) -> ast.Module:
@@ -60,7 +129,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
     stack.append(node)
     for nxt in sorted(graph[node]):
       if state.get(nxt) == 'open':
-        return stack[stack.index(nxt):] + [nxt]
+        return stack[stack.index(nxt) :] + [nxt]
       if nxt not in state:
         cycle = visit(nxt)
         if cycle:
@@ -79,8 +148,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_package_has_no_import_cycle():
   graph = package_import_graph()
-  assert {'t5x_like.config', 't5x_like.trainer', 't5x_like.kernels.flash_attention'} <= set(graph)
-  assert 't5x_like.partitioning' in graph['t5x_like.trainer']
+  assert {
+    't5x_like.config',
+    't5x_like.training.trainer',
+    't5x_like.kernels.flash_attention',
+  } <= set(graph)
+  assert 't5x_like.mesh.partitioning' in graph['t5x_like.training.trainer']
   cycle = find_cycle(graph)
   assert not cycle, ' -> '.join(cycle)
 
@@ -89,17 +162,51 @@ def test_the_cycle_finder_finds_the_cycle_config_once_had():
   graph = dict(package_import_graph())
   # config imported partitioning for its mesh check, and partitioning imported config for
   # ConfigError: both edges back.
-  graph['t5x_like.config'] = graph['t5x_like.config'] | {'t5x_like.partitioning'}
-  graph['t5x_like.partitioning'] = graph['t5x_like.partitioning'] | {'t5x_like.config'}
+  graph['t5x_like.config'] = graph['t5x_like.config'] | {'t5x_like.mesh.partitioning'}
+  graph['t5x_like.mesh.partitioning'] = graph['t5x_like.mesh.partitioning'] | {'t5x_like.config'}
   cycle = find_cycle(graph)
-  assert cycle[0] == cycle[-1] and 't5x_like.config' in cycle and 't5x_like.partitioning' in cycle
+  assert (
+    cycle[0] == cycle[-1] and 't5x_like.config' in cycle and 't5x_like.mesh.partitioning' in cycle
+  )
+
+
+def test_every_module_is_in_a_layer_and_imports_only_below_it():
+  graph = package_import_graph()
+  unplaced = [m for m in graph if unit_of(m) is None and m != 't5x_like']
+  assert not unplaced, f'add these to a layer of LAYERS: {unplaced}'
+  violations = layer_violations(graph)
+  assert not violations, 'imports against the layers:\n' + '\n'.join(violations)
+
+
+@pytest.mark.parametrize(
+  'module, imported',
+  [
+    ('t5x_like.model.transformer', 't5x_like.training.trainer'),  # up
+    ('t5x_like.model.losses', 't5x_like.optim.adamw'),  # sideways, within layer 2
+    ('t5x_like.data.sources', 't5x_like.training.batches'),  # the data layer's old leak
+  ],
+)
+def test_the_layer_check_finds_an_import_against_the_layers(module, imported):
+  graph = dict(package_import_graph())
+  graph[module] = graph[module] | {imported}
+  assert layer_violations(graph) == [
+    f'{module} -> {imported} (layer {LAYERS[unit_of(module)]} -> {LAYERS[unit_of(imported)]})'
+  ]
+
+
+def test_each_layer_says_what_it_is_for_and_what_it_may_import():
+  for unit, layer in LAYERS.items():
+    path = module_files().get(unit)
+    if path is None or not path.endswith('__init__.py') or unit == 't5x_like.kernels':
+      continue
+    doc = ast.get_docstring(parse(path)) or ''
+    assert f'Layer {layer}:' in doc, f'{path}: its docstring names no "Layer {layer}:" rule'
 
 
 def test_config_imports_no_package_module_but_errors():
   """config.py is a leaf that every module can import: the checks that need other modules
   (mesh, attention, schedule, data) live in those modules and run from startup.check_config."""
   assert package_import_graph()['t5x_like.config'] <= {'t5x_like.errors'}
-
 
 
 def private_uses(modules: dict[str, str]) -> list[str]:
@@ -131,8 +238,12 @@ def private_uses(modules: dict[str, str]) -> list[str]:
         for a in node.names:
           if f'{source}.{a.name}' in modules:
             aliases[a.asname or a.name] = f'{source}.{a.name}'
-          elif (source in modules and source != module and a.name.startswith('_')
-                and not a.name.startswith('__')):
+          elif (
+            source in modules
+            and source != module
+            and a.name.startswith('_')
+            and not a.name.startswith('__')
+          ):
             found.append(f'{path}:{node.lineno}: from {source} import {a.name}')
 
     def module_of(node: ast.expr) -> str | None:
@@ -147,8 +258,11 @@ def private_uses(modules: dict[str, str]) -> list[str]:
       return None
 
     for node in ast.walk(tree):
-      if (isinstance(node, ast.Attribute) and node.attr.startswith('_')
-          and not node.attr.startswith('__')):
+      if (
+        isinstance(node, ast.Attribute)
+        and node.attr.startswith('_')
+        and not node.attr.startswith('__')
+      ):
         owner = module_of(node.value)
         if owner and owner != module:
           found.append(f'{path}:{node.lineno}: {owner}.{node.attr}')
@@ -157,20 +271,24 @@ def private_uses(modules: dict[str, str]) -> list[str]:
 
 def test_no_module_uses_another_modules_private_names():
   uses = private_uses(module_files())
-  assert not uses, ('make these public (a name without the underscore) in the module that owns '
-                    'them:\n' + '\n'.join(uses))
+  assert not uses, (
+    'make these public (a name without the underscore) in the module that owns '
+    'them:\n' + '\n'.join(uses)
+  )
 
 
 def test_private_uses_finds_each_form(tmp_path):
   files = {
-      't5x_like.lib': "def _helper(): pass\ndef public(): return _helper()\n",
-      't5x_like.data.__init__': '',
-      't5x_like.data.reader': 'def _read(): pass\n',
-      't5x_like.tool': ('import os\nfrom t5x_like import lib\nfrom t5x_like import lib as other\n'
-                        'import t5x_like.data.reader\nfrom t5x_like.lib import _helper\n'
-                        'def main():\n  lib._helper()\n  other._helper()\n'
-                        '  t5x_like.data.reader._read()\n  os._exit(0)\n  lib.public()\n'),
-      't5x_like.data.user': 'from . import reader\nfrom .reader import _read\nreader._read()\n',
+    't5x_like.lib': 'def _helper(): pass\ndef public(): return _helper()\n',
+    't5x_like.data.__init__': '',
+    't5x_like.data.reader': 'def _read(): pass\n',
+    't5x_like.tool': (
+      'import os\nfrom t5x_like import lib\nfrom t5x_like import lib as other\n'
+      'import t5x_like.data.reader\nfrom t5x_like.lib import _helper\n'
+      'def main():\n  lib._helper()\n  other._helper()\n'
+      '  t5x_like.data.reader._read()\n  os._exit(0)\n  lib.public()\n'
+    ),
+    't5x_like.data.user': 'from . import reader\nfrom .reader import _read\nreader._read()\n',
   }
   modules = {}
   for module, text in files.items():
@@ -178,7 +296,13 @@ def test_private_uses_finds_each_form(tmp_path):
     path.write_text(text)
     modules[module.removesuffix('.__init__')] = str(path)
   uses = [use.rpartition(': ')[2] for use in private_uses(modules)]
-  assert sorted(uses) == sorted([
-      'from t5x_like.lib import _helper', 't5x_like.lib._helper', 't5x_like.lib._helper',
-      't5x_like.data.reader._read', 'from t5x_like.data.reader import _read',
-      't5x_like.data.reader._read'])
+  assert sorted(uses) == sorted(
+    [
+      'from t5x_like.lib import _helper',
+      't5x_like.lib._helper',
+      't5x_like.lib._helper',
+      't5x_like.data.reader._read',
+      'from t5x_like.data.reader import _read',
+      't5x_like.data.reader._read',
+    ]
+  )

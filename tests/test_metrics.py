@@ -1,7 +1,7 @@
-"""metrics.ThroughputWatch: a lasting slowdown of the step is reported, a single slow step is not.
-metrics.SpikeWatch: a loss or grad-norm spike is reported in its first iteration."""
+"""watches.ThroughputWatch: a lasting slowdown of the step is reported, a single slow step is not.
+watches.SpikeWatch: a loss or grad-norm spike is reported in its first iteration."""
 
-from t5x_like import metrics
+from t5x_like.training import metrics, watches
 
 
 def messages(add, points, first_iteration):
@@ -20,7 +20,7 @@ def feed(watch, times, first_iteration, gbs=16):
 
 
 def test_a_lasting_slowdown_is_reported_once_and_again_only_after_a_recovery():
-  watch = metrics.ThroughputWatch(window=5, threshold=0.05, warmup=2)
+  watch = watches.ThroughputWatch(window=5, threshold=0.05, warmup=2)
   # Two warm-up iterations (slow) are not the baseline; iterations 3-7 are: 1.0 s.
   assert feed(watch, [10.0, 9.0, 1.0, 1.0, 1.0, 1.0, 1.0], 1) == {}
   # One slow iteration (a save, a hiccup) does not move the median of five.
@@ -40,29 +40,31 @@ def test_a_lasting_slowdown_is_reported_once_and_again_only_after_a_recovery():
 
 def test_each_global_batch_size_and_curriculum_length_has_its_own_baseline():
   # A batch-size ramp-up makes the step longer without anything being wrong.
-  watch = metrics.ThroughputWatch(window=3, threshold=0.05, warmup=1)
+  watch = watches.ThroughputWatch(window=3, threshold=0.05, warmup=1)
   assert feed(watch, [5.0, 1.0, 1.0, 1.0], 1, gbs=16) == {}
   assert feed(watch, [5.0, 2.0, 2.0, 2.0, 2.0, 2.0], 5, gbs=32) == {}
   assert list(feed(watch, [2.3] * 3, 11, gbs=32)) == [12]
   # So does the curriculum's next sequence length, at the same batch size.
-  assert messages(lambda it, s: watch.add(it, 16, s, 1024), [(t,) for t in [5.0] + [1.8] * 6],
-                  14) == {}
+  assert (
+    messages(lambda it, s: watch.add(it, 16, s, 1024), [(t,) for t in [5.0] + [1.8] * 6], 14) == {}
+  )
   slow = messages(lambda it, s: watch.add(it, 16, s, 1024), [(2.0,)] * 3, 21)
   assert list(slow) == [22] and 'global batch size 16, sequence length 1024' in slow[22]
 
 
 def test_an_earlier_jobs_baseline_finds_a_device_slow_from_the_start_and_a_faster_one_wins():
-  earlier = metrics.ThroughputWatch(window=3, threshold=0.05, warmup=1)
+  earlier = watches.ThroughputWatch(window=3, threshold=0.05, warmup=1)
   assert feed(earlier, [5.0, 1.0, 1.0, 1.0], 1) == {}
   assert earlier.baselines() == [
-      {'global_batch_size': 16, 'seq_len': 0, 'step_s': 1.0, 'first': 2, 'last': 4}]
+    {'global_batch_size': 16, 'seq_len': 0, 'step_s': 1.0, 'first': 2, 'last': 4}
+  ]
   # The next job is 10% slower from its first step: its own baseline would hide that.
-  slow_job = metrics.ThroughputWatch(window=3, threshold=0.05, warmup=1)
+  slow_job = watches.ThroughputWatch(window=3, threshold=0.05, warmup=1)
   slow_job.seed(earlier.baselines())
   slow = feed(slow_job, [5.0, 1.1, 1.1, 1.1], 5)
   assert list(slow) == [8] and "10.0% above an earlier job's 1 s (iterations 2-4" in slow[8]
   # A job faster than the earlier one keeps its own, faster baseline.
-  fast_job = metrics.ThroughputWatch(window=3, threshold=0.05, warmup=1)
+  fast_job = watches.ThroughputWatch(window=3, threshold=0.05, warmup=1)
   fast_job.seed(earlier.baselines())
   assert feed(fast_job, [5.0, 0.8, 0.8, 0.8, 0.8], 5) == {}
   assert fast_job.baselines()[0]['step_s'] == 0.8
@@ -75,7 +77,7 @@ def spikes(watch, points, first_iteration):
 
 
 def test_a_spike_is_reported_in_its_first_iteration_and_a_new_level_is_not_a_spike():
-  watch = metrics.SpikeWatch(window=10, loss_threshold=0.15, grad_factor=4.0)
+  watch = watches.SpikeWatch(window=10, loss_threshold=0.15, grad_factor=4.0)
   # The first `window` iterations only fill the window: a falling loss is no spike.
   assert spikes(watch, [(9.0 - 0.5 * i, 1.0) for i in range(10)], 1) == {}
   noisy = [(2.4 + 0.05 * (-1) ** i, 0.2 + 0.02 * (i % 3)) for i in range(20)]
@@ -84,7 +86,8 @@ def test_a_spike_is_reported_in_its_first_iteration_and_a_new_level_is_not_a_spi
   got = spikes(watch, [(3.1, 0.25), (3.3, 0.3), (3.0, 0.25)], 31)
   assert list(got) == [31]
   assert got[31].startswith(
-      '> spike at iteration 31: lm loss 3.1000 is 29% above the median 2.4000')
+    '> spike at iteration 31: lm loss 3.1000 is 29% above the median 2.4000'
+  )
   assert got[31].endswith('of the previous 10 iterations')
   # Back to normal, then a grad-norm spike alone (the loss has not moved yet).
   assert spikes(watch, noisy[:10], 34) == {}
@@ -100,39 +103,63 @@ def test_a_spike_is_reported_in_its_first_iteration_and_a_new_level_is_not_a_spi
 def test_a_spike_check_with_threshold_0_is_off():
   """runtime.spike_loss_threshold / spike_grad_factor = 0: e.g. grad norms only, for a run whose
   loss jumps by design (a new data mix)."""
-  grads_only = metrics.SpikeWatch(window=5, loss_threshold=0.0, grad_factor=3.0)
+  grads_only = watches.SpikeWatch(window=5, loss_threshold=0.0, grad_factor=3.0)
   assert spikes(grads_only, [(2.0, 1.0)] * 5 + [(9.0, 1.0)], 1) == {}
   assert list(spikes(grads_only, [(2.0, 1.0), (2.0, 4.0)], 7)) == [8]
-  loss_only = metrics.SpikeWatch(window=5, loss_threshold=0.5, grad_factor=0.0)
+  loss_only = watches.SpikeWatch(window=5, loss_threshold=0.5, grad_factor=0.0)
   assert spikes(loss_only, [(2.0, 1.0)] * 5 + [(2.0, 100.0)], 1) == {}
   assert list(spikes(loss_only, [(2.0, 1.0), (3.5, 1.0)], 7)) == [8]
 
 
 def test_tensorboard_runs_plot_training_against_iterations_samples_and_tokens():
-  record = {'iteration': 7, 'consumed_samples': 112, 'consumed_tokens': 14336, 'lm_loss': 6.5,
-            'learning_rate': 1e-3, 'global_batch_size': 16, 'grad_norm': 0.5, 'num_zeros': 0.0,
-            'step_time_s': 0.9, 'skipped_iterations': 0}
+  record = {
+    'iteration': 7,
+    'consumed_samples': 112,
+    'consumed_tokens': 14336,
+    'lm_loss': 6.5,
+    'learning_rate': 1e-3,
+    'global_batch_size': 16,
+    'grad_norm': 0.5,
+    'num_zeros': 0.0,
+    'step_time_s': 0.9,
+    'skipped_iterations': 0,
+  }
   runs = metrics.tensorboard_scalars(record)
   assert runs[''] == [
-      ('lm-loss-training/lm_loss', 6.5, 7), ('learning-rate/learning-rate', 1e-3, 7),
-      ('batch-size/batch-size', 16, 7), ('grad-norm/grad-norm', 0.5, 7),
-      ('num-zeros/num-zeros', 0.0, 7), ('consumed/samples', 112, 7),
-      ('consumed/tokens', 14336, 7), ('iteration-time/iteration-time', 0.9, 7),
-      ('skipped/skipped_iterations', 0, 7)]
+    ('lm-loss-training/lm_loss', 6.5, 7),
+    ('learning-rate/learning-rate', 1e-3, 7),
+    ('batch-size/batch-size', 16, 7),
+    ('grad-norm/grad-norm', 0.5, 7),
+    ('num-zeros/num-zeros', 0.0, 7),
+    ('consumed/samples', 112, 7),
+    ('consumed/tokens', 14336, 7),
+    ('iteration-time/iteration-time', 0.9, 7),
+    ('skipped/skipped_iterations', 0, 7),
+  ]
   # Speed and counters only against the iteration; the curves to compare runs by also against
   # the data consumed, each axis in its own run (a resume's purge step is per run).
   assert runs['vs_tokens'] == [
-      ('lm-loss-training/lm_loss_vs_tokens', 6.5, 14336),
-      ('learning-rate/learning-rate_vs_tokens', 1e-3, 14336),
-      ('batch-size/batch-size_vs_tokens', 16, 14336), ('grad-norm/grad-norm_vs_tokens', 0.5, 14336),
-      ('num-zeros/num-zeros_vs_tokens', 0.0, 14336)]
+    ('lm-loss-training/lm_loss_vs_tokens', 6.5, 14336),
+    ('learning-rate/learning-rate_vs_tokens', 1e-3, 14336),
+    ('batch-size/batch-size_vs_tokens', 16, 14336),
+    ('grad-norm/grad-norm_vs_tokens', 0.5, 14336),
+    ('num-zeros/num-zeros_vs_tokens', 0.0, 14336),
+  ]
   assert [(tag, step) for tag, _, step in runs['vs_samples']] == [
-      (tag.replace('_vs_tokens', '_vs_samples'), 112) for tag, _, _ in runs['vs_tokens']]
-  evaluated = {'iteration': 7, 'consumed_samples': 112, 'consumed_tokens': 14336, 'set': 'valid',
-               'lm_loss': 6.0, 'ppl': 403.4}
+    (tag.replace('_vs_tokens', '_vs_samples'), 112) for tag, _, _ in runs['vs_tokens']
+  ]
+  evaluated = {
+    'iteration': 7,
+    'consumed_samples': 112,
+    'consumed_tokens': 14336,
+    'set': 'valid',
+    'lm_loss': 6.0,
+    'ppl': 403.4,
+  }
   assert metrics.tensorboard_eval_scalars(evaluated)['vs_tokens'] == [
-      ('lm-loss-validation/valid_lm_loss_vs_tokens', 6.0, 14336),
-      ('lm-loss-validation/valid_lm_loss_PPL_vs_tokens', 403.4, 14336)]
+    ('lm-loss-validation/valid_lm_loss_vs_tokens', 6.0, 14336),
+    ('lm-loss-validation/valid_lm_loss_PPL_vs_tokens', 403.4, 14336),
+  ]
   # A record without an axis (an evaluation written before tokens were recorded) has no such run.
   del evaluated['consumed_tokens']
   assert set(metrics.tensorboard_eval_scalars(evaluated)) == {'', 'vs_samples'}

@@ -6,13 +6,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import model as model_lib
 from t5x_like.config import ModelConfig
+from t5x_like.model import transformer as model_lib
 
 
 def build(**overrides):
-  cfg = ModelConfig(**{**dict(num_layers=3, hidden_size=48, num_heads=6, vocab_size=200,
-                               init_std=0.02), **overrides})
+  cfg = ModelConfig(
+    **{
+      **dict(num_layers=3, hidden_size=48, num_heads=6, vocab_size=200, init_std=0.02),
+      **overrides,
+    }
+  )
   m = model_lib.Transformer(cfg, padded_vocab=256)
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, cfg.vocab_size)
   boxed = m.init(jax.random.PRNGKey(0), tokens)['params']
@@ -21,14 +25,13 @@ def build(**overrides):
 
 def test_alibi_slopes_match_the_fairseq_recipe():
   # Powers of two: 2^(-8(i+1)/n).
-  np.testing.assert_allclose(model_lib.alibi_slopes(8), [2**(-(i + 1)) for i in range(8)])
+  np.testing.assert_allclose(model_lib.alibi_slopes(8), [2 ** (-(i + 1)) for i in range(8)])
   # 112 heads (BLOOM-176B): the 64 slopes for 64 heads, then every other slope of 128 heads.
   s112 = model_lib.alibi_slopes(112)
-  np.testing.assert_allclose(s112[:64], [2**(-8 * (i + 1) / 64) for i in range(64)])
-  np.testing.assert_allclose(s112[64:], [2**(-8 * (i + 1) / 128) for i in range(128)][0::2][:48])
+  np.testing.assert_allclose(s112[:64], [2 ** (-8 * (i + 1) / 64) for i in range(64)])
+  np.testing.assert_allclose(s112[64:], [2 ** (-8 * (i + 1) / 128) for i in range(128)][0::2][:48])
   # 6 heads: 4 + 2.
-  np.testing.assert_allclose(model_lib.alibi_slopes(6),
-                             [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
+  np.testing.assert_allclose(model_lib.alibi_slopes(6), [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
 
 
 def test_gelu_is_the_tanh_approximation():
@@ -100,7 +103,7 @@ def test_causal_and_padded_vocab_masked():
   np.testing.assert_array_equal(logits[:, :8], logits2[:, :8])
   assert not np.allclose(logits[:, 8:], logits2[:, 8:])
   probs = jax.nn.softmax(logits, -1)
-  assert float(probs[..., cfg.vocab_size:].max()) == 0.0
+  assert float(probs[..., cfg.vocab_size :].max()) == 0.0
 
 
 def test_gpt2_has_learned_positions_and_no_embedding_layernorm():
@@ -134,8 +137,9 @@ def test_dropout_is_active_only_when_training():
   eval_a = m.apply({'params': params}, tokens)
   eval_b = m.apply({'params': params}, tokens)
   np.testing.assert_array_equal(eval_a, eval_b)
-  train = m.apply({'params': params}, tokens, deterministic=False,
-                  rngs={'dropout': jax.random.PRNGKey(3)})
+  train = m.apply(
+    {'params': params}, tokens, deterministic=False, rngs={'dropout': jax.random.PRNGKey(3)}
+  )
   assert not np.allclose(train, eval_a)
 
 

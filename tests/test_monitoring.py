@@ -11,23 +11,25 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-
-from t5x_like import profiling
-from t5x_like.config import ConfigError
-from t5x_like.trainer import Trainer
-
 from conftest import config_with
+
+from t5x_like.config import ConfigError
+from t5x_like.training import profiling
+from t5x_like.training.trainer import Trainer
 
 
 @pytest.fixture(scope='module')
 def profiled_run(tmp_path_factory):
   """A tiny run with runtime.profile_steps='2-3': (workdir, trainer, its log)."""
-  cfg = config_with({
+  cfg = config_with(
+    {
       'model': dict(num_layers=1, hidden_size=32, num_heads=2, vocab_size=8192),
       'train': dict(steps=4, global_batch_size=2, micro_batch_size=2, seq_len=16),
       'optimizer': dict(warmup_samples=2, decay_samples=100),
       'runtime': dict(profile_steps='2-3'),
-  }, {})
+    },
+    {},
+  )
   workdir = str(tmp_path_factory.mktemp('profiled'))
   trainer = Trainer(cfg, workdir)
   trainer.run()
@@ -46,7 +48,8 @@ def traced_steps(log_dir):
       trace = json.load(f)
     events = trace['traceEvents'] if isinstance(trace, dict) else trace
     out[os.path.basename(path).split('.')[-3]] = sorted(
-        int(e['args']['step_num']) for e in events if e.get('name') == 'train')
+      int(e['args']['step_num']) for e in events if e.get('name') == 'train'
+    )
   assert glob.glob(os.path.join(captures[0], '*.xplane.pb'))  # TensorBoard's Profile tab
   return out
 
@@ -76,8 +79,11 @@ def test_the_start_up_log_has_the_parameter_table_with_its_total(profiled_run):
   assert total == sum(x.size for x in jax.tree.leaves(trainer.layout.logical.params))
   assert f'\nTotal: {total:,} -- {4 * total:,} bytes\n' in log  # float32
   # One row per parameter: name, shape, dtype, size, sharding (one device: split nowhere).
-  assert re.search(r'\| word_embeddings +\| \(8192, 32\) +\| float32 \| 262,144 +\| '
-                   r'\(None, None\) +\|', log)
+  assert re.search(
+    r'\| word_embeddings +\| \(8192, 32\) +\| float32 \| 262,144 +\| '
+    r'\(None, None\) +\|',
+    log,
+  )
   assert len(re.findall(r'^\| layers/', log, re.M)) == 12
   # Before the run compiles anything.
   assert log.index('Total: ') < log.index('> compiled the train step')
@@ -96,6 +102,9 @@ def test_no_range_traces_nothing_and_a_process_not_in_the_job_is_refused(tmp_pat
   run_iterations(quiet, 1, 2)
   quiet.close()
   assert quiet.traced is None and not os.path.exists(tmp_path / 'plugins')
-  with pytest.raises(ConfigError, match=r'runtime.profile_process=1 names no process of this '
-                                        r'job \(0-0\)'):
+  with pytest.raises(
+    ConfigError,
+    match=r'runtime.profile_process=1 names no process of this '
+    r'job \(0-0\)',
+  ):
     profiling.Profiler((1, 2), str(tmp_path), 1)

@@ -3,8 +3,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5x_like import optim, schedule
 from t5x_like.config import OptimizerConfig
+from t5x_like.optim import adamw as optim
+from t5x_like.training import schedule
 
 
 def lr_at(cfg, samples):
@@ -23,31 +24,44 @@ def test_warmup_then_cosine_to_min_then_constant():
 
 
 def test_linear_and_constant_decay():
-  lin = OptimizerConfig(lr=1.0, min_lr=0.0, warmup_samples=10, decay_samples=110,
-                        decay_style='linear')
+  lin = OptimizerConfig(
+    lr=1.0, min_lr=0.0, warmup_samples=10, decay_samples=110, decay_style='linear'
+  )
   assert lr_at(lin, 60) == pytest.approx(0.5)
   assert lr_at(lin, 85) == pytest.approx(0.25)
-  const = OptimizerConfig(lr=1.0, min_lr=0.0, warmup_samples=10, decay_samples=110,
-                          decay_style='constant')
+  const = OptimizerConfig(
+    lr=1.0, min_lr=0.0, warmup_samples=10, decay_samples=110, decay_style='constant'
+  )
   assert lr_at(const, 5) == pytest.approx(0.5) and lr_at(const, 100) == 1.0
 
 
 def test_no_weight_decay_on_biases_or_any_layernorm():
   params = {
-      'word_embeddings': jnp.ones((8, 4)),
-      'embed_ln': {'scale': jnp.ones(4), 'bias': jnp.ones(4)},
-      'final_ln': {'scale': jnp.ones(4), 'bias': jnp.ones(4)},
-      'layers': {'ln1': {'scale': jnp.ones((2, 4))},
-                 'attn': {'qkv_kernel': jnp.ones((2, 4, 2, 3, 2)),
-                          'qkv_bias': jnp.ones((2, 2, 3, 2)), 'out_bias': jnp.ones((2, 4))},
-                 'mlp': {'wi_kernel': jnp.ones((2, 4, 16)), 'wi_bias': jnp.ones((2, 16))}},
+    'word_embeddings': jnp.ones((8, 4)),
+    'embed_ln': {'scale': jnp.ones(4), 'bias': jnp.ones(4)},
+    'final_ln': {'scale': jnp.ones(4), 'bias': jnp.ones(4)},
+    'layers': {
+      'ln1': {'scale': jnp.ones((2, 4))},
+      'attn': {
+        'qkv_kernel': jnp.ones((2, 4, 2, 3, 2)),
+        'qkv_bias': jnp.ones((2, 2, 3, 2)),
+        'out_bias': jnp.ones((2, 4)),
+      },
+      'mlp': {'wi_kernel': jnp.ones((2, 4, 16)), 'wi_bias': jnp.ones((2, 16))},
+    },
   }
   mask = optim.decay_mask(params)
   assert mask['word_embeddings'] is True
   assert mask['layers']['attn']['qkv_kernel'] and mask['layers']['mlp']['wi_kernel']
-  for path in (('embed_ln', 'scale'), ('embed_ln', 'bias'), ('final_ln', 'scale'),
-               ('layers', 'ln1', 'scale'), ('layers', 'attn', 'qkv_bias'),
-               ('layers', 'attn', 'out_bias'), ('layers', 'mlp', 'wi_bias')):
+  for path in (
+    ('embed_ln', 'scale'),
+    ('embed_ln', 'bias'),
+    ('final_ln', 'scale'),
+    ('layers', 'ln1', 'scale'),
+    ('layers', 'attn', 'qkv_bias'),
+    ('layers', 'attn', 'out_bias'),
+    ('layers', 'mlp', 'wi_bias'),
+  ):
     node = mask
     for key in path:
       node = node[key]
@@ -68,8 +82,9 @@ def test_adam_step_count_lives_in_the_state_and_matches_torch_adamw_math():
   # Closed form after 3 equal gradients: m_hat = g, v_hat = g^2 -> update = sign(g) (+ wd for w).
   w = np.array([[1.0, -2.0]])
   for _ in range(3):
-    w = w - 0.1 * (np.sign([[0.3, -0.1]]) * np.abs([[0.3, -0.1]]) / (np.abs([[0.3, -0.1]]) + 1e-8)
-                   + 0.1 * w)
+    w = w - 0.1 * (
+      np.sign([[0.3, -0.1]]) * np.abs([[0.3, -0.1]]) / (np.abs([[0.3, -0.1]]) + 1e-8) + 0.1 * w
+    )
   np.testing.assert_allclose(p['w'], w, rtol=1e-5)
   np.testing.assert_allclose(p['b'], 0.5 - 3 * 0.1, rtol=1e-5)  # no decay on the bias
 
@@ -86,8 +101,9 @@ def test_clipping_reports_the_pre_clip_norm():
 def test_token_decay_counts_tokens_from_the_end_of_the_warmup():
   """Megatron's --lr-decay-tokens: warm-up in samples, then the decay ratio in tokens, from the
   tokens consumed when the warm-up ended (`schedule.warmup_end_tokens`)."""
-  cfg = OptimizerConfig(lr=1e-4, min_lr=1e-5, warmup_samples=100, decay_samples=10**9,
-                        decay_tokens=11_000)
+  cfg = OptimizerConfig(
+    lr=1e-4, min_lr=1e-5, warmup_samples=100, decay_samples=10**9, decay_tokens=11_000
+  )
   warmup_end = 1_000
   assert schedule.learning_rate(cfg, 50, 400, warmup_end) == pytest.approx(5e-5)  # samples
   assert schedule.learning_rate(cfg, 100, warmup_end, warmup_end) == pytest.approx(1e-4)
@@ -97,6 +113,7 @@ def test_token_decay_counts_tokens_from_the_end_of_the_warmup():
   assert schedule.learning_rate(cfg, 300, 11_000, warmup_end) == pytest.approx(1e-5)
   assert schedule.learning_rate(cfg, 300, 50_000, warmup_end) == pytest.approx(1e-5)
   # Past 2^31 tokens (tr11 consumed 450B): exact on the host, no int32 or float32 argument.
-  big = OptimizerConfig(lr=1.0, min_lr=0.0, warmup_samples=0, decay_tokens=2 * 10**11 + 2,
-                        decay_style='linear')
+  big = OptimizerConfig(
+    lr=1.0, min_lr=0.0, warmup_samples=0, decay_tokens=2 * 10**11 + 2, decay_style='linear'
+  )
   assert schedule.learning_rate(big, 1, 10**11 + 1, 0) == 0.5

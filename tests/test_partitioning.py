@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-from t5x_like import partitioning
-from t5x_like.step import make_train_step
-from t5x_like.train_state import describe_zero, make_layout
-
 from conftest import run_steps, small_config
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from t5x_like.mesh import partitioning
+from t5x_like.parallel.train_state import describe_zero, make_layout
+from t5x_like.training.step import make_train_step
 
 
 def test_megatron_tensor_parallel_rules():
@@ -34,8 +34,12 @@ def test_zero1_splits_master_params_and_adam_moments_over_data():
   layout = make_layout(cfg, partitioning.make_mesh(2, 1, 4))
   params = layout.abstract.params
   for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
-    axes = [name for ax in a.sharding.spec if ax is not None
-            for name in (ax if isinstance(ax, tuple) else (ax,))]
+    axes = [
+      name
+      for ax in a.sharding.spec
+      if ax is not None
+      for name in (ax if isinstance(ax, tuple) else (ax,))
+    ]
     names = jax.tree_util.keystr(path)
     if 'layers' in names:
       assert a.sharding.spec[0] is None, names  # the scanned dim is never split
@@ -60,8 +64,9 @@ def test_sharded_run_matches_single_device(single_device_run, data, tensor):
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
   # Adam normalises tiny gradients, so fp32 reduction-order noise reaches ~1e-5 of lr-sized steps.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), params,
-               ref_params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), params, ref_params
+  )
 
 
 # An all-gather's line in compiled HLO text: `%name = f32[3000,64]{1,0} all-gather(%x), ...`, the
@@ -75,8 +80,9 @@ def gathers_of_dim(hlo_text: str, size: int) -> list[str]:
   found = []
   for line in hlo_text.splitlines():
     match = _ALL_GATHER.search(line)
-    if match and any(str(size) in shape.split(',')
-                     for shape in re.findall(r'\[([\d,]*)\]', match.group('result'))):
+    if match and any(
+      str(size) in shape.split(',') for shape in re.findall(r'\[([\d,]*)\]', match.group('result'))
+    ):
       found.append(line.strip())
   return found
 
@@ -101,12 +107,22 @@ def test_cross_entropy_never_gathers_the_vocabulary():
   mesh = partitioning.make_mesh(2, 1, 4)
   layout = make_layout(cfg, mesh)
   batch_sharding = NamedSharding(mesh, P(None, 'data', None))
-  step = jax.jit(make_train_step(cfg, layout), in_shardings=(layout.shardings, batch_sharding,
-                                                             None, None))
-  batch = jax.ShapeDtypeStruct((cfg.num_microbatches, 2, cfg.train.seq_len + 1), jnp.int32,
-                               sharding=batch_sharding)
-  hlo = step.lower(layout.abstract, batch, jax.ShapeDtypeStruct((), jnp.float32),
-                   jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
+  step = jax.jit(
+    make_train_step(cfg, layout), in_shardings=(layout.shardings, batch_sharding, None, None)
+  )
+  batch = jax.ShapeDtypeStruct(
+    (cfg.num_microbatches, 2, cfg.train.seq_len + 1), jnp.int32, sharding=batch_sharding
+  )
+  hlo = (
+    step.lower(
+      layout.abstract,
+      batch,
+      jax.ShapeDtypeStruct((), jnp.float32),
+      jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    .compile()
+    .as_text()
+  )
   # ZeRO's gather of the embedding: a tensor rank's quarter of the vocabulary, whole hidden.
   assert any('[768,64]' in g for g in gathers_of_dim(hlo, cfg.padded_vocab_size // 4))
   full_vocab = gathers_of_dim(hlo, cfg.padded_vocab_size)
@@ -117,13 +133,15 @@ def test_replica_check_finds_a_drifted_layernorm():
   """What tensor-parallel drift looks like: the copies of a replicated array differ."""
   mesh = partitioning.make_mesh(1, 1, 4)
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  copies = [jax.device_put(np.full(8, 1.0 + (i == 3) * 1e-3, np.float32), d)
-            for i, d in enumerate(mesh.devices.flat)]
+  copies = [
+    jax.device_put(np.full(8, 1.0 + (i == 3) * 1e-3, np.float32), d)
+    for i, d in enumerate(mesh.devices.flat)
+  ]
   drifted = jax.make_array_from_single_device_arrays((8,), sharding, copies)
   same = jax.device_put(np.ones(8, np.float32), sharding)
   assert partitioning.replica_mismatches({'ln': {'scale': drifted, 'bias': same}}) == [
-      "['ln']['scale']"]
-
+    "['ln']['scale']"
+  ]
 
 
 @pytest.fixture(scope='module')
@@ -132,8 +150,9 @@ def single_device_run_of_6():
 
 
 @pytest.mark.parametrize('tensor', [1, 2])
-def test_zero1_pads_where_data_divides_nothing_and_matches_single_device(single_device_run_of_6,
-                                                                          tensor):
+def test_zero1_pads_where_data_divides_nothing_and_matches_single_device(
+  single_device_run_of_6, tensor
+):
   """mesh.data=3 divides none of hidden 64, 4h 256 and the 1,024-row vocabulary: ZeRO-1 still
   splits every tensor over `data` (padded with zeros to a multiple of 3 inside the state), and
   training gives the single-device run's losses, norms and params; the padding stays zero."""
@@ -144,8 +163,10 @@ def test_zero1_pads_where_data_divides_nothing_and_matches_single_device(single_
   # 4h->h: the rules split 4h over tensor when there is one, so the hidden dim is the one padded.
   wo = layout.abstract.params['layers']['mlp']['wo_kernel']
   assert (wo.shape, wo.sharding.spec) == (
-      ((2, 258, 64), P(None, 'data', None)) if tensor == 1 else
-      ((2, 256, 66), P(None, 'tensor', 'data')))
+    ((2, 258, 64), P(None, 'data', None))
+    if tensor == 1
+    else ((2, 256, 66), P(None, 'tensor', 'data'))
+  )
   losses, norms, params = run_steps(cfg)
   ref_losses, ref_norms, ref_params = single_device_run_of_6
   assert losses[-1] < losses[0]
@@ -160,41 +181,60 @@ def test_zero1_pads_where_data_divides_nothing_and_matches_single_device(single_
   padding_values = np.concatenate(padding_values)
   assert padding_values.size and not padding_values.any()  # padding there, and all zeros
   unpadded = jax.tree.map(true_part, params, layout.logical.params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), unpadded,
-               ref_params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), unpadded, ref_params
+  )
 
 
-@pytest.mark.parametrize('model, pairs', [
+@pytest.mark.parametrize(
+  'model, pairs',
+  [
     ({}, [((3, 2, 1), (1, 1, 1)), ((1, 1, 1), (3, 1, 2))]),
     # Hidden 54 over data 4: the checkpoint copy of [layers, 54] is split over 2 of the 4.
     (dict(hidden_size=54, num_heads=6), [((4, 1, 2), (1, 1, 1)), ((1, 1, 1), (4, 1, 1))]),
-], ids=['data3', 'data4_hidden54'])
+  ],
+  ids=['data3', 'data4_hidden54'],
+)
 def test_zero1_padded_state_checkpoints_in_true_shapes_onto_any_mesh(tmp_path, model, pairs):
   """A state saved from a padded (and stage-ordered) layout holds the true shapes on disk and
   restores bitwise onto one device, and the other way round onto a padded layout."""
-  from t5x_like import checkpoints
-  from t5x_like.train_state import Progress, TrainState
+  from t5x_like.checkpointing import checkpoints
+  from t5x_like.parallel.train_state import Progress, TrainState
 
   def mesh_layout(data, pipe, tensor):
-    cfg = small_config(mesh=dict(data=data, pipeline=pipe, tensor=tensor), model=model,
-                       train=dict(global_batch_size=6 if data == 3 else 8)).validate()
+    cfg = small_config(
+      mesh=dict(data=data, pipeline=pipe, tensor=tensor),
+      model=model,
+      train=dict(global_batch_size=6 if data == 3 else 8),
+    ).validate()
     return cfg, make_layout(cfg, partitioning.make_mesh(data, pipe, tensor))
 
   rng = np.random.default_rng(0)
-  random_like = lambda a: (np.full(a.shape, 5, a.dtype) if jnp.issubdtype(a.dtype, jnp.integer)
-                           else rng.standard_normal(a.shape).astype(a.dtype))
+  random_like = lambda a: (
+    np.full(a.shape, 5, a.dtype)
+    if jnp.issubdtype(a.dtype, jnp.integer)
+    else rng.standard_normal(a.shape).astype(a.dtype)
+  )
   canonical = jax.tree.map(random_like, mesh_layout(1, 1, 1)[1].canonical)
 
   def save(data, pipe, tensor):
     cfg, layout = mesh_layout(data, pipe, tensor)
     placed = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), canonical, layout.canonical)
-    state = TrainState(layout.from_canonical(placed.params, 'params'),
-                       layout.from_canonical(placed.opt_state, 'opt_state'))
+    state = TrainState(
+      layout.from_canonical(placed.params, 'params'),
+      layout.from_canonical(placed.opt_state, 'opt_state'),
+    )
     root = str(tmp_path / f'{data}x{pipe}x{tensor}')
     checkpointer = checkpoints.Checkpointer(root, 1, 1, layout)
     progress = Progress(iteration=5)
-    checkpointer.save(state, progress, cfg, checkpoints.make_meta(
-        cfg, progress, cfg.train.seed, {'iteration': 0, 'skipped_iterations': 0}))
+    checkpointer.save(
+      state,
+      progress,
+      cfg,
+      checkpoints.make_meta(
+        cfg, progress, cfg.train.seed, {'iteration': 0, 'skipped_iterations': 0}
+      ),
+    )
     checkpointer.close()
     return root, layout
 
@@ -207,13 +247,21 @@ def test_zero1_padded_state_checkpoints_in_true_shapes_onto_any_mesh(tmp_path, m
       assert ln.sharding.shard_shape(ln.shape) == (2, 27)
     state, _ = checkpoints.restore(root, layout, cfg)
     # Restored straight into the padded storage shapes and their shardings.
-    assert all(jax.tree.leaves(jax.tree.map(
-        lambda a, want: a.shape == want.shape and a.sharding == want.sharding, state,
-        layout.abstract)))
+    assert all(
+      jax.tree.leaves(
+        jax.tree.map(
+          lambda a, want: a.shape == want.shape and a.sharding == want.sharding,
+          state,
+          layout.abstract,
+        )
+      )
+    )
     for which in ('params', 'opt_state'):
-      jax.tree.map(np.testing.assert_array_equal,
-                   jax.device_get(layout.to_canonical(getattr(state, which), which)),
-                   getattr(canonical, which))  # bitwise
+      jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.device_get(layout.to_canonical(getattr(state, which), which)),
+        getattr(canonical, which),
+      )  # bitwise
 
 
 def test_zero1_start_up_line_names_what_stays_replicated_over_data():

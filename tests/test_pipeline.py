@@ -6,15 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from t5x_like import checkpoints, partitioning, pipeline, schedule, startup
-from t5x_like.config import ConfigError, TrainConfig
-from t5x_like.train_state import make_layout
-from t5x_like.trainer import Trainer
-from t5x_like.workdir import read_metrics
-
 from conftest import run_steps, small_config
 from test_trainer import corpus_config
+
+from t5x_like.checkpointing import checkpoints
+from t5x_like.config import ConfigError, TrainConfig
+from t5x_like.mesh import partitioning
+from t5x_like.parallel import pipeline
+from t5x_like.parallel.train_state import make_layout
+from t5x_like.training import schedule, startup
+from t5x_like.training.trainer import Trainer
+from t5x_like.training.workdir import read_metrics
 
 
 def assert_trains_as_reference(cfg, results, reference):
@@ -25,8 +27,9 @@ def assert_trains_as_reference(cfg, results, reference):
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
   canonical = pipeline.to_canonical(pipeline.plan_for(cfg), params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), canonical,
-               ref_params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), canonical, ref_params
+  )
 
 
 def test_bloom_176b_plan_puts_five_layers_on_the_end_stages():
@@ -48,8 +51,10 @@ def test_circular_plan_interleaves_chunks_over_stages():
 
 def test_storage_layout_round_trips():
   plan = pipeline.make_plan(5, 2)
-  tree = {'layers': {'w': np.arange(5 * 3, dtype=np.float32).reshape(5, 3)},
-          'word_embeddings': np.ones((4, 3), np.float32)}
+  tree = {
+    'layers': {'w': np.arange(5 * 3, dtype=np.float32).reshape(5, 3)},
+    'word_embeddings': np.ones((4, 3), np.float32),
+  }
   stored = pipeline.to_storage(plan, tree)
   assert stored['layers']['w'].shape == (6, 3)
   padding = plan.storage_slots < 0
@@ -59,14 +64,17 @@ def test_storage_layout_round_trips():
   np.testing.assert_array_equal(back['word_embeddings'], tree['word_embeddings'])
 
 
-@pytest.mark.parametrize('changes, message', [
+@pytest.mark.parametrize(
+  'changes, message',
+  [
     (dict(train=dict(global_batch_size=2)), 'fewer than the 4 pipeline stages'),
     (dict(pipeline=dict(repeats=3)), 'exceeds model.num_layers'),
     (dict(model=dict(num_layers=10), pipeline=dict(repeats=2)), 'does not fit 10 layers'),
     (dict(mesh=dict(pipeline=8)), 'exceeds model.num_layers'),
     (dict(train=dict(rampup_batch_size=(4, 3, 100))), 'multiple of the increment'),
     (dict(train=dict(rampup_batch_size=(2, 2, 100))), 'fewer than the 4 pipeline stages'),
-])
+  ],
+)
 def test_bad_pipeline_settings_are_clear_errors(changes, message):
   base = dict(mesh=dict(pipeline=4), model=dict(num_layers=4), train=dict(global_batch_size=8))
   for section, values in changes.items():
@@ -91,12 +99,17 @@ def test_megatron_batch_size_rampup():
 @pytest.fixture(scope='module')
 def references():
   """Single-device runs the pipelined runs must equal (4 and 5 layers, global batch 4)."""
-  return {layers: run_steps(small_config(model=dict(num_layers=layers),
-                                         train=dict(global_batch_size=4)), num_steps=3)
-          for layers in (4, 5)}
+  return {
+    layers: run_steps(
+      small_config(model=dict(num_layers=layers), train=dict(global_batch_size=4)), num_steps=3
+    )
+    for layers in (4, 5)
+  }
 
 
-@pytest.mark.parametrize('data, stages, tensor, repeats, layers, remat', [
+@pytest.mark.parametrize(
+  'data, stages, tensor, repeats, layers, remat',
+  [
     (1, 2, 1, 1, 4, 'none'),  # M = 2P
     (1, 4, 1, 1, 4, 'save_dots'),  # M = P
     (2, 2, 2, 1, 4, 'full'),  # M = P, composed with data and tensor
@@ -106,44 +119,54 @@ def references():
     # The chunked vocabulary-parallel cross-entropy as the head, under full recomputation (the
     # head then runs under a cond inside the tick's custom VJP).
     (1, 2, 2, 1, 4, 'chunked'),
-])
-def test_pipelined_run_matches_single_device(references, data, stages, tensor, repeats, layers,
-                                             remat):
+  ],
+)
+def test_pipelined_run_matches_single_device(
+  references, data, stages, tensor, repeats, layers, remat
+):
   model = dict(num_layers=layers, remat_policy=remat)
   if remat == 'chunked':
     model.update(remat_policy='full', cross_entropy_impl='chunked', cross_entropy_chunk=256)
-  cfg = small_config(model=model,
-                     train=dict(global_batch_size=4),
-                     mesh=dict(data=data, pipeline=stages, tensor=tensor),
-                     pipeline=dict(repeats=repeats))
+  cfg = small_config(
+    model=model,
+    train=dict(global_batch_size=4),
+    mesh=dict(data=data, pipeline=stages, tensor=tensor),
+    pipeline=dict(repeats=repeats),
+  )
   losses, norms, params = run_steps(cfg, num_steps=3)
   ref_losses, ref_norms, ref_params = references[layers]
   assert_trains_as_reference(cfg, (losses, norms, params), (ref_losses, ref_norms, ref_params))
 
 
-@pytest.mark.parametrize('data, stages, tensor, repeats, remat', [
+@pytest.mark.parametrize(
+  'data, stages, tensor, repeats, remat',
+  [
     (2, 1, 1, 1, 'save_dots'),  # no pipeline: the padding micro-batches are skipped
     (1, 2, 1, 1, 'none'),  # the ticks after the last real micro-batch are skipped
     (1, 2, 2, 1, 'full'),  # the same under the tick-level recomputation
     (1, 2, 1, 2, 'save_dots'),  # circular: the first repeat computes the padding
-])
-def test_padding_micro_batches_change_no_loss_gradient_or_update(references, data, stages,
-                                                                 tensor, repeats, remat):
+  ],
+)
+def test_padding_micro_batches_change_no_loss_gradient_or_update(
+  references, data, stages, tensor, repeats, remat
+):
   """train.rampup_microbatch_multiple: a step given 2 micro-batches of padding after its 4
   trains exactly as the single-device step on the 4 alone."""
-  cfg = small_config(model=dict(num_layers=4, remat_policy=remat),
-                     train=dict(global_batch_size=4, rampup_batch_size=(2, 2, 4),
-                                rampup_microbatch_multiple=2),
-                     mesh=dict(data=data, pipeline=stages, tensor=tensor),
-                     pipeline=dict(repeats=repeats))
+  cfg = small_config(
+    model=dict(num_layers=4, remat_policy=remat),
+    train=dict(global_batch_size=4, rampup_batch_size=(2, 2, 4), rampup_microbatch_multiple=2),
+    mesh=dict(data=data, pipeline=stages, tensor=tensor),
+    pipeline=dict(repeats=repeats),
+  )
   losses, norms, params = run_steps(cfg, num_steps=3, padding_microbatches=2)
   ref_losses, ref_norms, ref_params = references[4]
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
   if stages > 1:
     params = pipeline.to_canonical(pipeline.plan_for(cfg), params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), params,
-               ref_params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), params, ref_params
+  )
 
 
 def test_vocabulary_split_over_tensor_only_as_bloom_176b_matches_single_device():
@@ -152,14 +175,16 @@ def test_vocabulary_split_over_tensor_only_as_bloom_176b_matches_single_device()
   embedding gradient and the last stage's logits gradient must then add up on every stage, the
   tied-embedding reduction whose absence gave the chronicles' restart spike."""
   model = dict(num_layers=4, pad_vocab_size_to=1002)  # 1002 = 2 x 501: tensor 2, not 2 x 2
-  cfg = small_config(model=model, train=dict(global_batch_size=4),
-                     mesh=dict(data=1, pipeline=2, tensor=2))
+  cfg = small_config(
+    model=model, train=dict(global_batch_size=4), mesh=dict(data=1, pipeline=2, tensor=2)
+  )
   layout = make_layout(cfg, partitioning.make_mesh(1, 2, 2))
   embedding_spec = layout.shardings.params['word_embeddings'].spec
   assert embedding_spec == jax.sharding.PartitionSpec('tensor', None)
   losses, norms, params = run_steps(cfg, num_steps=3)
   ref_losses, ref_norms, ref_params = run_steps(
-      small_config(model=model, train=dict(global_batch_size=4)), num_steps=3)
+    small_config(model=model, train=dict(global_batch_size=4)), num_steps=3
+  )
   assert_trains_as_reference(cfg, (losses, norms, params), (ref_losses, ref_norms, ref_params))
 
 
@@ -168,8 +193,10 @@ def test_bf16_pipeline_reads_gathered_bf16_weights_and_matches_single_device(rem
   """In bf16 the stages compute from the gathered bf16 copy (`step.compute_bits_of`) and send
   each tick's gradient to the fp32 master params (`pipeline.compute_copy`): the same losses and
   gradient norms as the single device, whose micro-batch gradients are bf16 added up in fp32."""
-  base = dict(model=dict(num_heads=4, dtype='bfloat16', remat_policy=remat_policy),
-              train=dict(global_batch_size=16))
+  base = dict(
+    model=dict(num_heads=4, dtype='bfloat16', remat_policy=remat_policy),
+    train=dict(global_batch_size=16),
+  )
   cfg = small_config(**base, mesh=dict(data=2, pipeline=2, tensor=1))
   losses, norms, _ = run_steps(cfg, num_steps=2)
   ref_losses, ref_norms, _ = run_steps(small_config(**base), num_steps=2)
@@ -182,7 +209,8 @@ def test_compute_copy_computes_from_the_copy_and_widens_the_gradient_to_the_mast
   bits = pipeline.as_bits(master, jnp.bfloat16)
   assert bits.dtype == jnp.uint16
   value, grad = jax.value_and_grad(
-      lambda m: (pipeline.compute_copy(m, bits, jnp.bfloat16) ** 2).sum())(master)
+    lambda m: (pipeline.compute_copy(m, bits, jnp.bfloat16) ** 2).sum()
+  )(master)
   assert value.dtype == jnp.bfloat16 and float(value) == 14.0
   assert grad.dtype == jnp.float32
   np.testing.assert_array_equal(grad, [2.0, 4.0, 6.0])
@@ -218,29 +246,36 @@ def test_full_recomputation_with_dropout_matches_keeping_every_activation():
   forward pass: 'full' then trains exactly like 'none' (same rng streams, nothing recomputed)."""
   runs = {}
   for remat in ('none', 'full'):
-    cfg = small_config(model=dict(num_layers=2, remat_policy=remat, hidden_dropout=0.1,
-                                  attention_dropout=0.1),
-                       train=dict(global_batch_size=4), mesh=dict(pipeline=2))
+    cfg = small_config(
+      model=dict(num_layers=2, remat_policy=remat, hidden_dropout=0.1, attention_dropout=0.1),
+      train=dict(global_batch_size=4),
+      mesh=dict(pipeline=2),
+    )
     runs[remat] = run_steps(cfg, num_steps=2)
   losses, norms, params = runs['full']
   ref_losses, ref_norms, ref_params = runs['none']
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
   np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params,
-               ref_params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, ref_params
+  )
 
 
 def test_checkpoint_saved_with_two_stages_restores_with_four_one_and_two_repeats(tmp_path):
-  saved_cfg = corpus_config(model=dict(num_layers=4), mesh=dict(data=1, pipeline=2, tensor=1),
-                            train=dict(steps=2, global_batch_size=8, micro_batch_size=2))
+  saved_cfg = corpus_config(
+    model=dict(num_layers=4),
+    mesh=dict(data=1, pipeline=2, tensor=1),
+    train=dict(steps=2, global_batch_size=8, micro_batch_size=2),
+  )
   trainer = Trainer(saved_cfg, str(tmp_path / 'run'))
   trainer.run()
   root = str(tmp_path / 'run' / 'checkpoints')
   want = jax.device_get(trainer.layout.to_canonical(trainer.final_state.params, 'params'))
   assert want['layers']['mlp']['wi_kernel'].shape[0] == 4
   for mesh, repeats in [((1, 4, 1), 1), ((1, 1, 1), 1), ((1, 2, 1), 2), ((2, 1, 2), 1)]:
-    cfg = saved_cfg.replace(mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh)),
-                            pipeline={'repeats': repeats})
+    cfg = saved_cfg.replace(
+      mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh)), pipeline={'repeats': repeats}
+    )
     layout = make_layout(cfg, partitioning.make_mesh(*mesh))
     state, progress = checkpoints.restore(root, layout, cfg)
     got = jax.device_get(layout.to_canonical(state.params, 'params'))
@@ -251,9 +286,11 @@ def test_checkpoint_saved_with_two_stages_restores_with_four_one_and_two_repeats
 @pytest.fixture(scope='module')
 def ramp_run(tmp_path_factory):
   """A pipelined run through a batch ramp-up: 2 micro-batches, then 4."""
-  cfg = corpus_config(model=dict(num_layers=2), mesh=dict(data=1, pipeline=2, tensor=1),
-                      train=dict(steps=4, global_batch_size=8, micro_batch_size=2,
-                                 rampup_batch_size=(4, 4, 8)))
+  cfg = corpus_config(
+    model=dict(num_layers=2),
+    mesh=dict(data=1, pipeline=2, tensor=1),
+    train=dict(steps=4, global_batch_size=8, micro_batch_size=2, rampup_batch_size=(4, 4, 8)),
+  )
   workdir = tmp_path_factory.mktemp('ramp')
   trainer = Trainer(cfg, str(workdir))
   trainer.run()
@@ -267,8 +304,10 @@ def test_rampup_changes_the_micro_batch_count_and_compiles_once_per_shape(ramp_r
   assert [r['consumed_samples'] for r in records] == [4, 8, 16, 24]
   assert [round(r['pipeline_bubble'], 3) for r in records] == [0.333, 0.333, 0.2, 0.2]
   # One compiled step per (micro-batch count, sequence length).
-  assert sorted(trainer.steps.programs) == [(2, trainer.cfg.train.seq_len + 1),
-                                       (4, trainer.cfg.train.seq_len + 1)]
+  assert sorted(trainer.steps.programs) == [
+    (2, trainer.cfg.train.seq_len + 1),
+    (4, trainer.cfg.train.seq_len + 1),
+  ]
   log = open(tmp_path / 'logs' / 'main_log.txt').read()
   assert log.count('compiled the train step') == 2 and 'pipeline bubble: 0.200' in log
   assert '> the train step runs at 2 shapes over the run' in log
@@ -276,7 +315,8 @@ def test_rampup_changes_the_micro_batch_count_and_compiles_once_per_shape(ramp_r
 
 
 def test_rampup_padded_to_the_full_micro_batch_count_compiles_once_and_trains_the_same(
-    ramp_run, tmp_path):
+  ramp_run, tmp_path
+):
   """train.rampup_microbatch_multiple=4: the ramp-up's 2 micro-batches run as 4, two of them
   padding that the pipeline computes and the loss leaves out: one compiled step instead of two,
   and the losses and gradient norms of the unpadded run."""
@@ -293,8 +333,10 @@ def test_rampup_padded_to_the_full_micro_batch_count_compiles_once_and_trains_th
   log = open(tmp_path / 'logs' / 'main_log.txt').read()
   assert '> the train step runs at 1 shapes over the run' in log
   # Iterations 1-2 run 2 padding micro-batches each: 4 of the run's 16.
-  assert ('> ramp-up: micro-batch counts rounded up to multiples of 4, 4 of the run\'s 16 '
-          'micro-batches (25.00%) padding (the pipeline computes them)') in log
+  assert (
+    "> ramp-up: micro-batch counts rounded up to multiples of 4, 4 of the run's 16 "
+    'micro-batches (25.00%) padding (the pipeline computes them)'
+  ) in log
 
 
 # ------------------------------------------------------- pipeline.microbatch_group (issue 22)
@@ -303,24 +345,31 @@ def test_rampup_padded_to_the_full_micro_batch_count_compiles_once_and_trains_th
 @pytest.fixture(scope='module')
 def reference_batch_8():
   """The single-device run that (2, 2, 2) with 4 micro-batches of 2 rows must equal."""
-  return run_steps(small_config(model=dict(num_layers=4), train=dict(global_batch_size=8)),
-                   num_steps=3)
+  return run_steps(
+    small_config(model=dict(num_layers=4), train=dict(global_batch_size=8)), num_steps=3
+  )
 
 
-@pytest.mark.parametrize('data, stages, tensor, repeats, remat', [
+@pytest.mark.parametrize(
+  'data, stages, tensor, repeats, remat',
+  [
     (1, 2, 1, 1, 'none'),  # M = 2P in two groups of P
     (1, 2, 1, 2, 'save_dots'),  # circular: each group loops twice
     (2, 2, 2, 1, 'full'),  # composed with data and tensor, tick-level recomputation
-])
-def test_grouped_pipeline_matches_single_device(references, reference_batch_8, data, stages,
-                                                tensor, repeats, remat):
+  ],
+)
+def test_grouped_pipeline_matches_single_device(
+  references, reference_batch_8, data, stages, tensor, repeats, remat
+):
   """pipeline.microbatch_group = P: the schedule runs twice per step, over 2 micro-batches each,
   and the step trains exactly as one device on all of them."""
   batch = 4 * data
-  cfg = small_config(model=dict(num_layers=4, remat_policy=remat),
-                     train=dict(global_batch_size=batch),
-                     mesh=dict(data=data, pipeline=stages, tensor=tensor),
-                     pipeline=dict(repeats=repeats, microbatch_group=stages))
+  cfg = small_config(
+    model=dict(num_layers=4, remat_policy=remat),
+    train=dict(global_batch_size=batch),
+    mesh=dict(data=data, pipeline=stages, tensor=tensor),
+    pipeline=dict(repeats=repeats, microbatch_group=stages),
+  )
   assert startup.check_config(cfg).num_microbatches == 2 * stages
   losses, norms, params = run_steps(cfg, num_steps=3)
   ref_losses, ref_norms, ref_params = references[4] if data == 1 else reference_batch_8
@@ -332,8 +381,9 @@ def test_grouped_pipeline_weights_a_partly_padded_group_by_its_real_micro_batche
   ramp from 4 to 6 micro-batches) in groups of 3: the groups hold 3 and 1 real micro-batches,
   and the step's loss and gradients are still the mean over the 4, as on one device."""
   ramp = dict(global_batch_size=6, rampup_batch_size=(4, 2, 8), rampup_microbatch_multiple=6)
-  legal = small_config(model=dict(num_layers=4), train=ramp, mesh=dict(pipeline=2),
-                       pipeline=dict(microbatch_group=3))
+  legal = small_config(
+    model=dict(num_layers=4), train=ramp, mesh=dict(pipeline=2), pipeline=dict(microbatch_group=3)
+  )
   startup.check_config(legal)
   assert schedule.step_microbatches(legal, 4) == 6
   cfg = legal.replace(train=dict(global_batch_size=4))  # run_steps fills 4, pads 2
@@ -342,16 +392,25 @@ def test_grouped_pipeline_weights_a_partly_padded_group_by_its_real_micro_batche
   assert_trains_as_reference(cfg, (losses, norms, params), (ref_losses, ref_norms, ref_params))
 
 
-@pytest.mark.parametrize('changes, message', [
+@pytest.mark.parametrize(
+  'changes, message',
+  [
     (dict(pipeline=dict(microbatch_group=1)), 'fewer than the 2 pipeline stages'),
-    (dict(pipeline=dict(microbatch_group=3)), "does not divide the step's micro-batch count(s) "
-                                              '[8]'),
+    (
+      dict(pipeline=dict(microbatch_group=3)),
+      "does not divide the step's micro-batch count(s) [8]",
+    ),
     (dict(train=dict(rampup_batch_size=(4, 2, 100))), 'count(s) [6]'),
     (dict(mesh=dict(pipeline=1)), 'and mesh.pipeline is 1'),
-])
+  ],
+)
 def test_bad_microbatch_group_is_one_clear_error(changes, message):
-  base = dict(mesh=dict(pipeline=2), model=dict(num_layers=4), train=dict(global_batch_size=8),
-              pipeline=dict(microbatch_group=4))
+  base = dict(
+    mesh=dict(pipeline=2),
+    model=dict(num_layers=4),
+    train=dict(global_batch_size=8),
+    pipeline=dict(microbatch_group=4),
+  )
   for section, values in changes.items():
     base.setdefault(section, {}).update(values)
   with pytest.raises(ConfigError) as info:
@@ -371,13 +430,18 @@ def test_grouped_bubble_counts_each_groups_fill_and_drain():
 def test_grouped_step_keeps_fewer_stage_inputs():
   """64 micro-batches in groups of 2 keep 3 ticks of stage inputs instead of 65: XLA's compiled
   temporaries shrink by about the difference (the stage inputs dominate them here)."""
-  from t5x_like.step import lower_train_step
+  from t5x_like.training.step import lower_train_step
+
   temp = {}
   for group in (0, 2):
-    cfg = startup.check_config(small_config(
-        model=dict(num_layers=2, remat_policy='full'), train=dict(global_batch_size=64,
-                                                                 seq_len=128),
-        mesh=dict(pipeline=2), pipeline=dict(microbatch_group=group)))
+    cfg = startup.check_config(
+      small_config(
+        model=dict(num_layers=2, remat_policy='full'),
+        train=dict(global_batch_size=64, seq_len=128),
+        mesh=dict(pipeline=2),
+        pipeline=dict(microbatch_group=group),
+      )
+    )
     layout = make_layout(cfg, partitioning.make_mesh(1, 2, 1))
     compiled = lower_train_step(cfg, layout, cfg.num_microbatches).compile()
     temp[group] = compiled.memory_analysis().temp_size_in_bytes
@@ -387,24 +451,43 @@ def test_grouped_step_keeps_fewer_stage_inputs():
   assert temp[0] - temp[2] > saved_stage_inputs / 2, temp
 
 
-@pytest.mark.parametrize('data, stages, tensor, layers, model', [
+@pytest.mark.parametrize(
+  'data, stages, tensor, layers, model',
+  [
     (1, 2, 1, 4, dict(remat_policy='none')),  # M = 2P
     (1, 4, 1, 4, dict(remat_policy='save_dots')),  # M = P
     (2, 2, 2, 4, dict(remat_policy='full')),  # composed with data and tensor
     (1, 2, 1, 5, dict(remat_policy='none')),  # uneven depth: one padding slot
-    (1, 2, 2, 4, dict(remat_policy='full', cross_entropy_impl='chunked', cross_entropy_chunk=256,
-                      sequence_parallel=True, num_heads=4)),
-])
+    (
+      1,
+      2,
+      2,
+      4,
+      dict(
+        remat_policy='full',
+        cross_entropy_impl='chunked',
+        cross_entropy_chunk=256,
+        sequence_parallel=True,
+        num_heads=4,
+      ),
+    ),
+  ],
+)
 def test_one_f_one_b_run_matches_single_device(references, data, stages, tensor, layers, model):
   """pipeline.schedule='1f1b': the hand-written backward (one scan, each tick a forward half,
   the head's forward and backward, and a backward half) trains exactly as the single device."""
-  cfg = small_config(model=dict(num_layers=layers, **model), train=dict(global_batch_size=4),
-                     mesh=dict(data=data, pipeline=stages, tensor=tensor),
-                     pipeline=dict(schedule='1f1b'))
+  cfg = small_config(
+    model=dict(num_layers=layers, **model),
+    train=dict(global_batch_size=4),
+    mesh=dict(data=data, pipeline=stages, tensor=tensor),
+    pipeline=dict(schedule='1f1b'),
+  )
   reference = references[layers]
   if 'num_heads' in model:
-    reference = run_steps(small_config(model=dict(num_layers=layers, num_heads=4),
-                                       train=dict(global_batch_size=4)), num_steps=3)
+    reference = run_steps(
+      small_config(model=dict(num_layers=layers, num_heads=4), train=dict(global_batch_size=4)),
+      num_steps=3,
+    )
   assert_trains_as_reference(cfg, run_steps(cfg, num_steps=3), reference)
 
 
@@ -413,15 +496,20 @@ def test_one_f_one_b_with_padding_micro_batches_and_dropout_matches_gpipe():
   masks are GPipe's: each micro-batch's recomputed forward draws the masks of its forward."""
   runs = {}
   for order in ('gpipe', '1f1b'):
-    cfg = small_config(model=dict(num_layers=4, hidden_dropout=0.1, attention_dropout=0.1),
-                       train=dict(global_batch_size=4, rampup_batch_size=(2, 2, 4),
-                                  rampup_microbatch_multiple=2),
-                       mesh=dict(pipeline=2), pipeline=dict(schedule=order))
+    cfg = small_config(
+      model=dict(num_layers=4, hidden_dropout=0.1, attention_dropout=0.1),
+      train=dict(global_batch_size=4, rampup_batch_size=(2, 2, 4), rampup_microbatch_multiple=2),
+      mesh=dict(pipeline=2),
+      pipeline=dict(schedule=order),
+    )
     runs[order] = run_steps(cfg, num_steps=3, padding_microbatches=2)
   np.testing.assert_allclose(runs['1f1b'][0], runs['gpipe'][0], rtol=2e-6)
   np.testing.assert_allclose(runs['1f1b'][1], runs['gpipe'][1], rtol=2e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5),
-               runs['1f1b'][2], runs['gpipe'][2])
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5),
+    runs['1f1b'][2],
+    runs['gpipe'][2],
+  )
 
 
 def kept_stage_input_stacks(hlo: str, rows: int, seq: int, hidden: int) -> set[tuple[int, ...]]:
@@ -434,13 +522,18 @@ def kept_stage_input_stacks(hlo: str, rows: int, seq: int, hidden: int) -> set[t
 def test_one_f_one_b_keeps_2p_minus_1_stage_inputs_whatever_the_micro_batch_count():
   """GPipe keeps one stage input per tick (M + P - 1 of them); 1F1B a ring of 2P - 1 per stage,
   whatever M: read from the compiled program's buffers."""
-  from t5x_like.step import lower_train_step
+  from t5x_like.training.step import lower_train_step
+
   stacks = {}
   for order in ('gpipe', '1f1b'):
-    cfg = startup.check_config(small_config(
+    cfg = startup.check_config(
+      small_config(
         model=dict(num_layers=4, remat_policy='full'),
-        train=dict(global_batch_size=32, seq_len=24), mesh=dict(pipeline=2),
-        pipeline=dict(schedule=order)))
+        train=dict(global_batch_size=32, seq_len=24),
+        mesh=dict(pipeline=2),
+        pipeline=dict(schedule=order),
+      )
+    )
     layout = make_layout(cfg, partitioning.make_mesh(1, 2, 1))
     hlo = lower_train_step(cfg, layout, cfg.num_microbatches).compile().as_text()
     stacks[order] = kept_stage_input_stacks(hlo, 1, 24, 64)
@@ -449,10 +542,13 @@ def test_one_f_one_b_keeps_2p_minus_1_stage_inputs_whatever_the_micro_batch_coun
   assert (1, 3) in stacks['1f1b'], stacks  # one stage per device, 2P - 1 = 3 slots
 
 
-@pytest.mark.parametrize('changes, message', [
+@pytest.mark.parametrize(
+  'changes, message',
+  [
     (dict(pipeline=dict(schedule='1f1b', repeats=2)), "'1f1b' runs one repeat"),
     (dict(pipeline=dict(schedule='1f1b', microbatch_group=2)), 'microbatch_group=0'),
-])
+  ],
+)
 def test_bad_one_f_one_b_settings_are_clear_errors(changes, message):
   cfg = small_config(model=dict(num_layers=4), mesh=dict(pipeline=2), **changes)
   with pytest.raises(ConfigError) as info:

@@ -36,9 +36,18 @@ def test_zero1_splits_the_state_over_a_data_that_divides_no_dim():
   ZeRO-1 still splits the fp32 params and both Adam moments (12 bytes/param) three ways: the
   step's arguments are a third of the state plus the padding and a 4 x 129 batch (2.7 times
   that when those tensors stayed whole on every data rank)."""
-  r = run_cli(['-m', 't5x_like.plan', '--config', 'configs/tiny.py', '--json',
-               '--config.mesh.data=3', '--config.mesh.tensor=1',
-               '--config.train.global_batch_size=12'])
+  r = run_cli(
+    [
+      '-m',
+      't5x_like.plan',
+      '--config',
+      'configs/tiny.py',
+      '--json',
+      '--config.mesh.data=3',
+      '--config.mesh.tensor=1',
+      '--config.train.global_batch_size=12',
+    ]
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   report = json.loads(r.stdout.strip().splitlines()[-1])
   assert report['replicated_over_data'] == []
@@ -50,26 +59,46 @@ def test_ramp_up_padded_to_the_full_micro_batch_count_is_one_program():
   # tiny's 4 micro-batches of 4 rows, ramped up from 8 samples (2 micro-batches) by 8 over 16
   # samples: 2 iterations of 8 samples, then 118 of 16. Padded to 4 micro-batches: one program,
   # and 2 x 2 of the 120 x 4 micro-batches the step runs are padding.
-  args = ['-m', 't5x_like.plan', '--config', 'configs/tiny.py', '--json', '--config.mesh.data=1',
-          '--config.mesh.tensor=1', '--config.train.rampup_batch_size=(8, 8, 16)']
+  args = [
+    '-m',
+    't5x_like.plan',
+    '--config',
+    'configs/tiny.py',
+    '--json',
+    '--config.mesh.data=1',
+    '--config.mesh.tensor=1',
+    '--config.train.rampup_batch_size=(8, 8, 16)',
+  ]
   exact = json.loads(run_cli(args).stdout.strip().splitlines()[-1])
-  padded = json.loads(run_cli(args + ['--config.train.rampup_microbatch_multiple=4']
-                              ).stdout.strip().splitlines()[-1])
+  padded = json.loads(
+    run_cli(args + ['--config.train.rampup_microbatch_multiple=4']).stdout.strip().splitlines()[-1]
+  )
   assert (exact['train_programs'], padded['train_programs']) == (2, 1)
   assert 'padding_microbatch_share' not in exact
   assert padded['padding_microbatch_share'] == 4 / (4 * 120)
 
 
 def test_bad_config_is_refused_before_compiling():
-  r = run_cli(['-m', 't5x_like.plan', '--config', 'configs/bloom_176b.py',
-               '--config.pipeline.repeats=4'])
+  r = run_cli(
+    ['-m', 't5x_like.plan', '--config', 'configs/bloom_176b.py', '--config.pipeline.repeats=4']
+  )
   assert r.returncode == 2 and 'does not fit 70 layers' in r.stderr
 
 
 def _plan_json(*overrides):
-  r = run_cli(['-m', 't5x_like.plan', '--config', 'configs/tiny.py', '--json',
-               '--config.mesh.data=1', '--config.model.dtype=bfloat16',
-               '--config.model.remat_policy=full', *overrides])
+  r = run_cli(
+    [
+      '-m',
+      't5x_like.plan',
+      '--config',
+      'configs/tiny.py',
+      '--json',
+      '--config.mesh.data=1',
+      '--config.model.dtype=bfloat16',
+      '--config.model.remat_policy=full',
+      *overrides,
+    ]
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -77,7 +106,8 @@ def _plan_json(*overrides):
 def test_memory_breakdown_of_a_pipeline_adds_up_and_names_the_kept_stage_inputs(capsys):
   """tiny on pipeline 2 x tensor 2, 4 micro-batches: the step keeps 4 + 2 - 1 = 5 ticks' stage
   inputs of 4 x 128 x 256 as bf16 bits on each device, and the categories add up to XLA's peak."""
-  from t5x_like.plan import print_breakdown
+  from t5x_like.cli.plan import print_breakdown
+
   report = _plan_json('--config.mesh.pipeline=2', '--config.mesh.tensor=2')
   gib = report['memory_breakdown']['gib']
   assert abs(sum(gib.values()) - report['peak_gib']) < 1e-9, report

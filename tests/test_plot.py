@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from t5x_like import plot
+from t5x_like.cli import plot
 from t5x_like.errors import ConfigError
-from t5x_like.workdir import read_records
+from t5x_like.training.workdir import read_records
 
 # matplotlib's second default colour (C1): only a second run draws with it.
-SECOND_RUN_RGB = np.array([0xff, 0x7f, 0x0e]) / 255
+SECOND_RUN_RGB = np.array([0xFF, 0x7F, 0x0E]) / 255
 
 
 def write_run(directory, iterations: int = 12, loss_scale: float = 1.0) -> str:
@@ -24,22 +24,41 @@ def write_run(directory, iterations: int = 12, loss_scale: float = 1.0) -> str:
   with open(os.path.join(directory, 'metrics.jsonl'), 'w') as f:
     for i in range(1, iterations + 1):
       samples += 2 if i <= 4 else 4
-      f.write(json.dumps({
-          'iteration': i, 'consumed_samples': samples, 'consumed_tokens': samples * 16,
-          'learning_rate': 1e-3 * min(1.0, i / 4),
-          'lm_loss': loss_scale * (3 + 5 * math.exp(-i / 3)),
-          'grad_norm': 1 + 2 * math.exp(-i / 2), 'tokens_per_sec': 500.0 + 50 * (i % 3),
-          'mfu': 0.2 * loss_scale}) + '\n')
+      f.write(
+        json.dumps(
+          {
+            'iteration': i,
+            'consumed_samples': samples,
+            'consumed_tokens': samples * 16,
+            'learning_rate': 1e-3 * min(1.0, i / 4),
+            'lm_loss': loss_scale * (3 + 5 * math.exp(-i / 3)),
+            'grad_norm': 1 + 2 * math.exp(-i / 2),
+            'tokens_per_sec': 500.0 + 50 * (i % 3),
+            'mfu': 0.2 * loss_scale,
+          }
+        )
+        + '\n'
+      )
   with open(os.path.join(directory, 'eval_metrics.jsonl'), 'w') as f:
     for i in range(4, iterations + 1, 4):
-      f.write(json.dumps({'iteration': i, 'consumed_samples': 4 * i - 8,
-                          'consumed_tokens': (4 * i - 8) * 16, 'set': 'valid',
-                          'lm_loss': loss_scale * (3.2 + 5 * math.exp(-i / 3))}) + '\n')
+      f.write(
+        json.dumps(
+          {
+            'iteration': i,
+            'consumed_samples': 4 * i - 8,
+            'consumed_tokens': (4 * i - 8) * 16,
+            'set': 'valid',
+            'lm_loss': loss_scale * (3.2 + 5 * math.exp(-i / 3)),
+          }
+        )
+        + '\n'
+      )
   return str(directory)
 
 
 def rgb_pixels(path) -> np.ndarray:
   from matplotlib import image
+
   return image.imread(path)[..., :3]
 
 
@@ -63,7 +82,11 @@ def test_two_runs_draw_a_different_image_than_one(tmp_path, capsys):
   assert count_color(two_px, SECOND_RUN_RGB) > 500  # its curves in every panel
   legend = plot.build_figure(plot.read_runs([a, b], 'tokens'), 'tokens').axes[0].get_legend()
   assert [t.get_text() for t in legend.get_texts()] == [
-      'run_a', 'run_a: valid', 'run_b', 'run_b: valid']
+    'run_a',
+    'run_a: valid',
+    'run_b',
+    'run_b: valid',
+  ]
 
 
 @pytest.mark.parametrize('x', ['tokens', 'samples', 'iteration'])
@@ -71,9 +94,11 @@ def test_axis_labels_and_x_values_follow_x(tmp_path, x):
   a = write_run(tmp_path / 'run_a')
   runs = plot.read_runs([a], x)
   fig = plot.build_figure(runs, x)
-  field, label = {'tokens': ('consumed_tokens', 'consumed tokens'),
-                  'samples': ('consumed_samples', 'consumed samples'),
-                  'iteration': ('iteration', 'iteration')}[x]
+  field, label = {
+    'tokens': ('consumed_tokens', 'consumed tokens'),
+    'samples': ('consumed_samples', 'consumed samples'),
+    'iteration': ('iteration', 'iteration'),
+  }[x]
   panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
   assert sorted(panels) == sorted(plot.PANEL_TITLES)
   assert {title: ax.get_xlabel() for title, ax in panels.items()} == dict.fromkeys(panels, label)
@@ -81,7 +106,8 @@ def test_axis_labels_and_x_values_follow_x(tmp_path, x):
   assert list(train_line.get_xdata()) == [r[field] for r in runs[0].records]
   assert list(valid_line.get_xdata()) == [r[field] for r in runs[0].eval_records]
   assert list(panels['learning rate'].get_lines()[0].get_ydata()) == [
-      r['learning_rate'] for r in runs[0].records]
+    r['learning_rate'] for r in runs[0].records
+  ]
   out = str(tmp_path / 'x.png')
   assert plot.main([a, '--out', out, '--x', x]) == 0 and os.path.getsize(out) > 0
 
@@ -97,10 +123,12 @@ def test_a_bad_or_empty_workdir_is_one_clear_error(tmp_path, capsys):
   with open(os.path.join(damaged, 'metrics.jsonl'), 'a') as f:
     f.write('{"iteration": 13, "lm_lo\n{"iteration": 14}\n')
   out = tmp_path / 'out.png'
-  cases = [([str(tmp_path / 'missing')], ['missing is not a directory', 'training run']),
-           ([good, str(empty)], ['empty has no metrics.jsonl', "training run's workdir"]),
-           ([str(no_records)], ['no_records/metrics.jsonl holds no record', 'not finished']),
-           ([damaged], ['damaged/metrics.jsonl, line 13: not a metrics record'])]
+  cases = [
+    ([str(tmp_path / 'missing')], ['missing is not a directory', 'training run']),
+    ([good, str(empty)], ['empty has no metrics.jsonl', "training run's workdir"]),
+    ([str(no_records)], ['no_records/metrics.jsonl holds no record', 'not finished']),
+    ([damaged], ['damaged/metrics.jsonl, line 13: not a metrics record']),
+  ]
   for workdirs, expected in cases:
     assert plot.main([*workdirs, '--out', str(out)]) == 2, workdirs
     err = capsys.readouterr().err

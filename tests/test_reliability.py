@@ -16,16 +16,17 @@ import threading
 import time
 
 import pytest
-
-from t5x_like import checkpoints, runtime, train, watch
-from t5x_like import workdir as workdir_lib
-from t5x_like.config import ConfigError
-from t5x_like.train_state import TrainState
-from t5x_like.trainer import Trainer
-from t5x_like.workdir import read_metrics
-
 from conftest import ALERT_RECORD, REPO, read_alerts
 from test_checkpoints import corpus_config, losses_of
+
+from t5x_like.checkpointing import checkpoints
+from t5x_like.cli import train, watch
+from t5x_like.config import ConfigError
+from t5x_like.parallel.train_state import TrainState
+from t5x_like.training import runtime
+from t5x_like.training import workdir as workdir_lib
+from t5x_like.training.trainer import Trainer
+from t5x_like.training.workdir import read_metrics
 
 pytestmark = pytest.mark.usefixtures('persistent_compilation_cache')
 
@@ -52,7 +53,8 @@ def snapshot(directory) -> dict:
         continue
       with open(path, 'rb') as f:
         result[os.path.relpath(os.path.join(root, name), directory)] = hashlib.sha256(
-            f.read()).hexdigest()
+          f.read()
+        ).hexdigest()
   return result
 
 
@@ -61,8 +63,10 @@ def corpus_args(workdir, *overrides):
   path = os.path.join(os.path.dirname(os.path.abspath(str(workdir))), 'corpus_config.py')
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, 'w') as f:
-    f.write(f'import json\n\ndef get_config():\n  return json.loads('
-            f'{json.dumps(corpus_config().to_dict())!r})\n')
+    f.write(
+      f'import json\n\ndef get_config():\n  return json.loads('
+      f'{json.dumps(corpus_config().to_dict())!r})\n'
+    )
   return ['--config', path, '--workdir', str(workdir), *overrides]
 
 
@@ -88,15 +92,22 @@ def test_a_damaged_latest_checkpoint_is_moved_aside_and_costs_no_good_step(four_
   assert checkpoints.available_steps(root) == [4, 6]
   assert checkpoints.damaged_steps(root) == {}
   [moved] = glob.glob(os.path.join(root, checkpoints.DAMAGED_SUBDIR, '4-*'))
-  assert sorted(os.listdir(moved)) == ['_CHECKPOINT_METADATA', 'commit_success.txt', 'config',
-                                       'meta', 'opt_state', 'progress']
+  assert sorted(os.listdir(moved)) == [
+    '_CHECKPOINT_METADATA',
+    'commit_success.txt',
+    'config',
+    'meta',
+    'opt_state',
+    'progress',
+  ]
   # Iterations 3 and 4 trained again from checkpoint 2, exactly as the first time.
   assert losses_of(workdir)[:4] == losses_of(four_steps)
 
 
 @pytest.mark.parametrize('damage', ['every step', 'a single truncated step'])
-def test_a_workdir_whose_every_step_is_damaged_is_refused_not_restarted(four_steps, tmp_path,
-                                                                         capsys, damage):
+def test_a_workdir_whose_every_step_is_damaged_is_refused_not_restarted(
+  four_steps, tmp_path, capsys, damage
+):
   """Every step damaged (a file-system fault, say): exit 2 naming each step and how to start over
   on purpose; nothing is moved aside, nothing trains from iteration 0, no byte changes."""
   workdir = str(tmp_path / 'run')
@@ -106,8 +117,10 @@ def test_a_workdir_whose_every_step_is_damaged_is_refused_not_restarted(four_ste
     with open(os.path.join(root, '2', checkpoints.STEP_METADATA), 'wb') as f:
       f.write(os.urandom(64))  # garbage
     shutil.rmtree(os.path.join(root, '4', 'params'))
-    expected = [f'{root}/2: its {checkpoints.STEP_METADATA} cannot be read',
-                f'{root}/4: missing params']
+    expected = [
+      f'{root}/2: its {checkpoints.STEP_METADATA} cannot be read',
+      f'{root}/4: missing params',
+    ]
   else:
     shutil.rmtree(os.path.join(root, '2'))
     with open(os.path.join(root, '4', 'progress', 'metadata'), 'r+') as f:
@@ -117,8 +130,9 @@ def test_a_workdir_whose_every_step_is_damaged_is_refused_not_restarted(four_ste
   assert train.main(corpus_args(workdir, '--config.train.steps=6')) == 2
   out, err = capsys.readouterr()
   [error] = [line for line in err.splitlines() if line.startswith('error:')]
-  assert error.startswith(f'error: no checkpoint in {root} can be restored: every step is '
-                          'damaged (')
+  assert error.startswith(
+    f'error: no checkpoint in {root} can be restored: every step is damaged ('
+  )
   assert all(fragment in error for fragment in expected), error
   assert f'to start this run over on purpose, move {root} aside' in error
   assert 'Traceback' not in err and 'iteration' not in out
@@ -162,7 +176,8 @@ def test_a_refused_resume_leaves_the_workdir_as_it_was(four_steps, tmp_path):
 
 @pytest.mark.parametrize('name', [workdir_lib.LOCK_FILE, 'metrics.jsonl', 'logs/main_log.txt'])
 def test_a_run_file_that_is_a_link_is_refused_and_nothing_outside_is_written(
-    four_steps, tmp_path, capsys, name):
+  four_steps, tmp_path, capsys, name
+):
   """trainer.lock or a file the run appends to, planted as a symbolic link to a file outside the
   workdir (or to where a file would be created): exit 2 naming the link, the outside file's
   bytes unchanged, nothing created, the workdir as it was."""
@@ -177,8 +192,10 @@ def test_a_run_file_that_is_a_link_is_refused_and_nothing_outside_is_written(
     before = snapshot(workdir)
     assert train.main(corpus_args(workdir, '--config.train.steps=6')) == 2
     err = capsys.readouterr().err
-    assert (f'error: {link} is a symbolic link (to {target}); the trainer writes nothing '
-            'outside its workdir: ') in err, err
+    assert (
+      f'error: {link} is a symbolic link (to {target}); the trainer writes nothing '
+      'outside its workdir: '
+    ) in err, err
     assert snapshot(workdir) == before
     assert outside.read_text() == 'weeks of notes\n'
     assert not os.path.exists(tmp_path / 'not_yet_there')
@@ -204,21 +221,31 @@ def test_an_unwritable_tensorboard_dir_is_refused_before_anything(tmp_path, caps
   workdir = tmp_path / 'run'
   assert train.main(corpus_args(workdir, f'--config.runtime.tensorboard_dir={blocker}/tb')) == 2
   assert f'runtime.tensorboard_dir {blocker}/tb cannot be created: {blocker} is a file' in (
-      capsys.readouterr().err)
+    capsys.readouterr().err
+  )
   assert not os.path.exists(workdir)
 
 
 def test_a_second_trainer_on_a_workdir_is_refused_and_a_stale_lock_does_not_block(
-    four_steps, tmp_path):
+  four_steps, tmp_path
+):
   workdir = str(tmp_path / 'run')
   shutil.copytree(four_steps, workdir)
   holder = Trainer(corpus_config(train=dict(steps=6)), workdir)  # holds the lock until run ends
   before = snapshot(workdir)
-  r = subprocess.run([sys.executable, '-m', 't5x_like.train', *corpus_args(workdir)], cwd=REPO,
-                     capture_output=True, text=True, timeout=300, check=False)
+  r = subprocess.run(
+    [sys.executable, '-m', 't5x_like.train', *corpus_args(workdir)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert r.returncode == 2, r.stderr[-2000:]
-  assert (f'workdir {workdir} is in use by another trainer (host {socket.gethostname()}, pid '
-          f'{os.getpid()}, since ') in r.stderr
+  assert (
+    f'workdir {workdir} is in use by another trainer (host {socket.gethostname()}, pid '
+    f'{os.getpid()}, since '
+  ) in r.stderr
   assert snapshot(workdir) == before
   with pytest.raises(ConfigError, match='is in use by another trainer'):
     Trainer(corpus_config(train=dict(steps=6)), workdir)  # in the same process too
@@ -251,18 +278,27 @@ def test_a_run_whose_every_step_is_nan_stops_as_diverged(tmp_path):
   instead of going on to its last iteration, keeps (saves) iteration 1's state, the last finite
   one, says what to do, and alerts."""
   workdir = str(tmp_path / 'run')
-  code = train.main(corpus_args(
-      workdir, '--config.optimizer.lr=1e30', '--config.optimizer.min_lr=0',
-      '--config.optimizer.warmup_samples=0', '--config.train.steps=20',
-      '--config.runtime.max_consecutive_nan=3', f'--config.runtime.alert_command={ALERT_RECORD}'))
+  code = train.main(
+    corpus_args(
+      workdir,
+      '--config.optimizer.lr=1e30',
+      '--config.optimizer.min_lr=0',
+      '--config.optimizer.warmup_samples=0',
+      '--config.train.steps=20',
+      '--config.runtime.max_consecutive_nan=3',
+      f'--config.runtime.alert_command={ALERT_RECORD}',
+    )
+  )
   assert code == runtime.ExitCode.DIVERGED == 5
   records = read_metrics(workdir)
   assert [r['iteration'] for r in records] == [1, 2, 3, 4]
   assert [r['nan_iterations'] for r in records] == [0, 1, 2, 3]
   with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
     log = f.read()
-  assert ('> diverged: iterations 2-4 (3 in a row, runtime.max_consecutive_nan=3) had a '
-          'non-finite loss or gradient norm') in log
+  assert (
+    '> diverged: iterations 2-4 (3 in a row, runtime.max_consecutive_nan=3) had a '
+    'non-finite loss or gradient norm'
+  ) in log
   assert 'roll back to checkpoint 1' in log
   assert 'data.skip_train_iteration_range' in log and 'override_lr_scheduler' in log
   assert log.rstrip().endswith('exit code 5 (DIVERGED)')
@@ -287,8 +323,12 @@ def test_a_divergence_keeps_the_last_finite_state(four_steps, tmp_path, monkeypa
     return state, None, False  # no record: the metrics are not this test's
 
   monkeypatch.setattr(Trainer, 'train_iteration', non_finite_from_4)
-  trainer = Trainer(corpus_config(train=dict(steps=20), checkpoint=dict(save_interval=5),
-                                  runtime=dict(max_consecutive_nan=2)), workdir)
+  trainer = Trainer(
+    corpus_config(
+      train=dict(steps=20), checkpoint=dict(save_interval=5), runtime=dict(max_consecutive_nan=2)
+    ),
+    workdir,
+  )
   trainer.run()
   assert trainer.stop_reason is runtime.StopReason.DIVERGED
   root = os.path.join(workdir, 'checkpoints')
@@ -298,15 +338,18 @@ def test_a_divergence_keeps_the_last_finite_state(four_steps, tmp_path, monkeypa
 
 def test_a_save_never_writes_non_finite_params(tmp_path):
   from test_checkpoints import save_step, tiny_state
+
   cfg, layout, state = tiny_state()
   root = str(tmp_path / 'ckpt')
   checkpointer = checkpoints.Checkpointer(root, 1, max_to_keep=3, layout=layout)
   assert save_step(checkpointer, cfg, state, 1)
   params = dict(state.params)
   params['final_ln'] = {**params['final_ln'], 'scale': params['final_ln']['scale'] * float('inf')}
-  with pytest.raises(checkpoints.NonFiniteStateError,
-                     match='checkpoint 2 not saved: the params hold non-finite values .* The '
-                           'latest checkpoint, 1, is unchanged'):
+  with pytest.raises(
+    checkpoints.NonFiniteStateError,
+    match='checkpoint 2 not saved: the params hold non-finite values .* The '
+    'latest checkpoint, 1, is unchanged',
+  ):
     save_step(checkpointer, cfg, TrainState(params, state.opt_state), 2)
   checkpointer.close()
   assert checkpoints.available_steps(root) == [1]
@@ -314,8 +357,9 @@ def test_a_save_never_writes_non_finite_params(tmp_path):
 
 
 def test_divergence_watch_counts_consecutive_non_finite_iterations():
-  from t5x_like.metrics import DivergenceWatch
-  from t5x_like.train_state import Progress
+  from t5x_like.parallel.train_state import Progress
+  from t5x_like.training.watches import DivergenceWatch
+
   watch_ = DivergenceWatch(3, Progress())
   verdicts = []
   for iteration, finite in enumerate([True, False, False, True, False, False, False], start=1):
@@ -323,8 +367,9 @@ def test_divergence_watch_counts_consecutive_non_finite_iterations():
   assert verdicts[:6] == [None] * 6
   assert verdicts[6].startswith('> diverged: iterations 5-7 (3 in a row')
   assert watch_.last_finite.iteration == 4
-  assert all(DivergenceWatch(0, Progress()).add(Progress(iteration=i), False) is None
-             for i in range(1, 50))
+  assert all(
+    DivergenceWatch(0, Progress()).add(Progress(iteration=i), False) is None for i in range(1, 50)
+  )
 
 
 # ----------------------------------------------------------------------------- failed saves
@@ -351,14 +396,29 @@ def test_a_full_disk_during_a_save_is_one_message(tmp_path):
   fs, out = tmp_path / 'fs', tmp_path / 'out'
   fs.mkdir()
   out.mkdir()
-  args = ['--config', os.path.join(REPO, 'configs', 'tiny.py'), '--workdir', str(fs / 'run'),
-          '--config.train.steps=2', '--config.checkpoint.save_interval=2', '--config.eval.interval=0',
-          '--config.mesh.data=2', '--config.mesh.tensor=4']
-  script = FULL_DISK.format(fs=fs, python=sys.executable, out=out,
-                            args=' '.join(f"'{a}'" for a in args))
+  args = [
+    '--config',
+    os.path.join(REPO, 'configs', 'tiny.py'),
+    '--workdir',
+    str(fs / 'run'),
+    '--config.train.steps=2',
+    '--config.checkpoint.save_interval=2',
+    '--config.eval.interval=0',
+    '--config.mesh.data=2',
+    '--config.mesh.tensor=4',
+  ]
+  script = FULL_DISK.format(
+    fs=fs, python=sys.executable, out=out, args=' '.join(f"'{a}'" for a in args)
+  )
   # --map-root-user: a mount namespace without being root, where user namespaces are allowed.
-  r = subprocess.run(['unshare', '--mount', '--map-root-user', 'sh', '-c', script], cwd=REPO,
-                     capture_output=True, text=True, timeout=600, check=False)
+  r = subprocess.run(
+    ['unshare', '--mount', '--map-root-user', 'sh', '-c', script],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   stderr = (out / 'stderr').read_text()
   assert (out / 'rc').read_text().strip() == '1', stderr[-3000:]
@@ -373,7 +433,7 @@ def test_a_full_disk_during_a_save_is_one_message(tmp_path):
 ECHOES = r"""
 import asyncio, gc, sys
 from orbax.checkpoint._src.serialization import serialization
-from t5x_like import checkpoints
+from t5x_like.checkpointing import checkpoints
 
 ORBAX_READ = '''
 import asyncio
@@ -423,8 +483,14 @@ def test_the_echoes_of_a_failed_save_or_restore_are_not_printed(silenced):
   its own error. Once a save or restore has begun (checkpoints.silence_orbax_aftermath) those
   are counted, not printed; any other unraisable error still is. In a process of its own: pytest
   swaps the unraisable hook around each test."""
-  r = subprocess.run([sys.executable, '-c', ECHOES, 'silenced' if silenced else 'plain'],
-                     cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+  r = subprocess.run(
+    [sys.executable, '-c', ECHOES, 'silenced' if silenced else 'plain'],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=True,
+  )
   assert 'an unrelated error' in r.stderr
   assert ('Event loop is closed' in r.stderr) != silenced, r.stderr
   assert ('reading array index' in r.stderr) != silenced, r.stderr
@@ -441,23 +507,36 @@ def test_a_truncated_tensor_file_is_one_message(four_steps, tmp_path):
   for name in os.listdir(data):  # every tensor file: each read fails
     os.truncate(os.path.join(data, name), 100)
   before = snapshot(workdir)
-  r = subprocess.run([sys.executable, '-m', 't5x_like.train', *corpus_args(
-      workdir, '--config.train.steps=6', '--config.mesh.data=2', '--config.mesh.tensor=4')],
-                     cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  r = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      't5x_like.train',
+      *corpus_args(
+        workdir, '--config.train.steps=6', '--config.mesh.data=2', '--config.mesh.tensor=4'
+      ),
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert r.returncode == 2, r.stderr[-3000:]
   lines = [line for line in r.stderr.splitlines() if not START_UP_NOISE.match(line)]
   assert len(lines) == 1, f'{len(lines)} lines on stderr: ' + '\n'.join(lines[:40])
-  assert lines[0].startswith(f'error: {workdir}/checkpoints/4 is damaged or incomplete and '
-                             'cannot be restored: ')
+  assert lines[0].startswith(
+    f'error: {workdir}/checkpoints/4 is damaged or incomplete and cannot be restored: '
+  )
   assert snapshot(workdir) == before
 
 
 # ------------------------------------------------------------------ signals outside the loop
 
-STUCK_IN_START_UP = '''
+STUCK_IN_START_UP = """
 import os, signal, sys, time
 sys.path.insert(0, {tests!r})
-from t5x_like import train
+from t5x_like.cli import train
 from t5x_like.data import sources
 real_build = sources.build
 
@@ -472,21 +551,28 @@ def slow_build(*args, **kwargs):
 
 sources.build = slow_build
 sys.exit(train.main({args!r}))
-'''
+"""
 
 
-@pytest.mark.parametrize('sig,native', [(signal.SIGTERM, False), (signal.SIGINT, False),
-                                        (signal.SIGTERM, True)])
+@pytest.mark.parametrize(
+  'sig,native', [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)]
+)
 def test_a_signal_during_start_up_ends_the_process_at_once(tmp_path, sig, native):
   """SIGTERM or SIGINT while the trainer prepares its data (here: a data preparation that would
   take 10 minutes) ends it with exit code 3 and one message, and the workdir stays untouched;
   also when the main thread is inside a native call that runs no Python handler."""
   workdir = tmp_path / 'run'
   marker = str(tmp_path / 'preparing')
-  script = STUCK_IN_START_UP.format(tests=os.path.join(REPO, 'tests'), marker=marker,
-                                    native=native, args=corpus_args(workdir))
-  process = subprocess.Popen([sys.executable, '-c', script], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+  script = STUCK_IN_START_UP.format(
+    tests=os.path.join(REPO, 'tests'), marker=marker, native=native, args=corpus_args(workdir)
+  )
+  process = subprocess.Popen(
+    [sys.executable, '-c', script],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
     for _ in range(1200):
       if os.path.exists(marker) or process.poll() is not None:
@@ -515,8 +601,12 @@ def test_a_closed_terminal_saves_and_asks_for_a_requeue(tmp_path):
   import pty
 
   workdir = tmp_path / 'run'
-  args = corpus_args(workdir, '--config.train.steps=100000', '--config.checkpoint.save_interval=0',
-                     '--config.eval.interval=0')
+  args = corpus_args(
+    workdir,
+    '--config.train.steps=100000',
+    '--config.checkpoint.save_interval=0',
+    '--config.eval.interval=0',
+  )
   log = workdir / 'logs' / 'main_log.txt'
   for nohup in (False, True):
     shutil.rmtree(workdir, ignore_errors=True)
@@ -524,8 +614,13 @@ def test_a_closed_terminal_saves_and_asks_for_a_requeue(tmp_path):
     # A session of its own whose controlling terminal is the pty (util-linux's setsid --ctty).
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN if nohup else signal.SIG_DFL)
     try:
-      process = subprocess.Popen(['setsid', '--ctty', sys.executable, '-m', 't5x_like.train',
-                                  *args], cwd=REPO, stdin=tty, stdout=tty, stderr=tty)
+      process = subprocess.Popen(
+        ['setsid', '--ctty', sys.executable, '-m', 't5x_like.train', *args],
+        cwd=REPO,
+        stdin=tty,
+        stdout=tty,
+        stderr=tty,
+      )
     finally:
       signal.signal(signal.SIGHUP, previous)
       os.close(tty)
@@ -563,8 +658,9 @@ def drain(fd, output):
 def test_the_watch_reports_a_diverged_run(tmp_path):
   logs = tmp_path / 'logs'
   logs.mkdir()
-  (logs / 'main_log.txt').write_text('> stopped: 4 iterations, 16 samples; exit code 5 '
-                                     '(DIVERGED)\n')
+  (logs / 'main_log.txt').write_text(
+    '> stopped: 4 iterations, 16 samples; exit code 5 (DIVERGED)\n'
+  )
   s = watch.status(str(tmp_path), stale_mins=30, now=time.time() + 3600)
   assert s['state'] == 'diverged'
   assert watch.main([str(tmp_path), '--json']) == 1

@@ -3,10 +3,12 @@ checkpoints' metadata and writes nothing."""
 
 import os
 
-from t5x_like import checkpoints, partitioning, resume
-from t5x_like.train_state import Progress, make_layout
-
 from conftest import small_config
+
+from t5x_like.checkpointing import checkpoints
+from t5x_like.mesh import partitioning
+from t5x_like.parallel.train_state import Progress, make_layout
+from t5x_like.training import resume
 
 
 def save_checkpoint(workdir, cfg, progress, adam_count_base):
@@ -19,9 +21,11 @@ def save_checkpoint(workdir, cfg, progress, adam_count_base):
 
 
 def listing(workdir):
-  return sorted((os.path.relpath(os.path.join(d, f), workdir),
-                 os.stat(os.path.join(d, f)).st_mtime_ns)
-                for d, _, files in os.walk(workdir) for f in files)
+  return sorted(
+    (os.path.relpath(os.path.join(d, f), workdir), os.stat(os.path.join(d, f)).st_mtime_ns)
+    for d, _, files in os.walk(workdir)
+    for f in files
+  )
 
 
 def test_resume_plan_is_a_pure_function_of_config_and_workdir(tmp_path):
@@ -29,13 +33,18 @@ def test_resume_plan_is_a_pure_function_of_config_and_workdir(tmp_path):
   software = {'python': 'test'}
   cfg = small_config(train=dict(seed=7))
   scratch = resume.plan(cfg, workdir, software)
-  assert (scratch.steps, scratch.step, scratch.progress, scratch.data_seed) == ([], None,
-                                                                               Progress(), 7)
+  assert (scratch.steps, scratch.step, scratch.progress, scratch.data_seed) == (
+    [],
+    None,
+    Progress(),
+    7,
+  )
   assert scratch.adam_count_base == {'iteration': 0, 'skipped_iterations': 0}
   assert scratch.config == cfg and scratch.notes == []
 
-  saved_progress = Progress(iteration=2, consumed_samples=16, consumed_tokens=256,
-                            skipped_iterations=1)
+  saved_progress = Progress(
+    iteration=2, consumed_samples=16, consumed_tokens=256, skipped_iterations=1
+  )
   save_checkpoint(workdir, cfg, saved_progress, {'iteration': 1, 'skipped_iterations': 0})
   before = listing(workdir)
   # The next job: more steps, another seed. The data order stays the checkpoint's; with
@@ -49,8 +58,10 @@ def test_resume_plan_is_a_pure_function_of_config_and_workdir(tmp_path):
   assert plan.config_changes == ['train.steps: checkpoint 3 -> now 5']
   assert plan.load_optimizer and not plan.reset_optimizer
   assert plan.adam_count_base == {'iteration': 1, 'skipped_iterations': 0}  # the checkpoint's
-  assert '> dropout seed 7 from the checkpoint (config: 11; checkpoint.load_rng=False would use ' \
-         'it)' in plan.notes
+  assert (
+    '> dropout seed 7 from the checkpoint (config: 11; checkpoint.load_rng=False would use '
+    'it)' in plan.notes
+  )
 
   # checkpoint.load_optimizer=False: fresh Adam moments, whose step count starts at the resumed
   # iteration (and its skipped count).

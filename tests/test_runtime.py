@@ -4,7 +4,7 @@ import queue
 import threading
 import time
 
-from t5x_like import runtime
+from t5x_like.training import runtime
 
 
 def test_first_iteration_grace_and_suspension(monkeypatch):
@@ -34,7 +34,8 @@ def test_first_iteration_grace_and_suspension(monkeypatch):
 
 
 def test_the_watchdog_thread_ends_the_process_after_the_timeout_and_not_before(
-    monkeypatch, tmp_path):
+  monkeypatch, tmp_path
+):
   """The thread's side of the decision above, on a fake clock: silent for just under the timeout,
   the process lives on; just over it, the thread reports (message, stacks in the log) and exits
   with code 4. `os._exit` is replaced so that the test process survives the exit."""
@@ -74,8 +75,9 @@ def test_the_watchdog_thread_ends_the_process_after_the_timeout_and_not_before(
     finally:
       test_over.set()
   (message,) = hangs
-  assert message.startswith('> hang: no progress for 1.00 minutes (runtime.hang_timeout_mins=1) '
-                            'while in iteration 5;')
+  assert message.startswith(
+    '> hang: no progress for 1.00 minutes (runtime.hang_timeout_mins=1) while in iteration 5;'
+  )
   with open(log_path) as f:
     log = f.read()
   assert log.startswith(message) and '(most recent call first)' in log

@@ -7,12 +7,13 @@ import re
 import jax
 import numpy as np
 import pytest
-
-from t5x_like import partitioning, pipeline, step as step_lib
-from t5x_like.config import ConfigError
-from t5x_like.train_state import make_layout
-
 from conftest import run_cli, run_steps, small_config
+
+from t5x_like.config import ConfigError
+from t5x_like.mesh import partitioning
+from t5x_like.parallel import pipeline
+from t5x_like.parallel.train_state import make_layout
+from t5x_like.training import step as step_lib
 
 # head_dim 16, so the Pallas kernels can run the same model.
 MODEL = dict(num_heads=4)
@@ -28,8 +29,9 @@ def assert_same_training(run, reference, cfg, loose=False):
   # The fused kernel's own summation order: test_model_integration's tolerances.
   np.testing.assert_allclose(norms, ref_norms, rtol=1e-4 if loose else 2e-5)
   atol = 1e-4 if loose else 2e-5
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol), params,
-               ref_params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol), params, ref_params
+  )
 
 
 @pytest.fixture(scope='module')
@@ -37,39 +39,57 @@ def single_device_run():
   return run_steps(small_config(model=MODEL), num_steps=3)
 
 
-@pytest.mark.parametrize('data, stages, tensor, model', [
+@pytest.mark.parametrize(
+  'data, stages, tensor, model',
+  [
     (1, 1, 4, {}),
     # Pipelined, with the tick-level recomputation that keeps the stage inputs.
     (2, 2, 2, dict(remat_policy='full')),
     # The fused attention runs per (batch, heads) shard on the gathered sequence.
     (1, 1, 4, dict(attention_impl='pallas')),
-], ids=['1x1x4', '2x2x2_full', '1x1x4_pallas'])
-def test_sequence_parallel_run_matches_single_device(single_device_run, data, stages, tensor,
-                                                     model):
-  cfg = small_config(model=dict(MODEL, sequence_parallel=True, **model),
-                     mesh=dict(data=data, pipeline=stages, tensor=tensor)).validate()
-  assert_same_training(run_steps(cfg, num_steps=3), single_device_run, cfg,
-                       loose='attention_impl' in model)
+  ],
+  ids=['1x1x4', '2x2x2_full', '1x1x4_pallas'],
+)
+def test_sequence_parallel_run_matches_single_device(
+  single_device_run, data, stages, tensor, model
+):
+  cfg = small_config(
+    model=dict(MODEL, sequence_parallel=True, **model),
+    mesh=dict(data=data, pipeline=stages, tensor=tensor),
+  ).validate()
+  assert_same_training(
+    run_steps(cfg, num_steps=3), single_device_run, cfg, loose='attention_impl' in model
+  )
 
 
 def test_sequence_parallel_dropout_draws_the_masks_of_the_unsplit_run():
   """Dropout on sequence-split activations must draw the same masks as on whole ones (Megatron
   needs an RNG tracker for this; JAX's partitionable threefry gives it by construction)."""
-  runs = [run_steps(small_config(model=dict(MODEL, hidden_dropout=0.1, attention_dropout=0.1,
-                                            sequence_parallel=sp), mesh=dict(tensor=4)),
-                    num_steps=2) for sp in (False, True)]
+  runs = [
+    run_steps(
+      small_config(
+        model=dict(MODEL, hidden_dropout=0.1, attention_dropout=0.1, sequence_parallel=sp),
+        mesh=dict(tensor=4),
+      ),
+      num_steps=2,
+    )
+    for sp in (False, True)
+  ]
   losses, norms, params = runs[1]
   ref_losses, ref_norms, ref_params = runs[0]
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), params,
-               ref_params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), params, ref_params
+  )
 
 
 def compiled_step_text(mesh_shape, sequence_parallel: bool, **model) -> str:
-  cfg = small_config(model=dict(MODEL, sequence_parallel=sequence_parallel, **model),
-                     train=dict(seq_len=SEQ),
-                     mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh_shape))).validate()
+  cfg = small_config(
+    model=dict(MODEL, sequence_parallel=sequence_parallel, **model),
+    train=dict(seq_len=SEQ),
+    mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh_shape)),
+  ).validate()
   layout = make_layout(cfg, partitioning.make_mesh(*mesh_shape))
   return step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile().as_text()
 
@@ -77,13 +97,17 @@ def compiled_step_text(mesh_shape, sequence_parallel: bool, **model) -> str:
 SEQ, HIDDEN = 24, 64  # 24: a sequence length no other dim of the small model has
 # `%reduce.3 = f32[1,6]{1,0} reduce(...), ..., metadata={op_name=".../layers/ln1/reduce_sum"`.
 _LAYER_NORM_REDUCE = re.compile(
-    r'= f32\[(?P<shape>[\d,]*)\]\S* reduce\(.*op_name="[^"]*/(?:ln1|ln2|embed_ln|final_ln)/')
+  r'= f32\[(?P<shape>[\d,]*)\]\S* reduce\(.*op_name="[^"]*/(?:ln1|ln2|embed_ln|final_ln)/'
+)
 
 
 def layer_norm_shapes(hlo: str) -> set[tuple[int, ...]]:
   """Result shapes of the LayerNorms' reductions (row statistics and their backward)."""
-  return {tuple(int(n) for n in m.group('shape').split(',') if n)
-          for m in map(_LAYER_NORM_REDUCE.search, hlo.splitlines()) if m}
+  return {
+    tuple(int(n) for n in m.group('shape').split(',') if n)
+    for m in map(_LAYER_NORM_REDUCE.search, hlo.splitlines())
+    if m
+  }
 
 
 def sequence_gathers(hlo: str) -> list[str]:
@@ -103,16 +127,22 @@ def summed_residuals_used_whole(hlo: str) -> list[str]:
   users = []
   for name in sums:
     used = re.compile(re.escape(name) + r'[,)]')
-    users += [line.strip() for line in hlo.splitlines()
-              if used.search(line) and not line.lstrip().startswith(name + ' ')
-              and whole.search(line)]
+    users += [
+      line.strip()
+      for line in hlo.splitlines()
+      if used.search(line) and not line.lstrip().startswith(name + ' ') and whole.search(line)
+    ]
   return users
 
 
-@pytest.mark.parametrize('mesh_shape, model', [
+@pytest.mark.parametrize(
+  'mesh_shape, model',
+  [
     ((1, 1, 4), {}),
     ((2, 2, 2), dict(remat_policy='full')),
-], ids=['1x1x4', '2x2x2_full'])
+  ],
+  ids=['1x1x4', '2x2x2_full'],
+)
 def test_compiled_step_splits_layer_norms_and_kept_stage_inputs_over_tensor(mesh_shape, model):
   """In the compiled program the LayerNorms run on seq / tensor positions, the sequence is
   gathered before the QKV and h->4h matmuls and reduce-scattered after attention-out and 4h->h,
@@ -135,15 +165,20 @@ def test_compiled_step_splits_layer_norms_and_kept_stage_inputs_over_tensor(mesh
     assert kept(off) == {str(SEQ)} and kept(on) == {str(split)}
     # What moves from stage to stage (the roll of the stage outputs): split too.
     permuted = lambda hlo: re.findall(
-        rf'= f32\[[\d,]*\b(\d+),{HIDDEN}\]\S* collective-permute(?:-start)?\(', hlo)
+      rf'= f32\[[\d,]*\b(\d+),{HIDDEN}\]\S* collective-permute(?:-start)?\(', hlo
+    )
     assert str(SEQ) in permuted(off) and set(permuted(on)) == {str(split)}
 
 
 def test_sequence_length_that_tensor_does_not_divide_is_one_clear_error():
-  cfg = small_config(model=dict(MODEL, sequence_parallel=True), train=dict(seq_len=18),
-                     mesh=dict(tensor=4))
-  with pytest.raises(ConfigError, match=r'train.seq_len \(18\) must be divisible by mesh.tensor '
-                                        r'\(4\).*sequence_parallel=False'):
+  cfg = small_config(
+    model=dict(MODEL, sequence_parallel=True), train=dict(seq_len=18), mesh=dict(tensor=4)
+  )
+  with pytest.raises(
+    ConfigError,
+    match=r'train.seq_len \(18\) must be divisible by mesh.tensor '
+    r'\(4\).*sequence_parallel=False',
+  ):
     cfg.validate()
   small_config(train=dict(seq_len=18), mesh=dict(tensor=4)).validate()  # fine without it
 
@@ -151,10 +186,21 @@ def test_sequence_length_that_tensor_does_not_divide_is_one_clear_error():
 def test_plan_breakdown_names_the_sequence_split_stage_inputs():
   """tiny on pipeline 2 x tensor 2, 4 micro-batches: 5 ticks' stage inputs of 4 rows x 128 / 2
   positions x 256 as bf16 bits per device, under their own category, not 'kept activations'."""
-  r = run_cli(['-m', 't5x_like.plan', '--config', 'configs/tiny.py', '--json',
-               '--config.mesh.data=1', '--config.mesh.pipeline=2', '--config.mesh.tensor=2',
-               '--config.model.dtype=bfloat16', '--config.model.remat_policy=full',
-               '--config.model.sequence_parallel=True'])
+  r = run_cli(
+    [
+      '-m',
+      't5x_like.plan',
+      '--config',
+      'configs/tiny.py',
+      '--json',
+      '--config.mesh.data=1',
+      '--config.mesh.pipeline=2',
+      '--config.mesh.tensor=2',
+      '--config.model.dtype=bfloat16',
+      '--config.model.remat_policy=full',
+      '--config.model.sequence_parallel=True',
+    ]
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   gib = json.loads(r.stdout.strip().splitlines()[-1])['memory_breakdown']['gib']
   assert gib['kept stage inputs'] * 2**30 == 5 * 4 * (128 // 2) * 256 * 2, gib

@@ -3,17 +3,30 @@
 import json
 import os
 
-from t5x_like.config import Config, load_gin
-
 from conftest import REPO, run_cli
+
+from t5x_like.config import Config, load_gin
 
 
 def test_tiny_config_trains_with_a_falling_loss(tmp_path):
   workdir = str(tmp_path / 'tiny')
-  r = run_cli(['-m', 't5x_like.train', '--config', 'configs/tiny.py', '--workdir', workdir,
-               '--config.train.steps=20', '--config.checkpoint.save_interval=10'])
+  r = run_cli(
+    [
+      '-m',
+      't5x_like.train',
+      '--config',
+      'configs/tiny.py',
+      '--workdir',
+      workdir,
+      '--config.train.steps=20',
+      '--config.checkpoint.save_interval=10',
+    ]
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   assert 'iteration       20/      20' in r.stdout
+  # TensorFlow (clu's TensorBoard writer) starts quietly: no 'failed call to cuInit', no oneDNN
+  # notice; a normal run's stderr is empty.
+  assert r.stderr == '', r.stderr[-3000:]
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     losses = [json.loads(line)['lm_loss'] for line in f]
   assert len(losses) == 20
@@ -30,8 +43,12 @@ def test_tiny_config_trains_with_a_falling_loss(tmp_path):
 
 def test_gin_front_end_trains_and_records_the_same_config(tmp_path):
   workdir = str(tmp_path / 'gin')
-  bindings = ['train.steps = 2', 'model.num_layers = 1', 'checkpoint.save_interval = 0',
-              'eval.interval = 0']
+  bindings = [
+    'train.steps = 2',
+    'model.num_layers = 1',
+    'checkpoint.save_interval = 0',
+    'eval.interval = 0',
+  ]
   args = ['-m', 't5x_like.train', '--gin_file', 'configs/tiny.gin', '--workdir', workdir]
   for b in bindings:
     args += ['--gin_bindings', b]
@@ -39,16 +56,17 @@ def test_gin_front_end_trains_and_records_the_same_config(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   with open(os.path.join(workdir, 'config.json')) as f:
     recorded = json.load(f)
-  assert Config.from_dict(recorded) == load_gin([os.path.join(REPO, 'configs', 'tiny.gin')],
-                                                bindings)
+  assert Config.from_dict(recorded) == load_gin(
+    [os.path.join(REPO, 'configs', 'tiny.gin')], bindings
+  )
 
 
 def test_bad_command_lines_exit_2_with_one_message_and_no_workdir(tmp_path):
   workdir = tmp_path / 'never'
   cases = [
-      (['--config', 'configs/tiny.py', '--config.model.num_layerz=2'], 'model.num_layerz'),
-      (['--config', 'configs/nope.py'], 'not found'),
-      (['--config', 'configs/tiny.py', '--config.model.num_heads=7'], 'divisible'),
+    (['--config', 'configs/tiny.py', '--config.model.num_layerz=2'], 'model.num_layerz'),
+    (['--config', 'configs/nope.py'], 'not found'),
+    (['--config', 'configs/tiny.py', '--config.model.num_heads=7'], 'divisible'),
   ]
   for argv, message in cases:
     r = run_cli(['-m', 't5x_like.train', *argv, '--workdir', str(workdir)])

@@ -13,39 +13,58 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from t5x_like import checkpoints, metrics, optim, partitioning, provenance, schedule, startup
-from t5x_like import watch
-from t5x_like import trainer as trainer_lib
-from t5x_like.config import Config, ConfigError
-from t5x_like.train_state import TrainState, make_layout
-from t5x_like.step import make_train_step
-from t5x_like.trainer import Trainer
-from t5x_like.workdir import read_metrics
-
 from conftest import ALERT_RECORD, config_with, read_alerts, read_tensorboard
 
-REQUIRED = {'iteration', 'consumed_samples', 'consumed_tokens', 'learning_rate',
-            'global_batch_size', 'lm_loss', 'grad_norm', 'step_time_s', 'samples_per_sec',
-            'tokens_per_sec', 'tflops', 'mfu', 'skipped_iterations', 'nan_iterations'}
+from t5x_like.checkpointing import checkpoints, provenance
+from t5x_like.cli import watch
+from t5x_like.config import Config, ConfigError
+from t5x_like.mesh import partitioning
+from t5x_like.optim import adamw as optim
+from t5x_like.parallel.train_state import TrainState, make_layout
+from t5x_like.training import metrics, schedule, startup, watches
+from t5x_like.training import trainer as trainer_lib
+from t5x_like.training.step import make_train_step
+from t5x_like.training.trainer import Trainer
+from t5x_like.training.workdir import read_metrics
+
+REQUIRED = {
+  'iteration',
+  'consumed_samples',
+  'consumed_tokens',
+  'learning_rate',
+  'global_batch_size',
+  'lm_loss',
+  'grad_norm',
+  'step_time_s',
+  'samples_per_sec',
+  'tokens_per_sec',
+  'tflops',
+  'mfu',
+  'skipped_iterations',
+  'nan_iterations',
+}
 LOG_LINE = re.compile(
-    r' iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| consumed tokens: +(\d+) \| '
-    r'elapsed time per iteration \(s\): [\d.]+ \| learning rate: [\d.E+-]+ \| '
-    r'global batch size: +(\d+) \| lm loss: [\d.E+-]+ \| grad norm: [\d.]+ \| num zeros: [\d.]+ \| '
-    r'number of skipped iterations: +\d+ \| number of nan iterations: +\d+ \| '
-    r'samples per second: [\d.]+ \| TFLOPs: [\d.]+ \|')
+  r' iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| consumed tokens: +(\d+) \| '
+  r'elapsed time per iteration \(s\): [\d.]+ \| learning rate: [\d.E+-]+ \| '
+  r'global batch size: +(\d+) \| lm loss: [\d.E+-]+ \| grad norm: [\d.]+ \| num zeros: [\d.]+ \| '
+  r'number of skipped iterations: +\d+ \| number of nan iterations: +\d+ \| '
+  r'samples per second: [\d.]+ \| TFLOPs: [\d.]+ \|'
+)
 
 
 def corpus_config(**sections) -> Config:
   """A small BLOOM on the embedded corpus (its tokenizer has 8192 tokens) on a 2x2 mesh."""
-  return config_with({
+  return config_with(
+    {
       'model': dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=8192, init_std=0.02),
       'train': dict(steps=6, global_batch_size=8, micro_batch_size=2, seq_len=32, seed=3),
       'optimizer': dict(lr=2e-3, min_lr=2e-4, warmup_samples=16, decay_samples=400),
       'mesh': dict(data=2, pipeline=1, tensor=2),
       'checkpoint': dict(save_interval=3),
       'runtime': dict(replica_check_interval=3),
-  }, sections)
+    },
+    sections,
+  )
 
 
 @pytest.fixture(scope='module')
@@ -75,8 +94,11 @@ def test_run_writes_log_lines_metrics_config_and_checkpoints(six_steps):
   assert 'matmul probe' in log  # the log says where the CPU MFU reference comes from
   # LayerNorms, biases and (ZeRO-1) params are replicated over `tensor` on this data=2 x tensor=2
   # mesh: their copies are compared at iterations 3 and 6.
-  checks = re.findall(r'> replica check at iteration (\d+): every replicated array of the params '
-                      r"and optimizer state is identical on this process's 4 devices", log)
+  checks = re.findall(
+    r'> replica check at iteration (\d+): every replicated array of the params '
+    r"and optimizer state is identical on this process's 4 devices",
+    log,
+  )
   assert checks == ['3', '6']
   with open(os.path.join(workdir, 'config.json')) as f:
     assert Config.from_dict(json.load(f)) == corpus_config()
@@ -84,7 +106,8 @@ def test_run_writes_log_lines_metrics_config_and_checkpoints(six_steps):
 
 
 def test_tensorboard_has_megatron_tags_and_a_resume_replaces_the_steps_after_its_checkpoint(
-    six_steps, tmp_path, persistent_compilation_cache):
+  six_steps, tmp_path, persistent_compilation_cache
+):
   workdir, _ = six_steps
   # A run that got to iteration 5 but whose checkpoint 5 is lost resumes from 3: TensorBoard
   # shows iterations 4 and 5 of the resumed run only, not both runs' points.
@@ -92,17 +115,22 @@ def test_tensorboard_has_megatron_tags_and_a_resume_replaces_the_steps_after_its
   Trainer(corpus_config(train=dict(steps=5)), resumed).run()
   shutil.rmtree(os.path.join(resumed, 'checkpoints', '5'))
   Trainer(corpus_config(), resumed).run()
-  runs = [os.path.join(d, 'tensorboard', run) for d in (workdir, resumed)
-          for run, _ in metrics.TENSORBOARD_RUNS]
+  runs = [
+    os.path.join(d, 'tensorboard', run)
+    for d in (workdir, resumed)
+    for run, _ in metrics.TENSORBOARD_RUNS
+  ]
   read = read_tensorboard(*runs, kind='all')
   scalars, vs_samples, vs_tokens, after_resume, resumed_vs_samples, resumed_vs_tokens = (
-      kinds['scalars'] for kinds in read)
+    kinds['scalars'] for kinds in read
+  )
   # The resolved config as text in the iteration run, once per job at its first iteration.
   resumed_configs = read[3]['texts']['config']
   assert [step for step, _ in resumed_configs] == [1, 4]
   with open(os.path.join(resumed, 'config.json')) as f:
     assert json.loads(''.join(line[4:] for line in resumed_configs[1][1].splitlines(True))) == (
-        json.load(f))
+      json.load(f)
+    )
   want = read_metrics(workdir)
   # Stored under exactly the tags written, one TensorBoard run per x axis.
   written = metrics.tensorboard_scalars(want[0])
@@ -110,29 +138,38 @@ def test_tensorboard_has_megatron_tags_and_a_resume_replaces_the_steps_after_its
   for run, stored in (('', scalars), ('vs_samples', vs_samples), ('vs_tokens', vs_tokens)):
     assert set(stored) == {tag for tag, _, _ in written[run]}
   assert scalars['lm-loss-training/lm_loss'] == [
-      (r['iteration'], pytest.approx(r['lm_loss'])) for r in want]
+    (r['iteration'], pytest.approx(r['lm_loss'])) for r in want
+  ]
   assert scalars['consumed/samples'] == [(r['iteration'], r['consumed_samples']) for r in want]
   assert [v for _, v in scalars['learning-rate/learning-rate']] == [
-      pytest.approx(r['learning_rate']) for r in want]
+    pytest.approx(r['learning_rate']) for r in want
+  ]
   assert scalars['grad-norm/grad-norm'][-1] == (6, pytest.approx(want[-1]['grad_norm']))
   # Megatron's "lm loss vs samples" / "vs tokens": the same values against the data consumed.
   assert vs_samples['lm-loss-training/lm_loss_vs_samples'] == [
-      (r['consumed_samples'], pytest.approx(r['lm_loss'])) for r in want]
+    (r['consumed_samples'], pytest.approx(r['lm_loss'])) for r in want
+  ]
   assert vs_tokens['lm-loss-training/lm_loss_vs_tokens'] == [
-      (r['consumed_tokens'], pytest.approx(r['lm_loss'])) for r in want]
+    (r['consumed_tokens'], pytest.approx(r['lm_loss'])) for r in want
+  ]
   assert vs_tokens['learning-rate/learning-rate_vs_tokens'] == [
-      (r['consumed_tokens'], pytest.approx(r['learning_rate'])) for r in want]
+    (r['consumed_tokens'], pytest.approx(r['learning_rate'])) for r in want
+  ]
   # The resumed run's iterations 4 and 5 replace the first job's in every run, whatever its axis.
   got = read_metrics(resumed)
   assert after_resume['lm-loss-training/lm_loss'] == [
-      (r['iteration'], pytest.approx(r['lm_loss'])) for r in got]
+    (r['iteration'], pytest.approx(r['lm_loss'])) for r in got
+  ]
   assert [step for step, _ in after_resume['lm-loss-training/lm_loss']] == [1, 2, 3, 4, 5, 6]
   assert resumed_vs_samples['lm-loss-training/lm_loss_vs_samples'] == [
-      (r['consumed_samples'], pytest.approx(r['lm_loss'])) for r in got]
+    (r['consumed_samples'], pytest.approx(r['lm_loss'])) for r in got
+  ]
   assert resumed_vs_tokens['lm-loss-training/lm_loss_vs_tokens'] == [
-      (r['consumed_tokens'], pytest.approx(r['lm_loss'])) for r in got]
+    (r['consumed_tokens'], pytest.approx(r['lm_loss'])) for r in got
+  ]
   assert [s for s, _ in resumed_vs_tokens['grad-norm/grad-norm_vs_tokens']] == [
-      r['consumed_tokens'] for r in got]
+    r['consumed_tokens'] for r in got
+  ]
 
 
 def test_resume_reproduces_the_uninterrupted_run(six_steps, tmp_path, monkeypatch):
@@ -150,15 +187,20 @@ def test_resume_reproduces_the_uninterrupted_run(six_steps, tmp_path, monkeypatc
   assert [r['iteration'] for r in got] == [1, 2, 3, 4, 5, 6]
   for a, b in zip(want, got):
     assert (a['lm_loss'], a['grad_norm'], a['learning_rate']) == (
-        b['lm_loss'], b['grad_norm'], b['learning_rate'])
+      b['lm_loss'],
+      b['grad_norm'],
+      b['learning_rate'],
+    )
   with open(os.path.join(resumed, 'logs', 'main_log.txt')) as f:
     log = f.read()
   assert 'resumed from' in log
   # Everything that differs from the checkpoint's run is in the log, and only that.
   changes = re.findall(r'> (?:config|software) changed since the checkpoint: (.*)', log)
-  assert changes == ['train.steps: checkpoint 3 -> now 6',
-                     f"jax: checkpoint {jax.__version__} -> now 9.9.9"]
-  assert f'> software: python' in log and 'jax 9.9.9' in log
+  assert changes == [
+    'train.steps: checkpoint 3 -> now 6',
+    f'jax: checkpoint {jax.__version__} -> now 9.9.9',
+  ]
+  assert '> software: python' in log and 'jax 9.9.9' in log
   assert checkpoints.read_meta(os.path.join(resumed, 'checkpoints'))['software'] == upgraded
 
 
@@ -187,8 +229,10 @@ def test_non_finite_step_is_skipped_and_counted():
   layout = make_layout(cfg, mesh)
   state = layout.init(0)
   bad = state.params.copy()
-  bad['final_ln'] = {'scale': state.params['final_ln']['scale'].at[0].set(jnp.nan),
-                     'bias': state.params['final_ln']['bias']}
+  bad['final_ln'] = {
+    'scale': state.params['final_ln']['scale'].at[0].set(jnp.nan),
+    'bias': state.params['final_ln']['bias'],
+  }
   bad_state = TrainState(bad, state.opt_state)
   step = jax.jit(make_train_step(cfg, layout))
   tokens = jnp.ones((cfg.num_microbatches, 2, 33), jnp.int32)
@@ -197,8 +241,9 @@ def test_non_finite_step_is_skipped_and_counted():
   assert int(optim.adam_count(new_state.opt_state)) == 0
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), new_state.params, bad)
   # The Adam moments too (the update is skipped whole, not only the params).
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), new_state.opt_state,
-               state.opt_state)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_array_equal(a, b), new_state.opt_state, state.opt_state
+  )
 
 
 class RecordedStep:
@@ -228,8 +273,7 @@ def poisoned_mean_loss(mean_loss, nan_loss_rows, inf_grad_rows):
   def patched(model, params, tokens, **kwargs):
     @jax.custom_vjp
     def loss(params, tokens):
-      return jnp.where(holds(tokens, nan_rows), jnp.nan,
-                       mean_loss(model, params, tokens, **kwargs))
+      return jnp.where(holds(tokens, nan_rows), jnp.nan, mean_loss(model, params, tokens, **kwargs))
 
     def forward(params, tokens):
       value, vjp = jax.vjp(lambda p: mean_loss(model, p, tokens, **kwargs), params)
@@ -253,18 +297,23 @@ def test_a_run_skips_and_counts_non_finite_iterations(tmp_path, monkeypatch):
   params or the Adam state (its step count included), and metrics.jsonl and the log carry the
   counters. The non-finite values come from `poisoned_mean_loss` in place of the loss the step
   traces, chosen by the rows of those iterations' batches (as the data replay rebuilds them)."""
-  from t5x_like import losses
-  from t5x_like.data import replay
-  cfg = corpus_config(train=dict(steps=5), mesh=dict(data=1, tensor=1),
-                      runtime=dict(replica_check_interval=0))
+  from t5x_like.model import losses
+  from t5x_like.training import replay
+
+  cfg = corpus_config(
+    train=dict(steps=5), mesh=dict(data=1, tensor=1), runtime=dict(replica_check_interval=0)
+  )
   rows = {i: replay.iteration_batch(cfg, cfg.train.seed, i).rows for i in (2, 4)}
   monkeypatch.setattr(losses, 'mean_loss', poisoned_mean_loss(losses.mean_loss, rows[2], rows[4]))
   workdir = str(tmp_path / 'run')
   trainer = Trainer(cfg, workdir)
   steps = []
   compile_step = trainer.steps.compile
-  monkeypatch.setattr(trainer.steps, 'compile',
-                      lambda shape: steps.append(RecordedStep(compile_step(shape))) or steps[-1])
+  monkeypatch.setattr(
+    trainer.steps,
+    'compile',
+    lambda shape: steps.append(RecordedStep(compile_step(shape))) or steps[-1],
+  )
   trainer.run()
   records = read_metrics(workdir)
   assert [r['skipped_iterations'] for r in records] == [0, 1, 1, 2, 2]
@@ -275,8 +324,10 @@ def test_a_run_skips_and_counts_non_finite_iterations(tmp_path, monkeypatch):
     log = f.read()
   assert 'number of skipped iterations:   2 | number of nan iterations:   1 |' in log
   (step,) = steps
-  counts = [(int(optim.adam_count(before.opt_state)), int(optim.adam_count(after.opt_state)))
-            for before, after in step.calls]
+  counts = [
+    (int(optim.adam_count(before.opt_state)), int(optim.adam_count(after.opt_state)))
+    for before, after in step.calls
+  ]
   assert counts == [(0, 1), (1, 1), (1, 2), (2, 2), (2, 3)]
   for iteration, (before, after) in enumerate(step.calls, 1):
     same = jax.tree.leaves(jax.tree.map(np.array_equal, before, after))
@@ -286,15 +337,18 @@ def test_a_run_skips_and_counts_non_finite_iterations(tmp_path, monkeypatch):
       assert not all(same), iteration
 
 
-@pytest.mark.parametrize('how, code', [('kill switch', 'exit code 0 (FINISHED)'),
-                                       ('SIGTERM', 'exit code 3 (REQUEUE)')])
+@pytest.mark.parametrize(
+  'how, code', [('kill switch', 'exit code 0 (FINISHED)'), ('SIGTERM', 'exit code 3 (REQUEUE)')]
+)
 def test_an_early_stop_sends_the_stopped_alert_with_its_iteration(
-    how, code, tmp_path, monkeypatch, persistent_compilation_cache):
+  how, code, tmp_path, monkeypatch, persistent_compilation_cache
+):
   """The kill switch appears, or SIGTERM arrives, during iteration 2: the run stops after it
   and runtime.alert_command hears `stopped` with iteration 2 (not `finished`)."""
   workdir, kill_switch = str(tmp_path / 'run'), str(tmp_path / 'STOP')
-  cfg = corpus_config(runtime=dict(kill_switch_path=kill_switch, alert_command=ALERT_RECORD,
-                                   replica_check_interval=0))
+  cfg = corpus_config(
+    runtime=dict(kill_switch_path=kill_switch, alert_command=ALERT_RECORD, replica_check_interval=0)
+  )
   trainer = Trainer(cfg, workdir)
   calls = []
 
@@ -308,12 +362,16 @@ def test_an_early_stop_sends_the_stopped_alert_with_its_iteration(
     return compiled(*args)
 
   compile_step = trainer.steps.compile
-  monkeypatch.setattr(trainer.steps, 'compile', lambda shape: functools.partial(
-      stop_in_iteration_2, compile_step(shape)))
+  monkeypatch.setattr(
+    trainer.steps,
+    'compile',
+    lambda shape: functools.partial(stop_in_iteration_2, compile_step(shape)),
+  )
   progress = trainer.run()
   assert progress.iteration == 2 and len(calls) == 2
   assert read_alerts(workdir) == [
-      ['stopped', '2', '0', f'> stopped: 2 iterations, 16 samples; {code}']]
+    ['stopped', '2', '0', f'> stopped: 2 iterations, 16 samples; {code}']
+  ]
 
 
 def test_bad_inputs_fail_before_compiling_and_touch_nothing(six_steps, tmp_path):
@@ -325,23 +383,29 @@ def test_bad_inputs_fail_before_compiling_and_touch_nothing(six_steps, tmp_path)
   assert open(os.path.join(workdir, 'config.json')).read() == config_before
   assert len(read_metrics(workdir)) == 6
   with pytest.raises(ConfigError, match='init_from.*different model shape'):
-    Trainer(corpus_config(model=dict(num_layers=3),
-                          checkpoint=dict(init_from=os.path.join(workdir, 'checkpoints'))),
-            str(tmp_path / 'new'))
+    Trainer(
+      corpus_config(
+        model=dict(num_layers=3), checkpoint=dict(init_from=os.path.join(workdir, 'checkpoints'))
+      ),
+      str(tmp_path / 'new'),
+    )
   assert not (tmp_path / 'new').exists() or not os.listdir(tmp_path / 'new')
   blocker = tmp_path / 'a_file'
   blocker.write_text('x')
   with pytest.raises(ConfigError, match='not writable'):
     Trainer(corpus_config(), str(blocker / 'workdir'))
   with pytest.raises(ConfigError, match='needs 16 devices but only 8'):
-    Trainer(corpus_config(mesh=dict(data=8, tensor=2), train=dict(micro_batch_size=1)),
-            str(tmp_path / 'big'))
+    Trainer(
+      corpus_config(mesh=dict(data=8, tensor=2), train=dict(micro_batch_size=1)),
+      str(tmp_path / 'big'),
+    )
 
 
 def test_restore_onto_a_mesh_with_another_vocab_padding(tmp_path):
   """Padding to 128 x tensor differs between tensor=2 (8448 rows) and tensor=1 (8320 rows)."""
-  saved_cfg = corpus_config(model=dict(vocab_size=8300), mesh=dict(data=1, tensor=2),
-                            train=dict(steps=1))
+  saved_cfg = corpus_config(
+    model=dict(vocab_size=8300), mesh=dict(data=1, tensor=2), train=dict(steps=1)
+  )
   trainer = Trainer(saved_cfg, str(tmp_path / 'run'))
   trainer.run()
   target_cfg = saved_cfg.replace(mesh={'data': 2, 'tensor': 1})
@@ -351,12 +415,15 @@ def test_restore_onto_a_mesh_with_another_vocab_padding(tmp_path):
   saved = jax.device_get(trainer.final_state)
   assert state.params['word_embeddings'].shape == (8320, 64)
   assert state.params['word_embeddings'].sharding == layout.shardings.params['word_embeddings']
-  np.testing.assert_array_equal(state.params['word_embeddings'],
-                                saved.params['word_embeddings'][:8320])
-  np.testing.assert_array_equal(state.opt_state[0].mu['word_embeddings'],
-                                saved.opt_state[0].mu['word_embeddings'][:8320])
-  np.testing.assert_array_equal(state.params['layers']['mlp']['wi_kernel'],
-                                saved.params['layers']['mlp']['wi_kernel'])
+  np.testing.assert_array_equal(
+    state.params['word_embeddings'], saved.params['word_embeddings'][:8320]
+  )
+  np.testing.assert_array_equal(
+    state.opt_state[0].mu['word_embeddings'], saved.opt_state[0].mu['word_embeddings'][:8320]
+  )
+  np.testing.assert_array_equal(
+    state.params['layers']['mlp']['wi_kernel'], saved.params['layers']['mlp']['wi_kernel']
+  )
   assert progress.iteration == 1
 
 
@@ -368,15 +435,19 @@ def test_eval_step_is_the_train_steps_loss_on_every_mesh(mesh):
   """The evaluation step is the training loss without the update: equal to the train step's
   reported loss on one device, and to the one-device evaluation on data x tensor and on a
   pipeline (its forward-only schedule)."""
-  from t5x_like.step import batch_sharding, make_eval_step
   from conftest import small_config
-  cfg = small_config(mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh)),
-                     model=dict(cross_entropy_impl='chunked'))
+
+  from t5x_like.training.step import batch_sharding, make_eval_step
+
+  cfg = small_config(
+    mesh=dict(zip(('data', 'pipeline', 'tensor'), mesh)), model=dict(cross_entropy_impl='chunked')
+  )
   tokens = np.random.default_rng(1).integers(0, 1000, (8, 17)).astype(np.int32)
 
   def evaluate(cfg):
-    layout = make_layout(cfg, partitioning.make_mesh(*(cfg.mesh.data, cfg.mesh.pipeline,
-                                                       cfg.mesh.tensor)))
+    layout = make_layout(
+      cfg, partitioning.make_mesh(*(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor))
+    )
     state = layout.init(cfg.train.seed)
     rows = cfg.train.micro_batch_size * cfg.mesh.data
     batch = jax.device_put(tokens.reshape(cfg.num_microbatches, rows, -1), batch_sharding(layout))
@@ -384,8 +455,7 @@ def test_eval_step_is_the_train_steps_loss_on_every_mesh(mesh):
 
   loss, layout, state, batch = evaluate(cfg)
   if mesh == (1, 1, 1):
-    _, stats = jax.jit(make_train_step(cfg, layout))(state, batch, jnp.float32(0.0),
-                                                      jnp.int32(0))
+    _, stats = jax.jit(make_train_step(cfg, layout))(state, batch, jnp.float32(0.0), jnp.int32(0))
     assert loss == pytest.approx(float(stats['lm_loss']), rel=1e-6)
   else:
     one_device = cfg.replace(mesh={'data': 1, 'pipeline': 1, 'tensor': 1})
@@ -395,6 +465,7 @@ def test_eval_step_is_the_train_steps_loss_on_every_mesh(mesh):
 def write_random_dataset(prefix, num_documents, seed, vocab=8192):
   """Documents of Zipf-distributed ids (learnable statistics, like text), each ending in EOD."""
   from t5x_like.data.indexed import IndexedDatasetWriter
+
   rng = np.random.default_rng(seed)
   with IndexedDatasetWriter(prefix, np.uint16) as writer:
     for _ in range(num_documents):
@@ -406,21 +477,30 @@ def write_random_dataset(prefix, num_documents, seed, vocab=8192):
 @pytest.fixture(scope='module')
 def megatron_data(tmp_path_factory):
   root = tmp_path_factory.mktemp('megatron_data')
-  return {name: write_random_dataset(str(root / f'{name}_text_document'), n, seed)
-          for name, n, seed in (('en', 150, 1), ('fr', 100, 2), ('held_out', 20, 3))}
+  return {
+    name: write_random_dataset(str(root / f'{name}_text_document'), n, seed)
+    for name, n, seed in (('en', 150, 1), ('fr', 100, 2), ('held_out', 20, 3))
+  }
 
 
 def data_config(megatron_data, **sections):
-  return corpus_config(**{
-      'data': dict(train_path=f"0.6 {megatron_data['en']} 0.4 {megatron_data['fr']}",
-                   split='70,15,15', valid_path={'held_out': megatron_data['held_out']},
-                   skip_train_iteration_range=('2-3',)),
+  return corpus_config(
+    **{
+      'data': dict(
+        train_path=f'0.6 {megatron_data["en"]} 0.4 {megatron_data["fr"]}',
+        split='70,15,15',
+        valid_path={'held_out': megatron_data['held_out']},
+        skip_train_iteration_range=('2-3',),
+      ),
       'eval': dict(interval=3, iters=2),
-      **sections})
+      **sections,
+    }
+  )
 
 
-def test_megatron_data_evaluation_and_skipped_ranges(megatron_data, tmp_path,
-                                                     persistent_compilation_cache):
+def test_megatron_data_evaluation_and_skipped_ranges(
+  megatron_data, tmp_path, persistent_compilation_cache
+):
   workdir = str(tmp_path / 'run')
   trainer = Trainer(data_config(megatron_data), workdir)
   trainer.run()
@@ -432,11 +512,17 @@ def test_megatron_data_evaluation_and_skipped_ranges(megatron_data, tmp_path,
   assert int(optim.adam_count(trainer.final_state.opt_state)) == 4
   # The training batch of iteration 4 is samples 24..31 of the blend.
   np.testing.assert_array_equal(
-      jax.device_get(trainer.global_batch(24, 8)).reshape(8, -1), trainer.source.rows(24, 32))
+    jax.device_get(trainer.global_batch(24, 8)).reshape(8, -1), trainer.source.rows(24, 32)
+  )
   with open(os.path.join(workdir, 'eval_metrics.jsonl')) as f:
     evals = [json.loads(line) for line in f]
   assert [(e['iteration'], e['set']) for e in evals] == [
-      (3, 'valid'), (3, 'held_out'), (6, 'valid'), (6, 'held_out'), (6, 'test')]
+    (3, 'valid'),
+    (3, 'held_out'),
+    (6, 'valid'),
+    (6, 'held_out'),
+    (6, 'test'),
+  ]
   for e in evals:
     assert e['samples'] == 16 and e['ppl'] == pytest.approx(np.exp(e['lm_loss']))
   # Training lowers the validation loss (random tokens: only their unigram statistics to learn).
@@ -447,50 +533,68 @@ def test_megatron_data_evaluation_and_skipped_ranges(megatron_data, tmp_path,
   # The evaluation step is compiled before the first iteration, not at the first evaluation.
   assert log.index('> compiled the evaluation step') < log.index(' iteration        1/')
   assert log.count('> compiled the evaluation step') == 1
-  assert re.search(r' valid loss at iteration 3 \| lm loss value: [\d.]+E\+00 \| '
-                   r'lm loss PPL: [\d.]+E\+0\d \|', log)
+  assert re.search(
+    r' valid loss at iteration 3 \| lm loss value: [\d.]+E\+00 \| '
+    r'lm loss PPL: [\d.]+E\+0\d \|',
+    log,
+  )
   assert ' test loss at the end of training (iteration 6) |' in log
-  assert f"> data: {megatron_data['en']} (weight 0.6000): 150 documents" in log
+  assert f'> data: {megatron_data["en"]} (weight 0.6000): 150 documents' in log
   # How much of each dataset the whole run reads: 6 iterations x 8 samples, blended 0.6 / 0.4.
   drawn = trainer.data.train.blend.counts(48)
   assert sorted(drawn) == [19, 29]
   for name, count, source in zip(('en', 'fr'), drawn, trainer.data.train.sources):
-    assert (f"> data: {megatron_data[name]}: {count} of the run's 48 training samples, "
-            f'{count / source.num_samples:.3g} epoch(s) of its {source.num_samples}') in log
-  scalars, vs_tokens = read_tensorboard(os.path.join(workdir, 'tensorboard'),
-                                        os.path.join(workdir, 'tensorboard', 'vs_tokens'))
+    assert (
+      f"> data: {megatron_data[name]}: {count} of the run's 48 training samples, "
+      f'{count / source.num_samples:.3g} epoch(s) of its {source.num_samples}'
+    ) in log
+  scalars, vs_tokens = read_tensorboard(
+    os.path.join(workdir, 'tensorboard'), os.path.join(workdir, 'tensorboard', 'vs_tokens')
+  )
   assert scalars['lm-loss-validation/held_out_lm_loss'] == [
-      (e['iteration'], pytest.approx(e['lm_loss'])) for e in evals if e['set'] == 'held_out']
+    (e['iteration'], pytest.approx(e['lm_loss'])) for e in evals if e['set'] == 'held_out'
+  ]
   assert scalars['lm-loss-validation/test_lm_loss_PPL'] == [(6, pytest.approx(evals[-1]['ppl']))]
   # Against tokens: the skipped iterations 2-3 consumed theirs too (8 samples of 32 tokens each).
   assert [e['consumed_tokens'] for e in evals] == [3 * 8 * 32] * 2 + [6 * 8 * 32] * 3
   assert vs_tokens['lm-loss-validation/held_out_lm_loss_vs_tokens'] == [
-      (e['consumed_tokens'], pytest.approx(e['lm_loss'])) for e in evals if e['set'] == 'held_out']
+    (e['consumed_tokens'], pytest.approx(e['lm_loss'])) for e in evals if e['set'] == 'held_out'
+  ]
   event_files = os.listdir(os.path.join(workdir, 'tensorboard'))
 
   # A resumed run drops evaluation records written after its checkpoint, as it does metrics.
   with open(os.path.join(workdir, 'eval_metrics.jsonl'), 'a') as f:
     f.write(json.dumps({'iteration': 7, 'set': 'valid', 'lm_loss': 1.0}) + '\n')
-  Trainer(data_config(megatron_data, train=dict(steps=7), runtime=dict(tensorboard_dir='')),
-          workdir).run()
+  Trainer(
+    data_config(megatron_data, train=dict(steps=7), runtime=dict(tensorboard_dir='')), workdir
+  ).run()
   assert os.listdir(os.path.join(workdir, 'tensorboard')) == event_files  # '': none written
   with open(os.path.join(workdir, 'eval_metrics.jsonl')) as f:
     resumed = [json.loads(line) for line in f]
   assert [(e['iteration'], e['set']) for e in resumed] == [
-      (3, 'valid'), (3, 'held_out'), (6, 'valid'), (6, 'held_out'), (6, 'test'),
-      (7, 'valid'), (7, 'held_out'), (7, 'test')]
+    (3, 'valid'),
+    (3, 'held_out'),
+    (6, 'valid'),
+    (6, 'held_out'),
+    (6, 'test'),
+    (7, 'valid'),
+    (7, 'held_out'),
+    (7, 'test'),
+  ]
   assert resumed[-1]['lm_loss'] != 1.0
 
 
 def test_bad_data_fails_before_compiling(megatron_data, tmp_path):
   from t5x_like.data.indexed import DataError
+
   with pytest.raises(ConfigError, match=r'missing_text_document\.idx not found'):
     missing = str(tmp_path / 'missing_text_document')
     Trainer(data_config(megatron_data, data=dict(train_path=missing)), str(tmp_path / 'a'))
   # Ids the model has no row for (a dataset tokenized for a larger vocabulary).
   big = write_random_dataset(str(tmp_path / 'big_vocab'), 30, 4, vocab=20000)
-  trainer = Trainer(data_config(megatron_data, data=dict(train_path=big, valid_path={})),
-                    str(tmp_path / 'b'))
+  trainer = Trainer(
+    data_config(megatron_data, data=dict(train_path=big, valid_path={})), str(tmp_path / 'b')
+  )
   with pytest.raises(DataError, match=r'training samples 0\.\.7 holds token id \d+, outside'):
     trainer.run()
   assert trainer.steps.programs == trainer.evaluator.compiled == {}
@@ -500,7 +604,7 @@ def test_bad_data_fails_before_compiling(megatron_data, tmp_path):
 
 
 class SpikeAt:
-  """Stands in for metrics.SpikeWatch: a spike at one iteration (a real one is not reproducible
+  """Stands in for watches.SpikeWatch: a spike at one iteration (a real one is not reproducible
   in a few steps of a small model; the detection itself is tests/test_metrics.py's)."""
 
   def __init__(self, iteration):
@@ -537,34 +641,45 @@ class StepTakes:
 
 
 def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
-    tmp_path, monkeypatch, persistent_compilation_cache):
+  tmp_path, monkeypatch, persistent_compilation_cache
+):
   """What a job array's next job inherits through the checkpoint's meta: the checkpoint kept from
   before a loss spike, and the step-time baseline that finds a device slow from the job's start.
   Step times come from a fake clock: 0.05 s per step in the first job (steady: no slowdown is
   reported), 0.07 s in the next (40% slower, above the trainer's CPU threshold of 25%)."""
   # Baselines over 3 iterations after 1 (the trainer's watch takes 20 after 3); the trainer's
   # own threshold.
-  watch_class = metrics.ThroughputWatch
-  monkeypatch.setattr(metrics, 'ThroughputWatch',
-                      lambda threshold: watch_class(window=3, threshold=threshold, warmup=1))
+  watch_class = watches.ThroughputWatch
+  monkeypatch.setattr(
+    metrics,
+    'ThroughputWatch',
+    lambda threshold: watch_class(window=3, threshold=threshold, warmup=1),
+  )
   clock = FakeClock()
   monkeypatch.setattr(trainer_lib, 'time', clock)
   workdir = str(tmp_path / 'run')
-  cfg = corpus_config(train=dict(steps=8), checkpoint=dict(save_interval=2, max_to_keep=1),
-                      runtime=dict(replica_check_interval=0, alert_command=ALERT_RECORD))
-  spike_class = metrics.SpikeWatch
+  cfg = corpus_config(
+    train=dict(steps=8),
+    checkpoint=dict(save_interval=2, max_to_keep=1),
+    runtime=dict(replica_check_interval=0, alert_command=ALERT_RECORD),
+  )
+  spike_class = watches.SpikeWatch
   monkeypatch.setattr(metrics, 'SpikeWatch', lambda *args: SpikeAt(5))
   first = Trainer(cfg, workdir)
   monkeypatch.setattr(metrics, 'SpikeWatch', spike_class)  # the resumed job watches for real
   compile_first = first.steps.compile
-  monkeypatch.setattr(first.steps, 'compile',
-                      lambda shape: StepTakes(compile_first(shape), clock, 0.05))
+  monkeypatch.setattr(
+    first.steps, 'compile', lambda shape: StepTakes(compile_first(shape), clock, 0.05)
+  )
   first.run()
   # Outside the log too: runtime.alert_command heard of the spike and of the end.
   alerted = {a[0]: a for a in read_alerts(workdir)}
   assert sorted(alerted) == ['finished', 'spike'] and alerted['spike'][1] == '5'
   assert alerted['finished'][1:] == [
-      '8', '0', '> done: 8 iterations, 64 samples; exit code 0 (FINISHED)']
+    '8',
+    '0',
+    '> done: 8 iterations, 64 samples; exit code 0 (FINISHED)',
+  ]
   # And `python -m t5x_like.watch` (cron) reads the end from the log.
   assert watch.status(workdir, stale_mins=30)['state'] == 'finished'
   root = os.path.join(workdir, 'checkpoints')
@@ -573,61 +688,78 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
   assert meta['kept_steps'] == [4]
   with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
     log = f.read()
-  assert ('> spike at iteration 5: test. checkpoint 4 (the last before it) is kept past '
-          f'checkpoint.max_to_keep; its batch: python -m t5x_like.data batch {workdir} '
-          '--iteration 5') in log
+  assert (
+    '> spike at iteration 5: test. checkpoint 4 (the last before it) is kept past '
+    f'checkpoint.max_to_keep; its batch: python -m t5x_like.data batch {workdir} '
+    '--iteration 5'
+  ) in log
   (baseline,) = meta['throughput']['baselines']
-  assert (baseline['global_batch_size'], baseline['seq_len'], baseline['first'],
-          baseline['last']) == (8, 0, 2, 4)
+  assert (
+    baseline['global_batch_size'],
+    baseline['seq_len'],
+    baseline['first'],
+    baseline['last'],
+  ) == (8, 0, 2, 4)
   assert baseline['step_s'] == pytest.approx(0.05)
   assert meta['throughput']['setup'] == first.throughput_setup
 
   # The next job lands on a slow device: every step takes 40% longer.
-  resumed = Trainer(corpus_config(train=dict(steps=12),
-                                  checkpoint=dict(save_interval=2, max_to_keep=1),
-                                  runtime=dict(replica_check_interval=0,
-                                               alert_command=ALERT_RECORD)), workdir)
+  resumed = Trainer(
+    corpus_config(
+      train=dict(steps=12),
+      checkpoint=dict(save_interval=2, max_to_keep=1),
+      runtime=dict(replica_check_interval=0, alert_command=ALERT_RECORD),
+    ),
+    workdir,
+  )
   compile_step = resumed.steps.compile
-  monkeypatch.setattr(resumed.steps, 'compile',
-                      lambda shape: StepTakes(compile_step(shape), clock, 0.07))
+  monkeypatch.setattr(
+    resumed.steps, 'compile', lambda shape: StepTakes(compile_step(shape), clock, 0.07)
+  )
   resumed.run()
   assert checkpoints.available_steps(root) == [4, 12]  # 4 is still kept (the meta's list)
   with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
     log = f.read()
   assert "> throughput: step times are compared with the earlier job's baseline" in log
   # Its own first window (iterations 10-12) is already slow; against the earlier job's it shows.
-  assert ("> throughput: the median step time of iterations 10-12 is 0.07 s, 40.0% above an "
-          "earlier job's 0.05 s (iterations 2-4, global batch size 8)") in log
+  assert (
+    '> throughput: the median step time of iterations 10-12 is 0.07 s, 40.0% above an '
+    "earlier job's 0.05 s (iterations 2-4, global batch size 8)"
+  ) in log
   assert log.count('> throughput: the median step time') == 1  # not in the steady first job
   # (Two commands sent within a second may finish in either order.)
-  assert sorted(a[:2] for a in read_alerts(workdir)[2:]) == [['finished', '12'],
-                                                               ['slowdown', '12']]
+  assert sorted(a[:2] for a in read_alerts(workdir)[2:]) == [['finished', '12'], ['slowdown', '12']]
   # On another setup (here: other devices) the earlier baseline does not apply.
-  other = dict(meta['throughput'], setup=dict(meta['throughput']['setup'],
-                                              device_kind='a slower kind'))
+  other = dict(
+    meta['throughput'], setup=dict(meta['throughput']['setup'], device_kind='a slower kind')
+  )
   fresh_watch = watch_class()
-  note = metrics.seed_throughput(fresh_watch, other, resumed.throughput_setup)
+  note = watches.seed_throughput(fresh_watch, other, resumed.throughput_setup)
   assert fresh_watch.baselines() == []
-  assert note.startswith("> throughput: the checkpoint's job ran on another "
-                                              'setup')
+  assert note.startswith("> throughput: the checkpoint's job ran on another setup")
 
 
 def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
-  trainer = Trainer(corpus_config(runtime=dict(replica_check_interval=3,
-                                               alert_command=ALERT_RECORD)),
-                    str(tmp_path))  # nothing trains
+  trainer = Trainer(
+    corpus_config(runtime=dict(replica_check_interval=3, alert_command=ALERT_RECORD)), str(tmp_path)
+  )  # nothing trains
   trainer.writer.open()  # the log file, as when the run starts
   mesh = trainer.mesh
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  copies = [jax.device_put(np.full(4, 1.0 + (i == 2) * 1e-6, np.float32), d)
-            for i, d in enumerate(mesh.devices.flat)]
+  copies = [
+    jax.device_put(np.full(4, 1.0 + (i == 2) * 1e-6, np.float32), d)
+    for i, d in enumerate(mesh.devices.flat)
+  ]
   drifted = jax.make_array_from_single_device_arrays((4,), replicated, copies)
   same = jax.device_put(np.ones(4, np.float32), replicated)
   assert trainer.replica_check.check({'final_ln': {'scale': drifted, 'bias': same}}, 7) == [
-      "['final_ln']['scale']"]
+    "['final_ln']['scale']"
+  ]
   with open(trainer.writer.log_path) as f:
-    assert ("> replica check at iteration 7: the copies of ['final_ln']['scale'] differ across "
-            'devices. Resume from the last checkpoint') in f.read()
+    assert (
+      "> replica check at iteration 7: the copies of ['final_ln']['scale'] differ across "
+      'devices. Resume from the last checkpoint'
+    ) in f.read()
   trainer.alerts.wait()
   assert [a[:2] for a in read_alerts(tmp_path)] == [['replica_mismatch', '7']]
 
@@ -635,6 +767,7 @@ def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
   def fail(stop):
     trainer.start(trainer.plan.progress)
     raise OSError('disk full')
+
   trainer._train = fail
   with pytest.raises(OSError, match='disk full'):
     trainer.run()
@@ -646,11 +779,15 @@ def curriculum_run(tmp_path_factory):
   """tr8b's curriculum run in small: lengths 8, 16, 24 over iterations 1-3 (multiples of 8), the
   learning rate decaying by tokens, evaluated every 2 iterations; resumed half-way from a
   checkpoint."""
-  cfg = corpus_config(train=dict(steps=2, seq_len=24), checkpoint=dict(save_interval=2),
-                      mesh=dict(data=2, tensor=1),
-                      curriculum=dict(min_seq_len=8, total_iterations=3),
-                      optimizer=dict(decay_tokens=2000), eval=dict(interval=2),
-                      runtime=dict(replica_check_interval=0))
+  cfg = corpus_config(
+    train=dict(steps=2, seq_len=24),
+    checkpoint=dict(save_interval=2),
+    mesh=dict(data=2, tensor=1),
+    curriculum=dict(min_seq_len=8, total_iterations=3),
+    optimizer=dict(decay_tokens=2000),
+    eval=dict(interval=2),
+    runtime=dict(replica_check_interval=0),
+  )
   workdir = str(tmp_path_factory.mktemp('curriculum') / 'cl')
   first = Trainer(cfg, workdir)
   first.run()
@@ -659,8 +796,9 @@ def curriculum_run(tmp_path_factory):
 
 
 def test_curriculum_truncates_samples_counts_tokens_and_decays_by_tokens(curriculum_run):
-  from t5x_like import losses
-  from t5x_like.data import replay
+  from t5x_like.model import losses
+  from t5x_like.training import replay
+
   cfg, workdir, first = curriculum_run
   records = read_metrics(workdir)
   lengths = [8, 16, 24, 24]  # iteration n: floor(8 + 16 n / 3), rounded down to 8
@@ -668,23 +806,30 @@ def test_curriculum_truncates_samples_counts_tokens_and_decays_by_tokens(curricu
   tokens = np.cumsum([8 * n for n in lengths])
   assert [r['consumed_tokens'] for r in records] == tokens.tolist()
   assert [r['tokens_per_sec'] * r['step_time_s'] for r in records] == pytest.approx(
-      [8 * n for n in lengths])
+    [8 * n for n in lengths]
+  )
   # Warm-up over 16 samples (2 iterations: 8 x 8 + 8 x 16 = 192 tokens), then the decay counts
   # the tokens consumed before each iteration from there to optimizer.decay_tokens.
   assert first.warmup_end_tokens == 192
   before = [0, *tokens[:-1]]
   assert [r['learning_rate'] for r in records] == pytest.approx(
-      [schedule.learning_rate(cfg.optimizer, 8 * i, int(before[i]), 192) for i in range(4)])
+    [schedule.learning_rate(cfg.optimizer, 8 * i, int(before[i]), 192) for i in range(4)]
+  )
   assert records[2]['learning_rate'] == pytest.approx(2e-3)  # the warm-up's end: the peak
   assert records[3]['learning_rate'] < records[2]['learning_rate']
   with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
     log = f.read()
   assert re.findall(r'curriculum seqlen: +(\d+) \|', log) == [str(n) for n in lengths]
-  assert ('> curriculum: sequence length 8 -> 24 in multiples of 8 over iterations 1-3 '
-          '(linear): 3 lengths') in log
+  assert (
+    '> curriculum: sequence length 8 -> 24 in multiples of 8 over iterations 1-3 '
+    '(linear): 3 lengths'
+  ) in log
   # One compiled step per length: 2 in the first job, 1 after the resume.
-  assert re.findall(r'compiled the train step for 2 micro-batch\(es\) of 4x(\d+) tokens',
-                    log) == ['9', '17', '25']
+  assert re.findall(r'compiled the train step for 2 micro-batch\(es\) of 4x(\d+) tokens', log) == [
+    '9',
+    '17',
+    '25',
+  ]
   # Iteration 1 trained on the first 8 + 1 tokens of its samples: its loss is the initial
   # model's loss on exactly those, which `python -m t5x_like.data batch` shows.
   samples = replay.iteration_batch(cfg, cfg.train.seed, 1).rows
@@ -694,8 +839,10 @@ def test_curriculum_truncates_samples_counts_tokens_and_decays_by_tokens(curricu
   initial = layout.init(cfg.train.seed).params
   loss = losses.mean_loss(layout.model, initial, jnp.asarray(samples))
   assert records[0]['lm_loss'] == pytest.approx(float(loss), rel=1e-5)
-  assert records[0]['lm_loss'] != pytest.approx(float(losses.mean_loss(
-      layout.model, initial, jnp.asarray(first.source.rows(0, 8)[:, :17]))), rel=1e-3)
+  assert records[0]['lm_loss'] != pytest.approx(
+    float(losses.mean_loss(layout.model, initial, jnp.asarray(first.source.rows(0, 8)[:, :17]))),
+    rel=1e-3,
+  )
 
 
 def test_curriculum_evaluates_at_the_full_sequence_length(curriculum_run):
@@ -703,7 +850,8 @@ def test_curriculum_evaluates_at_the_full_sequence_length(curriculum_run):
   train.seq_len (24): its loss is the loss of the iteration-2 params on the validation set's
   first batch at full length, computed here independently on one device, and not the loss of
   that batch cut to 16."""
-  from t5x_like import losses
+  from t5x_like.model import losses
+
   cfg, workdir, first = curriculum_run
   assert read_metrics(workdir)[1]['curriculum_seq_len'] == 16
   with open(os.path.join(workdir, 'eval_metrics.jsonl')) as f:
@@ -725,14 +873,17 @@ def test_curriculum_evaluates_at_the_full_sequence_length(curriculum_run):
 
 
 def test_curriculum_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_same(
-    curriculum_run, tmp_path):
+  curriculum_run, tmp_path
+):
   """curriculum.pad_to_multiple=16: lengths 8, 16, 24, 24 run at 16, 16, 24, 24 (at most
   train.seq_len), the padding outside the loss: 2 compiled steps instead of 3, and the same
   losses, gradient norms, tokens and learning rates as the unpadded run, in one job."""
   cfg, exact_workdir, _ = curriculum_run
   workdir = str(tmp_path / 'padded')
-  Trainer(cfg.replace(train={'steps': 4}, curriculum={'pad_to_multiple': 16}, eval={'interval': 0}),
-          workdir).run()
+  Trainer(
+    cfg.replace(train={'steps': 4}, curriculum={'pad_to_multiple': 16}, eval={'interval': 0}),
+    workdir,
+  ).run()
   exact, records = read_metrics(exact_workdir), read_metrics(workdir)
   assert [r['padded_seq_len'] for r in records] == [16, 16, 24, 24]
   for key in ('seq_len', 'curriculum_seq_len', 'consumed_tokens', 'learning_rate'):
@@ -741,10 +892,11 @@ def test_curriculum_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_sam
     assert [r[key] for r in records] == pytest.approx([r[key] for r in exact], rel=2e-5), key
   with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
     log = f.read()
-  assert re.findall(r'compiled the train step for 2 micro-batch\(es\) of 4x(\d+) tokens',
-                    log) == ['17', '25']
-  assert ('3 lengths, run at 2 lengths padded to multiples of 16 (padding outside the loss)'
-          in log)
+  assert re.findall(r'compiled the train step for 2 micro-batch\(es\) of 4x(\d+) tokens', log) == [
+    '17',
+    '25',
+  ]
+  assert '3 lengths, run at 2 lengths padded to multiples of 16 (padding outside the loss)' in log
   assert '> the train step runs at 2 shapes over the run' in log
 
 
@@ -753,8 +905,10 @@ def test_rampup_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_same(tm
   2, 3, 4 micro-batches run as 2, 4, 4 (the padding micro-batch skipped by the step), 2 compiled
   steps instead of 3, and the unpadded run's losses and gradient norms; step-time baselines do
   not carry over between the two settings."""
-  cfg = corpus_config(train=dict(steps=4, global_batch_size=16, rampup_batch_size=(8, 4, 16)),
-                      runtime=dict(replica_check_interval=0))
+  cfg = corpus_config(
+    train=dict(steps=4, global_batch_size=16, rampup_batch_size=(8, 4, 16)),
+    runtime=dict(replica_check_interval=0),
+  )
   exact_trainer = Trainer(cfg, str(tmp_path / 'exact'))
   exact_trainer.run()
   padded = Trainer(cfg.replace(train={'rampup_microbatch_multiple': 2}), str(tmp_path / 'padded'))
@@ -769,37 +923,44 @@ def test_rampup_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_same(tm
   # num_zeros counts gradient entries that are exactly 0. Another micro-batch count is another
   # program that sums in another order, which can leave a rounding residue where a cancellation
   # gave exactly 0: on a Zen 4 CPU iteration 3 had 1 zero entry exact and 0 padded (of 624,512).
-  assert [r['num_zeros'] for r in records] == pytest.approx(
-      [r['num_zeros'] for r in exact], abs=2)
+  assert [r['num_zeros'] for r in records] == pytest.approx([r['num_zeros'] for r in exact], abs=2)
   assert sorted(padded.steps.programs) == [(2, 33), (4, 33)]
   with open(os.path.join(tmp_path, 'padded', 'logs', 'main_log.txt')) as f:
     log = f.read()
   assert '> the train step runs at 2 shapes over the run' in log
-  assert ('> ramp-up: micro-batch counts rounded up to multiples of 2, 1 of the run\'s 14 '
-          'micro-batches (7.14%) padding (the step skips them)') in log
+  assert (
+    "> ramp-up: micro-batch counts rounded up to multiples of 2, 1 of the run's 14 "
+    'micro-batches (7.14%) padding (the step skips them)'
+  ) in log
   # A job that pads where the checkpoint's job did not measures its own step-time baseline
   # (under a pipeline a padded ramp-up step takes longer than the exact one).
-  saved = {'setup': exact_trainer.throughput_setup,
-           'baselines': [{'global_batch_size': 8, 'seq_len': 0, 'step_s': 0.1, 'first': 2,
-                          'last': 4}]}
-  padded_watch, exact_watch = metrics.ThroughputWatch(), metrics.ThroughputWatch()
-  note = metrics.seed_throughput(padded_watch, saved, padded.throughput_setup)
+  saved = {
+    'setup': exact_trainer.throughput_setup,
+    'baselines': [{'global_batch_size': 8, 'seq_len': 0, 'step_s': 0.1, 'first': 2, 'last': 4}],
+  }
+  padded_watch, exact_watch = watches.ThroughputWatch(), watches.ThroughputWatch()
+  note = watches.seed_throughput(padded_watch, saved, padded.throughput_setup)
   assert padded_watch.baselines() == []
   assert note.startswith("> throughput: the checkpoint's job ran on another")
-  metrics.seed_throughput(exact_watch, saved, exact_trainer.throughput_setup)
+  watches.seed_throughput(exact_watch, saved, exact_trainer.throughput_setup)
   assert len(exact_watch.baselines()) == 1
 
 
 def test_a_later_job_loads_its_programs_from_the_compilation_cache(
-    tmp_path, persistent_compilation_cache):
+  tmp_path, persistent_compilation_cache
+):
   """runtime.compilation_cache_dir: the first job stores its compiled programs, a restart finds
   every one there and compiles none anew (nothing is added to the cache). Also when the process
   had opened another cache before (here the module's `persistent_compilation_cache`)."""
   from jax.experimental.compilation_cache import compilation_cache
+
   keys = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
   before = {k: getattr(jax.config, k) for k in keys}
-  cfg = corpus_config(train=dict(steps=1), mesh=dict(data=1, tensor=1),
-                      runtime=dict(compilation_cache_dir='xla_cache', replica_check_interval=0))
+  cfg = corpus_config(
+    train=dict(steps=1),
+    mesh=dict(data=1, tensor=1),
+    runtime=dict(compilation_cache_dir='xla_cache', replica_check_interval=0),
+  )
   try:
     workdir = str(tmp_path / 'run')
     Trainer(cfg, workdir).run()

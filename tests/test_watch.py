@@ -5,9 +5,9 @@ import os
 import stat
 import time
 
-from t5x_like import watch
-
 from conftest import ALERT_RECORD, read_alerts
+
+from t5x_like.cli import watch
 
 
 def make_run(workdir, log_lines, idle_mins, alert_command=ALERT_RECORD):
@@ -23,8 +23,10 @@ def make_run(workdir, log_lines, idle_mins, alert_command=ALERT_RECORD):
 
 TRAINING = [' iteration        7/     100 | consumed samples: 112 |']
 DONE = ['> done: 100 iterations, 1600 samples; exit code 0 (FINISHED)']
-REQUEUE = ['> stopping at iteration 40: received SIGUSR1',
-           '> stopped: 40 iterations, 640 samples; exit code 3 (REQUEUE)']
+REQUEUE = [
+  '> stopping at iteration 40: received SIGUSR1',
+  '> stopped: 40 iterations, 640 samples; exit code 3 (REQUEUE)',
+]
 KILL_SWITCH = ['> stopped: 40 iterations, 640 samples; exit code 0 (FINISHED)']
 
 
@@ -51,7 +53,7 @@ def test_a_silent_run_is_stale_and_alerts_once_per_episode(tmp_path, capsys):
   code, state = run_watch(tmp_path, capsys, '--stale-mins', '30')
   assert (code, state['state'], state['alerted']) == (1, 'stale', True)
   assert state['idle_mins'] >= 45
-  (event, iteration, process, message), = read_alerts(tmp_path)
+  ((event, iteration, process, message),) = read_alerts(tmp_path)
   assert (event, iteration, process) == ('stale', '', '0')
   assert message.startswith(f'{tmp_path}: stale, last write 45.')
   # The next cron tick: the same episode, no second alert.
@@ -70,11 +72,12 @@ def fake_squeue(tmp_path, monkeypatch, states):
   bin_dir = tmp_path / 'bin'
   bin_dir.mkdir()
   script = bin_dir / 'squeue'
-  script.write_text('#!/bin/sh\n'
-                    'case "$*" in *"--name train-tr11"*) printf "%s\\n" ' +
-                    ' '.join(states) + ' ;; esac\n')
+  script.write_text(
+    '#!/bin/sh\n'
+    'case "$*" in *"--name train-tr11"*) printf "%s\\n" ' + ' '.join(states) + ' ;; esac\n'
+  )
   script.chmod(script.stat().st_mode | stat.S_IEXEC)
-  monkeypatch.setenv('PATH', f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+  monkeypatch.setenv('PATH', f'{bin_dir}{os.pathsep}{os.environ["PATH"]}')
 
 
 def test_a_requeued_run_waiting_in_slurms_queue_is_not_dead(tmp_path, capsys, monkeypatch):
@@ -94,7 +97,8 @@ def test_a_requeued_run_waiting_in_slurms_queue_is_not_dead(tmp_path, capsys, mo
 def test_bad_workdir_or_missing_squeue_is_one_clear_error(tmp_path, capsys, monkeypatch):
   assert watch.main([str(tmp_path / 'nowhere')]) == 2
   assert 'has no logs/main_log.txt or metrics.jsonl: not the workdir of a run' in (
-      capsys.readouterr().err)
+    capsys.readouterr().err
+  )
   make_run(tmp_path, TRAINING, idle_mins=1)
   monkeypatch.setenv('PATH', str(tmp_path / 'empty'))
   assert watch.main([str(tmp_path), '--slurm-job-name', 'x']) == 2
@@ -109,6 +113,7 @@ def test_stale_mins_must_be_a_finite_number_above_0(tmp_path, capsys):
     assert watch.main([str(tmp_path), f'--stale-mins={value}']) == 2, value
     captured = capsys.readouterr()
     assert captured.out == '' and captured.err == (
-        f'error: --stale-mins must be a finite number of minutes > 0, got {float(value)}; give '
-        'how long the run may go without writing (the default is 30)\n'), captured.err
+      f'error: --stale-mins must be a finite number of minutes > 0, got {float(value)}; give '
+      'how long the run may go without writing (the default is 30)\n'
+    ), captured.err
   assert read_alerts(tmp_path) == []

@@ -7,6 +7,9 @@ Typical use:
 
 Exports resolve lazily (PEP 562) so that `python -m t5x_like.data.tokenizer` does not import the
 module it is about to run, and so that importing the package costs nothing until used.
+
+Layer 1: imports config.py, errors.py and files.py only (a clean layer: the batches of the
+training loop and the replay of an iteration live in training/).
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    'Tokenizer': 'tokenizer',
-    'default_documents': 'corpus',
-    'corpus_fingerprint': 'corpus',
-    'corpus_tokens': 'dataset',
-    'SampleSource': 'dataset',
-    'load_default': 'dataset',
+  'Tokenizer': 'tokenizer',
+  'default_documents': 'corpus',
+  'corpus_fingerprint': 'corpus',
+  'corpus_tokens': 'dataset',
+  'SampleSource': 'dataset',
+  'load_default': 'dataset',
 }
 
 __all__ = sorted(_EXPORTS)

@@ -36,14 +36,18 @@ import numpy as np
 CHUNK = 8192
 # Deadlines beyond int64's comfortable range (a share so small that its next sample is due after
 # 2^62 samples) are clipped: they only rank the samples, and never bind.
-_FAR = 2 ** 62
+_FAR = 2**62
 
 
 def shares(weights: Sequence[float]) -> np.ndarray:
   """The weights normalised to sum 1, float64 [D]; ValueError for weights no blend can take."""
   weights = np.asarray(weights, dtype=np.float64)
-  if weights.ndim != 1 or len(weights) < 1 or not np.all(np.isfinite(weights)) or np.any(
-      weights <= 0):
+  if (
+    weights.ndim != 1
+    or len(weights) < 1
+    or not np.all(np.isfinite(weights))
+    or np.any(weights <= 0)
+  ):
     raise ValueError(f'blend weights must be positive and finite, got {weights.tolist()}')
   with np.errstate(over='ignore', divide='ignore'):
     total = weights.sum()
@@ -51,8 +55,10 @@ def shares(weights: Sequence[float]) -> np.ndarray:
     # An infinite sum makes every share 0 (and an overflowing 1/share an infinite key): the
     # searches of either order would then never end.
     if not np.isfinite(total) or not np.all(np.isfinite(1.0 / normalised)):
-      raise ValueError(f'blend weights must have a finite sum and shares whose inverse is '
-                       f'finite, got {weights.tolist()}; scale them to moderate values')
+      raise ValueError(
+        f'blend weights must have a finite sum and shares whose inverse is '
+        f'finite, got {weights.tolist()}; scale them to moderate values'
+      )
   return normalised
 
 
@@ -137,19 +143,21 @@ class Blend:
     due_at = np.maximum(self._release(w[owner], sample), start + 1) - start - 1
     room = CHUNK - np.arange(CHUNK) - _suffix_sums(np.bincount(due_at, minlength=CHUNK))
     offsets, point = np.unique(at, return_inverse=True)
-    least = np.minimum.reduceat(room[:offsets[-1] + 1], np.append(0, offsets[:-1] + 1))
+    least = np.minimum.reduceat(room[: offsets[-1] + 1], np.append(0, offsets[:-1] + 1))
     chosen = order[:wanted]
     if np.any(_suffix_sums(np.bincount(point[chosen], minlength=len(offsets))) > least):
       chosen = []
       for candidate in order:
-        if least[:point[candidate] + 1].min() >= 1:
-          least[:point[candidate] + 1] -= 1
+        if least[: point[candidate] + 1].min() >= 1:
+          least[: point[candidate] + 1] -= 1
           chosen.append(candidate)
           if len(chosen) == wanted:
             break
     if len(chosen) != wanted:
-      raise RuntimeError(f'the quota blend of weights {w.tolist()} found no order for samples '
-                         f'{start}..{stop}: a bug (or float rounding) in blending.py')
+      raise RuntimeError(
+        f'the quota blend of weights {w.tolist()} found no order for samples '
+        f'{start}..{stop}: a bug (or float rounding) in blending.py'
+      )
     after[free[np.asarray(chosen, np.int64)]] += 1
     return after
 
@@ -175,8 +183,7 @@ class Blend:
     start, stop = chunk * CHUNK, (chunk + 1) * CHUNK
     owners = np.repeat(np.arange(len(self.weights)), after - before)
     counts = after - before
-    samples = (np.arange(CHUNK) - np.repeat(np.cumsum(counts) - counts, counts) +
-               before[owners] + 1)
+    samples = np.arange(CHUNK) - np.repeat(np.cumsum(counts) - counts, counts) + before[owners] + 1
     w = self.weights[owners]
     releases = np.maximum(self._release(w, samples), start + 1)
     deadlines = np.minimum(self._deadline(w, samples), stop)
@@ -190,15 +197,18 @@ class Blend:
         heapq.heappush(pending, (jobs[taken][1], jobs[taken][2]))
         taken += 1
       if not pending or pending[0][0] < slot:
-        raise RuntimeError(f'the quota blend of weights {self.weights.tolist()} missed a '
-                           f'window at sample {slot - 1}: a bug in blending.py')
+        raise RuntimeError(
+          f'the quota blend of weights {self.weights.tolist()} missed a '
+          f'window at sample {slot - 1}: a bug in blending.py'
+        )
       datasets[slot - start - 1] = heapq.heappop(pending)[1]
     # A dataset's samples within the chunk are its next ones, in order.
     by_dataset = np.argsort(datasets, kind='stable')
     firsts = np.cumsum(counts) - counts
     indices = np.empty(CHUNK, np.int64)
-    indices[by_dataset] = (np.arange(CHUNK) - firsts[datasets[by_dataset]] +
-                           before[datasets[by_dataset]])
+    indices[by_dataset] = (
+      np.arange(CHUNK) - firsts[datasets[by_dataset]] + before[datasets[by_dataset]]
+    )
     datasets.flags.writeable = indices.flags.writeable = False  # shared by later lookups
     with self._lock:
       if len(self._chunks) >= 8:
@@ -247,7 +257,7 @@ class DivisorBlend:
     counts = np.maximum(np.floor(threshold * w + 0.5), 0).astype(np.int64)
     # The estimate can be off by one where float rounding differs from the keys' own rounding;
     # settle it with the very comparisons that order the keys.
-    counts += ((counts + 0.5) / w <= threshold)
+    counts += (counts + 0.5) / w <= threshold
     counts -= (counts > 0) & ((counts - 0.5) / w > threshold)
     return counts
 
@@ -267,8 +277,9 @@ class DivisorBlend:
     while self.keys_below(high).sum() < stop:
       high += margin
     first, last = self.keys_below(low), self.keys_below(high)
-    datasets = np.concatenate([np.full(b - a, d, np.int64)
-                               for d, (a, b) in enumerate(zip(first, last))])
+    datasets = np.concatenate(
+      [np.full(b - a, d, np.int64) for d, (a, b) in enumerate(zip(first, last))]
+    )
     indices = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in zip(first, last)])
     order = np.lexsort((datasets, (indices + 0.5) / self.weights[datasets]))
     return first, datasets[order], indices[order]
@@ -279,12 +290,12 @@ class DivisorBlend:
       raise ValueError(f'need 0 <= start <= stop, got start={start}, stop={stop}')
     before, datasets, indices = self._ordered_window(start, stop)
     offset = start - int(before.sum())
-    return datasets[offset:offset + stop - start], indices[offset:offset + stop - start]
+    return datasets[offset : offset + stop - start], indices[offset : offset + stop - start]
 
   def counts(self, n: int) -> np.ndarray:
     """How many samples of each dataset the first n global samples hold: int64 [D]."""
     before, datasets, _ = self._ordered_window(n, n)
-    return before + np.bincount(datasets[:n - int(before.sum())], minlength=len(self.weights))
+    return before + np.bincount(datasets[: n - int(before.sum())], minlength=len(self.weights))
 
 
 # data.blend_order's values; a run keeps the order it started with (docs/data.md).
@@ -294,8 +305,13 @@ ORDERS = {Blend.name: Blend, DivisorBlend.name: DivisorBlend}
 class BlendedSource:
   """Samples of several sources mixed by weight; the same interface as `SampleSource`."""
 
-  def __init__(self, sources: Sequence, weights: Sequence[float], names: Sequence[str] = (),
-               order: str = Blend.name):
+  def __init__(
+    self,
+    sources: Sequence,
+    weights: Sequence[float],
+    names: Sequence[str] = (),
+    order: str = Blend.name,
+  ):
     if len(sources) != len(weights):
       raise ValueError(f'{len(sources)} sources but {len(weights)} weights')
     if order not in ORDERS:

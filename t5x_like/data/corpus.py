@@ -43,6 +43,7 @@ def topic_documents() -> list[str]:
   """The Python reference documentation topics, sorted by topic name."""
   # Imported lazily: the module is a 0.5 MB dict literal that only the corpus needs.
   from pydoc_data import topics  # pylint: disable=import-outside-toplevel
+
   return [topics.topics[name] for name in sorted(topics.topics)]
 
 
@@ -88,12 +89,12 @@ def _docstrings(tree: ast.Module) -> Iterator[tuple[int, int, str]]:
 def _is_prose(text: str) -> bool:
   non_space = [c for c in text if not c.isspace()]
   letters = sum(c.isalpha() for c in non_space)
-  return (len(text.split()) >= MIN_COMMENT_WORDS and
-          letters >= MIN_COMMENT_LETTER_RATIO * len(non_space))
+  return len(text.split()) >= MIN_COMMENT_WORDS and letters >= MIN_COMMENT_LETTER_RATIO * len(
+    non_space
+  )
 
 
-def _comment_blocks(lines: Sequence[str],
-                    excluded: set[int]) -> Iterator[tuple[int, int, str]]:
+def _comment_blocks(lines: Sequence[str], excluded: set[int]) -> Iterator[tuple[int, int, str]]:
   """(first line, last line, text) of each run of consecutive full-line comments.
 
   Lines are 1-based like `ast`.  `excluded` holds lines inside docstrings, where a leading '#' is

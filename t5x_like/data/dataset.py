@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from t5x_like import files
 from t5x_like.data import corpus
-from t5x_like.data import files
 from t5x_like.data.tokenizer import Tokenizer
 
 CACHE_ENV_VAR = 'T5X_LIKE_CACHE'
@@ -28,7 +28,8 @@ _CACHED_EPOCHS = 2
 
 def default_cache_dir() -> str:
   return os.environ.get(CACHE_ENV_VAR) or os.path.join(
-      os.path.expanduser('~'), '.cache', 't5x_like')
+    os.path.expanduser('~'), '.cache', 't5x_like'
+  )
 
 
 def encode_documents(tokenizer: Tokenizer, documents: Sequence[str]) -> np.ndarray:
@@ -63,8 +64,12 @@ def _load_cached(tokens_path: str, meta_path: str) -> np.ndarray | None:
     with open(meta_path, encoding='utf-8') as f:
       meta = json.load(f)
     tokens = np.load(tokens_path, allow_pickle=False)
-    valid = (tokens.dtype == np.int32 and tokens.ndim == 1 and
-             tokens.size == meta['num_tokens'] and _checksum(tokens) == meta['sha256'])
+    valid = (
+      tokens.dtype == np.int32
+      and tokens.ndim == 1
+      and tokens.size == meta['num_tokens']
+      and _checksum(tokens) == meta['sha256']
+    )
   except (OSError, ValueError, EOFError, KeyError, TypeError) as error:
     valid, tokens = False, None
     logging.warning('Unreadable token cache %s (%s); rebuilding it.', tokens_path, error)
@@ -74,8 +79,9 @@ def _load_cached(tokens_path: str, meta_path: str) -> np.ndarray | None:
   return tokens if valid else None
 
 
-def corpus_tokens(tokenizer: Tokenizer, cache_dir: str | None = None,
-                  documents: Sequence[str] | None = None) -> np.ndarray:
+def corpus_tokens(
+  tokenizer: Tokenizer, cache_dir: str | None = None, documents: Sequence[str] | None = None
+) -> np.ndarray:
   """The encoded corpus (default: `corpus.default_documents()`) as one int32 stream, cached.
 
   The cache is keyed by the corpus fingerprint and the tokenizer file hash.  Its metadata file
@@ -91,8 +97,13 @@ def corpus_tokens(tokenizer: Tokenizer, cache_dir: str | None = None,
     return tokens
 
   tokens = encode_documents(tokenizer, documents)
-  meta = dict(num_tokens=int(tokens.size), sha256=_checksum(tokens), corpus=corpus_id,
-              tokenizer=tokenizer.fingerprint, num_documents=len(documents))
+  meta = dict(
+    num_tokens=int(tokens.size),
+    sha256=_checksum(tokens),
+    corpus=corpus_id,
+    tokenizer=tokenizer.fingerprint,
+    num_documents=len(documents),
+  )
   # Tokens first, metadata last: the metadata's presence vouches for a finished tokens file.
   files.atomic_write(tokens_path, lambda f: np.save(f, tokens, allow_pickle=False))
   files.atomic_write(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode('utf-8')))
@@ -130,9 +141,10 @@ class SampleSource:
     self.num_samples = max(self.tokens.size - 1, 0) // self.seq_len
     if self.num_samples < 1:
       raise ValueError(
-          f'The corpus has {self.tokens.size} tokens, too few for one sample of seq_len + 1 = '
-          f'{self.seq_len + 1} tokens (seq_len={self.seq_len}); use a smaller seq_len or a '
-          'larger corpus.')
+        f'The corpus has {self.tokens.size} tokens, too few for one sample of seq_len + 1 = '
+        f'{self.seq_len + 1} tokens (seq_len={self.seq_len}); use a smaller seq_len or a '
+        'larger corpus.'
+      )
     self._permutations: dict[int, np.ndarray] = {}
 
   def permutation(self, epoch: int) -> np.ndarray:
@@ -140,7 +152,8 @@ class SampleSource:
     permutation = self._permutations.get(epoch)
     if permutation is None:
       permutation = np.random.default_rng([self.seed, *self.stream, epoch]).permutation(
-          self.num_samples)
+        self.num_samples
+      )
       if len(self._permutations) >= _CACHED_EPOCHS:
         # Training moves forward through epochs, so the oldest entry is the one to drop.
         del self._permutations[min(self._permutations)]
@@ -177,8 +190,9 @@ class SampleSource:
     return self.rows(consumed_samples, consumed_samples + global_batch_size)
 
 
-def load_default(seq_len: int, seed: int,
-                 cache_dir: str | None = None) -> tuple[Tokenizer, SampleSource]:
+def load_default(
+  seq_len: int, seed: int, cache_dir: str | None = None
+) -> tuple[Tokenizer, SampleSource]:
   """The shipped tokenizer and a sampler over the default corpus (token stream cached on disk)."""
   tokenizer = Tokenizer.load_default()
   return tokenizer, SampleSource(corpus_tokens(tokenizer, cache_dir), seq_len, seed)

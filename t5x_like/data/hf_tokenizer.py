@@ -27,13 +27,16 @@ class HFTokenizer:
 
   def __init__(self, path: str, eod_token: str | None = None):
     if not os.path.isfile(path):
-      raise DataError(f'--tokenizer_json {path!r} not found; pass the tokenizer.json of a '
-                      'Hugging Face tokenizer (e.g. BLOOM\'s)')
+      raise DataError(
+        f'--tokenizer_json {path!r} not found; pass the tokenizer.json of a '
+        "Hugging Face tokenizer (e.g. BLOOM's)"
+      )
     try:
       import tokenizers
     except ImportError:
-      raise DataError('--tokenizer_json needs the `tokenizers` package: pip install tokenizers'
-                      ) from None
+      raise DataError(
+        '--tokenizer_json needs the `tokenizers` package: pip install tokenizers'
+      ) from None
     try:
       self._tokenizer = tokenizers.Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception for malformed files.
@@ -43,10 +46,15 @@ class HFTokenizer:
     names = (eod_token,) if eod_token else EOD_CANDIDATES
     found = [name for name in names if name in vocab]
     if not found:
-      what = (f'has no token --eod_token {eod_token!r}' if eod_token else
-              f'has none of the usual end-of-document tokens {list(EOD_CANDIDATES)}')
-      raise DataError(f'--tokenizer_json {path!r} {what}; pass a token of its vocabulary that '
-                      'ends a document with --eod_token')
+      what = (
+        f'has no token --eod_token {eod_token!r}'
+        if eod_token
+        else f'has none of the usual end-of-document tokens {list(EOD_CANDIDATES)}'
+      )
+      raise DataError(
+        f'--tokenizer_json {path!r} {what}; pass a token of its vocabulary that '
+        'ends a document with --eod_token'
+      )
     self.eod_token = found[0]
     self.eod_id = vocab[self.eod_token]
     self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)

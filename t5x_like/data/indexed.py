@@ -31,8 +31,16 @@ import numpy as np
 MAGIC = b'MMIDIDX\x00\x00'
 VERSION = 1
 # Megatron's dtype codes. Floating-point codes exist in the format but cannot hold token ids.
-DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-               7: np.float32, 8: np.uint16}
+DTYPE_CODES = {
+  1: np.uint8,
+  2: np.int8,
+  3: np.int16,
+  4: np.int32,
+  5: np.int64,
+  6: np.float64,
+  7: np.float32,
+  8: np.uint16,
+}
 _CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 _HEADER = struct.Struct('<9sQBQQ')  # magic, version, dtype code, N, D
 
@@ -62,27 +70,35 @@ class IndexedDataset:
     bin_path, idx_path = paths(prefix)
     for path in (idx_path, bin_path):
       if not os.path.isfile(path):
-        raise DataError(f'{path} not found: a dataset prefix names a PREFIX.bin and PREFIX.idx '
-                        'pair (Megatron\'s preprocess_data.py output, or `python -m '
-                        't5x_like.data preprocess`); check the path, without the extension')
+        raise DataError(
+          f'{path} not found: a dataset prefix names a PREFIX.bin and PREFIX.idx '
+          "pair (Megatron's preprocess_data.py output, or `python -m "
+          't5x_like.data preprocess`); check the path, without the extension'
+        )
     idx_size = os.path.getsize(idx_path)
     with open(idx_path, 'rb') as f:
       header = f.read(_HEADER.size)
-    if len(header) < _HEADER.size or header[:len(MAGIC)] != MAGIC:
-      raise DataError(f'{idx_path} is not a Megatron mmap index (no {MAGIC!r} header); '
-                      'only the mmap format (`--dataset-impl mmap`) is supported')
+    if len(header) < _HEADER.size or header[: len(MAGIC)] != MAGIC:
+      raise DataError(
+        f'{idx_path} is not a Megatron mmap index (no {MAGIC!r} header); '
+        'only the mmap format (`--dataset-impl mmap`) is supported'
+      )
     _, version, code, num_sequences, num_bounds = _HEADER.unpack(header)
     if version != VERSION:
       raise DataError(f'{idx_path} has index version {version}; only version {VERSION} is known')
     if code not in DTYPE_CODES or np.dtype(DTYPE_CODES[code]).kind == 'f':
       integer_codes = sorted(k for k, v in DTYPE_CODES.items() if np.dtype(v).kind != 'f')
-      raise DataError(f'{idx_path} has dtype code {code}, which holds no integer token ids; '
-                      f'integer codes are {integer_codes}')
+      raise DataError(
+        f'{idx_path} has dtype code {code}, which holds no integer token ids; '
+        f'integer codes are {integer_codes}'
+      )
     expected = _HEADER.size + 4 * num_sequences + 8 * num_sequences + 8 * num_bounds
     if idx_size != expected:
-      raise DataError(f'{idx_path} is {idx_size} bytes but its header ({num_sequences} sequences, '
-                      f'{num_bounds} document bounds) needs {expected}: the file is truncated or '
-                      'was written by something else; re-run the preprocessing')
+      raise DataError(
+        f'{idx_path} is {idx_size} bytes but its header ({num_sequences} sequences, '
+        f'{num_bounds} document bounds) needs {expected}: the file is truncated or '
+        'was written by something else; re-run the preprocessing'
+      )
     self.dtype = np.dtype(DTYPE_CODES[code])
     offset = _HEADER.size
     self.sizes = np.memmap(idx_path, np.int32, 'r', offset, (num_sequences,))
@@ -93,8 +109,9 @@ class IndexedDataset:
     self._check_layout(idx_path, bin_path)
     self.num_tokens = os.path.getsize(bin_path) // self.dtype.itemsize
     # An empty .bin cannot be memory-mapped; an empty dataset has no tokens to map.
-    self.tokens = (np.memmap(bin_path, self.dtype, 'r') if self.num_tokens
-                   else np.zeros((0,), self.dtype))
+    self.tokens = (
+      np.memmap(bin_path, self.dtype, 'r') if self.num_tokens else np.zeros((0,), self.dtype)
+    )
 
   def _check_layout(self, idx_path: str, bin_path: str) -> None:
     """The sequences tile the .bin in order and the documents tile the sequences."""
@@ -103,17 +120,30 @@ class IndexedDataset:
     bin_size = os.path.getsize(bin_path)
     total = int(sizes.sum(dtype=np.int64)) * item
     if bin_size != total:
-      raise DataError(f'{bin_path} is {bin_size} bytes but {idx_path} describes {total} '
-                      '(sizes x itemsize): the pair is mismatched or truncated; re-run the '
-                      'preprocessing')
-    if len(sizes) and (sizes.min() < 0 or pointers[0] != 0 or
-                       np.any(pointers[1:] != pointers[:-1] + sizes[:-1].astype(np.int64) * item)):
-      raise DataError(f'{idx_path}: the sequence pointers do not follow the sizes (sequences must '
-                      'be stored back to back, as Megatron writes them)')
-    if (len(doc_idx) < 1 or doc_idx[0] != 0 or doc_idx[-1] != len(sizes) or
-        np.any(np.diff(doc_idx) < 0)):
-      raise DataError(f'{idx_path}: the document index must start at 0, never decrease and end at '
-                      f'the number of sequences ({len(sizes)})')
+      raise DataError(
+        f'{bin_path} is {bin_size} bytes but {idx_path} describes {total} '
+        '(sizes x itemsize): the pair is mismatched or truncated; re-run the '
+        'preprocessing'
+      )
+    if len(sizes) and (
+      sizes.min() < 0
+      or pointers[0] != 0
+      or np.any(pointers[1:] != pointers[:-1] + sizes[:-1].astype(np.int64) * item)
+    ):
+      raise DataError(
+        f'{idx_path}: the sequence pointers do not follow the sizes (sequences must '
+        'be stored back to back, as Megatron writes them)'
+      )
+    if (
+      len(doc_idx) < 1
+      or doc_idx[0] != 0
+      or doc_idx[-1] != len(sizes)
+      or np.any(np.diff(doc_idx) < 0)
+    ):
+      raise DataError(
+        f'{idx_path}: the document index must start at 0, never decrease and end at '
+        f'the number of sequences ({len(sizes)})'
+      )
 
   @property
   def num_documents(self) -> int:
@@ -126,18 +156,24 @@ class IndexedDataset:
 
   def document(self, index: int) -> np.ndarray:
     offsets = self.document_token_offsets()
-    return np.asarray(self.tokens[offsets[index]:offsets[index + 1]])
+    return np.asarray(self.tokens[offsets[index] : offsets[index + 1]])
 
   def max_token_id(self, chunk_tokens: int = 1 << 26) -> int:
     """The largest id in the .bin, read in chunks (a full scan of the file)."""
     top = -1
     for start in range(0, self.num_tokens, chunk_tokens):
-      top = max(top, int(self.tokens[start:start + chunk_tokens].max()))
+      top = max(top, int(self.tokens[start : start + chunk_tokens].max()))
     return top
 
 
-def write_documents(prefix: str, dtype: np.dtype, documents: Iterable, what: str,
-                    no_tokens_fix: str, no_space_fix: str) -> tuple[int, int, int]:
+def write_documents(
+  prefix: str,
+  dtype: np.dtype,
+  documents: Iterable,
+  what: str,
+  no_tokens_fix: str,
+  no_space_fix: str,
+) -> tuple[int, int, int]:
   """Writes each token sequence of `documents` as one document of PREFIX.bin/.idx, all or
   nothing (IndexedDatasetWriter). An empty one is skipped and counted, as Megatron's
   preprocess_data.py does: a lone end-of-document would shift the document count, and with it
@@ -154,13 +190,16 @@ def write_documents(prefix: str, dtype: np.dtype, documents: Iterable, what: str
         written += 1
         tokens += len(ids)
       if not written:  # raised inside the block: the writer discards its temporary files
-        raise DataError(f'{what}: no text to tokenize ({empty} document(s), all empty); '
-                        f'{no_tokens_fix}')
+        raise DataError(
+          f'{what}: no text to tokenize ({empty} document(s), all empty); {no_tokens_fix}'
+        )
   except OSError as e:
     if e.errno != errno.ENOSPC:
       raise
-    raise DataError(f'no space left on the device of {prefix} while writing {what}; nothing was '
-                    f'written (the temporary files are removed): {no_space_fix}') from None
+    raise DataError(
+      f'no space left on the device of {prefix} while writing {what}; nothing was '
+      f'written (the temporary files are removed): {no_space_fix}'
+    ) from None
   return written, tokens, empty
 
 
@@ -189,8 +228,9 @@ class IndexedDatasetWriter:
 
   def add_document(self, ids: Iterable[int]) -> None:
     array = np.asarray(ids)
-    if array.size and (array.min() < np.iinfo(self.dtype).min or
-                       array.max() > np.iinfo(self.dtype).max):
+    if array.size and (
+      array.min() < np.iinfo(self.dtype).min or array.max() > np.iinfo(self.dtype).max
+    ):
       raise DataError(f'token id outside the range of {self.dtype}; write with a wider dtype')
     self._bin.write(array.astype(self.dtype, copy=False).tobytes(order='C'))
     self._sizes.append(int(array.size))

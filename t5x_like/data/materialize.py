@@ -28,10 +28,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from t5x_like.data import dataset
-from t5x_like.data import files
-from t5x_like.data import indexed
-from t5x_like.data import seqio_tasks
+from t5x_like import files
+from t5x_like.data import dataset, indexed, seqio_tasks
 from t5x_like.data.indexed import DataError
 
 # Bumped when what is written for the same definition changes: older entries are then stale.
@@ -44,6 +42,7 @@ _LOCK_POLL_S = 0.2
 @dataclasses.dataclass(frozen=True)
 class Materialized:
   """One Task split in the token store: its PREFIX.bin/.idx, and whether this call wrote it."""
+
   task: str
   split: str
   prefix: str
@@ -71,8 +70,11 @@ def qualified_name(fn) -> str:
 
 def vocabulary_definition(vocabulary) -> dict:
   """What identifies a vocabulary: its class, size, extra ids and (SentencePiece) model bytes."""
-  described = {'class': qualified_name(type(vocabulary)), 'vocab_size': vocabulary.vocab_size,
-               'extra_ids': getattr(vocabulary, 'extra_ids', None)}
+  described = {
+    'class': qualified_name(type(vocabulary)),
+    'vocab_size': vocabulary.vocab_size,
+    'extra_ids': getattr(vocabulary, 'extra_ids', None),
+  }
   model = getattr(vocabulary, 'sp_model', None)
   if isinstance(model, bytes):
     described['sp_model_sha256'] = hashlib.sha256(model).hexdigest()
@@ -99,15 +101,15 @@ def definition(task, split: str) -> dict:
   """Everything that decides what `task`'s `split` materialises to (JSON-ready)."""
   targets = task.output_features['targets']
   return {
-      'format_version': FORMAT_VERSION,
-      'task': task.name,
-      'split': split,
-      'source': source_definition(task.source),
-      'preprocessors': [qualified_name(p) for p in task.preprocessors],
-      'vocabulary': vocabulary_definition(targets.vocabulary),
-      'targets': {'add_eos': bool(targets.add_eos), 'dtype': str(targets.dtype.name)},
-      # Whole documents, untrimmed and unshuffled, one epoch; the Task's ids as they come.
-      'sequence': {'sequence_length': None, 'shuffle': False, 'append_eod': False},
+    'format_version': FORMAT_VERSION,
+    'task': task.name,
+    'split': split,
+    'source': source_definition(task.source),
+    'preprocessors': [qualified_name(p) for p in task.preprocessors],
+    'vocabulary': vocabulary_definition(targets.vocabulary),
+    'targets': {'add_eos': bool(targets.add_eos), 'dtype': str(targets.dtype.name)},
+    # Whole documents, untrimmed and unshuffled, one epoch; the Task's ids as they come.
+    'sequence': {'sequence_length': None, 'shuffle': False, 'append_eod': False},
   }
 
 
@@ -134,13 +136,16 @@ def cache_problem(prefix: str, expected: str) -> str | None:
       return 'stale (its Task definition, vocabulary or source changed)'
     bin_path, _ = indexed.paths(prefix)
     if os.path.getsize(bin_path) != manifest['bin_bytes']:
-      return (f'damaged ({bin_path} has {os.path.getsize(bin_path)} bytes, not '
-              f'{manifest["bin_bytes"]})')
+      return (
+        f'damaged ({bin_path} has {os.path.getsize(bin_path)} bytes, not {manifest["bin_bytes"]})'
+      )
     if _idx_sha256(prefix) != manifest['idx_sha256']:
       return 'damaged (its .idx does not match the hash recorded when it was written)'
     opened = indexed.IndexedDataset(prefix)
     if (opened.num_documents, int(opened.document_token_offsets()[-1])) != (
-        manifest['documents'], manifest['tokens']):
+      manifest['documents'],
+      manifest['tokens'],
+    ):
       return 'damaged (its documents or tokens differ from the manifest)'
   except (OSError, ValueError, KeyError, TypeError, DataError) as error:
     return f'damaged ({error})'
@@ -195,9 +200,11 @@ class _SplitLock:
           raise
       if time.monotonic() >= deadline:
         self._file.close()
-        raise DataError(f'waited {self.timeout_s:g} s for another process preparing '
-                        f'{self.path[:-5]} (it holds {self.path}); let it finish, run `python -m '
-                        't5x_like.data prepare` alone first, or point data.cache_dir elsewhere')
+        raise DataError(
+          f'waited {self.timeout_s:g} s for another process preparing '
+          f'{self.path[:-5]} (it holds {self.path}); let it finish, run `python -m '
+          't5x_like.data prepare` alone first, or point data.cache_dir elsewhere'
+        )
       time.sleep(_LOCK_POLL_S)
 
   def _still_named(self) -> bool:
@@ -233,40 +240,63 @@ def _checked_ids(task, split: str, data) -> Iterator[np.ndarray]:
     ids = example['targets']
     outside = ids[(ids < 0) | (ids >= vocab_size)]
     if outside.size:
-      raise DataError(f'the seqio Task {task.name!r}, split {split!r}: example {index} has the '
-                      f'token id {outside[0]}, outside its "targets" vocabulary (ids '
-                      f'0..{vocab_size - 1}); nothing was written: make its preprocessors give '
-                      "ids of output_features['targets'].vocabulary, or declare the vocabulary "
-                      'that the ids are of')
+      raise DataError(
+        f'the seqio Task {task.name!r}, split {split!r}: example {index} has the '
+        f'token id {outside[0]}, outside its "targets" vocabulary (ids '
+        f'0..{vocab_size - 1}); nothing was written: make its preprocessors give '
+        "ids of output_features['targets'].vocabulary, or declare the vocabulary "
+        'that the ids are of'
+      )
     yield ids
 
 
 def _write(task, split: str, data, prefix: str, expected: str, described: dict) -> None:
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel  # only when writing
+
   targets = task.output_features['targets']
   vocabulary = targets.vocabulary
   # An empty text comes out of seqio's append_eos as a lone EOS: no text either.
   lone_eos = [vocabulary.eos_id] if targets.add_eos else []
   # The check inside the progress bar: an error closes the bar before it is printed.
-  examples = tqdm(_checked_ids(task, split, data), desc=f'{task.name}:{split}',
-                  total=task.source.num_input_examples(split), unit=' docs', mininterval=1.0)
+  examples = tqdm(
+    _checked_ids(task, split, data),
+    desc=f'{task.name}:{split}',
+    total=task.source.num_input_examples(split),
+    unit=' docs',
+    mininterval=1.0,
+  )
   documents, tokens, empty = indexed.write_documents(
-      prefix, indexed.best_dtype(vocabulary.vocab_size),
-      (ids[:0] if ids.tolist() == lone_eos else ids for ids in examples),  # an empty text
-      f'the seqio Task {task.name!r}, split {split!r}', 'check its source and preprocessors',
-      'free some space or point data.cache_dir elsewhere')
+    prefix,
+    indexed.best_dtype(vocabulary.vocab_size),
+    (ids[:0] if ids.tolist() == lone_eos else ids for ids in examples),  # an empty text
+    f'the seqio Task {task.name!r}, split {split!r}',
+    'check its source and preprocessors',
+    'free some space or point data.cache_dir elsewhere',
+  )
   if empty:
-    logging.warning('seqio %s:%s: skipped %d example(s) without tokens (an empty text), as '
-                    'preprocess does; %d written', task.name, split, empty, documents)
-  manifest = {'fingerprint': expected, 'definition': described, 'documents': documents,
-              'tokens': tokens, 'empty_skipped': empty,
-              'bin_bytes': os.path.getsize(indexed.paths(prefix)[0]),
-              'idx_sha256': _idx_sha256(prefix)}
+    logging.warning(
+      'seqio %s:%s: skipped %d example(s) without tokens (an empty text), as '
+      'preprocess does; %d written',
+      task.name,
+      split,
+      empty,
+      documents,
+    )
+  manifest = {
+    'fingerprint': expected,
+    'definition': described,
+    'documents': documents,
+    'tokens': tokens,
+    'empty_skipped': empty,
+    'bin_bytes': os.path.getsize(indexed.paths(prefix)[0]),
+    'idx_sha256': _idx_sha256(prefix),
+  }
   files.atomic_write(prefix + '.json', lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 
-def materialize(task, split: str, cache_dir: str = '', timeout_s: float = LOCK_TIMEOUT_S,
-                data=None) -> Materialized:
+def materialize(
+  task, split: str, cache_dir: str = '', timeout_s: float = LOCK_TIMEOUT_S, data=None
+) -> Materialized:
   """`task`'s `split` in the token store: the cached entry when it matches the definition, else
   written now (under the split's lock, so one process writes while the others wait). `data`:
   the split's pipeline, already built by `seqio_tasks.split_examples` (else built here).
@@ -298,40 +328,51 @@ def materialize(task, split: str, cache_dir: str = '', timeout_s: float = LOCK_T
         raise
       built = True
   opened = indexed.IndexedDataset(prefix)
-  return Materialized(task.name, split, prefix, opened.num_documents,
-                      int(opened.document_token_offsets()[-1]), built)
+  return Materialized(
+    task.name, split, prefix, opened.num_documents, int(opened.document_token_offsets()[-1]), built
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class MaterializedTask:
   """One Task of a run: its blend weight (rate), training split and validation splits."""
+
   name: str
   rate: float
   train: Materialized | None
   valid: dict[str, Materialized]
 
 
-def prepare(name: str, module: str = '', cache_dir: str = '',
-            timeout_s: float = LOCK_TIMEOUT_S) -> list[MaterializedTask]:
+def prepare(
+  name: str, module: str = '', cache_dir: str = '', timeout_s: float = LOCK_TIMEOUT_S
+) -> list[MaterializedTask]:
   """Materialises every split a run on the Task or Mixture `name` reads: each training Task's
   train split and each Task's validation splits. One DataError for a bad name or module, or a
   Task that gives no token ids (before any split is written)."""
   provider = seqio_tasks.get_mixture_or_task(name, module)
   rates = {task.name: rate for task, rate in seqio_tasks.training_tasks(provider)}
   tasks = seqio_tasks.subtasks(provider)
-  wanted = {task.name: ([seqio_tasks.TRAIN_SPLIT] if task.name in rates else []) +
-            seqio_tasks.validation_splits(task) for task in tasks}
+  wanted = {
+    task.name: ([seqio_tasks.TRAIN_SPLIT] if task.name in rates else [])
+    + seqio_tasks.validation_splits(task)
+    for task in tasks
+  }
   # Every split to write is built and its 'targets' checked before the first is written: a Task
   # that gives no token ids leaves nothing behind, not even the splits of the Tasks before it.
-  pipelines = {(task.name, split): seqio_tasks.split_examples(task, split)
-               for task in tasks for split in wanted[task.name]
-               if cache_problem(cache_prefix(task.name, split, cache_dir),
-                                fingerprint(definition(task, split)))}
+  pipelines = {
+    (task.name, split): seqio_tasks.split_examples(task, split)
+    for task in tasks
+    for split in wanted[task.name]
+    if cache_problem(
+      cache_prefix(task.name, split, cache_dir), fingerprint(definition(task, split))
+    )
+  }
   prepared = []
   for task in tasks:
-    entries = {split: materialize(task, split, cache_dir, timeout_s,
-                                  pipelines.get((task.name, split)))
-               for split in wanted[task.name]}
+    entries = {
+      split: materialize(task, split, cache_dir, timeout_s, pipelines.get((task.name, split)))
+      for split in wanted[task.name]
+    }
     train = entries.pop(seqio_tasks.TRAIN_SPLIT, None)
     prepared.append(MaterializedTask(task.name, rates.get(task.name, 0.0), train, entries))
   return prepared

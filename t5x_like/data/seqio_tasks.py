@@ -13,7 +13,7 @@ part (the last of each run of VALIDATION_EVERY) validates, the others train.
 
 Users register their own Tasks and Mixtures in a module named by `data.mixture_or_task_module`,
 which `get_mixture_or_task` imports before it looks the name up (t5x's MIXTURE_OR_TASK_MODULE).
-seqio imports TensorFlow: this module hides the GPUs from it first (`summaries.import_tensorflow`),
+seqio imports TensorFlow: this module hides the GPUs from it first (`tf_runtime.import_tensorflow`),
 so seqio's pipeline runs on the host CPU and never takes a GPU from JAX.
 """
 
@@ -24,12 +24,11 @@ import importlib
 import numbers
 from collections.abc import Callable, Sequence
 
-from t5x_like import summaries
-from t5x_like.data import corpus
+from t5x_like.data import corpus, tf_runtime
 from t5x_like.data.indexed import DataError
 from t5x_like.data.tokenizer import Tokenizer, seqio_vocabulary
 
-tf = summaries.import_tensorflow()  # before seqio initialises TensorFlow
+tf = tf_runtime.import_tensorflow()  # before seqio initialises TensorFlow
 import seqio  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 CORPUS_TASK = 't5x_like_corpus'
@@ -50,8 +49,9 @@ def split_documents(documents: Sequence[str], split: str) -> list[str]:
   if split not in SPLITS:
     raise ValueError(f'unknown split {split!r}; the corpus Tasks have {SPLITS}')
   held_out = split == 'validation'
-  return [d for i, d in enumerate(documents)
-          if (i % VALIDATION_EVERY == VALIDATION_EVERY - 1) == held_out]
+  return [
+    d for i, d in enumerate(documents) if (i % VALIDATION_EVERY == VALIDATION_EVERY - 1) == held_out
+  ]
 
 
 class CorpusSource(seqio.FunctionDataSource):
@@ -84,7 +84,7 @@ def _reference_documents() -> list[str]:
 
 def _stdlib_documents() -> list[str]:
   # The default corpus is the topics, then the standard library's prose.
-  return corpus.default_documents()[len(corpus.topic_documents()):]
+  return corpus.default_documents()[len(corpus.topic_documents()) :]
 
 
 def _output_features() -> dict:
@@ -93,19 +93,27 @@ def _output_features() -> dict:
 
 # The text is tokenized whole (no pretokenized copy kept: only the ids are materialised) and ends
 # with EOS, the EOD id that separates documents in the token stream.
-PREPROCESSORS = (functools.partial(seqio.preprocessors.tokenize, copy_pretokenized=False),
-                 seqio.preprocessors.append_eos)
+PREPROCESSORS = (
+  functools.partial(seqio.preprocessors.tokenize, copy_pretokenized=False),
+  seqio.preprocessors.append_eos,
+)
 
 
 def register() -> None:
   """Registers the project's Tasks and Mixture; idempotent (a reloaded module is harmless)."""
-  tasks = {CORPUS_TASK: _corpus_documents, REFERENCE_TASK: _reference_documents,
-           STDLIB_TASK: _stdlib_documents}
+  tasks = {
+    CORPUS_TASK: _corpus_documents,
+    REFERENCE_TASK: _reference_documents,
+    STDLIB_TASK: _stdlib_documents,
+  }
   for name, documents in tasks.items():
     if name not in seqio.TaskRegistry.names():
-      seqio.TaskRegistry.add(name, source=CorpusSource(documents),
-                             preprocessors=list(PREPROCESSORS),
-                             output_features=_output_features())
+      seqio.TaskRegistry.add(
+        name,
+        source=CorpusSource(documents),
+        preprocessors=list(PREPROCESSORS),
+        output_features=_output_features(),
+      )
   if CORPUS_MIXTURE not in seqio.MixtureRegistry.names():
     seqio.MixtureRegistry.add(CORPUS_MIXTURE, list(MIXTURE_RATES.items()))
 
@@ -124,9 +132,11 @@ def import_registry_module(module: str) -> None:
   try:
     importlib.import_module(module)
   except Exception as error:  # pylint: disable=broad-except  # any error of the user's module
-    raise DataError(f'data.mixture_or_task_module={module!r} failed to import: '
-                    f'{type(error).__name__}: {error}; fix that module, or make it importable '
-                    '(a dotted module name on PYTHONPATH)') from None
+    raise DataError(
+      f'data.mixture_or_task_module={module!r} failed to import: '
+      f'{type(error).__name__}: {error}; fix that module, or make it importable '
+      '(a dotted module name on PYTHONPATH)'
+    ) from None
 
 
 def get_mixture_or_task(name: str, module: str = ''):
@@ -136,26 +146,34 @@ def get_mixture_or_task(name: str, module: str = ''):
   names = registered_names()
   if name not in names:
     hint = '' if module else ' (a Task of your own: name its module in data.mixture_or_task_module)'
-    raise DataError(f'data.mixture_or_task={name!r} is not a registered seqio Task or Mixture'
-                    f'{hint}; registered: {", ".join(names)}')
+    raise DataError(
+      f'data.mixture_or_task={name!r} is not a registered seqio Task or Mixture'
+      f'{hint}; registered: {", ".join(names)}'
+    )
   provider = seqio.get_mixture_or_task(name)
   for task in seqio.get_subtasks(provider):
     if 'targets' not in task.output_features:
-      raise DataError(f'the seqio Task {task.name!r} has no "targets" output feature (it has '
-                      f'{sorted(task.output_features)}); a decoder-only model trains on the ids '
-                      'of "targets": name its token feature so')
+      raise DataError(
+        f'the seqio Task {task.name!r} has no "targets" output feature (it has '
+        f'{sorted(task.output_features)}); a decoder-only model trains on the ids '
+        'of "targets": name its token feature so'
+      )
     check_declared_targets(task)
     if TRAIN_SPLIT not in task.splits:
-      raise DataError(f'the seqio Task {task.name!r} has no {TRAIN_SPLIT!r} split (it has '
-                      f'{list(task.splits)}); training reads its "train" split')
+      raise DataError(
+        f'the seqio Task {task.name!r} has no {TRAIN_SPLIT!r} split (it has '
+        f'{list(task.splits)}); training reads its "train" split'
+      )
   return provider
 
 
 # What every refusal of a Task's 'targets' ends with: what the trainer needs, and the usual fix.
-TOKEN_IDS_FIX = ('a decoder-only model trains on integer token ids, one sequence per example: '
-                 'make "targets" rank-1 int32 ids of its vocabulary, e.g. add '
-                 'seqio.preprocessors.tokenize to the preprocessors (before append_eos) and '
-                 "declare output_features={'targets': seqio.Feature(vocabulary)}")
+TOKEN_IDS_FIX = (
+  'a decoder-only model trains on integer token ids, one sequence per example: '
+  'make "targets" rank-1 int32 ids of its vocabulary, e.g. add '
+  'seqio.preprocessors.tokenize to the preprocessors (before append_eos) and '
+  "declare output_features={'targets': seqio.Feature(vocabulary)}"
+)
 
 
 def targets_problem(dtype, rank: int | None) -> str | None:
@@ -173,13 +191,17 @@ def check_declared_targets(task) -> None:
   feature = task.output_features['targets']
   problem = targets_problem(tf.as_dtype(feature.dtype), feature.rank)
   if problem:
-    raise DataError(f'the seqio Task {task.name!r} declares its "targets" output feature as '
-                    f'{problem}; {TOKEN_IDS_FIX}')
+    raise DataError(
+      f'the seqio Task {task.name!r} declares its "targets" output feature as '
+      f'{problem}; {TOKEN_IDS_FIX}'
+    )
   if not isinstance(getattr(feature.vocabulary, 'vocab_size', None), numbers.Integral):
-    raise DataError(f'the seqio Task {task.name!r} declares its "targets" output feature '
-                    f'without a vocabulary of known size ({feature.vocabulary!r}); the ids are '
-                    'checked against it and the cache is keyed on it: declare '
-                    "output_features={'targets': seqio.Feature(vocabulary)}")
+    raise DataError(
+      f'the seqio Task {task.name!r} declares its "targets" output feature '
+      f'without a vocabulary of known size ({feature.vocabulary!r}); the ids are '
+      'checked against it and the cache is keyed on it: declare '
+      "output_features={'targets': seqio.Feature(vocabulary)}"
+    )
 
 
 def _describe_targets(spec) -> str:
@@ -211,8 +233,9 @@ def split_examples(task, split: str):
   'targets', when it cannot be built or gives no rank-1 integer ids (seqio's checks of the
   declared features raise in the middle of it)."""
   try:
-    data = task.get_dataset(sequence_length=None, split=split, use_cached=False, shuffle=False,
-                            num_epochs=1)
+    data = task.get_dataset(
+      sequence_length=None, split=split, use_cached=False, shuffle=False, num_epochs=1
+    )
   except Exception as error:  # pylint: disable=broad-except  # any error of the user's Task
     # TensorFlow's errors list the traced frames first: the last line is what went wrong (and
     # may name the error's type itself).
@@ -221,14 +244,18 @@ def split_examples(task, split: str):
     if not said.startswith(f'{type(error).__name__}:'):
       said = f'{type(error).__name__}: {said}'
     found = _source_targets(task, split)
-    fix = (f'its source gives {found}: {TOKEN_IDS_FIX}' if found else
-           'fix its source or preprocessors')
-    raise DataError(f'the seqio Task {task.name!r} cannot build its split {split!r} ({said}); '
-                    f'{fix}') from None
+    fix = (
+      f'its source gives {found}: {TOKEN_IDS_FIX}' if found else 'fix its source or preprocessors'
+    )
+    raise DataError(
+      f'the seqio Task {task.name!r} cannot build its split {split!r} ({said}); {fix}'
+    ) from None
   found = data.element_spec.get('targets') if isinstance(data.element_spec, dict) else None
   if found is None or targets_problem(found.dtype, found.shape.rank):
-    raise DataError(f'the seqio Task {task.name!r}, split {split!r}, gives '
-                    f'{_describe_targets(data.element_spec)}; {TOKEN_IDS_FIX}')
+    raise DataError(
+      f'the seqio Task {task.name!r}, split {split!r}, gives '
+      f'{_describe_targets(data.element_spec)}; {TOKEN_IDS_FIX}'
+    )
   return data
 
 
@@ -255,8 +282,10 @@ def training_tasks(provider) -> list[tuple[object, float]]:
   pairs = [(task, float(provider.get_rate(task))) for task in provider.tasks]
   kept = [(task, rate) for task, rate in pairs if rate > 0]
   if not kept:
-    raise DataError(f'the seqio Mixture {provider.name!r} gives every Task the rate 0; give at '
-                    'least one a rate > 0')
+    raise DataError(
+      f'the seqio Mixture {provider.name!r} gives every Task the rate 0; give at '
+      'least one a rate > 0'
+    )
   return kept
 
 

@@ -29,8 +29,7 @@ import re
 
 import numpy as np
 
-from t5x_like.data import blending
-from t5x_like.data import indexed
+from t5x_like.data import blending, indexed
 from t5x_like.data.dataset import SampleSource, corpus_tokens
 from t5x_like.data.indexed import DataError
 from t5x_like.data.tokenizer import Tokenizer
@@ -54,8 +53,10 @@ def parse_data_path(spec: str, key: str = 'data.train_path') -> list[tuple[float
   if len(words) == 1:
     return [(1.0, words[0])]
   if not words or len(words) % 2:
-    raise DataError(f'{key}={spec!r}: give one dataset prefix, or weight/prefix pairs such as '
-                    '"0.7 /data/en_text_document 0.3 /data/fr_text_document"')
+    raise DataError(
+      f'{key}={spec!r}: give one dataset prefix, or weight/prefix pairs such as '
+      '"0.7 /data/en_text_document 0.3 /data/fr_text_document"'
+    )
   pairs = []
   for weight, prefix in zip(words[0::2], words[1::2]):
     try:
@@ -63,18 +64,26 @@ def parse_data_path(spec: str, key: str = 'data.train_path') -> list[tuple[float
     except ValueError:
       value = float('nan')
     if not value > 0 or not np.isfinite(value):
-      raise DataError(f'{key}={spec!r}: {weight!r} is not a positive weight; weight/prefix pairs '
-                      'alternate, weight first')
+      raise DataError(
+        f'{key}={spec!r}: {weight!r} is not a positive weight; weight/prefix pairs '
+        'alternate, weight first'
+      )
     pairs.append((value, prefix))
   total = sum(value for value, _ in pairs)
   # The blend divides by the sum and by each share: both must be finite numbers.
-  tiny = [weight for weight, (value, _) in zip(words[0::2], pairs)
-          if not np.isfinite(total / value)]
+  tiny = [
+    weight for weight, (value, _) in zip(words[0::2], pairs) if not np.isfinite(total / value)
+  ]
   if not np.isfinite(total) or tiny:
-    problem = (f'the weights sum to {total:g}' if not np.isfinite(total) else
-               f'the weight {tiny[0]} is too small a share of their sum {total:g}')
-    raise DataError(f'{key}={spec!r}: {problem}; only the ratios of the weights matter, so use '
-                    'moderate values such as "0.7 A 0.3 B"')
+    problem = (
+      f'the weights sum to {total:g}'
+      if not np.isfinite(total)
+      else f'the weight {tiny[0]} is too small a share of their sum {total:g}'
+    )
+    raise DataError(
+      f'{key}={spec!r}: {problem}; only the ratios of the weights matter, so use '
+      'moderate values such as "0.7 A 0.3 B"'
+    )
   return pairs
 
 
@@ -86,8 +95,10 @@ def parse_split(split: str) -> list[float]:
   except ValueError:
     shares = []
   if not 1 <= len(shares) <= 3 or any(s < 0 for s in shares) or sum(shares) <= 0:
-    raise DataError(f'data.split={split!r}: give up to three non-negative train,valid,test '
-                    'shares such as "969,30,1"')
+    raise DataError(
+      f'data.split={split!r}: give up to three non-negative train,valid,test '
+      'shares such as "969,30,1"'
+    )
   shares += [0.0] * (3 - len(shares))
   return [s / sum(shares) for s in shares]
 
@@ -105,12 +116,13 @@ def split_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
 @dataclasses.dataclass
 class DocumentStream:
   """One dataset's tokens and its document boundaries (token offsets, [num_documents + 1])."""
+
   name: str
   tokens: np.ndarray
   offsets: np.ndarray
 
   def documents(self, first: int, last: int) -> np.ndarray:
-    return self.tokens[int(self.offsets[first]):int(self.offsets[last])]
+    return self.tokens[int(self.offsets[first]) : int(self.offsets[last])]
 
 
 def open_indexed(prefix: str) -> DocumentStream:
@@ -128,6 +140,7 @@ def open_embedded(tokenizer: Tokenizer) -> DocumentStream:
 @dataclasses.dataclass
 class DataSources:
   """The sources of a run, and lines for the start-up log that say what they hold."""
+
   train: object
   valid: dict[str, object]
   test: object | None
@@ -139,10 +152,11 @@ class DataSources:
     so a run that repeats a small dataset many times is seen before it starts."""
     if isinstance(self.train, blending.BlendedSource):
       counts = self.train.blend.counts(total_samples)
-      return [(name, int(count), source.num_samples)
-              for name, count, source in zip(self.train_names, counts, self.train.sources)]
+      return [
+        (name, int(count), source.num_samples)
+        for name, count, source in zip(self.train_names, counts, self.train.sources)
+      ]
     return [(self.train_names[0], total_samples, self.train.num_samples)]
-
 
   def check_evaluation(self, eval_iters: int, global_batch_size: int) -> None:
     """One DataError when an evaluation (eval.iters batches of `global_batch_size` samples from
@@ -157,22 +171,35 @@ class DataSources:
       if needed <= held:
         continue
       fits = held // global_batch_size
-      fix = (f'set eval.iters <= {fits}' if fits else
-             f'it holds less than one global batch ({global_batch_size}): give it more data '
-             '(a larger share of data.split, or a larger data.valid_path set) or lower '
-             'train.global_batch_size')
-      raise DataError(f'the evaluation set {name!r} holds {held} samples, fewer than the '
-                      f'{needed} an evaluation reads (eval.iters={eval_iters} x global batch '
-                      f'{global_batch_size}), so it would repeat samples; {fix}')
+      fix = (
+        f'set eval.iters <= {fits}'
+        if fits
+        else f'it holds less than one global batch ({global_batch_size}): give it more data '
+        '(a larger share of data.split, or a larger data.valid_path set) or lower '
+        'train.global_batch_size'
+      )
+      raise DataError(
+        f'the evaluation set {name!r} holds {held} samples, fewer than the '
+        f'{needed} an evaluation reads (eval.iters={eval_iters} x global batch '
+        f'{global_batch_size}), so it would repeat samples; {fix}'
+      )
 
 
-def _source(stream: DocumentStream, documents: tuple[int, int], seq_len: int, seed: int,
-            stream_id: tuple[int, ...], what: str) -> SampleSource:
+def _source(
+  stream: DocumentStream,
+  documents: tuple[int, int],
+  seq_len: int,
+  seed: int,
+  stream_id: tuple[int, ...],
+  what: str,
+) -> SampleSource:
   tokens = stream.documents(*documents)
   if tokens.size < seq_len + 1:
-    raise DataError(f'{what}: documents {documents[0]}..{documents[1]} of {stream.name} hold '
-                    f'{tokens.size} tokens, fewer than one sample of train.seq_len + 1 = '
-                    f'{seq_len + 1}; change data.split or use more data')
+    raise DataError(
+      f'{what}: documents {documents[0]}..{documents[1]} of {stream.name} hold '
+      f'{tokens.size} tokens, fewer than one sample of train.seq_len + 1 = '
+      f'{seq_len + 1}; change data.split or use more data'
+    )
   return SampleSource(tokens, seq_len, seed, stream=stream_id)
 
 
@@ -190,10 +217,19 @@ def _valid_path_sets(data_cfg, seq_len: int, seed: int) -> dict[str, object]:
     sources = []
     for index, (_, prefix) in enumerate(named_pairs):
       stream = open_indexed(prefix)
-      sources.append(_source(stream, (0, len(stream.offsets) - 1), seq_len, seed,
-                             (_NAMED_VALID, position, index), f'validation set {name!r}'))
-    valid[name] = _mix(sources, [w for w, _ in named_pairs], [p for _, p in named_pairs],
-                       data_cfg.blend_order)
+      sources.append(
+        _source(
+          stream,
+          (0, len(stream.offsets) - 1),
+          seq_len,
+          seed,
+          (_NAMED_VALID, position, index),
+          f'validation set {name!r}',
+        )
+      )
+    valid[name] = _mix(
+      sources, [w for w, _ in named_pairs], [p for _, p in named_pairs], data_cfg.blend_order
+    )
   return valid
 
 
@@ -218,29 +254,45 @@ def build(data_cfg, seq_len: int, seed: int, tokenizer: Tokenizer | None = None)
     ranges = split_ranges(len(stream.offsets) - 1, data_cfg.split)
     for role, (name, documents) in enumerate(zip(SPLIT_NAMES, ranges)):
       if documents[1] > documents[0]:
-        by_split[name].append(_source(stream, documents, seq_len, seed, (role, index),
-                                      f'the {name} split (data.split={data_cfg.split!r})'))
+        by_split[name].append(
+          _source(
+            stream,
+            documents,
+            seq_len,
+            seed,
+            (role, index),
+            f'the {name} split (data.split={data_cfg.split!r})',
+          )
+        )
         split_weights[name].append(weight)
         split_names[name].append(stream.name)
     counts = ', '.join(f'{n} {b - a}' for n, (a, b) in zip(SPLIT_NAMES, ranges))
-    notes.append(f'> data: {stream.name} (weight {weight / sum(weights):.4f}): '
-                 f'{len(stream.offsets) - 1} documents, {int(stream.offsets[-1])} tokens; '
-                 f'documents per split: {counts}')
+    notes.append(
+      f'> data: {stream.name} (weight {weight / sum(weights):.4f}): '
+      f'{len(stream.offsets) - 1} documents, {int(stream.offsets[-1])} tokens; '
+      f'documents per split: {counts}'
+    )
   if not by_split['train']:
     raise DataError(f'data.split={data_cfg.split!r} leaves no documents for training')
   if len(by_split['train']) < len(streams):
-    raise DataError(f'data.split={data_cfg.split!r} leaves some dataset without training '
-                    'documents; raise the train share')
-  train = _mix(by_split['train'], split_weights['train'], split_names['train'],
-               data_cfg.blend_order)
+    raise DataError(
+      f'data.split={data_cfg.split!r} leaves some dataset without training '
+      'documents; raise the train share'
+    )
+  train = _mix(
+    by_split['train'], split_weights['train'], split_names['train'], data_cfg.blend_order
+  )
   valid = {}
   if by_split['valid']:
-    valid['valid'] = _mix(by_split['valid'], split_weights['valid'], split_names['valid'],
-                          data_cfg.blend_order)
+    valid['valid'] = _mix(
+      by_split['valid'], split_weights['valid'], split_names['valid'], data_cfg.blend_order
+    )
   valid.update(_valid_path_sets(data_cfg, seq_len, seed))
-  test = (_mix(by_split['test'], split_weights['test'], split_names['test'],
-               data_cfg.blend_order)
-          if by_split['test'] else None)
+  test = (
+    _mix(by_split['test'], split_weights['test'], split_names['test'], data_cfg.blend_order)
+    if by_split['test']
+    else None
+  )
   return DataSources(train, valid, test, notes, split_names['train'])
 
 
@@ -249,9 +301,11 @@ def check_token_ids(rows: np.ndarray, vocab_size: int, what: str) -> None:
   top = int(rows.max()) if rows.size else 0
   low = int(rows.min()) if rows.size else 0
   if top >= vocab_size or low < 0:
-    raise DataError(f'{what} holds token id {top if top >= vocab_size else low}, outside the '
-                    f'model\'s vocabulary [0, {vocab_size}): the data was tokenized with another '
-                    'tokenizer; set model.vocab_size to that tokenizer\'s size or re-tokenize')
+    raise DataError(
+      f'{what} holds token id {top if top >= vocab_size else low}, outside the '
+      f"model's vocabulary [0, {vocab_size}): the data was tokenized with another "
+      "tokenizer; set model.vocab_size to that tokenizer's size or re-tokenize"
+    )
 
 
 def check_config(d, e) -> None:
@@ -259,63 +313,86 @@ def check_config(d, e) -> None:
   ConfigError naming the fix. The files themselves are opened by the trainer, still before any
   compilation."""
   if d.blend_order not in blending.ORDERS:
-    raise ConfigError(f"data.blend_order={d.blend_order!r} is not a blend order; use 'quota' "
-                      "(every prefix within one sample of the weights) or 'divisor' (the order "
-                      'of runs started before it)')
+    raise ConfigError(
+      f"data.blend_order={d.blend_order!r} is not a blend order; use 'quota' "
+      "(every prefix within one sample of the weights) or 'divisor' (the order "
+      'of runs started before it)'
+    )
   try:
     if d.train_path:
       parse_data_path(d.train_path)
     shares = parse_split(d.split)
     names = set()
     for entry in d.valid_path:
-      if not (isinstance(entry, tuple) and len(entry) == 2 and all(
-          isinstance(x, str) and x for x in entry)):
-        raise ConfigError(f'data.valid_path must map set names to data paths, e.g. '
-                          f'{{"en": "/data/en_text_document"}}; got the entry {entry!r}')
+      if not (
+        isinstance(entry, tuple)
+        and len(entry) == 2
+        and all(isinstance(x, str) and x for x in entry)
+      ):
+        raise ConfigError(
+          f'data.valid_path must map set names to data paths, e.g. '
+          f'{{"en": "/data/en_text_document"}}; got the entry {entry!r}'
+        )
       name, spec = entry
       if not re.fullmatch(r'[\w.-]+', name):
-        raise ConfigError(f'data.valid_path: the set name {name!r} goes into log lines and '
-                          'TensorBoard tags; use letters, digits, "_", "-" and "." only')
+        raise ConfigError(
+          f'data.valid_path: the set name {name!r} goes into log lines and '
+          'TensorBoard tags; use letters, digits, "_", "-" and "." only'
+        )
       if name in names or (name == 'valid' and shares[1] > 0) or name == 'test':
-        raise ConfigError(f'data.valid_path names a set {name!r} twice, or a name the '
-                          f'data.split already uses ("valid" for its validation share, '
-                          f'"test"); rename it')
+        raise ConfigError(
+          f'data.valid_path names a set {name!r} twice, or a name the '
+          f'data.split already uses ("valid" for its validation share, '
+          f'"test"); rename it'
+        )
       names.add(name)
       parse_data_path(spec, key=f'data.valid_path[{name!r}]')
   except DataError as error:
     raise ConfigError(str(error)) from None
   for r in d.skip_train_iteration_range:
     parts = str(r).split('-')
-    if (len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or
-        not 1 <= int(parts[0]) <= int(parts[1])):
-      raise ConfigError(f'data.skip_train_iteration_range: {r!r} is not a range of iterations '
-                        'FIRST-LAST with 1 <= FIRST <= LAST, e.g. ("13251-14000",)')
+    if (
+      len(parts) != 2
+      or not all(p.strip().isdigit() for p in parts)
+      or not 1 <= int(parts[0]) <= int(parts[1])
+    ):
+      raise ConfigError(
+        f'data.skip_train_iteration_range: {r!r} is not a range of iterations '
+        'FIRST-LAST with 1 <= FIRST <= LAST, e.g. ("13251-14000",)'
+      )
   if e.interval < 0 or e.iters < 1:
-    raise ConfigError(f'eval.interval must be >= 0 (0: no evaluation) and eval.iters >= 1, got '
-                      f'{e.interval} and {e.iters}')
+    raise ConfigError(
+      f'eval.interval must be >= 0 (0: no evaluation) and eval.iters >= 1, got '
+      f'{e.interval} and {e.iters}'
+    )
   check_weighted_split_paths(d, e)
   if d.mixture_or_task_module and not d.mixture_or_task:
-    raise ConfigError(f'data.mixture_or_task_module={d.mixture_or_task_module!r} registers seqio '
-                      'Tasks for data.mixture_or_task, which is empty; name the Task or Mixture '
-                      "to train on, or set data.mixture_or_task_module=''")
+    raise ConfigError(
+      f'data.mixture_or_task_module={d.mixture_or_task_module!r} registers seqio '
+      'Tasks for data.mixture_or_task, which is empty; name the Task or Mixture '
+      "to train on, or set data.mixture_or_task_module=''"
+    )
   if uses_seqio(d):
     check_seqio(d, e)
     return
   if e.interval and shares[1] == 0 and not d.valid_path:
-    raise ConfigError(f'eval.interval={e.interval} but there is no validation set: give '
-                      f'data.split a validation share (e.g. "969,30,1") or set data.valid_path')
+    raise ConfigError(
+      f'eval.interval={e.interval} but there is no validation set: give '
+      f'data.split a validation share (e.g. "969,30,1") or set data.valid_path'
+    )
 
 
 # ------------------------------------- Megatron's --(train|valid|test)-weighted-split-paths
 
 WEIGHTED_SPLIT_ROLES = ('train', 'valid', 'test')
-_GROUP_EXAMPLE = ('"train: 0.7 0:0.95 /d/en_text_document, 0.3 0:0.95 /d/fr_text_document"')
+_GROUP_EXAMPLE = '"train: 0.7 0:0.95 /d/en_text_document, 0.3 0:0.95 /d/fr_text_document"'
 
 
 @dataclasses.dataclass(frozen=True)
 class RangedDataset:
   """One dataset of a weighted split group: its weight, the fractions START:END of its documents
   it contributes, and its prefix as written (relative ones are read under data.root)."""
+
   weight: float
   start: float
   end: float
@@ -327,8 +404,7 @@ def weighted_split_key(role: str) -> str:
 
 
 def uses_weighted_split_paths(data_cfg) -> bool:
-  return any(getattr(data_cfg, f'{role}_weighted_split_paths', ())
-             for role in WEIGHTED_SPLIT_ROLES)
+  return any(getattr(data_cfg, f'{role}_weighted_split_paths', ()) for role in WEIGHTED_SPLIT_ROLES)
 
 
 def uses_seqio(data_cfg) -> bool:
@@ -337,8 +413,9 @@ def uses_seqio(data_cfg) -> bool:
 
 def uses_embedded_corpus(data_cfg) -> bool:
   """No dataset is named: the run reads the embedded corpus with the shipped tokenizer."""
-  return (not data_cfg.train_path and not uses_weighted_split_paths(data_cfg) and
-          not uses_seqio(data_cfg))
+  return (
+    not data_cfg.train_path and not uses_weighted_split_paths(data_cfg) and not uses_seqio(data_cfg)
+  )
 
 
 def parse_weighted_split_group(text: str, key: str) -> tuple[str, list[RangedDataset]]:
@@ -351,35 +428,45 @@ def parse_weighted_split_group(text: str, key: str) -> tuple[str, list[RangedDat
   # Megatron takes whatever precedes the first ':' as the name; here a missing name ("1 0:1 /d")
   # is an error rather than a set silently called "1 0".
   if not colon or not re.fullmatch(r'[\w.-]+', name):
-    raise DataError(f'{key}: the group {text!r} has no name; write NAME: WEIGHT START:END PREFIX, '
-                    f'... such as {_GROUP_EXAMPLE} (a name is letters, digits, "_", "-", ".")')
+    raise DataError(
+      f'{key}: the group {text!r} has no name; write NAME: WEIGHT START:END PREFIX, '
+      f'... such as {_GROUP_EXAMPLE} (a name is letters, digits, "_", "-", ".")'
+    )
   entries = []
   for part in body.split(','):
     words = part.split()
     if len(words) != 3:
-      raise DataError(f'{key}: group {name!r}: {part.strip()!r} is not "WEIGHT START:END PREFIX"; '
-                      f'datasets are separated by commas, as in {_GROUP_EXAMPLE}')
+      raise DataError(
+        f'{key}: group {name!r}: {part.strip()!r} is not "WEIGHT START:END PREFIX"; '
+        f'datasets are separated by commas, as in {_GROUP_EXAMPLE}'
+      )
     weight, span, prefix = words
     try:
       value = float(weight)
     except ValueError:
       value = math.nan
     if not (value > 0 and math.isfinite(value)):
-      raise DataError(f'{key}: group {name!r}: the weight {weight!r} of {prefix} must be a '
-                      'number > 0 (only the ratios of a group\'s weights matter)')
+      raise DataError(
+        f'{key}: group {name!r}: the weight {weight!r} of {prefix} must be a '
+        "number > 0 (only the ratios of a group's weights matter)"
+      )
     try:
       start, end = (float(x) for x in span.split(':'))
     except ValueError:
       start = end = math.nan
     if not 0 <= start < end <= 1:
-      raise DataError(f'{key}: group {name!r}: the range {span!r} of {prefix} must be START:END '
-                      'with 0 <= START < END <= 1, the fractions of its documents to read '
-                      '(tr11: 0:0.950 to train, 0.950:1.0 to validate)')
+      raise DataError(
+        f'{key}: group {name!r}: the range {span!r} of {prefix} must be START:END '
+        'with 0 <= START < END <= 1, the fractions of its documents to read '
+        '(tr11: 0:0.950 to train, 0.950:1.0 to validate)'
+      )
     entries.append(RangedDataset(value, start, end, prefix))
   total = sum(entry.weight for entry in entries)
   if not math.isfinite(total) or not all(math.isfinite(total / e.weight) for e in entries):
-    raise DataError(f'{key}: group {name!r}: the weights sum to {total:g}, or one is too small a '
-                    'share of their sum; only their ratios matter, so use moderate values')
+    raise DataError(
+      f'{key}: group {name!r}: the weights sum to {total:g}, or one is too small a '
+      'share of their sum; only their ratios matter, so use moderate values'
+    )
   return name, entries
 
 
@@ -405,41 +492,55 @@ def check_weighted_split_paths(d, e) -> None:
     raise ConfigError(str(error)) from None
   if not any(groups.values()):
     if d.root:
-      raise ConfigError(f'data.root={d.root!r} is where the prefixes of the weighted split paths '
-                        'are read, and none is set; set data.train_weighted_split_paths or '
-                        "data.root=''")
+      raise ConfigError(
+        f'data.root={d.root!r} is where the prefixes of the weighted split paths '
+        'are read, and none is set; set data.train_weighted_split_paths or '
+        "data.root=''"
+      )
     return
   if d.train_path or d.split != type(d)().split:
-    raise ConfigError('data.train_path and data.split (Megatron\'s --data-path and --split) '
-                      'cannot be combined with data.*_weighted_split_paths, which name each '
-                      f'dataset\'s range themselves; keep one of the two (data.train_path=\'\', '
-                      f'data.split left at its default {type(d)().split!r})')
+    raise ConfigError(
+      "data.train_path and data.split (Megatron's --data-path and --split) "
+      'cannot be combined with data.*_weighted_split_paths, which name each '
+      f"dataset's range themselves; keep one of the two (data.train_path='', "
+      f'data.split left at its default {type(d)().split!r})'
+    )
   if len(groups['train']) != 1:
-    raise ConfigError(f'data.train_weighted_split_paths takes one group, the training blend (as '
-                      f'Megatron\'s --train-weighted-split-paths), got {len(groups["train"])}; '
-                      'put all training datasets in one group')
+    raise ConfigError(
+      f'data.train_weighted_split_paths takes one group, the training blend (as '
+      f"Megatron's --train-weighted-split-paths), got {len(groups['train'])}; "
+      'put all training datasets in one group'
+    )
   names = {name for name, _ in d.valid_path}
   for role in ('valid', 'test'):
     for name, _ in groups[role]:
       if name in names:
-        raise ConfigError(f'{weighted_split_key(role)}: the set name {name!r} is used twice (by '
-                          'another group or data.valid_path); rename one')
+        raise ConfigError(
+          f'{weighted_split_key(role)}: the set name {name!r} is used twice (by '
+          'another group or data.valid_path); rename one'
+        )
       names.add(name)
   if len(groups['test']) > 1:
-    raise ConfigError(f'data.test_weighted_split_paths holds {len(groups["test"])} groups; the '
-                      'trainer evaluates one test set: give one group')
+    raise ConfigError(
+      f'data.test_weighted_split_paths holds {len(groups["test"])} groups; the '
+      'trainer evaluates one test set: give one group'
+    )
   if e.interval and not groups['valid'] and not d.valid_path:
-    raise ConfigError(f'eval.interval={e.interval} but there is no validation set: set '
-                      'data.valid_weighted_split_paths (tr11: 0.950:1.0 of each dataset) or '
-                      'data.valid_path, or eval.interval=0')
+    raise ConfigError(
+      f'eval.interval={e.interval} but there is no validation set: set '
+      'data.valid_weighted_split_paths (tr11: 0.950:1.0 of each dataset) or '
+      'data.valid_path, or eval.interval=0'
+    )
 
 
 def _build_weighted(data_cfg, seq_len: int, seed: int) -> DataSources:
   """The sources of data.*_weighted_split_paths: each group a blend of document ranges."""
   root = data_cfg.root
   if root and not os.path.isdir(root):
-    raise DataError(f'data.root={root!r} is not a directory; point it at the directory that holds '
-                    'the datasets\' prefixes (--config.data.root=/path/to/data)')
+    raise DataError(
+      f'data.root={root!r} is not a directory; point it at the directory that holds '
+      "the datasets' prefixes (--config.data.root=/path/to/data)"
+    )
   streams: dict[str, DocumentStream] = {}
   notes: list[str] = []
 
@@ -455,21 +556,34 @@ def _build_weighted(data_cfg, seq_len: int, seed: int) -> DataSources:
       count = len(stream.offsets) - 1
       first, last = range_documents(count, entry.start, entry.end)
       if last <= first:
-        raise DataError(f'{key}: group {name!r}: the range {entry.start:g}:{entry.end:g} of '
-                        f'{path} ({count} documents) rounds to no document; widen the range')
-      parts.append(_source(stream, (first, last), seq_len, seed,
-                           (_WEIGHTED, WEIGHTED_SPLIT_ROLES.index(role), position, index),
-                           f'{key} group {name!r}'))
+        raise DataError(
+          f'{key}: group {name!r}: the range {entry.start:g}:{entry.end:g} of '
+          f'{path} ({count} documents) rounds to no document; widen the range'
+        )
+      parts.append(
+        _source(
+          stream,
+          (first, last),
+          seq_len,
+          seed,
+          (_WEIGHTED, WEIGHTED_SPLIT_ROLES.index(role), position, index),
+          f'{key} group {name!r}',
+        )
+      )
       weights.append(entry.weight)
       names.append(path)
-      notes.append(f'> data: {role} group {name!r}: {path} (weight {entry.weight / total:.4f}): '
-                   f'documents {first}..{last} of {count}')
+      notes.append(
+        f'> data: {role} group {name!r}: {path} (weight {entry.weight / total:.4f}): '
+        f'documents {first}..{last} of {count}'
+      )
     return _mix(parts, weights, names, data_cfg.blend_order), names
 
-  (train_name, train_entries), = weighted_split_groups(data_cfg, 'train')
+  ((train_name, train_entries),) = weighted_split_groups(data_cfg, 'train')
   train, train_names = group_source('train', 0, train_name, train_entries)
-  valid = {name: group_source('valid', position, name, entries)[0]
-           for position, (name, entries) in enumerate(weighted_split_groups(data_cfg, 'valid'))}
+  valid = {
+    name: group_source('valid', position, name, entries)[0]
+    for position, (name, entries) in enumerate(weighted_split_groups(data_cfg, 'valid'))
+  }
   valid.update(_valid_path_sets(data_cfg, seq_len, seed))
   test_groups = weighted_split_groups(data_cfg, 'test')
   test = group_source('test', 0, *test_groups[0])[0] if test_groups else None
@@ -484,62 +598,95 @@ def check_seqio(d, e) -> None:
   training data named, the module imports, the name is registered, each Task has 'targets', and
   evaluation has a validation split to read. Imports seqio (TensorFlow: seconds)."""
   from t5x_like.data import seqio_tasks  # pylint: disable=import-outside-toplevel  # TF: slow
+
   default_split = type(d)().split
-  others = [key for key, is_set in (('data.train_path', d.train_path),
-                                    ('data.split', d.split != default_split),
-                                    ('data.*_weighted_split_paths', uses_weighted_split_paths(d)))
-            if is_set]
+  others = [
+    key
+    for key, is_set in (
+      ('data.train_path', d.train_path),
+      ('data.split', d.split != default_split),
+      ('data.*_weighted_split_paths', uses_weighted_split_paths(d)),
+    )
+    if is_set
+  ]
   if others:
-    raise ConfigError(f'data.mixture_or_task={d.mixture_or_task!r} names the training data and '
-                      f'its splits itself, and {" and ".join(others)} too; keep one of the two '
-                      f"(data.train_path='', data.split={default_split!r} (the default), no "
-                      'weighted split paths)')
+    raise ConfigError(
+      f'data.mixture_or_task={d.mixture_or_task!r} names the training data and '
+      f'its splits itself, and {" and ".join(others)} too; keep one of the two '
+      f"(data.train_path='', data.split={default_split!r} (the default), no "
+      'weighted split paths)'
+    )
   try:
     provider = seqio_tasks.get_mixture_or_task(d.mixture_or_task, d.mixture_or_task_module)
     seqio_tasks.training_tasks(provider)
   except DataError as error:
     raise ConfigError(str(error)) from None
   names = {name for name, _ in d.valid_path}
-  sets = [seqio_tasks.validation_set_name(task.name, split)
-          for task in seqio_tasks.subtasks(provider)
-          for split in seqio_tasks.validation_splits(task)]
+  sets = [
+    seqio_tasks.validation_set_name(task.name, split)
+    for task in seqio_tasks.subtasks(provider)
+    for split in seqio_tasks.validation_splits(task)
+  ]
   clash = sorted(names.intersection(sets) | {n for n in sets if sets.count(n) > 1})
   if clash:
-    raise ConfigError(f'the validation set name {clash[0]!r} is used twice (by a seqio Task\'s '
-                      'split and data.valid_path, or two splits); rename the data.valid_path set')
+    raise ConfigError(
+      f"the validation set name {clash[0]!r} is used twice (by a seqio Task's "
+      'split and data.valid_path, or two splits); rename the data.valid_path set'
+    )
   if e.interval and not sets and not d.valid_path:
-    raise ConfigError(f'eval.interval={e.interval} but data.mixture_or_task='
-                      f'{d.mixture_or_task!r} has no validation split (a split other than train '
-                      'and test) and data.valid_path is empty; give one, or eval.interval=0')
+    raise ConfigError(
+      f'eval.interval={e.interval} but data.mixture_or_task='
+      f'{d.mixture_or_task!r} has no validation split (a split other than train '
+      'and test) and data.valid_path is empty; give one, or eval.interval=0'
+    )
 
 
 def _build_seqio(data_cfg, seq_len: int, seed: int) -> DataSources:
   """The sources of data.mixture_or_task: its Tasks materialised (or found in the cache), the
   training splits blended by the Mixture's rates, each validation split a named set."""
-  from t5x_like.data import materialize  # pylint: disable=import-outside-toplevel  # TF: slow
-  from t5x_like.data import seqio_tasks  # pylint: disable=import-outside-toplevel
-  prepared = materialize.prepare(data_cfg.mixture_or_task, data_cfg.mixture_or_task_module,
-                                 data_cfg.cache_dir)
+  from t5x_like.data import (
+    materialize,  # pylint: disable=import-outside-toplevel  # TF: slow
+    seqio_tasks,  # pylint: disable=import-outside-toplevel
+  )
+
+  prepared = materialize.prepare(
+    data_cfg.mixture_or_task, data_cfg.mixture_or_task_module, data_cfg.cache_dir
+  )
   parts, weights, names, notes, valid = [], [], [], [], {}
   total = sum(task.rate for task in prepared)
   for position, task in enumerate(prepared):
     for split_position, (split, entry) in enumerate(task.valid.items()):
       stream = open_indexed(entry.prefix)
       name = seqio_tasks.validation_set_name(task.name, split)
-      valid[name] = _source(stream, (0, entry.documents), seq_len, seed,
-                            (_SEQIO, 1, position, split_position), f'validation set {name!r}')
+      valid[name] = _source(
+        stream,
+        (0, entry.documents),
+        seq_len,
+        seed,
+        (_SEQIO, 1, position, split_position),
+        f'validation set {name!r}',
+      )
     if task.train is None:  # rate 0: evaluated, not trained on
       continue
     stream = open_indexed(task.train.prefix)
-    parts.append(_source(stream, (0, task.train.documents), seq_len, seed,
-                         (_SEQIO, 0, position, 0), f'the train split of seqio Task {task.name!r}'))
+    parts.append(
+      _source(
+        stream,
+        (0, task.train.documents),
+        seq_len,
+        seed,
+        (_SEQIO, 0, position, 0),
+        f'the train split of seqio Task {task.name!r}',
+      )
+    )
     weights.append(task.rate)
     names.append(task.name)
     built = 'materialised now' if task.train.built else 'cached'
-    notes.append(f'> data: seqio Task {task.name} (weight {task.rate / total:.4f}): '
-                 f'{task.train.documents} documents, {task.train.tokens} tokens in its train '
-                 f'split ({built}: {task.train.prefix}); validation sets: '
-                 f'{", ".join(task.valid) or "none"}')
+    notes.append(
+      f'> data: seqio Task {task.name} (weight {task.rate / total:.4f}): '
+      f'{task.train.documents} documents, {task.train.tokens} tokens in its train '
+      f'split ({built}: {task.train.prefix}); validation sets: '
+      f'{", ".join(task.valid) or "none"}'
+    )
   valid.update(_valid_path_sets(data_cfg, seq_len, seed))
-  return DataSources(_mix(parts, weights, names, data_cfg.blend_order), valid, None, notes,
-                     names)
+  return DataSources(_mix(parts, weights, names, data_cfg.blend_order), valid, None, notes, names)

@@ -24,8 +24,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
+from t5x_like import files
 from t5x_like.data import corpus
-from t5x_like.data import files
 from t5x_like.data.indexed import DataError
 
 DEFAULT_MODEL_PATH = os.path.join(os.path.dirname(__file__), 'assets', 'tokenizer.model')
@@ -39,26 +39,26 @@ PAD_ID, EOS_ID, UNK_ID, BOS_ID = 0, 1, 2, 3
 def training_options(vocab_size: int) -> dict[str, object]:
   """SentencePiece trainer settings; every choice that affects the model is pinned here."""
   return dict(
-      model_type='bpe',
-      vocab_size=vocab_size,
-      # Identity normalization and kept whitespace: decode(encode(text)) == text, and code
-      # indentation survives (needed for prose that quotes code).
-      normalization_rule_name='identity',
-      remove_extra_whitespaces=False,
-      allow_whitespace_only_pieces=True,
-      split_digits=True,
-      byte_fallback=True,
-      # Rare characters are left to byte fallback instead of spending vocabulary on them.
-      character_coverage=0.9995,
-      pad_id=PAD_ID,
-      eos_id=EOS_ID,
-      unk_id=UNK_ID,
-      bos_id=BOS_ID,
-      # One thread and the whole input (no sampling) make training deterministic.
-      num_threads=1,
-      input_sentence_size=0,
-      shuffle_input_sentence=False,
-      minloglevel=2,
+    model_type='bpe',
+    vocab_size=vocab_size,
+    # Identity normalization and kept whitespace: decode(encode(text)) == text, and code
+    # indentation survives (needed for prose that quotes code).
+    normalization_rule_name='identity',
+    remove_extra_whitespaces=False,
+    allow_whitespace_only_pieces=True,
+    split_digits=True,
+    byte_fallback=True,
+    # Rare characters are left to byte fallback instead of spending vocabulary on them.
+    character_coverage=0.9995,
+    pad_id=PAD_ID,
+    eos_id=EOS_ID,
+    unk_id=UNK_ID,
+    bos_id=BOS_ID,
+    # One thread and the whole input (no sampling) make training deterministic.
+    num_threads=1,
+    input_sentence_size=0,
+    shuffle_input_sentence=False,
+    minloglevel=2,
   )
 
 
@@ -71,14 +71,15 @@ def _training_lines(documents: Iterable[str]) -> Iterator[str]:
         yield line
 
 
-def train_tokenizer(documents: Sequence[str], output_path: str,
-                    vocab_size: int = DEFAULT_VOCAB_SIZE) -> str:
+def train_tokenizer(
+  documents: Sequence[str], output_path: str, vocab_size: int = DEFAULT_VOCAB_SIZE
+) -> str:
   """Trains a model on `documents` and writes it to `output_path` atomically; returns the path."""
   spm.set_random_generator_seed(TRAINING_SEED)
   model = io.BytesIO()
   spm.SentencePieceTrainer.train(
-      sentence_iterator=_training_lines(documents), model_writer=model,
-      **training_options(vocab_size))
+    sentence_iterator=_training_lines(documents), model_writer=model, **training_options(vocab_size)
+  )
   files.atomic_write(output_path, lambda f: f.write(model.getvalue()))
   return output_path
 
@@ -93,9 +94,11 @@ class Tokenizer:
     try:
       self._processor = spm.SentencePieceProcessor(model_proto=model_bytes)
     except RuntimeError:  # SentencePiece's only word on it: "ParseFromArray" failed
-      raise DataError(f'{path or "the tokenizer model"} is not a SentencePiece model; pass a '
-                      '.model file that SentencePiece wrote (a Hugging Face tokenizer.json goes '
-                      'to --tokenizer_json)') from None
+      raise DataError(
+        f'{path or "the tokenizer model"} is not a SentencePiece model; pass a '
+        '.model file that SentencePiece wrote (a Hugging Face tokenizer.json goes '
+        'to --tokenizer_json)'
+      ) from None
 
   @classmethod
   def from_file(cls, path: str) -> Tokenizer:
@@ -143,14 +146,19 @@ def seqio_vocabulary(path: str = DEFAULT_MODEL_PATH):
   Imported here and not at module level: seqio pulls in TensorFlow, which takes seconds to import
   and is not needed by the trainer's own data path.
   """
+  from t5x_like.data import tf_runtime  # pylint: disable=import-outside-toplevel
+
+  tf_runtime.import_tensorflow()  # quietly, before seqio does
   import seqio  # pylint: disable=import-outside-toplevel
+
   return seqio.SentencePieceVocabulary(path)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(
-      prog='python -m t5x_like.data.tokenizer',
-      description='Rebuild the shipped tokenizer from the default corpus.')
+    prog='python -m t5x_like.data.tokenizer',
+    description='Rebuild the shipped tokenizer from the default corpus.',
+  )
   parser.add_argument('--rebuild', action='store_true', help='train and write the model')
   parser.add_argument('--output', default=DEFAULT_MODEL_PATH, help='where to write the model')
   parser.add_argument('--vocab_size', type=int, default=DEFAULT_VOCAB_SIZE)
@@ -160,9 +168,11 @@ def main(argv: Sequence[str] | None = None) -> None:
   documents = corpus.default_documents()
   train_tokenizer(documents, args.output, args.vocab_size)
   tokenizer = Tokenizer.from_file(args.output)
-  print(f'wrote {args.output}: vocab {tokenizer.vocab_size}, '
-        f'{os.path.getsize(args.output)} bytes, sha256 prefix {tokenizer.fingerprint}, '
-        f'corpus {corpus.corpus_fingerprint(documents)}')
+  print(
+    f'wrote {args.output}: vocab {tokenizer.vocab_size}, '
+    f'{os.path.getsize(args.output)} bytes, sha256 prefix {tokenizer.fingerprint}, '
+    f'corpus {corpus.corpus_fingerprint(documents)}'
+  )
 
 
 if __name__ == '__main__':

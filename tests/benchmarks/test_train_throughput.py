@@ -8,7 +8,6 @@ import re
 import sys
 
 import pytest
-
 from conftest import REPO, TEST_XLA_FLAG, run_cli
 
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
@@ -20,12 +19,28 @@ def tiny_two_rounds(tmp_path_factory):
   """One run: tiny, ours f32 against torch f32, 1 timed step each, two interleaved rounds, and
   one traced step of ours."""
   out = tmp_path_factory.mktemp('throughput') / 'result.json'
-  proc = run_cli([os.path.join('benchmarks', 'train_throughput.py'), '--models', 'tiny',
-                  '--impls', 'ours_f32,torch_f32', '--steps', '1', '--rounds', '2',
-                  '--profile', '--json', str(out)], timeout=900,
-                 # The script measures XLA as users run it, not the suite's faster compiles.
-                 env={'PYTHONPATH': REPO,
-                      'XLA_FLAGS': os.environ['XLA_FLAGS'].replace(TEST_XLA_FLAG, '').strip()})
+  proc = run_cli(
+    [
+      os.path.join('benchmarks', 'train_throughput.py'),
+      '--models',
+      'tiny',
+      '--impls',
+      'ours_f32,torch_f32',
+      '--steps',
+      '1',
+      '--rounds',
+      '2',
+      '--profile',
+      '--json',
+      str(out),
+    ],
+    timeout=900,
+    # The script measures XLA as users run it, not the suite's faster compiles.
+    env={
+      'PYTHONPATH': REPO,
+      'XLA_FLAGS': os.environ['XLA_FLAGS'].replace(TEST_XLA_FLAG, '').strip(),
+    },
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(out.read_text()), proc.stdout
 
@@ -34,10 +49,13 @@ def test_reference_is_the_same_model_and_flop_count(tiny_two_rounds):
   result, _ = tiny_two_rounds
   ours, torch_ref = result['results']['tiny']['ours f32'], result['results']['tiny']['torch f32']
   cfg = train_throughput.build_config('tiny')
-  from t5x_like import metrics
+  from t5x_like.training import accounting
+
   # transformers' BloomForCausalLM built by the script has exactly our parameter count.
   assert torch_ref['hf_num_params'] == ours['num_params'] == cfg.model.num_params()
-  flops = metrics.megatron_flops_per_iteration(cfg, cfg.train.global_batch_size, cfg.train.seq_len)
+  flops = accounting.megatron_flops_per_iteration(
+    cfg, cfg.train.global_batch_size, cfg.train.seq_len
+  )
   assert ours['flops_per_iteration'] == torch_ref['flops_per_iteration'] == flops
   for r in (ours, torch_ref):
     # Throughput is derived from the median step of the same global batch.
@@ -70,8 +88,12 @@ def test_model_shaped_gemm_probes_for_both_frameworks(tiny_two_rounds):
     assert result['probes'][f'jax_float32_gemm_{form}_tflops'] > 0
     assert result['probes'][f'torch_float32_gemm_{form}_tflops'] > 0
   # The MFU reference stays the square-matmul probe the goals are defined against.
-  square = [v for probes in (result['probes'], result['probes_end']) for k, v in probes.items()
-            if re.fullmatch(r'jax_float32_n\d+_tflops', k)]
+  square = [
+    v
+    for probes in (result['probes'], result['probes_end'])
+    for k, v in probes.items()
+    if re.fullmatch(r'jax_float32_n\d+_tflops', k)
+  ]
   assert len(square) == 4 and result['peak_f32_tflops'] == max(square)
   assert "f32 GEMMs at bloom_100m's MLP shape 2048x768x3072" in stdout
   assert 'tiny: ours f32 / torch f32 = ' in stdout

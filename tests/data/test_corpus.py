@@ -9,7 +9,8 @@ import pytest
 from t5x_like.data import corpus
 
 COMMON_WORDS = frozenset(
-    'the of and to a is in that for be it this are or if an as with not by'.split())
+  'the of and to a is in that for be it this are or if an as with not by'.split()
+)
 
 
 @pytest.fixture(scope='module')
@@ -33,8 +34,9 @@ def test_default_corpus_is_mostly_english_prose(documents):
 
 def test_default_corpus_starts_with_reference_topics_sorted_by_name(documents):
   from pydoc_data import topics  # pylint: disable=import-outside-toplevel
+
   names = sorted(topics.topics)
-  assert documents[:len(names)] == [topics.topics[name] for name in names]
+  assert documents[: len(names)] == [topics.topics[name] for name in names]
 
 
 def test_default_documents_returns_fresh_equal_lists(documents):
@@ -49,7 +51,7 @@ def test_stdlib_extraction_is_deterministic_and_part_of_the_corpus(documents):
   first = corpus.stdlib_documents(json_dir)
   assert first and first == corpus.stdlib_documents(json_dir)
   start = documents.index(first[0])
-  assert documents[start:start + len(first)] == first
+  assert documents[start : start + len(first)] == first
   assert any('JSON' in d for d in first)
 
 
@@ -68,7 +70,8 @@ def test_source_files_are_sorted_and_skip_test_directories():
 
 def test_source_document_collects_docstrings_and_comment_prose_in_order(tmp_path):
   path = tmp_path / 'example.py'
-  path.write_text(textwrap.dedent('''\
+  path.write_text(
+    textwrap.dedent('''\
       """Module summary for the example.
 
       # Not a comment: this line belongs to the docstring.
@@ -86,14 +89,16 @@ def test_source_document_collects_docstrings_and_comment_prose_in_order(tmp_path
         def size(self):
           """Return how many things the widget holds."""
           return LIMIT
-      '''))
+      ''')
+  )
   document = corpus.source_document(str(path))
   assert document == (
-      'Module summary for the example.\n\n'
-      '# Not a comment: this line belongs to the docstring.\n\n'
-      'This comment block explains why the constant has the value that it has.\n\n'
-      'A widget that holds things.\n\n'
-      'Return how many things the widget holds.')
+    'Module summary for the example.\n\n'
+    '# Not a comment: this line belongs to the docstring.\n\n'
+    'This comment block explains why the constant has the value that it has.\n\n'
+    'A widget that holds things.\n\n'
+    'Return how many things the widget holds.'
+  )
 
 
 def test_source_document_never_executes_the_module(tmp_path):

@@ -6,16 +6,15 @@ import numpy as np
 import pytest
 
 import t5x_like.data
-from t5x_like.data import corpus
-from t5x_like.data import dataset
-from t5x_like.data import files
+from t5x_like import files
+from t5x_like.data import corpus, dataset
 from t5x_like.data.dataset import SampleSource
 from t5x_like.data.tokenizer import Tokenizer
 
 DOCUMENTS = [
-    'The first document talks about lists and dictionaries.',
-    'A second, shorter one.',
-    'Ünïcödé text still encodes, thanks to byte fallback: 日本.',
+  'The first document talks about lists and dictionaries.',
+  'A second, shorter one.',
+  'Ünïcödé text still encodes, thanks to byte fallback: 日本.',
 ]
 
 
@@ -57,7 +56,8 @@ def test_cache_round_trip_reuses_the_file(tokenizer, tmp_path, monkeypatch):
   calls = _count_encodes(monkeypatch)
   first = dataset.corpus_tokens(tokenizer, str(tmp_path), DOCUMENTS)
   tokens_path, meta_path = dataset.cache_paths(
-      str(tmp_path), corpus.corpus_fingerprint(DOCUMENTS), tokenizer.fingerprint)
+    str(tmp_path), corpus.corpus_fingerprint(DOCUMENTS), tokenizer.fingerprint
+  )
   written = os.stat(tokens_path)
   second = dataset.corpus_tokens(tokenizer, str(tmp_path), DOCUMENTS)
   assert calls == [1]
@@ -65,9 +65,12 @@ def test_cache_round_trip_reuses_the_file(tokenizer, tmp_path, monkeypatch):
   assert second.dtype == np.int32
   # Same inode and mtime: the second call read the file instead of replacing it.
   assert (os.stat(tokens_path).st_ino, os.stat(tokens_path).st_mtime_ns) == (
-      written.st_ino, written.st_mtime_ns)
+    written.st_ino,
+    written.st_mtime_ns,
+  )
   assert sorted(os.listdir(tmp_path)) == sorted(
-      [os.path.basename(tokens_path), os.path.basename(meta_path)])
+    [os.path.basename(tokens_path), os.path.basename(meta_path)]
+  )
 
 
 def test_cache_is_keyed_by_corpus(tokenizer, tmp_path):
@@ -95,26 +98,32 @@ def _garble(path):
     f.write(b'\x93NUMPY garbage')
 
 
-@pytest.mark.parametrize('damage,target', [
+@pytest.mark.parametrize(
+  'damage,target',
+  [
     (_truncate, 'tokens'),
     (_flip_last_byte, 'tokens'),
     (_garble, 'tokens'),
     (os.remove, 'tokens'),
     (_garble, 'meta'),
     (os.remove, 'meta'),
-])
+  ],
+)
 def test_damaged_cache_is_rebuilt(tokenizer, tmp_path, monkeypatch, damage, target):
   expected = dataset.corpus_tokens(tokenizer, str(tmp_path), DOCUMENTS)
   tokens_path, meta_path = dataset.cache_paths(
-      str(tmp_path), corpus.corpus_fingerprint(DOCUMENTS), tokenizer.fingerprint)
+    str(tmp_path), corpus.corpus_fingerprint(DOCUMENTS), tokenizer.fingerprint
+  )
   damage(tokens_path if target == 'tokens' else meta_path)
   calls = _count_encodes(monkeypatch)
-  np.testing.assert_array_equal(dataset.corpus_tokens(tokenizer, str(tmp_path), DOCUMENTS),
-                                expected)
+  np.testing.assert_array_equal(
+    dataset.corpus_tokens(tokenizer, str(tmp_path), DOCUMENTS), expected
+  )
   assert calls == [1]
   # The rebuilt cache is whole again and is used as is.
-  np.testing.assert_array_equal(dataset.corpus_tokens(tokenizer, str(tmp_path), DOCUMENTS),
-                                expected)
+  np.testing.assert_array_equal(
+    dataset.corpus_tokens(tokenizer, str(tmp_path), DOCUMENTS), expected
+  )
   assert calls == [1]
 
 
@@ -169,8 +178,9 @@ def test_order_is_the_documented_permutation():
   for index in (0, 1, n - 1, n, 2 * n + 3):
     epoch, position = divmod(index, n)
     window = np.random.default_rng([seed, epoch]).permutation(n)[position]
-    np.testing.assert_array_equal(source.sample(index),
-                                  np.arange(window * seq_len, window * seq_len + seq_len + 1))
+    np.testing.assert_array_equal(
+      source.sample(index), np.arange(window * seq_len, window * seq_len + seq_len + 1)
+    )
 
 
 def test_order_is_a_pure_function_of_seed_and_index():
@@ -200,11 +210,14 @@ def test_too_short_corpus_is_a_clear_error():
     SampleSource(_stream(10), seq_len=10, seed=0)
 
 
-@pytest.mark.parametrize('kwargs', [
+@pytest.mark.parametrize(
+  'kwargs',
+  [
     dict(tokens=np.zeros((2, 50), np.int32), seq_len=4, seed=0),
     dict(tokens=_stream(), seq_len=0, seed=0),
     dict(tokens=_stream(), seq_len=4, seed=-1),
-])
+  ],
+)
 def test_invalid_arguments_are_rejected(kwargs):
   with pytest.raises(ValueError):
     SampleSource(**kwargs)
@@ -238,4 +251,4 @@ def test_package_exports():
     assert name in dir(t5x_like.data) and getattr(t5x_like.data, name) is not None
   assert t5x_like.data.SampleSource is SampleSource
   with pytest.raises(AttributeError):
-    t5x_like.data.no_such_name  # pylint: disable=pointless-statement
+    _ = t5x_like.data.no_such_name

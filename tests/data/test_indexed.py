@@ -15,15 +15,19 @@ DOCUMENTS = [[5, 6, 7, 1], [8, 1], [], [9, 10, 11, 12, 13, 1]]
 def megatron_bytes(sequences, doc_idx, code, dtype):
   """.idx and .bin as the facts file specifies them, written out by hand (little-endian)."""
   sizes = [len(s) for s in sequences]
-  pointers = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) * np.dtype(
-      dtype).itemsize if sequences else []
+  pointers = (
+    np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) * np.dtype(dtype).itemsize
+    if sequences
+    else []
+  )
   idx = b'MMIDIDX\x00\x00' + struct.pack('<Q', 1) + struct.pack('<B', code)
   idx += struct.pack('<Q', len(sizes)) + struct.pack('<Q', len(doc_idx))
   idx += b''.join(struct.pack('<i', s) for s in sizes)
   idx += b''.join(struct.pack('<q', int(p)) for p in pointers)
   idx += b''.join(struct.pack('<q', d) for d in doc_idx)
-  data = b''.join(np.asarray(s, dtype=np.dtype(dtype).newbyteorder('<')).tobytes()
-                  for s in sequences)
+  data = b''.join(
+    np.asarray(s, dtype=np.dtype(dtype).newbyteorder('<')).tobytes() for s in sequences
+  )
   return idx, data
 
 
@@ -87,14 +91,13 @@ def bad_files():
   float_idx[len(b'MMIDIDX\x00\x00') + 8] = 7  # float32
   bad_doc_idx, _ = megatron_bytes(DOCUMENTS, [0, 2, 1, 3, 4], 8, np.uint16)
   return [
-      ('magic', b'NOTANIDX!' + good_idx[9:], good_bin, 'not a Megatron mmap index'),
-      ('version', good_idx[:9] + struct.pack('<Q', 2) + good_idx[17:], good_bin,
-       'index version 2'),
-      ('float', bytes(float_idx), good_bin, 'holds no integer token ids'),
-      ('truncated idx', good_idx[:-5], good_bin, 'truncated'),
-      ('short header', good_idx[:header - 3], good_bin, 'not a Megatron mmap index'),
-      ('truncated bin', good_idx, good_bin[:-2], 'mismatched or truncated'),
-      ('doc order', bad_doc_idx, good_bin, 'never decrease'),
+    ('magic', b'NOTANIDX!' + good_idx[9:], good_bin, 'not a Megatron mmap index'),
+    ('version', good_idx[:9] + struct.pack('<Q', 2) + good_idx[17:], good_bin, 'index version 2'),
+    ('float', bytes(float_idx), good_bin, 'holds no integer token ids'),
+    ('truncated idx', good_idx[:-5], good_bin, 'truncated'),
+    ('short header', good_idx[: header - 3], good_bin, 'not a Megatron mmap index'),
+    ('truncated bin', good_idx, good_bin[:-2], 'mismatched or truncated'),
+    ('doc order', bad_doc_idx, good_bin, 'never decrease'),
   ]
 
 

@@ -5,14 +5,13 @@ import json
 import os
 
 import numpy as np
-
-from t5x_like.data import replay
-from t5x_like.data.tokenizer import DEFAULT_MODEL_PATH
-from t5x_like.train_state import Progress
-from t5x_like.trainer import Trainer
-
 from conftest import run_cli, small_config
 from test_sources import make_dataset
+
+from t5x_like.data.tokenizer import DEFAULT_MODEL_PATH
+from t5x_like.parallel.train_state import Progress
+from t5x_like.training import replay
+from t5x_like.training.trainer import Trainer
 
 SEQ = 16
 
@@ -22,10 +21,17 @@ def blended_run(tmp_path, seed=7):
   b = make_dataset(tmp_path / 'b_text_document', 500)
   # A ramp-up 4 -> 8 over 16 samples, so iterations have different batch sizes and offsets.
   return small_config(
-      train=dict(steps=10, global_batch_size=8, micro_batch_size=1, seq_len=SEQ, seed=seed,
-                 rampup_batch_size=(4, 4, 16)),
-      data=dict(train_path=f'0.3 {a} 0.7 {b}', split='90,10,0'),
-      eval=dict(interval=0))
+    train=dict(
+      steps=10,
+      global_batch_size=8,
+      micro_batch_size=1,
+      seq_len=SEQ,
+      seed=seed,
+      rampup_batch_size=(4, 4, 16),
+    ),
+    data=dict(train_path=f'0.3 {a} 0.7 {b}', split='90,10,0'),
+    eval=dict(interval=0),
+  )
 
 
 def started(trainer):
@@ -55,7 +61,8 @@ def test_the_batch_of_any_iteration_is_the_one_the_trainer_reads(tmp_path):
       assert name.endswith('a_text_document' if row[0] < 500 else 'b_text_document')
   assert sizes == [4, 4, 4, 4, 8, 8, 8]
   assert {n for i in (5, 6, 7) for n in replay.iteration_batch(cfg, seed, i).datasets} == {
-      n for n in trainer.data.train_names}
+    n for n in trainer.data.train_names
+  }
 
   # A resumed job keeps the checkpoint's data order whatever train.seed its config.json says.
   state, _ = trainer.initial_state()
@@ -69,8 +76,7 @@ def test_the_batch_of_any_iteration_is_the_one_the_trainer_reads(tmp_path):
     json.dump(raw, f)
   cfg, seed = replay.run_config(workdir)
   assert (cfg.train.seed, seed) == (99, 7)
-  np.testing.assert_array_equal(replay.iteration_batch(cfg, seed, 6).rows,
-                                trained_rows(trainer, 6))
+  np.testing.assert_array_equal(replay.iteration_batch(cfg, seed, 6).rows, trained_rows(trainer, 6))
   assert not np.array_equal(replay.iteration_batch(cfg, 99, 6).rows, trained_rows(trainer, 6))
 
 
@@ -82,23 +88,28 @@ def test_each_iteration_is_rebuilt_with_the_job_that_trained_it(tmp_path):
   workdir = str(tmp_path / 'run')
   first_cfg = blended_run(tmp_path).replace(train={'steps': 3}, checkpoint={'save_interval': 3})
   Trainer(first_cfg, workdir).run()  # iterations 1-3: 4 samples each (the ramp's start)
-  second_cfg = first_cfg.replace(train={'steps': 5, 'global_batch_size': 16,
-                                        'rampup_batch_size': ()})
+  second_cfg = first_cfg.replace(
+    train={'steps': 5, 'global_batch_size': 16, 'rampup_batch_size': ()}
+  )
   second = Trainer(second_cfg, workdir)
   second.run()  # iterations 4-5: 16 samples each, from sample 12 on
   with open(os.path.join(workdir, replay.CONFIG_HISTORY)) as f:
     jobs = [json.loads(line) for line in f]
   assert [(j['first_iteration'], j['config']['train']['global_batch_size']) for j in jobs] == [
-      (1, 8), (4, 16)]
+    (1, 8),
+    (4, 16),
+  ]
   expected = {2: (4, 4), 3: (8, 4), 4: (12, 16), 5: (28, 16)}  # iteration: (first sample, size)
   for iteration, (first, size) in expected.items():
     cfg, seed = replay.run_config(workdir, iteration)
     assert (cfg.train.global_batch_size, seed) == ((8 if iteration < 4 else 16), 7)
-    batch = replay.iteration_batch(cfg, seed, iteration,
-                                   replay.recorded_position(workdir, iteration))
+    batch = replay.iteration_batch(
+      cfg, seed, iteration, replay.recorded_position(workdir, iteration)
+    )
     assert (batch.first_sample, len(batch.rows)) == (first, size)
     np.testing.assert_array_equal(
-        batch.rows, np.asarray(second.global_batch(first, size)).reshape(size, SEQ + 1))
+      batch.rows, np.asarray(second.global_batch(first, size)).reshape(size, SEQ + 1)
+    )
   latest, seed = replay.run_config(workdir)
   assert len(replay.iteration_batch(latest, seed, 2).rows) == 16  # what the history corrects
   r = run_cli(['-m', 't5x_like.data', 'batch', workdir, '--iteration', '3', '--json'])
@@ -118,11 +129,24 @@ def test_command_line_prints_ids_text_and_the_skip_override(tmp_path):
   np.testing.assert_array_equal([s['ids'] for s in result['samples']], trained_rows(trainer, 6))
   assert 'text' not in result['samples'][0]  # Megatron data: its tokenizer is not known
   assert result['skip_with'] == "data.skip_train_iteration_range=('6-6',)"
-  r = run_cli(['-m', 't5x_like.data', 'batch', workdir, '--iteration', '2', '--max_tokens', '5',
-               '--tokenizer_model', DEFAULT_MODEL_PATH])
+  r = run_cli(
+    [
+      '-m',
+      't5x_like.data',
+      'batch',
+      workdir,
+      '--iteration',
+      '2',
+      '--max_tokens',
+      '5',
+      '--tokenizer_model',
+      DEFAULT_MODEL_PATH,
+    ]
+  )
   assert r.returncode == 0, r.stderr
-  assert r.stdout.startswith(f'iteration 2: samples 4..7 (4 samples of {SEQ} + 1 tokens, data '
-                             'seed 7)')
+  assert r.stdout.startswith(
+    f'iteration 2: samples 4..7 (4 samples of {SEQ} + 1 tokens, data seed 7)'
+  )
   assert r.stdout.count('--- sample') == 4 and ': 5 ids: ' in r.stdout
   assert "--config.data.skip_train_iteration_range=('2-2',)" in r.stdout
 

@@ -12,15 +12,14 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import REPO, config_with
 
-from t5x_like import train
-from t5x_like.data import cli as data_cli
+from t5x_like.cli import data as data_cli
+from t5x_like.cli import train
 from t5x_like.data import corpus, indexed, materialize, seqio_tasks
 from t5x_like.data.tokenizer import Tokenizer
-from t5x_like.trainer import Trainer
-from t5x_like.workdir import read_metrics
-
-from conftest import REPO, config_with
+from t5x_like.training.trainer import Trainer
+from t5x_like.training.workdir import read_metrics
 
 # A user's registry module (data.mixture_or_task_module): two small Tasks over generated text (one
 # text empty, as real corpora have), their Mixture, and a Task without 'targets'. A source that
@@ -146,16 +145,22 @@ def test_a_task_materialises_to_documents_equal_to_its_tokens(user_module, tmp_p
   tokenizer = Tokenizer.load_default()
   topics = seqio_tasks.split_documents(corpus.topic_documents(), 'validation')
   assert stored_documents(held_out.prefix) == [
-      ids + [tokenizer.eod_id] for ids in tokenizer.encode_batch(topics)]
+    ids + [tokenizer.eod_id] for ids in tokenizer.encode_batch(topics)
+  ]
 
 
 def listing(directory):
-  return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
-          for d, _, files in os.walk(directory) for f in files if not f.endswith('.lock')}
+  return {
+    os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+    for d, _, files in os.walk(directory)
+    for f in files
+    if not f.endswith('.lock')
+  }
 
 
 def test_the_cache_is_reused_and_rebuilt_when_stale_or_damaged(user_module, tmp_path, caplog):
   import seqio_user_tasks  # pylint: disable=import-outside-toplevel
+
   cache = str(tmp_path)
   first = materialize.prepare('user_mix', 'seqio_user_tasks', cache)
   assert [(t.name, t.rate) for t in first] == [('user_alpha', 2.0), ('user_beta', 1.0)]
@@ -192,15 +197,24 @@ def test_the_cache_is_reused_and_rebuilt_when_stale_or_damaged(user_module, tmp_
 
 
 def test_two_processes_preparing_at_once_write_once(user_module, tmp_path):
-  code = ('import json, sys; from t5x_like.data import materialize; '
-          'tasks = materialize.prepare("user_alpha", "seqio_user_tasks", sys.argv[1]); '
-          'print(json.dumps([[e.split, e.built, e.documents, e.tokens] '
-          'for t in tasks for e in (t.train, *t.valid.values())]))')
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([user_module, REPO]),
-             SEQIO_TEST_SLOW_S='2')
-  processes = [subprocess.Popen([sys.executable, '-c', code, str(tmp_path)], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for _ in range(2)]
+  code = (
+    'import json, sys; from t5x_like.data import materialize; '
+    'tasks = materialize.prepare("user_alpha", "seqio_user_tasks", sys.argv[1]); '
+    'print(json.dumps([[e.split, e.built, e.documents, e.tokens] '
+    'for t in tasks for e in (t.train, *t.valid.values())]))'
+  )
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([user_module, REPO]), SEQIO_TEST_SLOW_S='2')
+  processes = [
+    subprocess.Popen(
+      [sys.executable, '-c', code, str(tmp_path)],
+      cwd=REPO,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for _ in range(2)
+  ]
   results = []
   for process in processes:
     out, err = process.communicate(timeout=300)
@@ -217,25 +231,32 @@ def test_two_processes_preparing_at_once_write_once(user_module, tmp_path):
 
 def test_a_process_waiting_too_long_for_the_writer_stops_with_one_message(user_module, tmp_path):
   import fcntl  # pylint: disable=import-outside-toplevel
+
   task = seqio_tasks.get_mixture_or_task('user_beta', 'seqio_user_tasks')
   prefix = materialize.cache_prefix('user_beta', 'train', str(tmp_path))
   os.makedirs(os.path.dirname(prefix))
   with open(prefix + '.lock', 'w', encoding='utf-8') as held:  # another writer holds the split
     fcntl.flock(held, fcntl.LOCK_EX)
-    with pytest.raises(indexed.DataError, match=r'waited 0\.5 s for another process preparing '
-                       r'.*user_beta/train \(it holds .*train\.lock\)'):
+    with pytest.raises(
+      indexed.DataError,
+      match=r'waited 0\.5 s for another process preparing '
+      r'.*user_beta/train \(it holds .*train\.lock\)',
+    ):
       materialize.materialize(task, 'train', str(tmp_path), timeout_s=0.5)
   assert not indexed.exists(prefix)
 
 
 def test_a_writer_that_fails_removes_its_lock_and_a_waiter_locks_the_path_anew(tmp_path):
   import threading  # pylint: disable=import-outside-toplevel
+
   prefix = str(tmp_path / 'cache' / 'seqio' / 'task' / 'train')
   held = []
   with materialize._SplitLock(prefix, 60) as first:  # pylint: disable=protected-access
+
     def wait():
       with materialize._SplitLock(prefix, 60) as second:  # pylint: disable=protected-access
         held.append(os.path.samestat(os.fstat(second._file.fileno()), os.stat(second.path)))
+
     waiter = threading.Thread(target=wait)
     waiter.start()
     waiter.join(1.0)
@@ -248,35 +269,66 @@ def test_a_writer_that_fails_removes_its_lock_and_a_waiter_locks_the_path_anew(t
 
 
 def test_prepare_command(user_module, tmp_path, capsys):
-  argv = ['prepare', '--mixture_or_task', 'user_mix', '--mixture_or_task_module',
-          'seqio_user_tasks', '--cache_dir', str(tmp_path)]
+  argv = [
+    'prepare',
+    '--mixture_or_task',
+    'user_mix',
+    '--mixture_or_task_module',
+    'seqio_user_tasks',
+    '--cache_dir',
+    str(tmp_path),
+  ]
   assert data_cli.main(argv) == 0
   lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
   assert [(r['task'], r['split'], r['rate'], r['built']) for r in lines] == [
-      ('user_alpha', 'train', 2.0, True), ('user_alpha', 'validation', 2.0, True),
-      ('user_beta', 'train', 1.0, True), ('user_beta', 'validation', 1.0, True)]
+    ('user_alpha', 'train', 2.0, True),
+    ('user_alpha', 'validation', 2.0, True),
+    ('user_beta', 'train', 1.0, True),
+    ('user_beta', 'validation', 1.0, True),
+  ]
   for r in lines:
     assert indexed.IndexedDataset(r['prefix']).num_documents == r['documents']
   assert data_cli.main(argv) == 0
   assert all(not json.loads(line)['built'] for line in capsys.readouterr().out.splitlines())
 
 
-@pytest.mark.parametrize('argv, fragment', [
-    (['--config.data.mixture_or_task=no_such_task'],
-     "data.mixture_or_task='no_such_task' is not a registered seqio Task or Mixture (a Task of "
-     'your own: name its module in data.mixture_or_task_module); registered: t5x_like_corpus, '),
-    (['--config.data.mixture_or_task=user_mix',
-      '--config.data.mixture_or_task_module=seqio_broken_tasks'],
-     "data.mixture_or_task_module='seqio_broken_tasks' failed to import: RuntimeError: the bucket "
-     'gs://nowhere is not reachable'),
-    (['--config.data.mixture_or_task=user_no_targets',
-      '--config.data.mixture_or_task_module=seqio_user_tasks'],
-     "the seqio Task 'user_no_targets' has no \"targets\" output feature (it has ['inputs'])"),
-])
+@pytest.mark.parametrize(
+  'argv, fragment',
+  [
+    (
+      ['--config.data.mixture_or_task=no_such_task'],
+      "data.mixture_or_task='no_such_task' is not a registered seqio Task or Mixture (a Task of "
+      'your own: name its module in data.mixture_or_task_module); registered: t5x_like_corpus, ',
+    ),
+    (
+      [
+        '--config.data.mixture_or_task=user_mix',
+        '--config.data.mixture_or_task_module=seqio_broken_tasks',
+      ],
+      "data.mixture_or_task_module='seqio_broken_tasks' failed to import: RuntimeError: the bucket "
+      'gs://nowhere is not reachable',
+    ),
+    (
+      [
+        '--config.data.mixture_or_task=user_no_targets',
+        '--config.data.mixture_or_task_module=seqio_user_tasks',
+      ],
+      "the seqio Task 'user_no_targets' has no \"targets\" output feature (it has ['inputs'])",
+    ),
+  ],
+)
 def test_train_refuses_a_bad_task_before_compiling(argv, fragment, user_module, tmp_path, capfd):
   workdir = tmp_path / 'workdir'
-  code = train.main(['--config', os.path.join(REPO, 'configs', 'tiny.py'),
-                     '--config.data.split=969,30,1', *argv, '--workdir', str(workdir)])
+  code = train.main(
+    [
+      '--config',
+      os.path.join(REPO, 'configs', 'tiny.py'),
+      '--config.data.split=969,30,1',
+      *argv,
+      '--workdir',
+      str(workdir),
+    ]
+  )
   out, err = capfd.readouterr()
   assert code == 2, out + err
   assert fragment in err and 'Traceback' not in err, err
@@ -284,48 +336,106 @@ def test_train_refuses_a_bad_task_before_compiling(argv, fragment, user_module, 
   # `data prepare` says the same, also with exit code 2.
   name = argv[0].split('=', 1)[1]
   module = argv[1].split('=', 1)[1] if len(argv) > 1 else ''
-  assert data_cli.main(['prepare', '--mixture_or_task', name, '--mixture_or_task_module', module,
-                        '--cache_dir', str(tmp_path)]) == 2
+  assert (
+    data_cli.main(
+      [
+        'prepare',
+        '--mixture_or_task',
+        name,
+        '--mixture_or_task_module',
+        module,
+        '--cache_dir',
+        str(tmp_path),
+      ]
+    )
+    == 2
+  )
   assert fragment in capfd.readouterr().err
 
 
-@pytest.mark.parametrize('name, fragment', [
-    ('user_float_targets', "the seqio Task 'user_float_targets' declares its \"targets\" output "
-     'feature as float32 of rank 1; a decoder-only model trains on integer token ids'),
-    ('user_rank2_targets', "the seqio Task 'user_rank2_targets' declares its \"targets\" output "
-     'feature as int32 of rank 2'),
-    ('user_text_targets', "the seqio Task 'user_text_targets' cannot build its split 'train' "
-     '(ValueError: Fill dimensions must be >= 0'),
-    ('user_mix_with_text', "its source gives \"targets\" as string of rank 0 (text, not token "
-     'ids): a decoder-only model trains on integer token ids, one sequence per example: make '
-     '"targets" rank-1 int32 ids of its vocabulary, e.g. add seqio.preprocessors.tokenize'),
-    ('user_missing_targets', "the seqio Task 'user_missing_targets' cannot build its split "
-     "'train' (ValueError: Task dataset is missing expected output feature after preprocessing: "
-     "targets); its source gives no \"targets\" (it gives ['text'])"),
-    ('user_negative_ids', "the seqio Task 'user_negative_ids', split 'train': example 30 has the "
-     'token id -3, outside its "targets" vocabulary (ids 0..8191); nothing was written'),
-    ('user_large_ids', "the seqio Task 'user_large_ids', split 'train': example 30 has the token "
-     'id 8192, outside its "targets" vocabulary (ids 0..8191); nothing was written'),
-])
+@pytest.mark.parametrize(
+  'name, fragment',
+  [
+    (
+      'user_float_targets',
+      'the seqio Task \'user_float_targets\' declares its "targets" output '
+      'feature as float32 of rank 1; a decoder-only model trains on integer token ids',
+    ),
+    (
+      'user_rank2_targets',
+      'the seqio Task \'user_rank2_targets\' declares its "targets" output '
+      'feature as int32 of rank 2',
+    ),
+    (
+      'user_text_targets',
+      "the seqio Task 'user_text_targets' cannot build its split 'train' "
+      '(ValueError: Fill dimensions must be >= 0',
+    ),
+    (
+      'user_mix_with_text',
+      'its source gives "targets" as string of rank 0 (text, not token '
+      'ids): a decoder-only model trains on integer token ids, one sequence per example: make '
+      '"targets" rank-1 int32 ids of its vocabulary, e.g. add seqio.preprocessors.tokenize',
+    ),
+    (
+      'user_missing_targets',
+      "the seqio Task 'user_missing_targets' cannot build its split "
+      "'train' (ValueError: Task dataset is missing expected output feature after preprocessing: "
+      'targets); its source gives no "targets" (it gives [\'text\'])',
+    ),
+    (
+      'user_negative_ids',
+      "the seqio Task 'user_negative_ids', split 'train': example 30 has the "
+      'token id -3, outside its "targets" vocabulary (ids 0..8191); nothing was written',
+    ),
+    (
+      'user_large_ids',
+      "the seqio Task 'user_large_ids', split 'train': example 30 has the token "
+      'id 8192, outside its "targets" vocabulary (ids 0..8191); nothing was written',
+    ),
+  ],
+)
 def test_a_task_without_token_ids_is_refused_before_anything_is_written(
-    name, fragment, user_module, tmp_path, capfd):
+  name, fragment, user_module, tmp_path, capfd
+):
   """Float scores, untokenized text, no 'targets', rows of ids, ids outside the vocabulary: one
   message, exit code 2 from `prepare` and `train`, and neither a cache entry nor a workdir."""
+
   def one_error(err):
     errors = [line for line in err.splitlines() if line.startswith('error:')]
     assert len(errors) == 1 and fragment in errors[0] and 'Traceback' not in err, err
     return errors[0]
 
   cache = tmp_path / 'cache'
-  assert data_cli.main(['prepare', '--mixture_or_task', name, '--mixture_or_task_module',
-                        'seqio_user_tasks', '--cache_dir', str(cache)]) == 2
+  assert (
+    data_cli.main(
+      [
+        'prepare',
+        '--mixture_or_task',
+        name,
+        '--mixture_or_task_module',
+        'seqio_user_tasks',
+        '--cache_dir',
+        str(cache),
+      ]
+    )
+    == 2
+  )
   one_error(capfd.readouterr().err)
   assert not cache.exists()  # no .bin/.idx, no temporary file, no lock, no directory
   workdir = tmp_path / 'workdir'
-  code = train.main(['--config', os.path.join(REPO, 'configs', 'tiny.py'),
-                     '--config.data.split=969,30,1', f'--config.data.mixture_or_task={name}',
-                     '--config.data.mixture_or_task_module=seqio_user_tasks',
-                     f'--config.data.cache_dir={cache}', '--workdir', str(workdir)])
+  code = train.main(
+    [
+      '--config',
+      os.path.join(REPO, 'configs', 'tiny.py'),
+      '--config.data.split=969,30,1',
+      f'--config.data.mixture_or_task={name}',
+      '--config.data.mixture_or_task_module=seqio_user_tasks',
+      f'--config.data.cache_dir={cache}',
+      '--workdir',
+      str(workdir),
+    ]
+  )
   out, err = capfd.readouterr()
   assert code == 2, out + err
   one_error(err)
@@ -335,7 +445,8 @@ def test_a_task_without_token_ids_is_refused_before_anything_is_written(
 def mixture_config(cache_dir, **sections):
   """A small BLOOM on the project's Mixture of two corpus Tasks (rates 1:3), evaluated on each
   Task's validation split every 2 iterations."""
-  return config_with({
+  return config_with(
+    {
       'model': dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=8192, init_std=0.02),
       'train': dict(steps=4, global_batch_size=8, micro_batch_size=1, seq_len=32, seed=3),
       'optimizer': dict(lr=2e-3, min_lr=2e-4, warmup_samples=16, decay_samples=400),
@@ -344,11 +455,14 @@ def mixture_config(cache_dir, **sections):
       'eval': dict(interval=2, iters=1),
       'checkpoint': dict(save_interval=2),
       'runtime': dict(tensorboard_dir=''),
-  }, sections)
+    },
+    sections,
+  )
 
 
 def test_a_mixture_trains_alike_on_two_meshes_and_resumes_exactly(
-    tmp_path, capfd, persistent_compilation_cache):
+  tmp_path, capfd, persistent_compilation_cache
+):
   cache = str(tmp_path / 'cache')
   single = Trainer(mixture_config(cache), str(tmp_path / 'single'))
   single.run()
@@ -363,8 +477,9 @@ def test_a_mixture_trains_alike_on_two_meshes_and_resumes_exactly(
   np.testing.assert_allclose(got, want, rtol=2e-5)
   with open(os.path.join(sharded, 'eval_metrics.jsonl')) as f:
     evals = [(e['iteration'], e['set']) for e in map(json.loads, f)]
-  assert evals == [(i, s) for i in (2, 4) for s in (seqio_tasks.REFERENCE_TASK,
-                                                    seqio_tasks.STDLIB_TASK)]
+  assert evals == [
+    (i, s) for i in (2, 4) for s in (seqio_tasks.REFERENCE_TASK, seqio_tasks.STDLIB_TASK)
+  ]
   # Stopped after 2 iterations and resumed: the same losses, bit for bit.
   resumed = str(tmp_path / 'resumed')
   Trainer(mixture_config(cache, mesh=dict(data=2, tensor=4), train=dict(steps=2)), resumed).run()
@@ -375,9 +490,12 @@ def test_a_mixture_trains_alike_on_two_meshes_and_resumes_exactly(
   capfd.readouterr()
   assert data_cli.main(['batch', resumed, '--iteration', '3', '--json']) == 0
   replayed = json.loads(capfd.readouterr().out.splitlines()[-1])
-  np.testing.assert_array_equal([s['ids'] for s in replayed['samples']],
-                                trainer.source.rows(16, 24))
-  assert {s['dataset'] for s in replayed['samples']} <= {seqio_tasks.REFERENCE_TASK,
-                                                         seqio_tasks.STDLIB_TASK}
+  np.testing.assert_array_equal(
+    [s['ids'] for s in replayed['samples']], trainer.source.rows(16, 24)
+  )
+  assert {s['dataset'] for s in replayed['samples']} <= {
+    seqio_tasks.REFERENCE_TASK,
+    seqio_tasks.STDLIB_TASK,
+  }
   decode = Tokenizer.load_default().decode  # the Tasks' vocabulary is the shipped tokenizer
   assert [s['text'] for s in replayed['samples']] == [decode(s['ids']) for s in replayed['samples']]

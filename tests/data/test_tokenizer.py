@@ -10,11 +10,11 @@ from t5x_like.data import tokenizer as tokenizer_lib
 from t5x_like.data.tokenizer import Tokenizer
 
 SAMPLES = [
-    'The quick brown fox jumps over the lazy dog.',
-    '  Leading spaces,\ttabs\nand newlines\n\n  survive.  ',
-    'def f(x):\n    return x ** 2  # squared\n',
-    'Naïve café — Grüße, 日本語, emoji 🎉, combining e\u0301.',
-    '',
+  'The quick brown fox jumps over the lazy dog.',
+  '  Leading spaces,\ttabs\nand newlines\n\n  survive.  ',
+  'def f(x):\n    return x ** 2  # squared\n',
+  'Naïve café — Grüße, 日本語, emoji 🎉, combining e\u0301.',
+  '',
 ]
 
 
@@ -46,8 +46,10 @@ def test_characters_outside_the_vocabulary_use_byte_fallback(tokenizer):
 
 
 def test_english_compresses_to_subwords(tokenizer):
-  text = ('Return a new list containing all items from the iterable in ascending order. '
-          'A custom key function can be supplied to customize the sort order.')
+  text = (
+    'Return a new list containing all items from the iterable in ascending order. '
+    'A custom key function can be supplied to customize the sort order.'
+  )
   assert len(tokenizer.encode(text)) < len(text) / 3.5
 
 
@@ -57,6 +59,7 @@ def test_encode_batch_matches_encode(tokenizer):
 
 def test_decode_accepts_numpy_integers(tokenizer):
   import numpy as np  # pylint: disable=import-outside-toplevel
+
   ids = tokenizer.encode('numpy ids')
   assert tokenizer.decode(np.asarray(ids, dtype=np.int32)) == 'numpy ids'
 

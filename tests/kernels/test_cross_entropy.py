@@ -4,11 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from t5x_like.kernels import vocab_parallel_cross_entropy
 from t5x_like.kernels.cross_entropy import fused_cross_entropy_mean, pick_chunk
-from t5x_like.model import cross_entropy
+from t5x_like.model.transformer import cross_entropy
 
 PADDED_VOCAB, VOCAB, WIDTH = 512, 450, 16
 
@@ -24,8 +25,9 @@ def problem(dtype=jnp.float32, vocab=PADDED_VOCAB, real_vocab=VOCAB, tokens=(2, 
 def dense_losses(hidden, embedding, labels, real_vocab=VOCAB):
   """What the model's 'dense' path computes: full fp32 logits, padded rows masked."""
   logits = jnp.einsum('...e,ve->...v', hidden, embedding, preferred_element_type=jnp.float32)
-  logits = jnp.where(jnp.arange(embedding.shape[0]) < real_vocab, logits,
-                     jnp.finfo(jnp.float32).min)
+  logits = jnp.where(
+    jnp.arange(embedding.shape[0]) < real_vocab, logits, jnp.finfo(jnp.float32).min
+  )
   return cross_entropy(logits, labels)
 
 
@@ -51,10 +53,12 @@ def test_pick_chunk_divides_the_vocabulary():
 @pytest.mark.parametrize('chunk', [100, 512])
 def test_values_and_gradients_match_dense(chunk):
   hidden, embedding, labels = problem()
-  chunked = lambda h, e: vocab_parallel_cross_entropy(h, e, labels, vocab_size=VOCAB,
-                                                      chunk_size=chunk)
-  np.testing.assert_allclose(chunked(hidden, embedding), dense_losses(hidden, embedding, labels),
-                             rtol=2e-6, atol=2e-6)
+  chunked = lambda h, e: vocab_parallel_cross_entropy(
+    h, e, labels, vocab_size=VOCAB, chunk_size=chunk
+  )
+  np.testing.assert_allclose(
+    chunked(hidden, embedding), dense_losses(hidden, embedding, labels), rtol=2e-6, atol=2e-6
+  )
   grads = assert_mean_matches_dense(lambda h, e: chunked(h, e).mean(), hidden, embedding, labels)
   # Padded vocabulary rows are never predicted, so they get no gradient.
   assert float(jnp.abs(grads[1][VOCAB:]).max()) == 0.0
@@ -74,9 +78,11 @@ def test_vocab_parallel_under_shard_map_matches_dense():
 
   def sharded(h, e):
     local = lambda h, e, l: vocab_parallel_cross_entropy(
-        h, e, l, vocab_size=VOCAB, chunk_size=64, axis_name='tensor', token_axis_names=('data',))
-    return jax.shard_map(local, mesh=mesh, in_specs=(P('data'), P('tensor'), P('data')),
-                         out_specs=P('data'))(h, e, labels).mean()
+      h, e, l, vocab_size=VOCAB, chunk_size=64, axis_name='tensor', token_axis_names=('data',)
+    )
+    return jax.shard_map(
+      local, mesh=mesh, in_specs=(P('data'), P('tensor'), P('data')), out_specs=P('data')
+    )(h, e, labels).mean()
 
   assert_mean_matches_dense(sharded, hidden, embedding, labels)
 
@@ -92,12 +98,15 @@ def temp_bytes(losses_fn, tokens: int, vocab: int) -> int:
 
 def test_peak_memory_grows_with_the_chunk_not_with_tokens_x_vocab():
   tokens, chunk = 512, 512
-  chunked = lambda h, e, l, v: vocab_parallel_cross_entropy(h, e, l, vocab_size=v - 3,
-                                                            chunk_size=chunk)
+  chunked = lambda h, e, l, v: vocab_parallel_cross_entropy(
+    h, e, l, vocab_size=v - 3, chunk_size=chunk
+  )
   dense = lambda h, e, l, v: dense_losses(h, e, l, real_vocab=v - 3)
   small, large = 2048, 32768
-  chunked_small, chunked_large = temp_bytes(chunked, tokens, small), temp_bytes(chunked, tokens,
-                                                                                 large)
+  chunked_small, chunked_large = (
+    temp_bytes(chunked, tokens, small),
+    temp_bytes(chunked, tokens, large),
+  )
   logits_bytes = tokens * large * 4  # one fp32 [tokens, vocab] buffer
   # The dense loss holds (at least) the fp32 logits; the chunked one never does.
   assert temp_bytes(dense, tokens, large) >= logits_bytes
@@ -114,8 +123,9 @@ def test_peak_memory_grows_with_the_chunk_not_with_tokens_x_vocab():
 @pytest.mark.parametrize('token_chunk', [8, 24])  # three chunks of 8 tokens, or one of 24
 def test_fused_mean_and_gradients_match_dense(token_chunk):
   hidden, embedding, labels = problem()
-  fused = lambda h, e: fused_cross_entropy_mean(h, e, labels, vocab_size=VOCAB,
-                                               token_chunk=token_chunk)
+  fused = lambda h, e: fused_cross_entropy_mean(
+    h, e, labels, vocab_size=VOCAB, token_chunk=token_chunk
+  )
   grads = assert_mean_matches_dense(fused, hidden, embedding, labels)
   assert float(jnp.abs(grads[1][VOCAB:]).max()) == 0.0
   # The backward pass scales the gradients the forward pass stored by the incoming cotangent.
@@ -130,11 +140,12 @@ def test_fused_vocab_parallel_under_shard_map_matches_dense():
 
   def sharded(h, e):
     local = lambda h, e, l: fused_cross_entropy_mean(
-        h, e, l, vocab_size=VOCAB, token_chunk=4, axis_name='tensor',
-        token_axis_names=('data',))[None]
+      h, e, l, vocab_size=VOCAB, token_chunk=4, axis_name='tensor', token_axis_names=('data',)
+    )[None]
     # Each token shard returns its share of the mean over all of them.
-    return jax.shard_map(local, mesh=mesh, in_specs=(P('data'), P('tensor'), P('data')),
-                         out_specs=P('data'))(h, e, labels).sum()
+    return jax.shard_map(
+      local, mesh=mesh, in_specs=(P('data'), P('tensor'), P('data')), out_specs=P('data')
+    )(h, e, labels).sum()
 
   assert_mean_matches_dense(sharded, hidden, embedding, labels)
 
@@ -148,24 +159,39 @@ def test_fused_weights_average_over_the_weighted_tokens_of_every_shard():
 
   def sharded(h, e):
     local = lambda h, e, l, w: fused_cross_entropy_mean(
-        h, e, l, vocab_size=VOCAB, weights=w, token_chunk=4, axis_name='tensor',
-        token_axis_names=('data',))[None]
-    return jax.shard_map(local, mesh=mesh, in_specs=(P('data'), P('tensor'), P('data'),
-                                                     P('data')),
-                         out_specs=P('data'))(h, e, labels, weights).sum()
+      h,
+      e,
+      l,
+      vocab_size=VOCAB,
+      weights=w,
+      token_chunk=4,
+      axis_name='tensor',
+      token_axis_names=('data',),
+    )[None]
+    return jax.shard_map(
+      local, mesh=mesh, in_specs=(P('data'), P('tensor'), P('data'), P('data')), out_specs=P('data')
+    )(h, e, labels, weights).sum()
 
   value_and_grads = lambda fn: jax.jit(jax.value_and_grad(fn, (0, 1)))(hidden, embedding)
   loss, grads = value_and_grads(sharded)
   want_loss, want_grads = value_and_grads(
-      lambda h, e: (dense_losses(h, e, labels) * weights).sum() / 13.0)
+    lambda h, e: (dense_losses(h, e, labels) * weights).sum() / 13.0
+  )
   np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
   for got, want in zip(grads, want_grads):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
   assert float(jnp.abs(grads[0][0, 3:]).max()) == float(jnp.abs(grads[0][1, 10:]).max()) == 0.0
   # Unweighted, each shard's mean would count: a different number.
-  assert float(loss) != pytest.approx(float(0.5 * (
-      dense_losses(hidden, embedding, labels)[0, :3].mean() +
-      dense_losses(hidden, embedding, labels)[1, :10].mean())), rel=1e-4)
+  assert float(loss) != pytest.approx(
+    float(
+      0.5
+      * (
+        dense_losses(hidden, embedding, labels)[0, :3].mean()
+        + dense_losses(hidden, embedding, labels)[1, :10].mean()
+      )
+    ),
+    rel=1e-4,
+  )
 
 
 def test_fused_backward_does_no_matmul_over_the_vocabulary():
@@ -176,10 +202,14 @@ def test_fused_backward_does_no_matmul_over_the_vocabulary():
   def vocab_dots(loss_fn):
     step = jax.jit(jax.value_and_grad(lambda h, e: loss_fn(h, e), (0, 1)))
     hlo = step.lower(hidden, embedding).as_text()
-    return sum(1 for line in hlo.splitlines() if 'dot_general' in line and '512' in line
-               and 'stablehlo.dot_general' in line)
+    return sum(
+      1
+      for line in hlo.splitlines()
+      if 'dot_general' in line and '512' in line and 'stablehlo.dot_general' in line
+    )
 
   fused = vocab_dots(lambda h, e: fused_cross_entropy_mean(h, e, labels, vocab_size=VOCAB))
-  chunked = vocab_dots(lambda h, e: vocab_parallel_cross_entropy(
-      h, e, labels, vocab_size=VOCAB, chunk_size=512).mean())
+  chunked = vocab_dots(
+    lambda h, e: vocab_parallel_cross_entropy(h, e, labels, vocab_size=VOCAB, chunk_size=512).mean()
+  )
   assert (fused, chunked) == (3, 4)

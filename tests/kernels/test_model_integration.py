@@ -10,14 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-from t5x_like import losses, partitioning, startup
-from t5x_like import model as model_lib
-from t5x_like.config import ConfigError, ModelConfig, load_config_file
-from t5x_like.train_state import make_layout
-
 from conftest import REPO, run_steps, small_config
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from t5x_like.config import ConfigError, ModelConfig, load_config_file
+from t5x_like.mesh import partitioning
+from t5x_like.model import losses
+from t5x_like.model import transformer as model_lib
+from t5x_like.parallel.train_state import make_layout
+from t5x_like.training import startup
 
 
 def loss_and_grads(cfg: ModelConfig, tokens, params=None):
@@ -35,42 +37,60 @@ def test_pallas_attention_gives_the_xla_loss_and_gradients():
   params, xla_loss, xla_grads = loss_and_grads(ModelConfig(**base), tokens)
   _, loss, grads = loss_and_grads(ModelConfig(**base, attention_impl='pallas'), tokens, params)
   np.testing.assert_allclose(loss, xla_loss, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads,
-               xla_grads)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads, xla_grads
+  )
 
 
 def shortened_tiny():
   """configs/tiny.py's model (8 heads of 32, vocab 8192) on its data=2 x tensor=2 mesh, shortened
   to 2 layers and 32 tokens: the kernels run per shard (4 heads, 4096 vocabulary rows each)."""
-  overrides = {'model.num_layers': 2, 'train.seq_len': 32, 'train.global_batch_size': 4,
-               'train.micro_batch_size': 1, 'train.steps': 2, 'optimizer.warmup_samples': 0}
+  overrides = {
+    'model.num_layers': 2,
+    'train.seq_len': 32,
+    'train.global_batch_size': 4,
+    'train.micro_batch_size': 1,
+    'train.steps': 2,
+    'optimizer.warmup_samples': 0,
+  }
   return load_config_file(os.path.join(REPO, 'configs', 'tiny.py'), overrides)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_reference_run():
   """xla attention + dense cross-entropy: what every other implementation must reproduce."""
-  return run_steps(startup.check_config(shortened_tiny().replace(
-      model={'attention_impl': 'xla', 'cross_entropy_impl': 'dense'})), num_steps=2)
+  return run_steps(
+    startup.check_config(
+      shortened_tiny().replace(model={'attention_impl': 'xla', 'cross_entropy_impl': 'dense'})
+    ),
+    num_steps=2,
+  )
 
 
-@pytest.mark.parametrize('model', [
-    pytest.param({'attention_impl': 'pallas', 'cross_entropy_impl': 'chunked',
-                  'cross_entropy_chunk': 1024}, id='pallas-attention-chunked-ce'),
+@pytest.mark.parametrize(
+  'model',
+  [
+    pytest.param(
+      {'attention_impl': 'pallas', 'cross_entropy_impl': 'chunked', 'cross_entropy_chunk': 1024},
+      id='pallas-attention-chunked-ce',
+    ),
     # 16 tokens per chunk: each data shard's 32 tokens take two chunks.
     pytest.param({'cross_entropy_impl': 'fused', 'cross_entropy_chunk': 16}, id='fused-ce'),
-])
+  ],
+)
 def test_tiny_config_trains_the_same_as_xla_attention_and_dense_cross_entropy(model):
   ref_losses, ref_norms, ref_params = tiny_reference_run()
   losses_, norms, params = run_steps(
-      startup.check_config(shortened_tiny().replace(model=model)), num_steps=2)
+    startup.check_config(shortened_tiny().replace(model=model)), num_steps=2
+  )
   assert losses_[-1] < losses_[0]
   np.testing.assert_allclose(losses_, ref_losses, rtol=2e-6)
   np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
   # Adam divides by sqrt(v): for near-zero gradients fp32 reduction-order noise moves a weight by
   # up to a few percent of the learning rate (2e-3 here).
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), params,
-               ref_params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), params, ref_params
+  )
 
 
 def loss_temp_bytes(cfg) -> int:
@@ -78,11 +98,15 @@ def loss_temp_bytes(cfg) -> int:
   mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
   layout = make_layout(cfg, mesh)
   tokens_sharding = NamedSharding(mesh, P('data', None))
-  loss = jax.jit(jax.value_and_grad(
-      lambda params, tokens: losses.token_losses(layout.model, params, tokens).mean()),
-      in_shardings=(layout.compute_param_shardings, tokens_sharding))
-  tokens = jax.ShapeDtypeStruct((cfg.mesh.data, cfg.train.seq_len + 1), jnp.int32,
-                                sharding=tokens_sharding)
+  loss = jax.jit(
+    jax.value_and_grad(
+      lambda params, tokens: losses.token_losses(layout.model, params, tokens).mean()
+    ),
+    in_shardings=(layout.compute_param_shardings, tokens_sharding),
+  )
+  tokens = jax.ShapeDtypeStruct(
+    (cfg.mesh.data, cfg.train.seq_len + 1), jnp.int32, sharding=tokens_sharding
+  )
   compiled = loss.lower(layout.abstract.params, tokens).compile()
   return compiled.memory_analysis().temp_size_in_bytes
 
@@ -90,11 +114,15 @@ def loss_temp_bytes(cfg) -> int:
 def test_chunked_cross_entropy_removes_the_fp32_logits_from_the_loss():
   """On a tensor=2 mesh each device has 128 tokens x 8192 vocabulary rows: 4 MiB of fp32 logits
   (and as much again for their gradient) that the chunked loss never allocates."""
-  cfg = small_config(model=dict(num_layers=1, num_heads=4, vocab_size=16384),
-                     train=dict(seq_len=128, global_batch_size=1), mesh=dict(tensor=2))
+  cfg = small_config(
+    model=dict(num_layers=1, num_heads=4, vocab_size=16384),
+    train=dict(seq_len=128, global_batch_size=1),
+    mesh=dict(tensor=2),
+  )
   dense = loss_temp_bytes(cfg)
-  chunked = loss_temp_bytes(cfg.replace(model={'cross_entropy_impl': 'chunked',
-                                               'cross_entropy_chunk': 1024}))
+  chunked = loss_temp_bytes(
+    cfg.replace(model={'cross_entropy_impl': 'chunked', 'cross_entropy_chunk': 1024})
+  )
   logits_bytes = 128 * (16384 // 2) * 4
   assert dense - chunked >= logits_bytes, (dense, chunked)
 
@@ -109,8 +137,15 @@ def test_pallas_with_an_unsupported_head_dim_is_a_config_error_naming_the_constr
 
 
 def test_fallback_warns_and_runs_xla():
-  cfg = ModelConfig(num_layers=1, hidden_size=48, num_heads=6, vocab_size=200, init_std=0.02,
-                    attention_impl='pallas', attention_fallback=True)  # head_dim 8
+  cfg = ModelConfig(
+    num_layers=1,
+    hidden_size=48,
+    num_heads=6,
+    vocab_size=200,
+    init_std=0.02,
+    attention_impl='pallas',
+    attention_fallback=True,
+  )  # head_dim 8
   startup.check_config(small_config(model=dict(attention_impl='pallas', attention_fallback=True)))
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 9), 0, 200)
   xla = model_lib.Transformer(ModelConfig(**{**cfg.__dict__, 'attention_impl': 'xla'}), 256)
@@ -119,8 +154,11 @@ def test_fallback_warns_and_runs_xla():
     warnings.simplefilter('error')
     params = jax.eval_shape(xla.init, jax.random.PRNGKey(0), tokens)
     want = str(jax.make_jaxpr(xla.apply)(params, tokens))
-  with pytest.warns(RuntimeWarning, match=r"head_dim must be one of.*running "
-                                          r"model.attention_impl='xla' instead"):
+  with pytest.warns(
+    RuntimeWarning,
+    match=r'head_dim must be one of.*running '
+    r"model.attention_impl='xla' instead",
+  ):
     got = str(jax.make_jaxpr(model_lib.Transformer(cfg, 256).apply)(params, tokens))
   assert got == want and 'pallas_call' not in got
 
@@ -135,8 +173,9 @@ def test_cudnn_attention_runs_on_a_gpu_only():
     startup.check_config(small_config(model=dict(attention_impl='cudnn', attention_fallback=True)))
     return
   startup.check_config(cfg)
-  base = dict(num_layers=2, hidden_size=256, num_heads=4, vocab_size=200, init_std=0.02,
-              dtype='bfloat16')
+  base = dict(
+    num_layers=2, hidden_size=256, num_heads=4, vocab_size=200, init_std=0.02, dtype='bfloat16'
+  )
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 65), 0, 200)
   params, xla_loss, xla_grads = loss_and_grads(ModelConfig(**base), tokens)
   _, loss, grads = loss_and_grads(ModelConfig(**base, attention_impl='cudnn'), tokens, params)
@@ -155,13 +194,15 @@ def test_fused_attention_has_no_dropout():
 def test_unknown_implementations_are_rejected():
   with pytest.raises(ConfigError, match="attention_impl must be 'xla', 'pallas' or 'cudnn'"):
     startup.check_config(small_config(model=dict(attention_impl='triton')))
-  with pytest.raises(ConfigError,
-                     match="cross_entropy_impl must be 'dense', 'chunked' or 'fused'"):
+  with pytest.raises(ConfigError, match="cross_entropy_impl must be 'dense', 'chunked' or 'fused'"):
     startup.check_config(small_config(model=dict(cross_entropy_impl='sparse')))
 
 
 def test_fused_cross_entropy_is_refused_with_a_pipeline():
-  cfg = small_config(model=dict(cross_entropy_impl='fused'), mesh=dict(pipeline=2),
-                     train=dict(global_batch_size=4, micro_batch_size=1))
+  cfg = small_config(
+    model=dict(cross_entropy_impl='fused'),
+    mesh=dict(pipeline=2),
+    train=dict(global_batch_size=4, micro_batch_size=1),
+  )
   with pytest.raises(ConfigError, match="cross_entropy_impl='fused'.*use 'chunked'"):
     startup.check_config(cfg)

@@ -14,23 +14,34 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from t5x_like.kernels import BlockSizes
-from t5x_like.kernels.triton_lowering import (flash_attention_kernels, lower_for_cuda,
-                                              triton_kernels)
+from t5x_like.kernels.triton_lowering import flash_attention_kernels, lower_for_cuda, triton_kernels
 
 KERNELS = ('flash_attention_forward', 'flash_attention_dkdv', 'flash_attention_dq')
 
 
-@pytest.mark.parametrize('seq, heads, head_dim, dtype, causal, segments, alibi', [
+@pytest.mark.parametrize(
+  'seq, heads, head_dim, dtype, causal, segments, alibi',
+  [
     pytest.param(2048, 16, 128, jnp.bfloat16, True, False, True, id='benchmark-shape-bf16-d128'),
     pytest.param(2000, 3, 64, jnp.float16, True, True, True, id='tail-fp16-d64-segments'),
     pytest.param(300, 5, 128, jnp.float32, False, True, False, id='fp32-noncausal-no-alibi'),
     pytest.param(96, 2, 256, jnp.bfloat16, True, False, True, id='d256-short-seq'),
-])
-def test_forward_and_backward_lower_to_verified_triton(seq, heads, head_dim, dtype, causal,
-                                                        segments, alibi):
+  ],
+)
+def test_forward_and_backward_lower_to_verified_triton(
+  seq, heads, head_dim, dtype, causal, segments, alibi
+):
   batch = 2
-  kernels = flash_attention_kernels(batch=batch, seq=seq, heads=heads, head_dim=head_dim,
-                                    dtype=dtype, causal=causal, alibi=alibi, segments=segments)
+  kernels = flash_attention_kernels(
+    batch=batch,
+    seq=seq,
+    heads=heads,
+    head_dim=head_dim,
+    dtype=dtype,
+    causal=causal,
+    alibi=alibi,
+    segments=segments,
+  )
   assert sorted(k.name for k in kernels) == sorted(KERNELS)
   assert all(k.verified for k in kernels)
   # The launch grids are (blocks along the sequence, batch, heads), with the tiles the kernels
@@ -54,8 +65,12 @@ def test_a_kernel_that_only_interpret_mode_accepts_is_caught():
     o_ref[...] = plgpu.dot(x_ref[...], x_ref[...])
 
   def call(x, interpret=False):
-    return pl.pallas_call(square, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          compiler_params=plgpu.CompilerParams(), interpret=interpret)(x)
+    return pl.pallas_call(
+      square,
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      compiler_params=plgpu.CompilerParams(),
+      interpret=interpret,
+    )(x)
 
   x = jnp.ones((24, 24), jnp.float32)
   assert float(call(x, interpret=True)[0, 0]) == 24.0

@@ -1,0 +1,348 @@
+"""`python -m t5x_like.plan`: compile a config's train step ahead of time and report its cost.
+
+  python -m t5x_like.plan --config configs/bloom_176b.py [--config.key=value ...]
+      [--unroll] [--json] [--breakdown]
+
+Nothing is allocated: the step is lowered for abstract (shape-only) state and batch on the
+config's mesh (virtual CPU devices when no accelerator is present) and compiled by XLA. The report
+gives XLA's FLOPs and memory per device against the ideal: the Megatron model FLOPs split evenly
+over the devices, so the pipeline bubble's and recomputation's costs are numbers. XLA's cost
+analysis counts a loop body once, not once per trip: pass --unroll for FLOP counts (the rolled
+compile is what training runs and what the memory figures describe).
+
+--breakdown prints where the peak memory goes (`memory_breakdown` in --json), read from XLA's
+buffer assignment for this compile (t5x_like/memory_report.py): the state by kind, the buffers
+live at XLA's peak by what they hold, the heap's packing loss, the largest temporaries, and what
+the CPU compile overstates by keeping bf16 values in f32 buffers.
+
+Without compiling (t5x_like/cost_model.py, docs/planner.md), in milliseconds:
+
+  python -m t5x_like.plan --config CFG [--config.k=v ...] --estimate --gpu KIND [--json]
+  python -m t5x_like.plan --config CFG --search --gpus N --gpu KIND [--nodes-of 8] [--top K]
+      [--aot] [--json]
+
+--estimate: the config's step on its mesh of GPUs of KIND (a100-80gb, a100-40gb, h100-80gb,
+h200): seconds per iteration, TFLOP/s per GPU (Megatron's formula), memory per GPU and whether it
+fits, and the parts they add up from. --search: every valid (data, pipeline, tensor,
+micro-batch) for N GPUs at the config's model and global batch, those that fit first, each group
+by estimated time; --aot adds XLA's compiled memory (the compile above) for the top K. More
+--gpus than any topology can use (cost_model.max_gpus) is refused at once, with the limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from t5x_like.config import Config, ConfigError, load_config_file, parse_overrides
+from t5x_like.planning import cost_model, memory_report
+from t5x_like.training import schedule, startup
+
+
+def plan(cfg: Config) -> dict:
+  from t5x_like.mesh import partitioning
+  from t5x_like.optim import adamw as optim
+  from t5x_like.parallel.train_state import make_layout
+  from t5x_like.training import accounting
+  from t5x_like.training.step import lower_train_step
+
+  mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
+  layout = make_layout(cfg, mesh)
+  start = time.perf_counter()
+  lowered = lower_train_step(cfg, layout, cfg.num_microbatches)
+  compiled, dump = memory_report.compile_with_buffer_dump(lowered)
+  compile_s = time.perf_counter() - start
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  memory = compiled.memory_analysis()
+  devices = cfg.mesh.num_devices
+  model_flops = accounting.megatron_flops_per_iteration(
+    cfg, cfg.train.global_batch_size, cfg.train.seq_len
+  )
+  xla_flops = float(cost.get('flops', 0.0))
+  gib = 1024**3
+  report = {
+    'mesh': [cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor],
+    'pipeline_repeats': cfg.pipeline.repeats,
+    'num_microbatches': cfg.num_microbatches,
+    'params': cfg.model.num_params(cfg.mesh.tensor),
+    # Adam state bytes per param: 8 for 'adamw', about 2 for 'adamw_8bit' (its codes+scales).
+    'optimizer_bytes_per_param': round(
+      optim.bytes_per_param(
+        cfg.optimizer, layout.canonical.params, optim.fp32_state_params(cfg.model)
+      ),
+      4,
+    ),
+    'remat_policy': cfg.model.remat_policy,
+    'compile_s': round(compile_s, 1),
+    # Each (micro-batches, length) of the batch ramp-up and the curriculum is one more
+    # compilation of about compile_s (on this platform) during the run.
+    'train_programs': len(schedule.step_shapes(cfg)),
+    'xla_flops_per_device': xla_flops,
+    'ideal_flops_per_device': model_flops / devices,
+    'xla_over_ideal': xla_flops / (model_flops / devices) if model_flops else None,
+    'argument_gib': memory.argument_size_in_bytes / gib,
+    'output_gib': memory.output_size_in_bytes / gib,
+    'temp_gib': memory.temp_size_in_bytes / gib,
+    'peak_gib': (
+      memory.argument_size_in_bytes
+      + memory.output_size_in_bytes
+      + memory.temp_size_in_bytes
+      - memory.alias_size_in_bytes
+    )
+    / gib,
+    # ZeRO-1 leaves these params' fp32 copy and Adam moments whole on every `data` rank (only
+    # ones with no dim to pad: every dim split by the rules, or smaller than `data`).
+    'replicated_over_data': layout.replicated_over_data(),
+  }
+  if cfg.train.rampup_microbatch_multiple:
+    # What the fewer programs cost: the share of the micro-batches the step runs over the run
+    # that are padding (computed by a pipeline's stages, skipped without a pipeline).
+    padding, runs = schedule.padding_microbatches(cfg)
+    report['padding_microbatch_share'] = padding / runs
+  if cfg.mesh.pipeline > 1:
+    report['pipeline_bubble'] = layout.plan.bubble_fraction(
+      cfg.num_microbatches, cfg.pipeline.microbatch_group
+    )
+    report['stage_plan'] = layout.plan.describe()
+  with dump:
+    report.update(_memory_breakdown(cfg, dump.name, memory, report['peak_gib']))
+  return report
+
+
+def _memory_breakdown(cfg: Config, dump_dir: str, memory, peak_gib: float) -> dict:
+  gib = 1024**3
+  stage_input = None
+  if cfg.mesh.pipeline > 1:
+    # A pipeline keeps stage inputs: GPipe one per tick, [ticks, stages on a device, rows, seq,
+    # hidden] (the ticks of one group's schedule under pipeline.microbatch_group); 1F1B a ring of
+    # 2P - 1 per stage.
+    per_schedule = cfg.pipeline.microbatch_group or cfg.num_microbatches
+    ticks = per_schedule * cfg.pipeline.repeats + cfg.mesh.pipeline - 1
+    if cfg.pipeline.schedule == '1f1b':
+      ticks = 2 * cfg.mesh.pipeline - 1
+    # model.sequence_parallel splits their sequence over tensor.
+    seq = cfg.train.seq_len // (cfg.mesh.tensor if cfg.model.sequence_parallel else 1)
+    stage_input = (ticks, cfg.train.micro_batch_size, seq, cfg.model.hidden_size)
+  try:
+    found = memory_report.breakdown(dump_dir, memory, stage_input=stage_input, data=cfg.mesh.data)
+  except memory_report.DumpError as e:
+    return {'memory_breakdown': {'error': str(e)}}
+  overstated = found['cpu_overstatement_bytes'] / gib
+  breakdown = {
+    'gib': {name: value / gib for name, value in found['bytes'].items()},
+    'peak_phase': found['peak_phase'],
+    'largest_temporaries': [
+      dict(t, gib=t.pop('bytes') / gib) for t in found['largest_temporaries']
+    ],
+    'cpu_overstatement_note': memory_report.OVERSTATEMENT_NOTE,
+  }
+  return {
+    'memory_breakdown': breakdown,
+    'cpu_overstatement_gib': overstated,
+    'gpu_estimate_peak_gib': peak_gib - overstated,
+  }
+
+
+def print_breakdown(report: dict) -> None:
+  breakdown = report['memory_breakdown']
+  if 'error' in breakdown:
+    print(f'memory breakdown unavailable: {breakdown["error"]}')
+    return
+  print(
+    f"\nWhere the peak goes (GiB per device; XLA's peak {report['peak_gib']:.2f}, in the "
+    f'{breakdown["peak_phase"]} pass):'
+  )
+  for name, value in breakdown['gib'].items():
+    print(f'{name:>40}: {value:9.3f}')
+  print(f'{"total":>40}: {sum(breakdown["gib"].values()):9.3f}')
+  print('\nLargest temporaries:')
+  print(f'{"GiB":>9}  {"shape":<32} {"category":<28} {"at peak":<7} op')
+  for t in breakdown['largest_temporaries']:
+    widened = ' (bf16 held as f32)' if t['widened_from_bf16'] else ''
+    print(
+      f'{t["gib"]:9.3f}  {t["shape"]:<32} {t["category"]:<28} '
+      f'{"yes" if t["live_at_peak"] else "no":<7} {t["op"][-70:]}{widened}'
+    )
+  print(
+    f'\nCPU overstatement: {report["cpu_overstatement_gib"]:.3f} GiB; GPU estimate of the '
+    f'peak: {report["gpu_estimate_peak_gib"]:.2f} GiB. {breakdown["cpu_overstatement_note"]}'
+  )
+
+
+def check_model_arguments(args) -> None:
+  """One ConfigError for cost-model flags that do not go together."""
+  if not (args.estimate or args.search):
+    extra = [
+      flag
+      for flag, given in (
+        ('--gpu', args.gpu),
+        ('--gpus', args.gpus),
+        ('--aot', args.aot),
+        ('--nodes-of', args.nodes_of is not None),
+      )
+      if given
+    ]
+    if extra:
+      raise ConfigError(
+        f'{" and ".join(extra)} only apply to --estimate or --search; add one '
+        'of them, or drop the cost-model flags to compile the config'
+      )
+    return
+  if args.gpu is None:
+    raise ConfigError(f'--estimate and --search need --gpu, one of: {", ".join(cost_model.GPUS)}')
+  cost_model.gpu_spec(args.gpu, args.nodes_of)
+  if args.unroll or args.breakdown:
+    raise ConfigError(
+      '--unroll and --breakdown describe a compile; --estimate and --search '
+      'compile nothing (--search --aot adds the compiled memory)'
+    )
+  if args.estimate and (args.gpus is not None or args.aot):
+    raise ConfigError(
+      "--estimate takes the GPUs from the config's mesh (--config.mesh.data=...)"
+      '; --gpus and --aot go with --search'
+    )
+  if args.search and args.gpus is None:
+    raise ConfigError('--search needs --gpus N, the GPUs to spread the model over')
+  # Before the config loads; the most GPUs the model and batch can use is cost_model.search's.
+  if args.search and args.gpus < 1:
+    raise ConfigError(f'--gpus must be >= 1, got {args.gpus}')
+  if args.top < 1:
+    raise ConfigError(f'--top must be >= 1, got {args.top}')
+
+
+def _number(value) -> str:
+  return f'{value:.4g}' if isinstance(value, float) else str(value)
+
+
+def print_estimate(report: dict, as_json: bool) -> int:
+  if as_json:
+    print(json.dumps(report))
+    return 0
+  for key, value in report.items():
+    if key == 'memory_gib_by_category':
+      print(f'{"memory (GiB per GPU)":>32}:')
+      for name, gib in value.items():
+        print(f'{name:>40}: {gib:.3f}')
+    else:
+      print(f'{key:>32}: {_number(value)}')
+  return 0
+
+
+def run_search(cfg: Config, args) -> int:
+  """--search: the top K of the ranked topologies (a JSON list under --json), XLA's compiled
+  memory added to them under --aot."""
+  results = cost_model.search(cfg, args.gpus, args.gpu, args.nodes_of)
+  if not results:
+    raise ConfigError(
+      f'no valid topology for {args.gpus} GPUs at this model and global batch '
+      '(tensor must divide the heads and a node, the layers go over the stages '
+      'with at most one padding slot, micro-batch x data must divide every '
+      'ramp-up batch); change --gpus or the global batch'
+    )
+  top = results[: args.top]
+  if args.aot:
+    for r in top:
+      data, pipeline, tensor = r['mesh']
+      candidate = startup.check_config(
+        cfg.replace(
+          mesh={'data': data, 'pipeline': pipeline, 'tensor': tensor},
+          train={'micro_batch_size': r['micro_batch_size']},
+        )
+      )
+      compiled = plan(candidate)
+      r['aot_peak_gib'] = compiled['peak_gib']
+      r['aot_gpu_estimate_peak_gib'] = compiled.get('gpu_estimate_peak_gib')
+  if args.json:
+    print(json.dumps(top))
+    return 0
+  print(
+    f'{len(results)} valid topologies for {args.gpus} x {args.gpu} '
+    f'({sum(r["fits"] for r in results)} fit); the top {len(top)}, fitting first, by '
+    'estimated time per iteration:'
+  )
+  aot = '  XLA peak' if args.aot else ''
+  print(
+    f'{"rank":>4} {"DP":>4} {"PP":>3} {"TP":>3} {"MBS":>3} {"s/it":>7} {"TFLOP/s":>7} '
+    f'{"bubble":>6} {"GiB":>6}{aot}  fits'
+  )
+  for i, r in enumerate(top, 1):
+    data, pipeline, tensor = r['mesh']
+    compiled = f'  {r["aot_peak_gib"]:8.2f}' if args.aot else ''
+    print(
+      f'{i:>4} {data:>4} {pipeline:>3} {tensor:>3} {r["micro_batch_size"]:>3} '
+      f'{r["estimated_step_s"]:7.1f} {r["estimated_tflops_per_gpu"]:7.1f} '
+      f'{r["bubble_fraction"]:6.1%} {r["estimated_memory_gib"]:6.1f}{compiled}  '
+      f'{"yes" if r["fits"] else "no: " + r["why_not"]}'
+    )
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+    prog='python -m t5x_like.plan',
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument('--config', required=True)
+  parser.add_argument('--json', action='store_true', help='print one JSON object')
+  parser.add_argument(
+    '--breakdown', action='store_true', help='print where the peak memory goes (always in --json)'
+  )
+  parser.add_argument(
+    '--unroll',
+    action='store_true',
+    help='unroll every scan so XLA counts each FLOP (slower compile)',
+  )
+  model = parser.add_argument_group('cost model (no compilation; docs/planner.md)')
+  mode = model.add_mutually_exclusive_group()
+  mode.add_argument(
+    '--estimate', action='store_true', help="estimate the config's step on its mesh of --gpu GPUs"
+  )
+  mode.add_argument(
+    '--search', action='store_true', help='rank every valid topology for --gpus GPUs of --gpu'
+  )
+  model.add_argument('--gpu', help='GPU kind: ' + ', '.join(cost_model.GPUS))
+  model.add_argument('--gpus', type=int, help='--search: how many GPUs')
+  model.add_argument(
+    '--nodes-of', type=int, default=None, help="GPUs per node, >= 1 (default: the kind's, 8)"
+  )
+  model.add_argument('--top', type=int, default=10, help='--search: how many to print')
+  model.add_argument(
+    '--aot', action='store_true', help="--search: add XLA's compiled memory for the top K (slow)"
+  )
+  args, rest = parser.parse_known_args(argv)
+  try:
+    overrides = parse_overrides(rest)
+    if args.unroll:
+      overrides['model.scan_unroll'] = True
+    check_model_arguments(args)
+    cfg = load_config_file(args.config, overrides)
+    if args.estimate or args.search:
+      # Config and schedule arithmetic only: the mesh is the GPUs', not this machine's.
+      cfg.validate()
+      schedule.check(cfg)
+      if args.estimate:
+        return print_estimate(cost_model.estimate(cfg, args.gpu, nodes_of=args.nodes_of), args.json)
+      return run_search(cfg, args)
+    cfg = startup.check_config(cfg)
+    report = plan(cfg)  # its layout refuses a mesh the 8-bit moments cannot be split over
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  if args.json:
+    print(json.dumps(report))
+  else:
+    for key, value in report.items():
+      if key == 'memory_breakdown':
+        continue
+      print(f'{key:>24}: {value:.4g}' if isinstance(value, float) else f'{key:>24}: {value}')
+    if args.breakdown:
+      print_breakdown(report)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

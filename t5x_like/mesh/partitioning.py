@@ -1,0 +1,490 @@
+"""Logical axis names -> mesh axes, kept as data, and the shardings derived from them.
+
+The model names every parameter dimension and every main activation with a logical axis. This
+module is the only place that says which mesh axis (`data`, `pipeline`, `tensor`) each logical
+axis maps to.
+Megatron tensor parallelism falls out of the rules: QKV and h->4h kernels are split on their output
+dims (`heads`, `mlp`), attention-out and 4h->h on their input dims (the same names), the embedding
+and the logits on `vocab`.
+
+ZeRO-1: fp32 master params and Adam moments are additionally split over `data` on one dimension that
+the rules leave unsharded (never `layers`, so the layer scan never gathers the whole stack). The
+forward pass casts the params to the compute dtype and constrains them to the rule sharding (no
+`data`), which all-gathers the bf16 copy, as DeepSpeed does. When `data` divides no dimension
+(DP 12 or 24 against a hidden size of 14,336), the state holds that dimension padded with zeros to
+a multiple of `data` (`zero_split`), as DeepSpeed pads its flat buffer; checkpoints keep the
+unpadded shapes (train_state.StateLayout converts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from t5x_like.errors import ConfigError
+
+MESH_AXES = ('data', 'pipeline', 'tensor')
+
+# Logical axis -> mesh axis (None: replicated). Parameter axes first, then activation axes.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+  # parameters
+  ('layers', 'pipeline'),  # Stage-major layer slots: each stage holds its own (pipeline.py).
+  ('vocab', ('tensor', 'pipeline')),  # Spread over every stage, not whole on the first/last.
+  ('embed', None),
+  ('positions', None),
+  ('heads', 'tensor'),
+  ('qkv', None),
+  ('kv', None),
+  ('mlp', 'tensor'),
+  # activations
+  ('batch', 'data'),
+  ('stages', 'pipeline'),
+  ('length', None),
+  # The sequence dim of the residual stream under model.sequence_parallel (Megatron-LM's
+  # sequence parallelism): split over the same ranks as the heads and the FFN.
+  ('length_sp', 'tensor'),
+  ('act_embed', None),
+  ('act_heads', 'tensor'),
+  ('act_mlp', 'tensor'),
+  ('act_vocab', ('tensor', 'pipeline')),
+)
+_RULES = dict(LOGICAL_AXIS_RULES)
+
+
+def logical_to_mesh(names: Sequence[str | None]) -> P:
+  """PartitionSpec for a tuple of logical axis names."""
+  mesh_axes = []
+  for name in names:
+    if name is not None and name not in _RULES:
+      raise KeyError(f'logical axis {name!r} has no rule in partitioning.LOGICAL_AXIS_RULES')
+    mesh_axes.append(_RULES.get(name) if name else None)
+  return P(*mesh_axes)
+
+
+def _axis_size(mesh: Mesh, axes) -> int:
+  if axes is None:
+    return 1
+  axes = axes if isinstance(axes, tuple) else (axes,)
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
+  """Drops trailing mesh axes from a dim until they divide it (e.g. a 250,880-row vocabulary
+  over tensor 4 x pipeline 12 stays split over `tensor` only)."""
+  fitted = []
+  for axes, size in zip(tuple(spec) + (None,) * (len(shape) - len(spec)), shape):
+    axes = axes if isinstance(axes, tuple) or axes is None else (axes,)
+    axes = tuple(a for a in axes or () if mesh.shape[a] > 1)  # size-1 axes split nothing
+    while axes and size % _axis_size(mesh, axes):
+      axes = axes[:-1]
+    fitted.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+  return P(*fitted)
+
+
+def spec_for(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
+  """The rule spec of a tensor of this shape, fitted to what the mesh divides."""
+  return fit_spec(logical_to_mesh(names), shape, mesh)
+
+
+def split_units(shape: Sequence[int], block: tuple[int, int] | None) -> list[int]:
+  """Each dim's length in the units a `data` split must keep whole: on `block`'s dim (dim,
+  size) the 8-bit optimizer's quantisation blocks (optim.block_axes), single values elsewhere."""
+  units = [int(n) for n in shape]
+  if block is not None:
+    units[block[0]] = units[block[0]] // block[1]
+  return units
+
+
+def zero_spec(
+  names: Sequence[str | None],
+  shape: Sequence[int],
+  mesh: Mesh,
+  block: tuple[int, int] | None = None,
+) -> P:
+  """Rule spec plus a `data` split (ZeRO-1) on one dim that `data` divides, without padding.
+
+  Prefers the largest dim the rules leave unsplit; otherwise splits an already tensor-split dim
+  further (`('tensor', 'data')`). Never the stacked `layers` dim, and on the dim of the 8-bit
+  optimizer's blocks (`block`) only if `data` divides their number, so that the params, their
+  gradients and their quantised moments share one split. A tensor that `data` divides nowhere
+  stays replicated over `data` (checkpoints' canonical layout; the train state pads instead,
+  `zero_split`).
+  """
+  spec = list(spec_for(names, shape, mesh))
+  data = mesh.shape['data']
+  if data == 1:
+    return P(*spec)
+  units = split_units(shape, block)
+  dims = [i for i, n in enumerate(names) if n != 'layers']
+  free = [i for i in dims if spec[i] is None and units[i] % data == 0]
+  if free:
+    spec[max(free, key=lambda i: shape[i])] = 'data'
+    return P(*spec)
+  split = [
+    i for i in dims if spec[i] is not None and units[i] % (_axis_size(mesh, spec[i]) * data) == 0
+  ]
+  if split:
+    best = max(split, key=lambda i: shape[i])
+    axes = spec[best] if isinstance(spec[best], tuple) else (spec[best],)
+    spec[best] = axes + ('data',)
+  return P(*spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroSplit:
+  """Where the train state holds one tensor: `spec` over the mesh, for an array of
+  `padded_shape` (the tensor's shape with zeros appended to the `data`-split dim, or the same
+  shape when nothing needs padding)."""
+
+  spec: P
+  padded_shape: tuple[int, ...]
+
+
+def zero_split(
+  names: Sequence[str | None],
+  shape: Sequence[int],
+  mesh: Mesh,
+  block: tuple[int, int] | None = None,
+) -> ZeroSplit:
+  """The ZeRO-1 layout of a tensor in the train state: `zero_spec` where `data` divides a dim;
+  otherwise the largest dim the rules leave unsplit (never `layers`), padded with zeros up to a
+  multiple of `data` and split over it (never the dim of `block`: its blocks are whole). Only a
+  tensor whose every free dim is smaller than `data` (padding would more than double it) stays
+  replicated over `data`."""
+  shape = tuple(int(n) for n in shape)
+  spec = zero_spec(names, shape, mesh, block)
+  data = mesh.shape['data']
+  if data == 1 or 'data' in _mesh_axes(spec):
+    return ZeroSplit(spec, shape)
+  spec = list(spec) + [None] * (len(shape) - len(spec))
+  # A tensor-split dim is never padded: padding would move its tensor shards' boundaries, and
+  # the compute copy (no padding) would then be gathered across tensor ranks too.
+  free = [
+    i
+    for i, n in enumerate(names)
+    if n != 'layers' and spec[i] is None and shape[i] >= data and (block is None or i != block[0])
+  ]
+  if not free:
+    return ZeroSplit(P(*spec), shape)
+  dim = max(free, key=lambda i: shape[i])
+  spec[dim] = 'data'
+  padded = list(shape)
+  padded[dim] = -(-shape[dim] // data) * data
+  return ZeroSplit(P(*spec), tuple(padded))
+
+
+def checkpoint_sharding(
+  names: Sequence[str | None],
+  shape: Sequence[int],
+  mesh: Mesh,
+  block: tuple[int, int] | None = None,
+) -> NamedSharding:
+  """Where a tensor of the checkpoint (true, unpadded shape) lives while saved or restored:
+  `zero_spec` where `data` divides a dim; otherwise split over the largest factor of `data` that
+  a dim (never `layers`) still divides, on a mesh whose `data` axis is cut into that factor and
+  `data_rest` (replicated), so that a DP-24 save holds hidden-size tensors split 8 ways, not whole.
+  """
+  spec = list(zero_spec(names, shape, mesh, block))
+  data = mesh.shape['data']
+  if data == 1 or 'data' in _mesh_axes(P(*spec)):
+    return NamedSharding(mesh, P(*spec))
+  units = split_units(shape, block)
+  per_shard = lambda i: units[i] // _axis_size(mesh, spec[i])
+  dims = [i for i, n in enumerate(names) if n != 'layers']
+  best = max(dims, key=lambda i: (math.gcd(data, per_shard(i)), shape[i]), default=None)
+  factor = math.gcd(data, per_shard(best)) if best is not None else 1
+  if factor == 1:
+    return NamedSharding(mesh, P(*spec))
+  devices = mesh.devices.reshape(factor, data // factor, *mesh.devices.shape[1:])
+  factored = Mesh(devices, ('data', 'data_rest') + MESH_AXES[1:])
+  axes = (
+    () if spec[best] is None else (spec[best] if isinstance(spec[best], tuple) else (spec[best],))
+  )
+  spec[best] = 'data' if not axes else axes + ('data',)
+  return NamedSharding(factored, P(*spec))
+
+
+def tree_checkpoint_shardings(mesh: Mesh, logical_names, shapes, blocks):
+  """`checkpoint_sharding` of every tensor of pytrees of logical-name tuples, shapes and blocks
+  ((dim, size) or None, see `zero_spec`)."""
+  return jax.tree.map(
+    lambda names, shape, block: checkpoint_sharding(names, shape, mesh, block),
+    logical_names,
+    shapes,
+    blocks,
+    is_leaf=is_names,
+  )
+
+
+def _mesh_axes(spec: P) -> list[str]:
+  return [
+    a for axes in spec if axes is not None for a in (axes if isinstance(axes, tuple) else (axes,))
+  ]
+
+
+def is_names(x) -> bool:
+  """A tuple of logical axis names (a leaf of a params' logical-names tree)."""
+  return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+
+def tree_zero_splits(mesh: Mesh, logical_names, shapes, blocks):
+  """`zero_split` of every tensor of pytrees of logical-name tuples, matching shapes and blocks
+  ((dim, size) or None, see `zero_spec`)."""
+  return jax.tree.map(
+    lambda names, shape, block: zero_split(names, shape, mesh, block),
+    logical_names,
+    shapes,
+    blocks,
+    is_leaf=is_names,
+  )
+
+
+def replicated_over_data(mesh: Mesh, shardings) -> list[str]:
+  """Paths of a pytree of NamedShardings whose tensors are whole on every `data` rank (none when
+  `data` is 1: there is one copy)."""
+  if mesh.shape['data'] == 1:
+    return []
+  return [
+    jax.tree_util.keystr(path)
+    for path, sharding in jax.tree_util.tree_flatten_with_path(shardings)[0]
+    if 'data' not in _mesh_axes(sharding.spec)
+  ]
+
+
+# The most virtual CPU devices a process creates: more take minutes to start and never make a
+# real run (a mesh that big needs accelerators).
+MAX_VIRTUAL_CPU_DEVICES = 4096
+
+
+def check_mesh_size(num_devices: int) -> None:
+  """Config-time check (no JAX backend is started): a mesh on a CPU-only machine runs on as many
+  virtual devices, and more than MAX_VIRTUAL_CPU_DEVICES of them are never a real run."""
+  if num_devices > MAX_VIRTUAL_CPU_DEVICES and cpu_only():
+    raise ConfigError(
+      f'the mesh (mesh.data x mesh.pipeline x mesh.tensor) needs {num_devices} devices, and '
+      f'this machine has no accelerator: it would run on as many virtual CPU devices, and at '
+      f'most {MAX_VIRTUAL_CPU_DEVICES} are allowed on CPU (creating more takes minutes and '
+      'tests nothing more); use a smaller mesh, or run on GPUs'
+    )
+
+
+def ensure_devices(num_devices: int) -> None:
+  """Makes sure `num_devices` devices exist, creating virtual CPU devices before JAX starts.
+
+  On a CPU-only machine the mesh runs on virtual devices (as XLA_FLAGS=
+  --xla_force_host_platform_device_count would give); this must happen before the backend starts.
+  On GPU a mesh larger than the GPUs present is an error.
+  """
+  # In a multi-process run (distributed.py) each process already has its share of the devices.
+  if num_devices > MAX_VIRTUAL_CPU_DEVICES and cpu_only():
+    raise ConfigError(
+      f'{num_devices} devices were asked for on a machine without '
+      f'accelerators, and at most {MAX_VIRTUAL_CPU_DEVICES} virtual CPU devices '
+      'are allowed (creating more takes minutes and tests nothing more); ask '
+      'for fewer, or run on GPUs'
+    )
+  if not backends_started() and cpu_only() and not jax.distributed.is_initialized():
+    current = jax.config.jax_num_cpu_devices
+    if current is None or current < num_devices:
+      jax.config.update('jax_num_cpu_devices', max(num_devices, 1))
+  available = jax.device_count()
+  if available < num_devices:
+    platform = jax.devices()[0].platform
+    hint = (
+      'start the process with more virtual CPU devices'
+      if platform == 'cpu'
+      else f'use a mesh of at most {available} devices or launch on more nodes'
+    )
+    raise ConfigError(
+      f'the mesh needs {num_devices} devices but only {available} '
+      f'{platform.upper()} device(s) are present; {hint}'
+    )
+
+
+def backends_started() -> bool:
+  """Whether a JAX backend has started (after which the virtual CPU device count is fixed)."""
+  from jax._src import xla_bridge
+
+  return bool(xla_bridge._backends)
+
+
+def cpu_only() -> bool:
+  platforms = (os.environ.get('JAX_PLATFORMS') or jax.config.jax_platforms or '').lower()
+  if platforms:
+    return platforms.split(',')[0] == 'cpu'
+  # No explicit platform: CPU only when no accelerator plugin is installed.
+  import importlib.util
+
+  return not any(
+    importlib.util.find_spec(m)
+    for m in ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jax_rocm_plugin', 'libtpu')
+  )
+
+
+def make_mesh(data: int, pipeline: int, tensor: int, devices=None) -> Mesh:
+  """A `data x pipeline x tensor` mesh; `tensor` is innermost so it stays within a node."""
+  ensure_devices(data * pipeline * tensor)
+  devices = devices if devices is not None else jax.devices()
+  devices = np.asarray(devices[: data * pipeline * tensor]).reshape(data, pipeline, tensor)
+  return Mesh(devices, MESH_AXES)
+
+
+def named(mesh: Mesh, spec: P) -> NamedSharding:
+  return NamedSharding(mesh, spec)
+
+
+def tree_shardings(mesh: Mesh, logical_names, shapes, zero: bool):
+  """NamedShardings for a pytree of logical-name tuples and a matching pytree of shapes."""
+
+  def one(names, shape):
+    spec = zero_spec(names, shape, mesh) if zero else spec_for(names, shape, mesh)
+    return NamedSharding(mesh, spec)
+
+  return jax.tree.map(one, logical_names, shapes, is_leaf=is_names)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaMismatch:
+  """A replicated array whose copies differ, and the processes that hold the differing copies:
+  those whose copy is not the one most processes hold (ties: process 0's side), and those whose
+  own devices disagree."""
+
+  path: str
+  processes: tuple[int, ...]
+
+
+# Per distinct shard of a replicated array, each process contributes one fixed-size row to the
+# all-gather: [holds a copy, its local copies differ, 128-bit digest as 4 uint32]. uint32 because
+# JAX's default integer width is 32 bits: uint64 would be truncated without jax_enable_x64.
+_DIGEST_WORDS = 4
+_ROW = 2 + _DIGEST_WORDS
+
+
+def _digest(data: np.ndarray) -> np.ndarray:
+  """The copy's bytes hashed: equal bytes, equal digest (stricter than ==, which equates -0 and 0
+  and never equates NaNs)."""
+  contiguous = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+  raw = hashlib.blake2b(contiguous, digest_size=4 * _DIGEST_WORDS).digest()
+  return np.frombuffer(raw, np.uint32)
+
+
+def _replicated_slots(tree):
+  """[(path, array, {shard index repr: its position})] of the arrays with copies somewhere in
+  the job. Derived from the global shardings, so every process lists the same slots in the same
+  order (its all-gather must match the others' or they hang)."""
+  slots = []
+  for path, array in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    index_map = array.sharding.devices_indices_map(array.shape)
+    ordered = dict.fromkeys(repr(index_map[d]) for d in sorted(index_map, key=lambda d: d.id))
+    if len(ordered) < len(index_map):  # a slice held by one device has nothing to differ from
+      slots.append((jax.tree_util.keystr(path), array, {key: i for i, key in enumerate(ordered)}))
+  return slots
+
+
+def replica_report(tree) -> list[ReplicaMismatch]:
+  """The replicated arrays of `tree` whose copies differ, on this process's devices or across
+  processes (a replicated LayerNorm that drifted apart across tensor ranks, as in the
+  chronicles). Each process digests the copies it holds per distinct shard; one all-gather of
+  the digests gives every process the same table and so the same verdict. A collective: every
+  process of the job must call it with the same tree structure and shardings."""
+  slots = _replicated_slots(tree)
+  rows = np.zeros((sum(len(indices) for _, _, indices in slots), _ROW), np.uint32)
+  row = 0
+  for _, array, indices in slots:
+    digests: dict[str, np.ndarray] = {}
+    for shard in array.addressable_shards:
+      key, digest = repr(shard.index), _digest(np.asarray(shard.data))
+      at = row + indices[key]
+      if key in digests:
+        if not np.array_equal(digests[key], digest):
+          rows[at, 1] = 1
+      else:
+        digests[key] = digest
+        rows[at, 0] = 1
+        rows[at, 2:] = digest
+    row += len(indices)
+  if jax.process_count() > 1 and len(rows):
+    from jax.experimental import multihost_utils
+
+    everyone = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, *rows.shape)
+  else:
+    everyone = rows[None]
+  bad, row = [], 0
+  for path, _, indices in slots:
+    processes = set()
+    for table in everyone[:, row : row + len(indices)].transpose(1, 0, 2):  # one shard index
+      holders = [p for p in range(len(table)) if table[p, 0]]
+      processes.update(p for p in holders if table[p, 1])
+      digests = [tuple(table[p, 2:]) for p in holders]
+      # The most common copy is taken as the right one; max() keeps the first on a tie.
+      common = max(digests, key=digests.count)
+      processes.update(p for p, d in zip(holders, digests) if d != common)
+    row += len(indices)
+    if processes:
+      bad.append(ReplicaMismatch(path, tuple(sorted(processes))))
+  return bad
+
+
+def replica_mismatches(tree) -> list[str]:
+  """Paths of the replicated arrays of `tree` whose copies differ (`replica_report`)."""
+  return [mismatch.path for mismatch in replica_report(tree)]
+
+
+class ReplicaCheck:
+  """runtime.replica_check_interval as a training-loop hook (hooks.Hooks.add_hook): the
+  replicated arrays of the params and optimizer state whose copies differ (the chronicles'
+  LayerNorm weights that drifted apart across tensor ranks, found weeks later). One SPMD program
+  updates every copy alike, so this should never find one; the check makes that a measured fact
+  of the run, not an assumption. Every process calls it at the same iteration (a collective)
+  and reaches the same verdict. `log(line)` writes the run's log, `alert(event, message,
+  iteration)` is alerts.Alerts.send; a process that writes no log prints a mismatch too.
+  `num_devices`: the mesh's, as the log line names them."""
+
+  def __init__(self, log, alert, is_writer: bool, num_devices: int):
+    self.log, self.alert, self.is_writer = log, alert, is_writer
+    self.num_devices = num_devices
+
+  def __call__(self, info) -> None:
+    if info.trained:
+      self.check(info.state, info.iteration)
+
+  def check(self, tree, iteration: int) -> list[str]:
+    """Logs the verdict on `tree` at `iteration`; returns the paths whose copies differ."""
+    drifted = replica_report(tree)
+    devices = self.num_devices
+    if drifted:
+      where = '; '.join(
+        f'{m.path} on process{"es" * (len(m.processes) > 1)} {", ".join(map(str, m.processes))}'
+        for m in drifted
+      )
+      message = (
+        f'> replica check at iteration {iteration}: the copies of '
+        f'{", ".join(m.path for m in drifted)} differ across devices. Resume from the '
+        'last checkpoint (a restore reads one copy) and report it with this log. The '
+        f'differing copies: {where}'
+      )
+      self.log(message)
+      self.alert('replica_mismatch', message, iteration)
+      if not self.is_writer:
+        print(message, file=sys.stderr, flush=True)
+    elif jax.process_count() == 1:
+      self.log(
+        f'> replica check at iteration {iteration}: every replicated array of the '
+        f"params and optimizer state is identical on this process's {devices} devices"
+      )
+    else:
+      self.log(
+        f'> replica check at iteration {iteration}: every replicated array of the '
+        f'params and optimizer state is identical on all {devices} devices of the '
+        f'{jax.process_count()} processes'
+      )
+    return [m.path for m in drifted]

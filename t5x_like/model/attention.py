@@ -1,0 +1,150 @@
+"""The one place that picks and runs the attention implementation (`model.attention_impl`).
+
+* 'xla': `attention_reference` (plain JAX; the partitioner splits heads over `tensor`).
+* 'pallas': the fused flash-attention kernels (`t5x_like.kernels.flash_attention`); Triton on GPU,
+  interpret mode automatically on CPU.
+* 'cudnn': `jax.nn.dot_product_attention(implementation='cudnn')` with a materialised ALiBi bias.
+
+The fused ones run per shard under the mesh: a `shard_map` over the batch (`data`) and head
+(`tensor`) axes, each shard with the ALiBi slopes of its own (contiguous) heads.
+
+Fail fast, like Megatron's --abort-on-unmet-fused-kernel-constraints: a fused implementation that
+cannot run the model's head_dim / dtype / platform is a ConfigError naming the constraint, at
+config validation where the constraint is known then (the platform only when JAX has started or is
+CPU-only) and again when the model is traced. With `model.attention_fallback=True` it is a warning
+that says 'xla' runs instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from t5x_like.errors import ConfigError
+from t5x_like.kernels.flash_attention import flash_attention
+from t5x_like.kernels.flash_attention import unmet_constraints as flash_unmet_constraints
+from t5x_like.kernels.reference import attention_reference
+from t5x_like.mesh import partitioning
+
+if TYPE_CHECKING:  # annotations only (they are strings here)
+  from t5x_like.config import ModelConfig
+
+IMPLEMENTATIONS = ('xla', 'pallas', 'cudnn')
+
+
+def unmet_constraints(impl: str, *, head_dim: int, dtype, platform: str | None) -> list[str]:
+  """What stops `impl` from running this head_dim / dtype on this platform (None: not known yet)."""
+  dtype = jnp.dtype(dtype).name
+  problems = []
+  if impl == 'pallas':
+    problems += flash_unmet_constraints(head_dim=head_dim, dtype=dtype)
+    if platform not in (None, 'gpu', 'cpu'):
+      problems.append(
+        f'the Pallas kernels lower through Triton (GPU) or run in interpret mode '
+        f'(CPU); this process has {platform} devices'
+      )
+  elif impl == 'cudnn':
+    if platform not in (None, 'gpu'):
+      problems.append(
+        f'cuDNN attention needs a GPU (jax.nn.dot_product_attention('
+        f"implementation='cudnn')); this process has {platform} devices"
+      )
+    if dtype not in ('bfloat16', 'float16'):
+      problems.append(f'cuDNN fused attention needs model.dtype bfloat16 or float16, got {dtype}')
+    if head_dim % 8 or head_dim > 128:
+      problems.append(
+        f'cuDNN fused attention needs head_dim a multiple of 8 and at most 128, got {head_dim}'
+      )
+  return problems
+
+
+def check_config(cfg: ModelConfig) -> None:
+  """Config-time check (no JAX backend is started here): raises unless fallback is allowed."""
+  resolve_impl(cfg, _platform_if_known(), quiet=True)
+
+
+def resolve_impl(cfg: ModelConfig, platform: str | None, quiet: bool = False) -> str:
+  """The implementation that runs: cfg.attention_impl, or 'xla' with a warning if allowed."""
+  impl = cfg.attention_impl
+  if impl not in IMPLEMENTATIONS:
+    raise ConfigError(f'model.attention_impl must be one of {IMPLEMENTATIONS}, got {impl!r}')
+  problems = unmet_constraints(impl, head_dim=cfg.head_dim, dtype=cfg.dtype, platform=platform)
+  if impl == 'xla' or not problems:
+    return impl
+  message = f'model.attention_impl={impl!r} cannot run this model: {"; ".join(problems)}'
+  if not cfg.attention_fallback:
+    raise ConfigError(
+      f"{message}. Use model.attention_impl='xla', or set "
+      "model.attention_fallback=True to run 'xla' with a warning"
+    )
+  if not quiet:
+    warnings.warn(
+      f"{message}; running model.attention_impl='xla' instead (model.attention_fallback=True)",
+      RuntimeWarning,
+      stacklevel=3,
+    )
+  return 'xla'
+
+
+def attention(q, k, v, *, cfg: ModelConfig, mesh: Mesh | None, alibi_slopes=None, dropout_rng=None):
+  """Causal self-attention of [batch, seq, heads, head_dim] q, k, v with the configured kernel."""
+  platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+  impl = resolve_impl(cfg, platform)
+  if impl == 'xla':
+    return attention_reference(
+      q,
+      k,
+      v,
+      alibi_slopes=alibi_slopes,
+      causal=True,
+      dropout_rate=cfg.attention_dropout,
+      dropout_rng=dropout_rng,
+    )
+  if impl == 'pallas':
+    kernel = functools.partial(flash_attention, causal=True, interpret=platform == 'cpu')
+  else:
+    kernel = cudnn_attention
+  if mesh is None:
+    return kernel(q, k, v, alibi_slopes=alibi_slopes)
+  return _per_shard(kernel, q, k, v, alibi_slopes, mesh)
+
+
+def cudnn_attention(q, k, v, *, alibi_slopes=None):
+  """Causal attention on cuDNN; ALiBi as a materialised [1, heads, seq, seq] bias."""
+  bias = None
+  if alibi_slopes is not None:
+    pos = jnp.arange(q.shape[1], dtype=jnp.float32)
+    slopes = jnp.asarray(alibi_slopes, jnp.float32)
+    bias = (slopes[:, None, None] * (pos[None, None, :] - pos[None, :, None]))[None]
+    bias = bias.astype(q.dtype)
+  return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True, implementation='cudnn')
+
+
+def _per_shard(kernel, q, k, v, alibi_slopes, mesh: Mesh):
+  """Runs `kernel` on each (batch, heads) shard; heads are split contiguously, so are the slopes."""
+  qkv_spec = partitioning.logical_to_mesh(('batch', 'length', 'act_heads', None))
+  heads_spec = partitioning.logical_to_mesh(('act_heads',))
+  if alibi_slopes is None:
+    run = lambda q, k, v: kernel(q, k, v)
+    operands, in_specs = (q, k, v), (qkv_spec,) * 3
+  else:
+    run = lambda q, k, v, slopes: kernel(q, k, v, alibi_slopes=slopes)
+    operands = (q, k, v, jnp.asarray(alibi_slopes, jnp.float32))
+    in_specs = (qkv_spec,) * 3 + (heads_spec,)
+  # The kernels are opaque to the varying-axes type system, hence check_vma=False; every operand
+  # and the output are split exactly as the specs say, so nothing needs a collective.
+  return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=qkv_spec, check_vma=False)(
+    *operands
+  )
+
+
+def _platform_if_known() -> str | None:
+  """The device platform without starting a backend (which would fix the CPU device count)."""
+  if partitioning.backends_started():
+    return jax.devices()[0].platform
+  return 'cpu' if partitioning.cpu_only() else None

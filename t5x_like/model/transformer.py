@@ -1,0 +1,351 @@
+"""Decoder-only transformer (BLOOM and GPT-2/Megatron) in Flax.
+
+BLOOM: ALiBi, LayerNorm right after the token lookup, pre-LN blocks, final LN, tanh-GeLU, biases on
+every linear, logits from the tied word embeddings. GPT-2: learned absolute positions instead of
+ALiBi and no embedding LayerNorm, unless model.stable_embedding (bitsandbytes' StableEmbedding
+normalises the token lookup, before the positions are added).
+
+Layout (independent of the mesh, so any checkpoint restores onto any mesh):
+  word_embeddings                  [V_pad, h]          (vocab, embed)
+  position_embeddings              [max_pos, h]        (positions, embed)     gpt2 only
+  embed_ln/{scale,bias}            [h]                          bloom, or gpt2 + stable_embedding
+  layers/ln1/{scale,bias}          [L, h]
+  layers/attn/qkv_kernel           [L, h, heads, 3, d] (layers, embed, heads, qkv, kv)
+  layers/attn/qkv_bias             [L, heads, 3, d]
+  layers/attn/out_kernel           [L, heads, d, h]    (layers, heads, kv, embed)
+  layers/attn/out_bias             [L, h]
+  layers/ln2/{scale,bias}          [L, h]
+  layers/mlp/wi_{kernel,bias}      [L, h, ffn], [L, ffn]
+  layers/mlp/wo_{kernel,bias}      [L, ffn, h], [L, h]
+  final_ln/{scale,bias}            [h]
+The (heads, 3, d) order of the fused QKV is HF BLOOM's head-major interleaving, so conversion is a
+reshape. Layers are one scanned block: compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from t5x_like.config import ModelConfig
+from t5x_like.kernels.reference import attention_reference  # noqa: F401 (benchmarks use it)
+from t5x_like.mesh import partitioning
+from t5x_like.model import attention as attention_lib
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+  """ALiBi slopes of the fairseq/BLOOM recipe, including head counts that are not powers of two."""
+
+  def power_of_two_slopes(n: int) -> list[float]:
+    return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+  closest = 2 ** math.floor(math.log2(num_heads))
+  slopes = power_of_two_slopes(closest)
+  if closest < num_heads:
+    slopes += power_of_two_slopes(2 * closest)[0::2][: num_heads - closest]
+  return np.asarray(slopes, dtype=np.float32)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+  """Megatron/BLOOM's tanh approximation, written out so it matches bit for bit in fp32."""
+  return 0.5 * x * (1.0 + jnp.tanh(0.79788456 * x * (1.0 + 0.044715 * x * x)))
+
+
+class Context:
+  """What every module needs besides the config: compute dtype and an activation constraint."""
+
+  def __init__(self, cfg: ModelConfig, mesh: Mesh | None):
+    self.cfg = cfg
+    self.dtype = jnp.dtype(cfg.dtype)
+    self.mesh = mesh
+    # The residual stream [batch, length, embed] between the tensor-parallel matmuls (and the
+    # LayerNorms and dropout on it): split along the sequence under model.sequence_parallel.
+    self.residual_names = ('batch', 'length_sp' if cfg.sequence_parallel else 'length', 'act_embed')
+
+  def constrain(self, x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    if self.mesh is None:
+      return x
+    spec = partitioning.spec_for(names, x.shape, self.mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+
+def _param(module: nn.Module, name: str, init: Callable, shape, names):
+  return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+
+
+class LayerNorm(nn.Module):
+  """LayerNorm with fp32 statistics whatever the compute dtype."""
+
+  eps: float
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x):
+    h = x.shape[-1]
+    scale = _param(self, 'scale', nn.initializers.ones, (h,), ('embed',))
+    bias = _param(self, 'bias', nn.initializers.zeros, (h,), ('embed',))
+    return layer_norm(x, scale, bias, self.eps).astype(self.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def layer_norm(x, scale, bias, eps: float):
+  """(x - mean) / std * scale + bias over the last dim, statistics in fp32, in x's dtype.
+
+  The backward is written out (two row reductions, one elementwise pass) and keeps only x and the
+  fp32 row statistics; autodiff of the forward keeps fp32 intermediates and makes more passes
+  (bloom_100m steps on CPU ran up to 5% faster with this in A/B runs, docs/benchmarks.md).
+  """
+  return _layer_norm_fwd(x, scale, bias, eps)[0]
+
+
+def _layer_norm_fwd(x, scale, bias, eps):
+  x32 = x.astype(jnp.float32)
+  mean = x32.mean(-1, keepdims=True)
+  rstd = jax.lax.rsqrt(jnp.square(x32 - mean).mean(-1, keepdims=True) + eps)
+  y = ((x32 - mean) * rstd * scale + bias).astype(x.dtype)
+  return y, (x, mean, rstd, scale)
+
+
+def _layer_norm_bwd(eps, residuals, dy):
+  del eps
+  x, mean, rstd, scale = residuals
+  x_hat = (x.astype(jnp.float32) - mean) * rstd
+  dy = dy.astype(jnp.float32)
+  g = dy * scale  # the gradient with respect to x_hat
+  dx = rstd * (g - g.mean(-1, keepdims=True) - x_hat * (g * x_hat).mean(-1, keepdims=True))
+  rows = tuple(range(dy.ndim - 1))
+  return dx.astype(x.dtype), (dy * x_hat).sum(rows), dy.sum(rows)
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+class Attention(nn.Module):
+  ctx: Context
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool):
+    cfg, dtype = self.ctx.cfg, self.ctx.dtype
+    h, n, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    std = cfg.weight_init_std
+    out_std = std / math.sqrt(2.0 * cfg.num_layers)
+    zeros = nn.initializers.zeros
+    wqkv = _param(
+      self, 'qkv_kernel', nn.initializers.normal(std), (h, n, 3, d), ('embed', 'heads', 'qkv', 'kv')
+    )
+    bqkv = _param(self, 'qkv_bias', zeros, (n, 3, d), ('heads', 'qkv', 'kv'))
+    wout = _param(
+      self, 'out_kernel', nn.initializers.normal(out_std), (n, d, h), ('heads', 'kv', 'embed')
+    )
+    bout = _param(self, 'out_bias', zeros, (h,), ('embed',))
+
+    qkv = jnp.einsum('bse,encd->bsncd', x, wqkv.astype(dtype)) + bqkv.astype(dtype)
+    qkv = self.ctx.constrain(qkv, ('batch', 'length', 'act_heads', None, None))
+    q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+    dropout_rng = None
+    if not deterministic and cfg.attention_dropout > 0:
+      dropout_rng = self.make_rng('dropout')
+    slopes = alibi_slopes(n) if cfg.architecture == 'bloom' else None
+    # The heads dim may be split over `tensor`; the partitioner (xla) or the per-shard kernel
+    # call (pallas, cudnn) slices the slopes with it.
+    ctx = attention_lib.attention(
+      q, k, v, cfg=cfg, mesh=self.ctx.mesh, alibi_slopes=slopes, dropout_rng=dropout_rng
+    )
+    ctx = self.ctx.constrain(ctx, ('batch', 'length', 'act_heads', None))
+    out = jnp.einsum('bsnd,nde->bse', ctx, wout.astype(dtype))
+    # Sequence parallel: the partial sums are reduce-scattered, not all-reduced; bias after.
+    out = self.ctx.constrain(out, self.ctx.residual_names) + bout.astype(dtype)
+    return self.ctx.constrain(out, self.ctx.residual_names)
+
+
+class Mlp(nn.Module):
+  ctx: Context
+
+  @nn.compact
+  def __call__(self, x):
+    cfg, dtype = self.ctx.cfg, self.ctx.dtype
+    h, f = cfg.hidden_size, cfg.ffn_size
+    std = cfg.weight_init_std
+    out_std = std / math.sqrt(2.0 * cfg.num_layers)
+    zeros = nn.initializers.zeros
+    wi = _param(self, 'wi_kernel', nn.initializers.normal(std), (h, f), ('embed', 'mlp'))
+    bi = _param(self, 'wi_bias', zeros, (f,), ('mlp',))
+    wo = _param(self, 'wo_kernel', nn.initializers.normal(out_std), (f, h), ('mlp', 'embed'))
+    bo = _param(self, 'wo_bias', zeros, (h,), ('embed',))
+    y = jnp.einsum('bse,ef->bsf', x, wi.astype(dtype)) + bi.astype(dtype)
+    y = self.ctx.constrain(y, ('batch', 'length', 'act_mlp'))
+    y = gelu_tanh(y)
+    out = jnp.einsum('bsf,fe->bse', y, wo.astype(dtype))
+    out = self.ctx.constrain(out, self.ctx.residual_names) + bo.astype(dtype)
+    return self.ctx.constrain(out, self.ctx.residual_names)
+
+
+class Block(nn.Module):
+  """Pre-LN block: x + drop(attn(LN1(x))), then x + drop(mlp(LN2(x)))."""
+
+  ctx: Context
+  deterministic: bool
+
+  @nn.compact
+  def __call__(self, x, _):
+    cfg = self.ctx.cfg
+    drop = nn.Dropout(cfg.hidden_dropout, deterministic=self.deterministic)
+    ln = lambda name: LayerNorm(cfg.layernorm_epsilon, self.ctx.dtype, name=name)
+    residual = lambda y: self.ctx.constrain(y, self.ctx.residual_names)
+    x = residual(x)
+    x = x + drop(Attention(self.ctx, name='attn')(residual(ln('ln1')(x)), self.deterministic))
+    x = x + drop(Mlp(self.ctx, name='mlp')(residual(ln('ln2')(x))))
+    return residual(x), None
+
+
+_REMAT_POLICIES = {
+  'full': jax.checkpoint_policies.nothing_saveable,
+  'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Transformer(nn.Module):
+  """tokens [B, S] -> fp32 logits [B, S, V_pad] (padded vocabulary entries masked out)."""
+
+  cfg: ModelConfig
+  padded_vocab: int
+  mesh: Mesh | None = None
+
+  @nn.compact
+  def __call__(
+    self, tokens: jax.Array, deterministic: bool = True, return_hidden: bool = False
+  ) -> jax.Array:
+    """return_hidden: the final-LN hidden states [B, S, h] instead of the logits, for a loss
+    that applies the tied embedding itself (the chunked cross-entropy, t5x_like/losses.py)."""
+    cfg, ctx = self.cfg, Context(self.cfg, self.mesh)
+    std = cfg.weight_init_std
+    # StableEmbedding's Xavier-uniform: the init runs on the global [V_pad, h] shape (jitted
+    # into its shardings), so its fan is the whole vocabulary's on every tensor/pipeline shard,
+    # not a shard's (Megatron-DeepSpeed PR 182).
+    emb_init = (
+      nn.initializers.xavier_uniform() if cfg.stable_embedding else nn.initializers.normal(std)
+    )
+    emb = _param(
+      self, 'word_embeddings', emb_init, (self.padded_vocab, cfg.hidden_size), ('vocab', 'embed')
+    )
+    emb = emb.astype(ctx.dtype)
+    x = jnp.take(emb, tokens, axis=0)  # vocab-split table: masked local lookup + all-reduce
+    if cfg.architecture == 'gpt2':
+      if cfg.stable_embedding:
+        x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype, name='embed_ln')(
+          ctx.constrain(x, ctx.residual_names)
+        )
+      pos = _param(
+        self,
+        'position_embeddings',
+        nn.initializers.normal(std),
+        (cfg.max_position_embeddings, cfg.hidden_size),
+        ('positions', 'embed'),
+      )
+      x = x + pos[: tokens.shape[1]].astype(ctx.dtype)[None]
+    else:
+      x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype, name='embed_ln')(
+        ctx.constrain(x, ctx.residual_names)
+      )
+    x = ctx.constrain(x, ctx.residual_names)
+    x = nn.Dropout(cfg.hidden_dropout, deterministic=deterministic)(x)
+
+    block = Block
+    if cfg.remat_policy != 'none':
+      block = nn.remat(Block, policy=_REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
+    layers = nn.scan(
+      block,
+      variable_axes={'params': 0},
+      split_rngs={'params': True, 'dropout': True},
+      length=cfg.num_layers,
+      unroll=cfg.num_layers if cfg.scan_unroll else 1,
+      metadata_params={nn.PARTITION_NAME: 'layers'},
+    )(ctx, deterministic, name='layers')
+    x, _ = layers(x, None)
+    x = ctx.constrain(
+      LayerNorm(cfg.layernorm_epsilon, ctx.dtype, name='final_ln')(x), ctx.residual_names
+    )
+    if return_hidden:
+      return x
+    return tied_logits(x, emb, cfg.vocab_size, ctx)
+
+
+def tied_logits(x, emb, vocab_size: int, ctx: Context):
+  """fp32 logits from the tied embeddings, split over the vocabulary; padded rows masked."""
+  logits = jnp.einsum('bse,ve->bsv', x, emb.astype(ctx.dtype), preferred_element_type=jnp.float32)
+  logits = ctx.constrain(logits, ('batch', 'length', 'act_vocab'))
+  # Padded rows can never be predicted, so an imported HF model keeps its exact softmax.
+  valid = jnp.arange(emb.shape[0]) < vocab_size
+  return jnp.where(valid, logits, jnp.finfo(jnp.float32).min)
+
+
+def embed_tokens(params, tokens, cfg: ModelConfig, ctx: Context):
+  """The Transformer's input side (token lookup, positions or embedding LN) on a param tree."""
+  x = jnp.take(params['word_embeddings'].astype(ctx.dtype), tokens, axis=0)
+  if cfg.architecture == 'gpt2':
+    if cfg.stable_embedding:
+      x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply(
+        {'params': params['embed_ln']}, ctx.constrain(x, ctx.residual_names)
+      )
+    x = x + params['position_embeddings'][: tokens.shape[1]].astype(ctx.dtype)[None]
+  else:
+    x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply(
+      {'params': params['embed_ln']}, ctx.constrain(x, ctx.residual_names)
+    )
+  return ctx.constrain(x, ctx.residual_names)
+
+
+def final_norm(params, x, cfg: ModelConfig, ctx: Context):
+  """The final LayerNorm on a param tree."""
+  x = ctx.constrain(x, ctx.residual_names)
+  return ctx.constrain(
+    LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply({'params': params['final_ln']}, x),
+    ctx.residual_names,
+  )
+
+
+def output_logits(params, x, cfg: ModelConfig, ctx: Context):
+  """The Transformer's output side (final LN, tied logits) on a param tree."""
+  return tied_logits(
+    final_norm(params, x, cfg, ctx), params['word_embeddings'], cfg.vocab_size, ctx
+  )
+
+
+def apply_block(layer_params, x, ctx: Context, deterministic: bool = True, dropout_rng=None):
+  """One transformer block (params of a single layer, unstacked) on x."""
+  rngs = {'dropout': dropout_rng} if dropout_rng is not None else {}
+  y, _ = Block(ctx, deterministic).apply({'params': layer_params}, x, None, rngs=rngs)
+  return y
+
+
+def remat_policy(name: str):
+  """The jax.checkpoint policy of `model.remat_policy`, or None for no recomputation."""
+  return _REMAT_POLICIES.get(name)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Per-token next-token cross-entropy in fp32, never gathering the vocabulary on one device.
+
+  The max, the log-sum-exp and the label logit are reductions over the (tensor-split) vocab dim,
+  which the partitioner turns into local reductions plus all-reduces of [B, S] values.
+  """
+  logits = logits.astype(jnp.float32)
+  top = jax.lax.stop_gradient(logits.max(-1, keepdims=True))
+  lse = jnp.log(jnp.exp(logits - top).sum(-1)) + top[..., 0]
+  vocab_ids = jnp.arange(logits.shape[-1], dtype=labels.dtype)
+  label_logit = jnp.where(vocab_ids == labels[..., None], logits, 0.0).sum(-1)
+  return lse - label_logit
+
+
+def param_logical_names(boxed_params):
+  """The logical axis names of every parameter of a boxed (nn.Partitioned) param tree."""
+  return jax.tree.map(
+    lambda b: b.names, boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+  )

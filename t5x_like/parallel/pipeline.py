@@ -1,0 +1,653 @@
+"""Pipeline parallelism over the `pipeline` mesh axis: one SPMD program, a circular schedule.
+
+Stage plan. The L layers are cut into chunks of `chunk` layers; chunk c = r * P + s runs on stage
+s in repeat r (R repeats: the circular/interleaved schedule). When P * R does not divide L, some
+stages get one padding slot (an identity layer): never more than one per stage, first and last
+stages first (BLOOM-176B put 5 blocks + the embedding on those and 6 on the others).
+
+Storage. In memory, layer params are stacked in *stage-major* order [P * R * chunk, ...] so that
+splitting the leading dim over `pipeline` gives every stage exactly its own slots. Checkpoints use
+the canonical order [L, ...]; `to_storage` / `to_canonical` convert (the identity when P = R = 1),
+so a checkpoint saved with any P and R restores with any other.
+
+Schedule. Micro-batch k enters stage 0 at time k (k < M * R; repeat r = k // M of micro-batch
+k % M) and stage s works on injection t - s at time t, for T = M * R + P - 1 steps. Stage outputs
+move to the next stage with a roll over the stage dim (a collective permute); with R > 1 the last
+stage's outputs wait in a buffer until their micro-batch re-enters stage 0 (this needs M >= P). The
+bubble is (P - 1) / (M * R + P - 1). The backward pass is the transpose of the same scan.
+
+Embedding and head. The vocabulary is split over `tensor` x `pipeline` when they divide it (see
+partitioning), so the 250k-row embedding is spread over every stage instead of sitting on the first
+and last. The lookup of the micro-batch entering stage 0 runs at every tick (kept only while
+micro-batches enter). The head + loss of the micro-batch leaving the last stage run in the same
+tick, computed by all stages together (vocab-parallel), so the last stage's outputs are never
+stacked over the T ticks. In the first P - 1 ticks no micro-batch leaves: under 'full' the head
+is skipped; otherwise it runs on placeholder activations and its result is dropped ((P - 1) / M
+more head work, against [T, rows, S, h] activations kept).
+
+Memory under remat_policy='full'. Only each tick's stage inputs are kept (as raw bits, see
+`_recompute_in_backward`); the backward pass recomputes the tick, and inside that recomputation
+each layer keeps only its matmul outputs, not all `chunk` layers' attention probabilities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from t5x_like.config import Config
+from t5x_like.model import losses
+from t5x_like.model import transformer as model_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+  num_layers: int
+  stages: int
+  repeats: int
+  chunk: int
+  slot_layer: np.ndarray  # [stages, repeats, chunk] logical layer of each slot, -1 for padding
+
+  @property
+  def slots_per_stage(self) -> int:
+    return self.repeats * self.chunk
+
+  @property
+  def num_slots(self) -> int:
+    return self.stages * self.slots_per_stage
+
+  @property
+  def is_identity(self) -> bool:
+    return self.num_slots == self.num_layers and self.repeats == 1
+
+  @property
+  def storage_slots(self) -> np.ndarray:
+    """Logical layer of each storage position (stage-major order), -1 for padding."""
+    return self.slot_layer.reshape(-1)
+
+  @property
+  def storage_position(self) -> np.ndarray:
+    """Storage position of each logical layer."""
+    position = np.empty(self.num_layers, np.int32)
+    for pos, layer in enumerate(self.storage_slots):
+      if layer >= 0:
+        position[layer] = pos
+    return position
+
+  def layers_per_stage(self) -> list[int]:
+    return [int((self.slot_layer[s] >= 0).sum()) for s in range(self.stages)]
+
+  def bubble_fraction(self, num_microbatches: int, microbatch_group: int = 0) -> float:
+    """The idle share of the stages' ticks. `microbatch_group` G > 0 (pipeline.microbatch_group):
+    the schedule runs over groups of G micro-batches, each with its own fill and drain."""
+    per_schedule = microbatch_group or num_microbatches
+    return (self.stages - 1) / (per_schedule * self.repeats + self.stages - 1)
+
+  def describe(self) -> str:
+    padding = self.num_slots - self.num_layers
+    cost = (
+      (
+        f'{padding} padding slot(s) (identity layers on stages '
+        f'{[s for s in range(self.stages) if (self.slot_layer[s] < 0).any()]}), costing '
+        f'{padding / self.num_slots:.1%} of the layer compute'
+      )
+      if padding
+      else 'no padding'
+    )
+    return (
+      f'{self.num_layers} layers on {self.stages} stages x {self.repeats} repeat(s) of '
+      f'{self.chunk} layer(s): layers per stage {self.layers_per_stage()}; {cost}'
+    )
+
+
+def make_plan(num_layers: int, stages: int, repeats: int = 1) -> StagePlan:
+  chunk = math.ceil(num_layers / (stages * repeats))
+  padding = stages * repeats * chunk - num_layers
+  if padding > stages:
+    raise ValueError(
+      f'{num_layers} layers on {stages} stages x {repeats} repeats would need more '
+      'than one padding slot per stage'
+    )
+  # One padding slot (the last slot of the last repeat) on the outermost stages first.
+  order = [s for pair in zip(range(stages), reversed(range(stages))) for s in pair]
+  padded = set(list(dict.fromkeys(order))[:padding])
+  slot_layer = np.full((stages, repeats, chunk), -1, np.int32)
+  layer = 0
+  for r in range(repeats):
+    for s in range(stages):
+      for i in range(chunk):
+        if s in padded and r == repeats - 1 and i == chunk - 1:
+          continue
+        slot_layer[s, r, i] = layer
+        layer += 1
+  assert layer == num_layers
+  return StagePlan(num_layers, stages, repeats, chunk, slot_layer)
+
+
+def plan_for(cfg: Config) -> StagePlan:
+  return make_plan(cfg.model.num_layers, cfg.mesh.pipeline, cfg.pipeline.repeats)
+
+
+# ----------------------------------------------------------------------------- layout conversion
+
+
+def is_layer_leaf(path) -> bool:
+  return any(getattr(k, 'key', None) == 'layers' for k in path)
+
+
+def map_layer_leaves(fn, tree):
+  """Applies fn to every array under a `layers` key (params and the Adam moments alike)."""
+  return jax.tree_util.tree_map_with_path(
+    lambda path, x: fn(x) if is_layer_leaf(path) and getattr(x, 'ndim', 0) else x, tree
+  )
+
+
+def to_storage(plan: StagePlan, tree):
+  """Canonical [L, ...] layer stacks -> stage-major storage [P * R * chunk, ...] (zero padding)."""
+  if plan.is_identity:
+    return tree
+  slots = jnp.asarray(np.maximum(plan.storage_slots, 0))
+  real = jnp.asarray(plan.storage_slots >= 0)
+
+  def convert(x):
+    taken = jnp.take(x, slots, axis=0)
+    return jnp.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), taken, jnp.zeros_like(taken))
+
+  return map_layer_leaves(convert, tree)
+
+
+def to_canonical(plan: StagePlan, tree):
+  """Storage [P * R * chunk, ...] -> canonical [L, ...] layer order."""
+  if plan.is_identity:
+    return tree
+  position = jnp.asarray(plan.storage_position)
+  return map_layer_leaves(lambda x: jnp.take(x, position, axis=0), tree)
+
+
+def storage_shape(plan: StagePlan, path, shape: tuple[int, ...]) -> tuple[int, ...]:
+  if is_layer_leaf(path) and len(shape) and not plan.is_identity:
+    return (plan.num_slots,) + tuple(shape[1:])
+  return tuple(shape)
+
+
+# ----------------------------------------------------------------------------------- schedule
+
+
+def as_bits(tree, dtype):
+  """A compute-dtype tree as raw bits (uint16) when the dtype is 16-bit, else as it is: the same
+  bytes, but XLA's CPU backend, which moves bf16 as f32, keeps them at their size, so that
+  `python -m t5x_like.plan` on a CPU reports the weight memory a GPU needs."""
+  if jnp.dtype(dtype).itemsize != 2:
+    return tree
+  return jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint16), tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def compute_copy(master, compute, dtype):
+  """`compute` (a compute-dtype copy of `master`, possibly as `as_bits`) for the forward pass;
+  the gradient goes to `master`, in master's dtype. Used inside the schedule's scan, each use's
+  gradient is widened before the scan's transpose adds it up: the micro-batches' gradients
+  accumulate in fp32 while the stage computes from a gathered bf16 copy (Megatron's bf16 weights
+  with an fp32 main_grad), and no fp32 copy of a stage's weights is ever gathered."""
+  del master
+  if compute.dtype == jnp.uint16 and jnp.dtype(dtype) != jnp.uint16:
+    return jax.lax.bitcast_convert_type(compute, dtype)
+  return compute.astype(dtype)
+
+
+def _compute_copy_forward(master, compute, dtype):
+  # An empty residual that carries master's dtype to the backward pass.
+  return compute_copy(master, compute, dtype), jnp.zeros((0,), master.dtype)
+
+
+def _compute_copy_backward(dtype, master_dtype, cotangent):
+  return cotangent.astype(master_dtype.dtype), None
+
+
+compute_copy.defvjp(_compute_copy_forward, _compute_copy_backward)
+
+
+def _never_save_weights(policy):
+  """`policy` (None: save everything), except the per-layer compute-dtype weights."""
+  exclude = jax.checkpoint_policies.save_anything_except_these_names('stage_weights')
+  if policy is None:
+    return exclude
+  return lambda prim, *args, **params: (
+    exclude(prim, *args, **params) and policy(prim, *args, **params)
+  )
+
+
+def _recompute_in_backward(fn, dtype):
+  """`jax.checkpoint(fn, policy=nothing_saveable)` written as a custom VJP: fn's inputs are kept,
+  and the backward pass runs fn again from them. fn must take every traced value it uses as an
+  argument (a custom VJP cannot close over them). Inputs in a 16-bit compute dtype are kept as
+  their raw bits (uint16): the same bytes, but XLA's CPU backend, which has no bf16 data movement,
+  would otherwise widen the whole [ticks, ...] bf16 stack of kept stage inputs to f32, and
+  `python -m t5x_like.plan` on a CPU would report twice the activation memory a GPU needs."""
+  narrow = jnp.dtype(dtype).itemsize == 2
+
+  def call(*args):
+    leaves, treedef = jax.tree.flatten(args)
+    as_bits = [narrow and leaf.dtype == dtype for leaf in leaves]
+
+    def keep(args):
+      return [
+        jax.lax.bitcast_convert_type(leaf, jnp.uint16) if bits else leaf
+        for leaf, bits in zip(jax.tree.leaves(args), as_bits)
+      ]
+
+    def restore(kept):
+      return treedef.unflatten(
+        [
+          jax.lax.bitcast_convert_type(leaf, dtype) if bits else leaf
+          for leaf, bits in zip(kept, as_bits)
+        ]
+      )
+
+    @jax.custom_vjp
+    def recomputed(*args):
+      return fn(*args)
+
+    def forward(*args):
+      return fn(*args), keep(args)
+
+    def backward(kept, cotangents):
+      _, fn_vjp = jax.vjp(fn, *restore(kept))
+      return fn_vjp(cotangents)
+
+    recomputed.defvjp(forward, backward)
+    return recomputed(*args)
+
+  return call
+
+
+_EMBED_DROPOUT_ID = 1 << 20  # rng stream of the embedding dropout, apart from the layers' ids
+
+
+def _dropout(x, rate: float, rng):
+  if rate <= 0 or rng is None:
+    return x
+  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+class Schedule:
+  """What both schedules share: the stage plan, the master params and their compute copy in
+  storage layout, and the functions a tick runs (a stage, the embedding, the head and loss).
+
+  `params` hold the fp32 master values in storage layout, `compute_params` their compute-dtype
+  copy, possibly `as_bits` (default: cast here). The stages compute from the copy and every use
+  sends its gradient to `params` in fp32 (`compute_copy`), so gradients accumulate over
+  micro-batches in fp32 while only the compute copy is gathered.
+  """
+
+  def __init__(
+    self,
+    params,
+    batch,
+    rng,
+    cfg: Config,
+    plan: StagePlan,
+    ctx: model_lib.Context,
+    deterministic: bool,
+    compute_params=None,
+  ):
+    P, R, chunk = plan.stages, plan.repeats, plan.chunk
+    self.cfg, self.plan, self.ctx, self.batch, self.rng = cfg, plan, ctx, batch, rng
+    self.deterministic = deterministic
+    self.num_microbatches = batch.shape[0]
+    self.activation_shape = (batch.shape[1], batch.shape[2] - 1, cfg.model.hidden_size)
+    self.dtype = ctx.dtype
+    if compute_params is None:
+      compute_params = as_bits(params, self.dtype)
+    compute_params = jax.lax.stop_gradient(compute_params)
+    self.params, self.compute_params = params, compute_params
+    by_stage = lambda tree: jax.tree.map(lambda w: w.reshape((P, R, chunk) + w.shape[1:]), tree)
+    # (master, compute) pairs, read together at each use.
+    self.layers = (by_stage(params['layers']), by_stage(compute_params['layers']))
+    self.head_params = tuple(
+      {k: tree[k] for k in ('word_embeddings', 'final_ln')} for tree in (params, compute_params)
+    )
+    self.embedding_params = tuple(
+      {k: v for k, v in tree.items() if k != 'layers'} for tree in (params, compute_params)
+    )
+    self.slot_is_real = jnp.asarray(plan.slot_layer >= 0)
+    self.slot_layer = jnp.asarray(plan.slot_layer)
+    self.full = cfg.model.remat_policy == 'full'
+    # Under 'full' a whole tick is recomputed in the backward pass; inside that recompute each
+    # layer still keeps only its matmul outputs for its own backward, not the attention
+    # probabilities and dropout bits of all `chunk` layers at once.
+    self.policy = model_lib.remat_policy('save_dots' if self.full else cfg.model.remat_policy)
+    self.hidden_dropout = 0.0 if deterministic else cfg.model.hidden_dropout
+    self.buffer_names = ('stages',) + ctx.residual_names  # split along seq under sequence_parallel
+    # All stages at once: the stage dim is split over `pipeline`.
+    self.stages = jax.vmap(
+      self.run_stage, in_axes=(0, 0, 0, 0, 0, 0, None), spmd_axis_name='pipeline'
+    )
+
+  def read(self, master, compute):
+    """Inside the scan, so that each tick's gradient is widened before it is accumulated."""
+    return jax.tree.map(lambda m, c: compute_copy(m, c, self.dtype), master, compute)
+
+  def keyed(self, rng, *ids):
+    if self.deterministic:
+      return None
+    return jax.random.fold_in(jax.random.fold_in(rng, ids[0]), ids[1])
+
+  def run_stage(self, stage_layers, x, repeat, injection, stage_real, stage_ids, rng):
+    """One stage's `chunk` layers of its `repeat` on x, the activations of `injection`."""
+    cfg, ctx = self.cfg, self.ctx
+    real = jax.lax.dynamic_index_in_dim(stage_real, repeat, 0, False)
+    ids = jax.lax.dynamic_index_in_dim(stage_ids, repeat, 0, False)
+
+    def one_layer(x, i):
+      master, compute = jax.tree.map(lambda a: a[repeat, i], stage_layers)
+      # Named so that no remat policy saves it: a per-tick copy of the weights would make the
+      # scan keep T copies of the stage for the backward pass.
+      weights = checkpoint_name(self.read(master, compute), 'stage_weights')
+      y = model_lib.apply_block(
+        weights, x, ctx, self.deterministic, self.keyed(rng, injection, ids[i])
+      )
+      return jnp.where(real[i], y, x), None
+
+    if cfg.model.remat_policy != 'none':
+      one_layer = jax.checkpoint(
+        one_layer, policy=_never_save_weights(self.policy), prevent_cse=False
+      )
+    x, _ = jax.lax.scan(one_layer, x, jnp.arange(self.plan.chunk), unroll=cfg.model.scan_unroll)
+    return x
+
+  def embed_with(self, embedding_params, m):
+    """Micro-batch m's embedded (and dropped-out) tokens."""
+    inputs, _, _ = losses.split_tokens(jax.lax.dynamic_index_in_dim(self.batch, m, 0, False))
+    x = model_lib.embed_tokens(self.read(*embedding_params), inputs, self.cfg.model, self.ctx)
+    return _dropout(x, self.hidden_dropout, self.keyed(self.rng, m, _EMBED_DROPOUT_ID))
+
+  def head_loss(self, head_params, x, tokens):
+    """The mean loss of the micro-batch `tokens` from the last stage's output x."""
+    cfg, ctx = self.cfg, self.ctx
+    head_params = self.read(*head_params)
+    _, labels, weights = losses.split_tokens(tokens)
+    if cfg.model.cross_entropy_impl == 'chunked':
+      hidden = model_lib.final_norm(head_params, x, cfg.model, ctx)
+      embedding = head_params['word_embeddings'].astype(hidden.dtype)
+      token_losses = losses.chunked_token_losses(hidden, embedding, labels, cfg.model, ctx.mesh)
+    else:
+      logits = model_lib.output_logits(head_params, x, cfg.model, ctx)
+      token_losses = model_lib.cross_entropy(logits, labels)
+    return losses.weighted_mean(token_losses, weights)
+
+  def loss_denominator(self):
+    """Micro-batches the step's mean is over: the real ones under the ramp-up's padding (those
+    after the real ones are padding only: a loss of 0 and no gradient)."""
+    if self.cfg.train.rampup_microbatch_multiple:
+      return losses.real_microbatches(self.batch).sum()
+    return self.num_microbatches
+
+  def zero_buffer(self, leading: int):
+    return self.ctx.constrain(
+      jnp.zeros((leading,) + self.activation_shape, self.dtype), self.buffer_names
+    )
+
+
+def pipeline_loss(
+  params,
+  batch,
+  rng,
+  cfg: Config,
+  plan: StagePlan,
+  ctx: model_lib.Context,
+  deterministic: bool = True,
+  compute_params=None,
+):
+  """Mean next-token loss of batch [M, rows, S + 1] through the pipelined model (the GPipe
+  order: all forwards, then the scan's transpose runs all backwards): the mean of the
+  micro-batches' means over their targets that are not padding (`losses.PAD_ID`), over the
+  micro-batches that hold any. Differentiate it for the gradients; see `Schedule` for the
+  params."""
+  sched = Schedule(params, batch, rng, cfg, plan, ctx, deterministic, compute_params)
+  P, R = plan.stages, plan.repeats
+  M = sched.num_microbatches
+  full, stages, buffer_names = sched.full, sched.stages, sched.buffer_names
+
+  # Computed at every tick (a lookup and a LayerNorm, cheap next to a stage) and recomputed in
+  # the backward pass: only the token ids are kept per tick, and the table, a loop invariant of
+  # the scan, is never copied. (Under a cond the table would be saved once per tick.)
+  embed = jax.checkpoint(
+    lambda m: sched.embed_with(sched.embedding_params, m),
+    policy=jax.checkpoint_policies.nothing_saveable,
+    prevent_cse=False,
+  )
+  head_loss = sched.head_loss
+  if not full:
+    # Keep only the head's input per tick and recompute [rows, S, V] logits in backward.
+    head_loss = jax.checkpoint(
+      head_loss, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
+    )
+
+  def stage_tick(
+    layers, head_params, inputs, repeat, injection, t, batch, rng, slot_is_real, slot_layer
+  ):
+    """All stages' work at tick t, and the loss of the micro-batch that leaves the last stage in
+    its last repeat (micro-batch m at tick (R - 1) * M + m + P - 1; 0 while none does)."""
+    outputs = stages(layers, inputs, repeat, injection, slot_is_real, slot_layer, rng)
+    outputs = ctx.constrain(outputs, buffer_names)
+    m_out = t - (P - 1) - (R - 1) * M
+    leaving = jax.lax.dynamic_index_in_dim(batch, jnp.clip(m_out, 0, M - 1), 0, False)
+    # The head runs in the tick on the last stage's outputs, so nothing [T, rows, S, h] is ever
+    # stacked: under 'full' the backward pass recomputes them from the stage inputs it keeps
+    # anyway. In the P - 1 ticks before the first micro-batch leaves there is no loss: under
+    # 'full' a cond skips the head (the tick keeps only its inputs whatever it contains); without
+    # the tick-level recomputation a cond would keep its branch's residuals, the head's weights
+    # among them, once per tick, so the head runs on placeholder activations and `where` drops
+    # its value and gradient.
+    if full:
+      return outputs, jax.lax.cond(
+        m_out >= 0, head_loss, lambda *_: jnp.float32(0.0), head_params, outputs[P - 1], leaving
+      )
+    loss = head_loss(head_params, outputs[P - 1], leaving)
+    return outputs, jnp.where(m_out >= 0, loss, 0.0)
+
+  if full:
+    # Megatron's full recomputation: keep only each stage's input per tick and recompute the
+    # stage's forward (and the head's) once in the backward pass. (A custom VJP cannot close
+    # over traced values, so the tick takes them all as arguments.)
+    stage_tick = _recompute_in_backward(stage_tick, sched.dtype)
+
+  def tick(carry, t):
+    buffer, waiting = carry
+    injection = t - jnp.arange(P)
+    repeat = jnp.clip(injection // M, 0, R - 1)
+    m_in = t % M
+    zeros = jnp.zeros(sched.activation_shape, sched.dtype)
+    later = jax.lax.dynamic_index_in_dim(waiting, m_in, 0, False) if R > 1 else zeros
+    entering = jnp.where(t < M, embed(m_in), later)
+    inputs = ctx.constrain(buffer.at[0].set(entering), buffer_names)
+    outputs, loss = stage_tick(
+      sched.layers,
+      sched.head_params,
+      inputs,
+      repeat,
+      injection,
+      t,
+      batch,
+      rng,
+      sched.slot_is_real,
+      sched.slot_layer,
+    )
+    if R > 1:
+      last, done = outputs[P - 1], t - (P - 1)
+      m_out = jnp.mod(done, M)
+      waiting = jax.lax.dynamic_update_index_in_dim(
+        waiting, jnp.where(done >= 0, last, waiting[m_out]), m_out, 0
+      )
+    return (jnp.roll(outputs, 1, axis=0), waiting), loss
+
+  waiting = jnp.zeros((M if R > 1 else 1,) + sched.activation_shape, sched.dtype)
+  waiting = ctx.constrain(waiting, (None,) + ctx.residual_names)  # sequence_parallel: split too
+  _, tick_losses = jax.lax.scan(
+    tick, (sched.zero_buffer(P), waiting), jnp.arange(M * R + P - 1), unroll=cfg.model.scan_unroll
+  )
+  # Padding micro-batches of the ramp-up add 0. (Not skipped: within a tick the stages run under
+  # vmap, where a cond becomes a select. A cond that skipped the ticks after the last real
+  # micro-batch had left worked, but its per-tick weight-gradient output cost BLOOM-176B
+  # 16.7 GiB more per device, docs/benchmarks.md.)
+  return tick_losses.sum() / sched.loss_denominator()
+
+
+def one_f_one_b_loss_and_grads(
+  params,
+  batch,
+  rng,
+  cfg: Config,
+  plan: StagePlan,
+  ctx: model_lib.Context,
+  deterministic: bool = True,
+  compute_params=None,
+):
+  """`pipeline_loss` and its gradient w.r.t. `params` in the 1F1B order (pipeline.schedule =
+  '1f1b', one repeat): a micro-batch's backward pass starts as soon as it has left the last
+  stage, so a stage keeps the inputs of at most 2P - 1 micro-batches, not of all M.
+
+  One scan, not differentiated: at tick t stage s runs the forward of micro-batch t - s and the
+  backward of micro-batch t - (2P - 2) + s, recomputing its forward from the kept input (every
+  remat policy is stage-level recomputation here). The last stage's forward, the head's forward
+  and backward and that stage's backward of the same micro-batch run in one tick; cotangents
+  move one stage down per tick. The fill (P - 1 ticks of forwards only) and drain (P - 1 ticks of
+  backwards only) skip the idle half, so the step does GPipe's work: the bubble is the same
+  (P - 1) / (M + P - 1), and the gradients accumulate in fp32 in the scan's carry."""
+  sched = Schedule(params, batch, rng, cfg, plan, ctx, deterministic, compute_params)
+  P, M = plan.stages, sched.num_microbatches
+  slots = 2 * P - 1  # a stage keeps micro-batches t - (2P - 2) + s .. t - s: at most 2P - 1
+  stage_ids = jnp.arange(P)
+  scale = 1.0 / sched.loss_denominator()
+  masters, computes = sched.layers
+  head_master, head_compute = sched.head_params
+  embedding_master, embedding_compute = sched.embedding_params
+  zero_repeat = jnp.zeros((P,), jnp.int32)
+
+  def stage_backward(stage_master, stage_compute, x, cotangent, injection, stage_real, stage_layer):
+    """One stage's weight gradient (fp32) and input cotangent, its forward recomputed."""
+    forward = lambda master, x: sched.run_stage(
+      (master, stage_compute), x, 0, injection, stage_real, stage_layer, rng
+    )
+    _, pullback = jax.vjp(forward, stage_master, x)
+    return pullback(cotangent)
+
+  backward_stages = jax.vmap(
+    stage_backward, in_axes=(0, 0, 0, 0, 0, 0, 0), spmd_axis_name='pipeline'
+  )
+
+  def head_forward_backward(x, tokens):
+    loss, pullback = jax.vjp(
+      lambda master, x: sched.head_loss((master, head_compute), x, tokens), head_master, x
+    )
+    head_grads, x_cotangent = pullback(jnp.asarray(scale, loss.dtype))
+    return loss, head_grads, x_cotangent
+
+  def no_head(x, tokens):
+    del tokens
+    return (
+      jnp.float32(0.0),
+      jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), head_master),
+      jnp.zeros_like(x),
+    )
+
+  def embedding_backward(m, cotangent):
+    _, pullback = jax.vjp(
+      lambda master: sched.embed_with((master, embedding_compute), m), embedding_master
+    )
+    return pullback(cotangent)[0]
+
+  def forward_half(t, forward, kept):
+    """Stage s runs micro-batch t - s; its input is kept in slot (t - s) mod (2P - 1)."""
+    injection = t - stage_ids
+    entering = sched.embed_with(sched.embedding_params, jnp.clip(t, 0, M - 1))
+    inputs = ctx.constrain(forward.at[0].set(entering), sched.buffer_names)
+    kept = jax.vmap(
+      lambda k, x, slot: jax.lax.dynamic_update_index_in_dim(k, x, slot, 0),
+      spmd_axis_name='pipeline',
+    )(kept, inputs, jnp.mod(injection, slots))
+    outputs = sched.stages(
+      (masters, computes), inputs, zero_repeat, injection, sched.slot_is_real, sched.slot_layer, rng
+    )
+    return ctx.constrain(outputs, sched.buffer_names), kept
+
+  def backward_half(t, cotangents, kept, grads):
+    """Stage s runs the backward of micro-batch t - (2P - 2) + s from its kept input, and adds
+    its weight gradient to `grads` (stage 0 adds the embedding's too)."""
+    injection = t - (2 * P - 2) + stage_ids
+    active = (injection >= 0) & (injection < M)
+    # Zero cotangents give exactly zero gradients: the idle stages add nothing.
+    cotangents = jnp.where(active[:, None, None, None], cotangents, 0).astype(sched.dtype)
+    inputs = jax.vmap(
+      lambda k, slot: jax.lax.dynamic_index_in_dim(k, slot, 0, False), spmd_axis_name='pipeline'
+    )(kept, jnp.mod(injection, slots))
+    weight_grads, input_cotangents = backward_stages(
+      masters, computes, inputs, cotangents, injection, sched.slot_is_real, sched.slot_layer
+    )
+    layer_grads, other_grads = grads
+    layer_grads = jax.tree.map(jnp.add, layer_grads, weight_grads)
+    other_grads = jax.lax.cond(
+      active[0],
+      lambda g: jax.tree.map(
+        jnp.add, g, embedding_backward(jnp.clip(injection[0], 0, M - 1), input_cotangents[0])
+      ),
+      lambda g: g,
+      other_grads,
+    )
+    input_cotangents = ctx.constrain(input_cotangents, sched.buffer_names)
+    return jnp.roll(input_cotangents, -1, axis=0), (layer_grads, other_grads)
+
+  def tick(carry, t):
+    forward, cotangents, kept, grads, loss_sum = carry
+    # The fill's P - 1 ticks run no backward, the drain's P - 1 no forward.
+    outputs, kept = jax.lax.cond(
+      t < M + P - 1, forward_half, lambda t, f, k: (f, k), t, forward, kept
+    )
+    m_out = t - (P - 1)
+    leaving = jax.lax.dynamic_index_in_dim(batch, jnp.clip(m_out, 0, M - 1), 0, False)
+    loss, head_grads, last_cotangent = jax.lax.cond(
+      (m_out >= 0) & (m_out < M), head_forward_backward, no_head, outputs[P - 1], leaving
+    )
+    layer_grads, other_grads = grads
+    other_grads = {
+      k: (jax.tree.map(jnp.add, v, head_grads[k]) if k in head_grads else v)
+      for k, v in other_grads.items()
+    }
+    cotangents = cotangents.at[P - 1].set(last_cotangent.astype(sched.dtype))
+    cotangents, grads = jax.lax.cond(
+      t >= P - 1,
+      backward_half,
+      lambda t, c, k, g: (c, g),
+      t,
+      cotangents,
+      kept,
+      (layer_grads, other_grads),
+    )
+    return (jnp.roll(outputs, 1, axis=0), cotangents, kept, grads, loss_sum + loss), None
+
+  fp32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
+  kept = ctx.constrain(
+    jnp.zeros((P, slots) + sched.activation_shape, sched.dtype),
+    ('stages', None) + ctx.residual_names,
+  )
+  carry = (
+    sched.zero_buffer(P),
+    sched.zero_buffer(P),
+    kept,
+    (fp32_zeros(masters), fp32_zeros(embedding_master)),
+    jnp.float32(0.0),
+  )
+  (_, _, _, (layer_grads, other_grads), loss_sum), _ = jax.lax.scan(
+    tick, carry, jnp.arange(M + 2 * P - 2), unroll=cfg.model.scan_unroll
+  )
+  layer_grads = jax.tree.map(lambda g, p: g.reshape(p.shape), layer_grads, params['layers'])
+  grads = dict(other_grads, layers=layer_grads)
+  return loss_sum * scale, grads

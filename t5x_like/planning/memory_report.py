@@ -1,0 +1,560 @@
+"""Where a compiled step's memory goes, read from XLA's own buffer assignment.
+
+`compile_with_buffer_dump` compiles a lowered program with XLA's dump enabled (into a temporary
+directory) and `breakdown` reads three of the dump's files for the step's module:
+
+* `*-buffer-assignment.txt`: every allocation (the entry parameters, the one preallocated temp
+  allocation, the output tuple) and every value placed in it, with its offset and size;
+* `*-buffer-assignment-values.txt`: the instruction that defines each value, with the JAX op name
+  (`jit(step)/transpose(jvp())/while/body/...`) that says which pass of the step computed it;
+* `*-live-range.txt`: each value's live range in the step's schedule, and XLA's own list of the
+  buffers live at the schedule's peak.
+
+Arguments are classified by their tree path (XLA keeps it as the parameter's op name). Temporaries
+are the buffers live at XLA's peak, classified by the pass of the op that last wrote them (the op
+name's innermost jvp/transpose/rematted_computation): written in the forward pass and read in the
+backward one (kept activations; under a pipeline the [ticks, ..., rows, seq, hidden] stack of
+stage inputs, matched by shape), recomputed in the backward pass, weight-shaped f32 in the backward
+pass (gradient accumulators), weight-shaped and made outside the differentiated function or cast
+from bf16 (weight copies: ZeRO-1's gathered weights, bf16 casts), the rest of the backward pass,
+or other. These are heuristics on names and shapes: a buffer XLA reuses for several roles gets
+the role of its last writer. The heap bytes not live at the peak are XLA's packing loss. The
+categories add up to XLA's figure of arguments + outputs + temporaries - aliased.
+
+The CPU backend has no bf16 data movement: buffers that a GPU keeps in bf16 are f32 here. Their
+values are f32 buffers whose defining op converts from bf16 (or a fusion whose body does), and
+half of their bytes at the peak is what the CPU compile overstates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import tempfile
+
+# The files of one module's dump; the step is the module with the largest buffer assignment.
+_ASSIGNMENT = '-buffer-assignment.txt'
+_VALUES = '-buffer-assignment-values.txt'
+_LIVE = '-live-range.txt'
+
+CATEGORIES = (
+  'master weights (fp32 params)',
+  'Adam moments',
+  'batch and step scalars',
+  'kept stage inputs',
+  'kept activations',
+  'recomputation workspace',
+  'gradient accumulators',
+  'backward workspace',
+  'weight copies',
+  'other temporaries',
+  'heap packing (not live at the peak)',
+  'outputs not aliased to arguments',
+)
+
+_DTYPE_BYTES = {
+  'pred': 1,
+  's8': 1,
+  'u8': 1,
+  's16': 2,
+  'u16': 2,
+  'bf16': 2,
+  'f16': 2,
+  's32': 4,
+  'u32': 4,
+  'f32': 4,
+  's64': 8,
+  'u64': 8,
+  'f64': 8,
+}
+
+
+class DumpError(RuntimeError):
+  """XLA's dump did not hold a buffer assignment this module can read."""
+
+
+def compile_with_buffer_dump(lowered):
+  """(compiled, dump directory) for `lowered` compiled with XLA's dump on; the caller removes
+  the directory (a `tempfile.TemporaryDirectory`'s name is returned with the object)."""
+  tmp = tempfile.TemporaryDirectory(prefix='t5x_like_plan_dump_')
+  compiled = lowered.compile(
+    compiler_options={'xla_dump_to': tmp.name, 'xla_dump_hlo_as_text': True}
+  )
+  return compiled, tmp
+
+
+@dataclasses.dataclass
+class Value:
+  id: int
+  name: str  # position name as the live-range file spells it, e.g. 'while.285{1}'
+  allocation: int
+  offset: int
+  size: int
+  shape: str  # e.g. 'f32[2048,256]'
+  opcode: str = ''
+  op_name: str = ''
+  converts_from_bf16: bool = False
+  start: int = -1
+  end: int = -1
+
+  @property
+  def dtype(self) -> str:
+    return self.shape.split('[', 1)[0]
+
+  @property
+  def dims(self) -> tuple[int, ...]:
+    m = re.match(r'^\w+\[([\d,]*)\]', self.shape)
+    return tuple(int(d) for d in m.group(1).split(',') if d) if m else ()
+
+
+@dataclasses.dataclass
+class Allocation:
+  index: int
+  size: int
+  kind: str  # 'parameter', 'temp', 'output', 'constant', 'thread-local'
+  parameter: int = -1
+  values: list = dataclasses.field(default_factory=list)
+
+
+def _module_files(dump_dir: str) -> dict[str, str]:
+  candidates = glob.glob(os.path.join(dump_dir, f'*{_ASSIGNMENT}'))
+  if not candidates:
+    raise DumpError(
+      f'no *{_ASSIGNMENT} in {dump_dir}: the compile wrote no XLA dump (a '
+      'persistent compilation cache hit compiles nothing)'
+    )
+  assignment = max(candidates, key=os.path.getsize)
+  stem = assignment[: -len(_ASSIGNMENT)]
+  files = {'assignment': assignment, 'values': stem + _VALUES, 'live': stem + _LIVE}
+  for path in files.values():
+    if not os.path.exists(path):
+      raise DumpError(f'XLA dump lacks {os.path.basename(path)}')
+  return files
+
+
+_ALLOCATION = re.compile(r'^allocation (\d+): size (\d+), (.*)$')
+_VALUE = re.compile(
+  r'^ value: <(\d+) (\S+?)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): '
+  r'(\S+)'
+)
+
+
+def _position(name: str) -> str:
+  return name if name.endswith('}') else name + '{}'
+
+
+def parse_assignment(text: str) -> dict[int, Allocation]:
+  allocations: dict[int, Allocation] = {}
+  current = None
+  for line in text.splitlines():
+    m = _ALLOCATION.match(line)
+    if m:
+      rest = m.group(3)
+      if rest.startswith('parameter'):
+        kind, parameter = 'parameter', int(rest.split()[1].rstrip(','))
+      else:
+        parameter = -1
+        kind = (
+          'temp'
+          if rest.startswith('preallocated-temp')
+          else 'output'
+          if rest.startswith('output')
+          else 'constant'
+          if rest.startswith('constant')
+          else rest.split(':')[0].strip()
+        )
+      current = Allocation(int(m.group(1)), int(m.group(2)), kind, parameter)
+      allocations[current.index] = current
+      continue
+    m = _VALUE.match(line)
+    if m and current is not None:
+      shape = m.group(5).split('{')[0] if not m.group(5).startswith('(') else 'tuple'
+      current.values.append(
+        Value(
+          int(m.group(1)),
+          _position(m.group(2)),
+          current.index,
+          int(m.group(4)),
+          int(m.group(3)),
+          shape,
+        )
+      )
+  return allocations
+
+
+_FROM = re.compile(r'^ from instruction: %(\S+) = (.*)$')
+
+
+def _opcode(rhs: str) -> str:
+  """The opcode of an HLO instruction's right-hand side 'SHAPE opcode(operands), ...'."""
+  i = 0
+  if rhs.startswith('('):  # a tuple shape: skip its balanced parentheses
+    depth = 0
+    for i, ch in enumerate(rhs):  # noqa: B007  (i is read after the loop)
+      depth += ch == '('
+      depth -= ch == ')'
+      if depth == 0:
+        break
+  rest = rhs[i:].split(' ', 1)[1] if ' ' in rhs[i:] else ''
+  return rest.split('(', 1)[0]
+
+
+def parse_values(text: str) -> dict[int, tuple[str, str, str]]:
+  """value id -> (opcode, JAX op name, the defining instruction's text after its shape)."""
+  out = {}
+  current = None
+  for line in text.splitlines():
+    if line.startswith('<'):
+      current = int(line[1:].split(' ', 1)[0])
+    elif current is not None:
+      m = _FROM.match(line)
+      if m:
+        rhs = m.group(2)
+        op_name = re.search(r'op_name="([^"]*)"', rhs)
+        out[current] = (_opcode(rhs), op_name.group(1) if op_name else '', rhs)
+  return out
+
+
+def parse_live_ranges(text: str) -> tuple[dict, int, list[str], list[str]]:
+  """(position -> (start, end), the peak's index in the schedule, positions live at the peak,
+  the schedule's instruction names)."""
+  ranges, peak_at, at_peak, sequence = {}, -1, [], []
+  section = None
+  for line in text.splitlines():
+    if line.startswith('  InstructionSequence:'):
+      section = 'sequence'
+    elif section == 'sequence' and line.startswith('    '):
+      sequence.append(line.strip().split(':', 1)[1])
+    elif line.startswith('  BufferLiveRange:'):
+      section = 'ranges'
+    elif line.startswith('  Live ranges at '):
+      section = 'peak'
+      peak_at = int(line.split()[3])
+    elif line.startswith('  ') and not line.startswith('    '):
+      section = None
+    elif section == 'ranges':
+      name, _, span = line.strip().rpartition(':')
+      start, _, end = span.partition('-')
+      ranges[name] = (int(start), int(end))
+    elif section == 'peak':
+      at_peak.append(line.strip().split(': ', 1)[0])
+  return ranges, peak_at, at_peak, sequence
+
+
+def phase(op_name: str) -> str:
+  """Which pass of the step computed an op: 'forward', 'backward', 'recompute' or 'update'
+  (outside the differentiated function: the optimizer)."""
+  innermost, transposed = None, False
+  for segment in op_name.split('/'):
+    if segment.startswith('transpose('):
+      innermost, transposed = 'backward', True
+    elif segment.startswith('jvp('):
+      innermost = 'recompute' if transposed else 'forward'
+    elif segment == 'rematted_computation':
+      innermost = 'recompute'
+  return innermost or 'update'
+
+
+_INSTRUCTION = re.compile(r'^\s*(ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? (\S+?)\((.*)$')
+# Ops that move data without changing it: a convert from bf16 under one of them still says the
+# buffer holds bf16 values.
+_MOVES = {
+  'bitcast',
+  'copy',
+  'reshape',
+  'transpose',
+  'broadcast',
+  'slice',
+  'dynamic-slice',
+  'pad',
+  'concatenate',
+  'select',
+  'dynamic-update-slice',
+}
+
+
+@dataclasses.dataclass
+class Hlo:
+  """The optimized module's instructions: name -> (dtype, opcode, operand names), and each
+  computation's root."""
+
+  instructions: dict
+  roots: dict
+  op_names: dict
+
+  def holds_bf16_values(self, name: str, depth: int = 0) -> bool:
+    """Whether f32 instruction `name` (or the root of the fusion it is) is a bf16 value widened:
+    a convert from bf16, possibly moved by data-movement ops (what the CPU backend's float
+    normalization inserts around the bf16 ops it cannot run)."""
+    if name not in self.instructions or depth > 8:
+      return False
+    dtype, opcode, operands, calls = self.instructions[name]
+    if opcode == 'fusion' and calls in self.roots:
+      return self.holds_bf16_values(self.roots[calls], depth + 1)
+    if opcode == 'convert':
+      return bool(operands) and self.instructions.get(operands[0], ('',))[0] == 'bf16'
+    if opcode in _MOVES:
+      data = (
+        operands[1:2]
+        if opcode == 'dynamic-update-slice'
+        else (
+          operands[1:]
+          if opcode == 'select'
+          else operands[:1]
+          if opcode in ('dynamic-slice', 'pad')
+          else operands
+        )
+      )
+      return bool(data) and all(self.holds_bf16_values(o, depth + 1) for o in data)
+    return False
+
+
+def parse_hlo(text: str) -> Hlo:
+  instructions, roots, op_names, computation = {}, {}, {}, None
+  for line in text.splitlines():
+    header = re.match(r'^(?:ENTRY )?%(\S+) \((.*)\) -> .*\{$', line)
+    if header:
+      computation = header.group(1)
+      for param, dtype in re.findall(r'([\w.\-]+): (\w+)\[', header.group(2)):
+        instructions[param] = (dtype, 'parameter', [], '')
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    name, dtype, opcode, rest = m.group(2), m.group(3).split('[')[0], m.group(4), m.group(5)
+    operand_text = rest.split(')', 1)[0]
+    operands = re.findall(r'%([\w.\-]+)', operand_text)
+    calls = re.search(r'calls=%([\w.\-]+)', rest)
+    instructions[name] = (dtype, opcode, operands, calls.group(1) if calls else '')
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    if op_name:
+      op_names[name] = op_name.group(1)
+    if m.group(1) and computation:
+      roots[computation] = name
+  return Hlo(instructions, roots, op_names)
+
+
+@dataclasses.dataclass(eq=False)
+class Buffer:
+  """Values that occupy one offset range of the temp allocation one after another without a gap
+  (a while loop's carried value, an in-place update): one piece of memory."""
+
+  values: list
+  category: str = 'other temporaries'
+
+  @property
+  def size(self) -> int:
+    return self.values[0].size
+
+  @property
+  def main(self) -> Value:
+    """The value named for the buffer: its largest array that an instruction computes."""
+    named = [v for v in self.values if v.op_name] or self.values
+    return max(named, key=lambda v: (v.shape != 'tuple', v.size, -v.id))
+
+
+def _temp_buffers(temp: Allocation) -> list[Buffer]:
+  by_range: dict[tuple[int, int], list[Value]] = {}
+  for v in temp.values:
+    by_range.setdefault((v.offset, v.size), []).append(v)
+  buffers = []
+  for values in by_range.values():
+    values.sort(key=lambda v: (v.start, v.end))
+    group, end = [], None
+    for v in values:
+      if group and v.start > end:
+        buffers.append(Buffer(group))
+        group = []
+      end = v.end if not group else max(end, v.end)
+      group.append(v)
+    buffers.append(Buffer(group))
+  return buffers
+
+
+def _argument_category(op_name: str) -> str:
+  if op_name.startswith('state.params'):
+    return 'master weights (fp32 params)'
+  if re.match(r'state\.opt_state.*\.(mu|nu)\b', op_name):
+    return 'Adam moments'
+  return 'batch and step scalars'
+
+
+def _squeezed(dims: tuple) -> tuple:
+  return tuple(d for d in dims if d != 1)
+
+
+def _weight_shaped(dims: tuple, weights: set, data: int) -> bool:
+  """Whether `dims` is a parameter's local shape, or that shape with one dim up to `data` times
+  larger (ZeRO-1 splits the state over `data`; the step's gradients are whole until reduced)."""
+  dims = _squeezed(dims)
+  for w in weights:
+    if len(w) == len(dims):
+      wider = [(d, v) for d, v in zip(dims, w) if d != v]
+      if not wider or (len(wider) == 1 and wider[0][1] < wider[0][0] <= wider[0][1] * data):
+        return True
+  return False
+
+
+_PASSES_ON = {'while', 'parameter', 'conditional', 'call', 'bitcast', 'tuple', 'get-tuple-element'}
+
+
+def _classify(
+  buffer: Buffer, at: int | None, runs, stage_input: tuple | None, weights: set, data: int
+) -> str:
+  """The category of `buffer` at schedule index `at` (None: its largest value), by the value
+  that wrote it last. `runs(passes, start, end)`: whether an instruction of one of `passes` is
+  scheduled in [start, end]."""
+  # Loop and branch results and parameters pass a value on: they do not write the buffer.
+  named = sorted(
+    (v for v in buffer.values if v.op_name and v.opcode not in _PASSES_ON), key=lambda v: v.start
+  )
+  if at is None:
+    owner = max(named, key=lambda v: (v.size, -v.start), default=None)
+  else:
+    owner = max((v for v in named if v.start <= at), key=lambda v: v.start, default=None)
+  # The owner's reign: until the next value an instruction writes into the buffer.
+  start = owner.start if owner else min(v.start for v in buffer.values)
+  later = [v.start for v in named if v.start > start]
+  end = min(later) - 1 if later else max(v.end for v in buffer.values)
+  pass_ = phase(owner.op_name) if owner else 'carried'
+  dims = buffer.main.dims
+  activation = stage_input is not None and len(dims) >= 4 and dims[-3:] == stage_input[1:]
+  weight = _weight_shaped(dims, weights, data)
+  backward = runs(('backward', 'recompute'), start, end)
+  # The stack of kept stage inputs, [kept, stages on a device, rows, seq, hidden] (GPipe: one per
+  # tick, written by the forward pass) or [stages on a device, kept, rows, seq, hidden] (1F1B: a
+  # ring of 2P - 1 slots written by each tick's forward half, outside any jvp).
+  if activation and stage_input[0] in dims[:-3] and pass_ in ('forward', 'update') and backward:
+    return 'kept stage inputs'
+  if pass_ == 'forward' and backward:  # written forward, read in the backward pass
+    return 'kept activations'
+  if weight and any(v.converts_from_bf16 for v in buffer.values):
+    return 'weight copies'  # a weight cast to bf16 (held in f32 by the CPU backend)
+  if pass_ == 'recompute':
+    return 'recomputation workspace'
+  if pass_ in ('backward', 'carried') and backward:
+    # f32 and shaped like a weight in the backward pass (or carried into it): a weight gradient.
+    if buffer.main.dtype == 'f32' and not activation and weight:
+      return 'gradient accumulators'
+    return 'backward workspace'
+  if pass_ in ('update', 'carried') and weight and runs(('forward', 'backward'), start, end):
+    # Made outside the differentiated function and used by it: the weights gathered over
+    # `data` (ZeRO-1) or cast to the compute dtype.
+    return 'weight copies'
+  return 'other temporaries'
+
+
+def breakdown(
+  dump_dir: str, memory, *, stage_input: tuple | None = None, data: int = 1, top: int = 10
+) -> dict:
+  """The step's memory by category (bytes), from the XLA dump in `dump_dir` and its
+  `compiled.memory_analysis()`. `stage_input`: (kept, rows, seq, hidden) of a pipeline's kept
+  stage inputs on one device (kept: how many), None without a pipeline; `data`: the mesh's data
+  size."""
+  files = _module_files(dump_dir)
+  with open(files['assignment']) as f:
+    allocations = parse_assignment(f.read())
+  with open(files['values']) as f:
+    defined = parse_values(f.read())
+  with open(files['live']) as f:
+    ranges, peak_at, at_peak, sequence = parse_live_ranges(f.read())
+  hlo_path = files['assignment'][: -len(_ASSIGNMENT)] + '.txt'
+  hlo = Hlo({}, {}, {})
+  if os.path.exists(hlo_path):
+    with open(hlo_path) as f:
+      hlo = parse_hlo(f.read())
+  for allocation in allocations.values():
+    for v in allocation.values:
+      v.opcode, v.op_name, rhs = defined.get(v.id, ('', '', ''))
+      v.converts_from_bf16 = v.dtype == 'f32' and hlo.holds_bf16_values(v.name.split('{')[0])
+      v.start, v.end = ranges.get(v.name, (-1, -1))
+  temps = [a for a in allocations.values() if a.kind == 'temp']
+  if len(temps) != 1 or temps[0].size != memory.temp_size_in_bytes:
+    raise DumpError(
+      "the dump's temp allocation does not match XLA's memory analysis "
+      f'({[a.size for a in temps]} vs {memory.temp_size_in_bytes} bytes)'
+    )
+  temp = temps[0]
+
+  totals = dict.fromkeys(CATEGORIES, 0)
+  weights = set()
+  for allocation in allocations.values():
+    if allocation.kind == 'parameter':
+      argument = next((v for v in allocation.values if v.opcode == 'parameter'), None)
+      category = _argument_category(argument.op_name if argument else '')
+      totals[category] += allocation.size
+      if argument and category == 'master weights (fp32 params)':
+        weights.add(_squeezed(argument.dims))
+  if sum(totals.values()) != memory.argument_size_in_bytes:
+    raise DumpError("the dump's parameter allocations do not add up to XLA's argument size")
+  totals['outputs not aliased to arguments'] = (
+    memory.output_size_in_bytes - memory.alias_size_in_bytes
+  )
+
+  # counts[p][i]: how many of the first i scheduled instructions belong to pass p.
+  counts = {p: [0] for p in ('forward', 'backward', 'recompute', 'update')}
+  for name in sequence:
+    this = phase(hlo.op_names[name]) if name in hlo.op_names else None
+    for p, running in counts.items():
+      running.append(running[-1] + (this == p))
+  last = len(sequence) - 1
+
+  def runs(passes, start, end):
+    start, end = max(start, 0), min(end, last)
+    return start <= end and any(counts[p][end + 1] > counts[p][start] for p in passes)
+
+  # The pass of the last instruction with an op name scheduled at or before the peak.
+  named_at = [hlo.op_names[n] for n in sequence[: peak_at + 1] if n in hlo.op_names]
+  peak_phase = phase(named_at[-1]) if named_at else 'unknown'
+  buffers = _temp_buffers(temp)
+  live_names = set(at_peak)
+  live = [
+    b
+    for b in buffers
+    if any(v.name in live_names and v.start <= peak_at <= v.end for v in b.values)
+  ]
+  for b in buffers:
+    b.category = _classify(b, peak_at if b in live else None, runs, stage_input, weights, data)
+  live_bytes = 0
+  widened = 0
+  for b in live:
+    totals[b.category] += b.size
+    live_bytes += b.size
+    if b.main.dtype == 'f32' and any(v.converts_from_bf16 for v in b.values):
+      widened += b.size // 2
+  totals['heap packing (not live at the peak)'] = temp.size - live_bytes
+  peak = (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    + memory.temp_size_in_bytes
+    - memory.alias_size_in_bytes
+  )
+  largest = sorted(buffers, key=lambda b: -b.size)[:top]
+  return {
+    'bytes': totals,
+    'peak_bytes': peak,
+    'peak_phase': peak_phase,
+    'live_at_peak_bytes': live_bytes,
+    'largest_temporaries': [
+      {
+        'shape': b.main.shape,
+        'bytes': b.size,
+        'category': b.category,
+        'live_at_peak': b in live,
+        'op': b.main.op_name or b.main.opcode,
+        'widened_from_bf16': any(v.converts_from_bf16 for v in b.values),
+      }
+      for b in largest
+    ],
+    'cpu_overstatement_bytes': widened,
+  }
+
+
+OVERSTATEMENT_NOTE = (
+  "XLA's CPU backend computes bf16 slices, pads and updates in f32; the f32 buffers live at the "
+  'peak whose values are converted from bf16 (possibly moved since) would be bf16 on a GPU, so '
+  'half their bytes is subtracted from the peak. An estimate: a GPU compile schedules and '
+  'packs its buffers differently, and has not been measured here.'
+)

@@ -1,0 +1,86 @@
+"""What a run tells its user when a watch fires: a loss or grad-norm spike, or a divergence
+(watches.SpikeWatch, watches.DivergenceWatch, a non-finite state at a save). Each report says
+what to do next, with the chronicles' remedies, and is sent as an alert."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from t5x_like.checkpointing import checkpoints
+from t5x_like.training import alerts as alerts_lib
+from t5x_like.training.watches import DivergenceWatch
+
+
+class IncidentReports:
+  """Writes the reports to the run's log (`log`) and sends them (`alerts`); `checkpointer()` is
+  the run's open checkpoint manager, `save(state, progress)` saves a checkpoint, and
+  `resumed_iteration` is where this job started."""
+
+  def __init__(
+    self,
+    log: Callable[[str], None],
+    alerts: alerts_lib.Alerts,
+    workdir: str,
+    ckpt_root: str,
+    divergence: DivergenceWatch,
+    checkpointer: Callable,
+    save: Callable,
+    resumed_iteration: int,
+  ):
+    self.log, self.alerts, self.workdir, self.ckpt_root = log, alerts, workdir, ckpt_root
+    self.divergence, self.checkpointer = divergence, checkpointer
+    self.save, self.resumed_iteration = save, resumed_iteration
+
+  def save_or_stop(self, state, progress) -> bool:
+    """Saves; a state with non-finite params is never written: the run then stops as diverged.
+    Returns whether the run goes on."""
+    try:
+      self.save(state, progress)
+      return True
+    except checkpoints.NonFiniteStateError as e:
+      self.diverged(f'> {e}')
+      return False
+
+  def on_diverged(self, message: str, state) -> None:
+    """runtime.max_consecutive_nan reached: the skipped iterations left the state as the last
+    finite one left it, which is saved (if this job trained it), then the remedies."""
+    last = self.divergence.last_finite
+    if last.iteration > self.resumed_iteration:
+      self.save_or_stop(state, last)
+    self.diverged(message)
+
+  def spike(self, message: str, iteration: int) -> None:
+    """A spike, with the checkpoint from before it (kept past the keep policy) and the command
+    that shows the batch it trained on."""
+    kept = self.checkpointer().keep_last_before(iteration)
+    where = (
+      f'checkpoint {kept} (the last before it) is kept past checkpoint.max_to_keep'
+      if kept is not None
+      else 'no checkpoint was saved before it'
+    )
+    self.log(
+      f'{message}. {where}; its batch: python -m t5x_like.data batch '
+      f'{self.workdir} --iteration {iteration}'
+    )
+    self.alerts.send('spike', message, iteration)
+
+  def diverged(self, message: str) -> None:
+    """A divergence, and what to do about it."""
+    saved = self.checkpointer().saved_steps()
+    before = saved[-1] if saved else None
+    first = self.divergence.first_non_finite or self.divergence.last_finite.iteration + 1
+    rollback = (
+      f'roll back to checkpoint {before} (delete or move the later steps of '
+      f'{self.ckpt_root}) and rerun'
+      if before is not None
+      else 'no checkpoint was saved: rerun from scratch'
+    )
+    self.log(
+      f"{message}. What to try (the BLOOM runs' remedies): {rollback}; skip the data that "
+      f'diverged with --config.data.skip_train_iteration_range="(\'{first}-{first + 99}\',)" '
+      f'(its batch: python -m t5x_like.data batch {self.workdir} --iteration {first}); lower '
+      'optimizer.lr (with checkpoint.override_lr_scheduler=True); or reset the optimizer '
+      '(checkpoint.load_optimizer=False with lr 0 while the Adam moments warm up, '
+      'docs/checkpoints.md, "Restart controls")'
+    )
+    self.alerts.send('diverged', message, self.divergence.last_finite.iteration)

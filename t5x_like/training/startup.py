@@ -1,0 +1,150 @@
+"""What a command does once at start-up, before anything compiles: the whole config check, and
+the trainer's start-up report as lines (with the parameter table of `clu.parameter_overview`).
+
+`check_config` is the one full validation of a config. config.py is a leaf (it imports only
+errors.py), so the checks that need the modules owning the mesh (partitioning), the fused
+attention kernels (attention), the schedule's arithmetic (schedule) and the data's syntax
+(data.sources) live there and run from here, in the order the messages were always given.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from t5x_like.checkpointing import provenance
+from t5x_like.config import Config
+from t5x_like.data import sources
+from t5x_like.mesh import partitioning
+from t5x_like.model import attention
+from t5x_like.parallel import pipeline
+from t5x_like.parallel.train_state import describe_zero
+from t5x_like.training import schedule
+
+
+def check_config(cfg: Config) -> Config:
+  """Every check of `cfg`, before any JAX backend starts; returns it, or raises one ConfigError
+  naming the fix (exit code 2 in every command)."""
+  cfg.check_ranges()
+  partitioning.check_mesh_size(cfg.mesh.num_devices)
+  cfg.validate()
+  if cfg.model.attention_impl != 'xla':
+    attention.check_config(cfg.model)
+  schedule.check(cfg)
+  sources.check_config(cfg.data, cfg.eval)
+  return cfg
+
+
+def report_lines(
+  cfg: Config, layout, software: dict, device_count: int, platform: str
+) -> list[str]:
+  """The lines the log opens with, before the restore: model and mesh, software, ZeRO layout,
+  the pipeline's stages, the curriculum and the programs the ramp-up and curriculum compile.
+  `layout` is the run's train_state.Layout."""
+  num_params = cfg.model.num_params(cfg.mesh.tensor)
+  lines = [
+    f'> t5x_like: {cfg.model.architecture} with {num_params / 1e6:.2f}M params '
+    f'on mesh data={cfg.mesh.data} pipeline={cfg.mesh.pipeline} '
+    f'tensor={cfg.mesh.tensor} ({device_count} {platform} '
+    f'devices); {cfg.num_microbatches} micro-batch(es) of '
+    f'{cfg.train.micro_batch_size} per data rank',
+    f'> software: {provenance.describe(software)}',
+    describe_zero(layout),
+  ]
+  return lines
+
+
+def parameter_table(params) -> list[str]:
+  """Lines of clu's table of `params` (arrays or ShapeDtypeStructs with their shardings): each
+  parameter's name, shape, dtype, size and sharding (the mesh axes splitting each dimension),
+  then the totals. Reads shapes and shardings only: nothing runs on the devices."""
+  from clu import parameter_overview  # only the trainer prints it; the other commands skip clu
+
+  table = parameter_overview.get_parameter_overview(params, include_stats='sharding')
+  return [
+    '> parameters as the train step holds them (clu.parameter_overview):',
+    *table.splitlines(),
+  ]
+
+
+def schedule_lines(cfg: Config, layout) -> list[str]:
+  """The lines on the pipeline's stages, the curriculum and the compiled shapes (logged after the
+  MFU reference)."""
+  lines = []
+  if cfg.mesh.pipeline > 1:
+    lines.append(describe_pipeline(cfg, layout))
+  if cfg.curriculum.enabled:
+    lines.append(describe_curriculum(cfg))
+  if cfg.curriculum.enabled or cfg.train.rampup_batch_size:
+    # Each is an XLA compilation while every device waits: say up front how many there are.
+    shapes = schedule.step_shapes(cfg)
+    lines.append(
+      f'> the train step runs at {len(shapes)} shapes over the run (micro-batches x '
+      'length: batch ramp-up, curriculum), each compiled when first reached '
+      '(`python -m t5x_like.plan` times one compilation)'
+    )
+  if cfg.train.rampup_microbatch_multiple:
+    padding, runs = schedule.padding_microbatches(cfg)
+    cost = 'the pipeline computes them' if cfg.mesh.pipeline > 1 else 'the step skips them'
+    lines.append(
+      f'> ramp-up: micro-batch counts rounded up to multiples of '
+      f"{cfg.train.rampup_microbatch_multiple}, {padding} of the run's {runs} "
+      f'micro-batches ({100 * padding / max(runs, 1):.2f}%) padding ({cost})'
+    )
+  return lines
+
+
+def describe_pipeline(cfg: Config, layout) -> str:
+  """Stage plan, and parameters held per stage (all of a stage's tensor ranks together)."""
+  plan, sizes = layout.plan, []
+  per_slot, shared = 0, 0
+  for path, a in jax.tree_util.tree_flatten_with_path(layout.logical.params)[0]:
+    if pipeline.is_layer_leaf(path):
+      per_slot += a.size // plan.num_slots
+    else:
+      axes = [x for ax in a.sharding.spec if ax for x in (ax if isinstance(ax, tuple) else (ax,))]
+      shared += a.size // (cfg.mesh.pipeline if 'pipeline' in axes else 1)
+  for s in range(plan.stages):
+    sizes.append((plan.layers_per_stage()[s] * per_slot + shared) / 1e6)
+  per_schedule = cfg.pipeline.microbatch_group or cfg.num_microbatches
+  kept = (
+    2 * plan.stages - 1
+    if cfg.pipeline.schedule == '1f1b'
+    else per_schedule * plan.repeats + plan.stages - 1
+  )
+  return (
+    f'> pipeline: {plan.describe()}; {cfg.pipeline.schedule} order, each stage keeps '
+    f"{kept} micro-batches' inputs; parameters per stage (M): "
+    f'{[round(x, 2) for x in sizes]} (embedding spread over stages: '
+    f'{cfg.padded_vocab_size % (cfg.mesh.tensor * plan.stages) == 0})'
+  )
+
+
+def describe_curriculum(cfg: Config) -> str:
+  c, seq = cfg.curriculum, cfg.train.seq_len
+  lengths, step_lengths = schedule.seq_lens(cfg), schedule.step_seq_lens(cfg)
+  shape = 'linear' if c.schedule == 'fixed_linear' else f'root of degree {c.root_degree}'
+  # Each length the step runs at is its own XLA program: many mean many compilations.
+  if c.pad_to_multiple:
+    compiled = (
+      f'run at {len(step_lengths)} lengths padded to multiples of '
+      f'{c.pad_to_multiple} (padding outside the loss), the step compiled for each '
+      'when first reached'
+    )
+  else:
+    compiled = 'the step compiled for each when first reached' + (
+      '; curriculum.pad_to_multiple or a larger curriculum.difficulty_step compiles fewer'
+      if len(lengths) > 16
+      else ''
+    )
+  decay = cfg.optimizer.decay_tokens
+  return (
+    f'> curriculum: sequence length {c.min_seq_len} -> {seq} in multiples of '
+    f'{c.difficulty_step} over iterations 1-{c.total_iterations} ({shape}): '
+    f'{len(lengths)} lengths, {compiled}; evaluation at {seq}'
+    + (
+      f'; learning rate decays over {decay} tokens from the '
+      f'{schedule.warmup_end_tokens(cfg)} of the warm-up'
+      if decay
+      else ''
+    )
+  )

@@ -1,0 +1,324 @@
+"""The train and evaluation steps: pure functions of (state, batch), jitted with explicit
+shardings and donated state, compiled ahead of time by the trainer and by `plan`.
+
+Per iteration: the global batch is split into `num_microbatches` micro-batches of
+`micro_batch_size x data` rows; gradients are accumulated over them in fp32 in the ZeRO
+(data-split) layout, clipped at a global norm (the pre-clip norm is logged), and AdamW updates the
+fp32 master params with a learning rate the host computes from the consumed samples (or tokens).
+An iteration whose loss or gradient norm is not finite leaves params and Adam state, including
+its step count, unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from t5x_like.config import Config
+from t5x_like.model import losses
+from t5x_like.model import transformer as model_lib
+from t5x_like.optim import adamw as optim
+from t5x_like.parallel import pipeline
+from t5x_like.parallel.train_state import StateLayout, TrainState
+from t5x_like.training import batches, schedule
+
+
+def compute_params_of(params, layout: StateLayout, dtype):
+  """The master params cast to the compute dtype and constrained to the rule sharding: this
+  all-gathers the compute-dtype copy of the ZeRO-split fp32 params (DeepSpeed's bf16 weights),
+  not the fp32 ones."""
+  return jax.tree.map(
+    lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s),
+    params,
+    layout.compute_param_shardings,
+  )
+
+
+def compute_bits_of(params, layout: StateLayout, dtype):
+  """`compute_params_of` as `pipeline.as_bits`: what the pipeline's stages read."""
+  return jax.tree.map(
+    jax.lax.with_sharding_constraint,
+    pipeline.as_bits(params, dtype),
+    layout.compute_param_shardings,
+  )
+
+
+def gathered_params(params, layout: StateLayout):
+  """The fp32 params in the rule sharding (without ZeRO's `data` split): where the pipeline
+  accumulates its fp32 gradients. The stages compute from `compute_bits_of`'s copy, so this
+  gather's value is never used and XLA removes it."""
+  return jax.tree.map(jax.lax.with_sharding_constraint, params, layout.compute_param_shardings)
+
+
+def make_train_step(cfg: Config, layout: StateLayout):
+  """The pure step function: (state, batch [M, rows, S+1], learning rate, iteration) ->
+  (state, stats); the learning rate is `schedule.learning_rate`'s, a float32 scalar."""
+  model, optimizer = layout.model, layout.optimizer
+  dtype = jnp.dtype(cfg.model.dtype)
+  zero_shardings = layout.shardings.params
+  dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
+  padded_microbatches = cfg.train.rampup_microbatch_multiple > 0
+
+  def loss_fn(compute_params, tokens, rng):
+    # 'dense', 'chunked' or 'fused' cross-entropy (model.cross_entropy_impl), see losses.py.
+    return losses.mean_loss(
+      model, compute_params, tokens, deterministic=not dropout, rngs={'dropout': rng}
+    )
+
+  def accumulated_loss_and_grads(params, batch, rng):
+    """No pipeline: micro-batches one after another, fp32 accumulation in the ZeRO layout."""
+    compute_params = compute_params_of(params, layout, dtype)  # cast once per step
+    num_micro = batch.shape[0]
+
+    def add_micro_batch(carry, tokens, index):
+      grads_acc, loss_acc = carry
+      loss, grads = jax.value_and_grad(loss_fn)(
+        compute_params, tokens, jax.random.fold_in(rng, index)
+      )
+      grads_acc = jax.tree.map(
+        lambda a, g, s: jax.lax.with_sharding_constraint(a + g.astype(jnp.float32), s),
+        grads_acc,
+        grads,
+        zero_shardings,
+      )
+      return grads_acc, loss_acc + loss
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    carry = (zeros, jnp.float32(0.0))
+    if padded_microbatches:
+      # The ramp-up's rounded-up count (train.rampup_microbatch_multiple): the micro-batches
+      # after the real ones are padding only, and a loop of as many iterations as there are real
+      # ones never computes them. (Nothing differentiates through this loop, so its trip count
+      # may be a traced value; a cond per micro-batch instead cost bloom_1b3 2.3 GiB per device.)
+      num_real = losses.real_microbatches(batch).sum()
+      grads, loss_sum = jax.lax.fori_loop(
+        0,
+        num_real,
+        lambda m, carry: add_micro_batch(
+          carry, jax.lax.dynamic_index_in_dim(batch, m, 0, False), m
+        ),
+        carry,
+      )
+      num_micro = num_real.astype(jnp.float32)
+    else:
+      (grads, loss_sum), _ = jax.lax.scan(
+        lambda carry, xs: (add_micro_batch(carry, *xs), None),
+        carry,
+        (batch, jnp.arange(num_micro)),
+        unroll=cfg.model.scan_unroll,
+      )
+    return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grads)
+
+  def pipelined_loss_and_grads(params, batch, rng):
+    """Pipeline: one differentiated schedule over all micro-batches (pipeline.py), or, with
+    pipeline.microbatch_group = G, one per group of G micro-batches, one group after another;
+    or the 1F1B schedule, which computes its gradients itself."""
+    ctx = model_lib.Context(cfg.model, layout.mesh)
+    gathered = gathered_params(params, layout)  # once per step, not per group
+    compute = compute_bits_of(params, layout, dtype)
+    group = cfg.pipeline.microbatch_group
+    num_micro = batch.shape[0]
+    if cfg.pipeline.schedule == '1f1b':
+      loss, grads = pipeline.one_f_one_b_loss_and_grads(
+        gathered, batch, rng, cfg, layout.plan, ctx, not dropout, compute
+      )
+      return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, zero_shardings)
+    if not group or group >= num_micro:
+      loss, grads = jax.value_and_grad(pipeline.pipeline_loss)(
+        gathered, batch, rng, cfg, layout.plan, ctx, not dropout, compute
+      )
+      return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, zero_shardings)
+    groups = batch.reshape((num_micro // group, group) + batch.shape[1:])
+    # pipeline_loss is a group's mean over its real micro-batches (all G without the ramp-up's
+    # padding); weighted by its share of the step's, the groups add up to the step's mean.
+    if padded_microbatches:
+      real = losses.real_microbatches(batch).reshape(groups.shape[0], group).sum(axis=1)
+      weights = real / jnp.maximum(real.sum(), 1)
+    else:
+      weights = jnp.full((groups.shape[0],), group / num_micro, jnp.float32)
+
+    def weighted_loss(gathered, tokens, weight, index):
+      return weight * pipeline.pipeline_loss(
+        gathered,
+        tokens,
+        jax.random.fold_in(rng, index),
+        cfg,
+        layout.plan,
+        ctx,
+        not dropout,
+        compute,
+      )
+
+    def add_group(index, carry):
+      grads_acc, loss_acc = carry
+      tokens = jax.lax.dynamic_index_in_dim(groups, index, 0, False)
+      weight = jax.lax.dynamic_index_in_dim(weights, index, 0, False)
+      loss, grads = jax.value_and_grad(weighted_loss)(gathered, tokens, weight, index)
+      # fp32, accumulated in the ZeRO layout: each group's gradient is reduce-scattered into it.
+      grads_acc = jax.tree.map(
+        lambda a, g, s: jax.lax.with_sharding_constraint(a + g, s), grads_acc, grads, zero_shardings
+      )
+      return grads_acc, loss_acc + loss
+
+    zeros = jax.tree.map(
+      lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
+      params,
+      zero_shardings,
+    )
+    carry = (zeros, jnp.float32(0.0))
+    if padded_microbatches:
+      # Groups of padding only (after the real micro-batches) are not run: their mean would be
+      # 0 / 0. Nothing differentiates through this loop, so its trip count may be traced.
+      grads, loss = jax.lax.fori_loop(0, (real > 0).sum(), add_group, carry)
+    else:
+      (grads, loss), _ = jax.lax.scan(
+        lambda carry, index: (add_group(index, carry), None),
+        carry,
+        jnp.arange(groups.shape[0]),
+        unroll=cfg.model.scan_unroll,
+      )
+    return loss, grads
+
+  loss_and_grads = pipelined_loss_and_grads if cfg.mesh.pipeline > 1 else accumulated_loss_and_grads
+
+  def step(state: TrainState, batch, lr, iteration):
+    rng = jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), iteration)
+    state = layout.unpad(state, None)  # ZeRO's padding (partitioning.zero_split) stays outside
+    loss, grads = loss_and_grads(state.params, batch, rng)
+    grads, grad_norm = optim.clip_by_global_norm(grads, cfg.optimizer.clip_grad)
+    num_zeros = sum(jnp.sum(g == 0) for g in jax.tree.leaves(grads))
+
+    def apply_update(state, grads):
+      updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+      new_params = jax.tree.map(lambda p, u: p - lr * u, state.params, updates)
+      return TrainState(new_params, new_opt_state)
+
+    # A non-finite loss or gradient skips the update (params, moments and Adam's count unchanged).
+    # A cond, not a select of new against old: the update then runs in place in one pass over
+    # each tensor, with no copies of the old moments (1-8% faster bloom_100m steps on CPU in A/B
+    # runs, docs/benchmarks.md).
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_state = jax.lax.cond(finite, apply_update, lambda state, grads: state, state, grads)
+    stats = {
+      'lm_loss': loss,
+      'grad_norm': grad_norm,
+      'num_zeros': num_zeros.astype(jnp.float32),
+      'finite': finite,
+      'loss_finite': jnp.isfinite(loss),
+    }
+    return layout.pad(new_state, None), stats
+
+  return step
+
+
+def make_eval_step(cfg: Config, layout: StateLayout):
+  """The pure evaluation step: (params, batch [M, rows, S+1]) -> mean fp32 loss, no dropout.
+
+  The same model, loss, micro-batching and pipeline schedule as training, forward only."""
+  dtype = jnp.dtype(cfg.model.dtype)
+
+  def step(params, batch):
+    params = layout.unpad(params, 'params')
+    if cfg.mesh.pipeline > 1:
+      ctx = model_lib.Context(cfg.model, layout.mesh)
+      return pipeline.pipeline_loss(
+        params,
+        batch,
+        jax.random.PRNGKey(0),
+        cfg,
+        layout.plan,
+        ctx,
+        True,
+        compute_bits_of(params, layout, dtype),
+      )
+    compute_params = compute_params_of(params, layout, dtype)
+
+    def add_micro_batch(total, tokens):
+      return total + losses.mean_loss(layout.model, compute_params, tokens), None
+
+    total, _ = jax.lax.scan(add_micro_batch, jnp.float32(0.0), batch, unroll=cfg.model.scan_unroll)
+    return total / batch.shape[0]  # equal micro-batches: the mean of the means
+
+  return step
+
+
+def batch_sharding(layout: StateLayout) -> NamedSharding:
+  """Batches [micro-batches, rows, S + 1] are split over `data` on their rows."""
+  return NamedSharding(layout.mesh, P(None, 'data', None))
+
+
+def jit_train_step(cfg: Config, layout: StateLayout):
+  """The train step, jitted with explicit input/output shardings and donated state."""
+  return jax.jit(
+    make_train_step(cfg, layout),
+    in_shardings=(layout.shardings, batch_sharding(layout), None, None),
+    out_shardings=(layout.shardings, None),
+    donate_argnums=(0,),
+  )
+
+
+def lower_train_step(
+  cfg: Config, layout: StateLayout, num_microbatches: int, seq_len: int | None = None
+):
+  """The jitted step lowered for abstract (shape-only) state and batch (default: train.seq_len)."""
+  step = jit_train_step(cfg, layout)
+  rows = cfg.train.micro_batch_size * cfg.mesh.data
+  seq_len = cfg.train.seq_len if seq_len is None else seq_len
+  batch = jax.ShapeDtypeStruct(
+    (num_microbatches, rows, seq_len + 1), jnp.int32, sharding=batch_sharding(layout)
+  )
+  return step.lower(
+    layout.abstract,
+    batch,
+    jax.ShapeDtypeStruct((), jnp.float32),
+    jax.ShapeDtypeStruct((), jnp.int32),
+  )
+
+
+class CompiledSteps:
+  """The run's compiled train steps: one per (micro-batch count the step runs with,
+  `schedule.step_microbatches`, and sequence length), compiled when first needed, each
+  compilation's time logged."""
+
+  def __init__(
+    self,
+    cfg: Config,
+    layout: StateLayout,
+    log: Callable[[str], None],
+    compiling: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+  ):
+    # `compiling`: the context a compilation runs in (the trainer's: its hang watchdog paused).
+    self.cfg, self.layout, self.log, self.compiling = cfg, layout, log, compiling
+    self.programs = {}  # (micro-batches, sequence length + 1) -> compiled step
+
+  def get(self, global_batch_size: int, seq_len: int):
+    """The compiled step for this global batch size and sequence length."""
+    shape = batches.batch_shape(
+      self.cfg, global_batch_size, seq_len, schedule.step_microbatches(self.cfg, global_batch_size)
+    )
+    key = (shape[0], shape[2])
+    if key not in self.programs:
+      self.programs[key] = self.compile(shape)
+    return self.programs[key]
+
+  def compile(self, batch_shape: tuple[int, int, int]):
+    """The step compiled for batches [micro-batches, rows, length + 1], its time logged."""
+    cfg, start = self.cfg, time.perf_counter()
+    with self.compiling():
+      compiled = lower_train_step(cfg, self.layout, batch_shape[0], batch_shape[2] - 1).compile()
+    bubble = ''
+    if cfg.mesh.pipeline > 1:
+      fraction = self.layout.plan.bubble_fraction(batch_shape[0], cfg.pipeline.microbatch_group)
+      bubble = f', pipeline bubble {fraction:.3f}'
+    self.log(
+      f'> compiled the train step for {batch_shape[0]} micro-batch(es) of '
+      f'{batch_shape[1]}x{batch_shape[2]} tokens in {time.perf_counter() - start:.1f} s'
+      f'{bubble}'
+    )
+    return compiled

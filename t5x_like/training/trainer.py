@@ -1,0 +1,437 @@
+"""The training loop: one jitted, explicitly sharded step with donated state, compiled ahead of
+time, and the hooks that watch it (t5x_like/hooks.py; docs/training_loop.md).
+
+Per iteration: the global batch (data/batches.py, a pure function of seed and consumed samples)
+is split into micro-batches of `micro_batch_size x data` rows; gradients are accumulated over
+them in fp32 in the ZeRO (data-split) layout, clipped at a global norm (the pre-clip norm is
+logged), and AdamW updates the fp32 master params with the learning rate of schedule.py,
+computed on the host from the consumed samples (or tokens). With a sequence-length curriculum
+each iteration trains on the first `schedule.seq_len_at(cfg, iteration)` tokens of its samples;
+the step is compiled once per (micro-batch count, length it runs at). An iteration whose loss or
+gradient norm is not finite is skipped (params and Adam state, including its step count,
+unchanged) and counted. After each iteration the registered hooks run: the records, the
+throughput, spike and divergence watches, the replica check, the checkpoint cadence and the
+evaluation, and any a user adds with `trainer.hooks.add_hook(fn, every=N)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+
+import jax
+import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
+
+from t5x_like.checkpointing import checkpoints
+from t5x_like.config import Config, ConfigError
+from t5x_like.data import sources
+from t5x_like.data.indexed import DataError
+from t5x_like.data.tokenizer import Tokenizer
+from t5x_like.mesh import distributed, partitioning
+from t5x_like.parallel.train_state import Progress, TrainState, make_layout
+from t5x_like.training import (
+  accounting,
+  alerts,
+  batches,
+  metrics,
+  profiling,
+  resume,
+  runtime,
+  schedule,
+  startup,
+  watches,
+)
+from t5x_like.training import workdir as workdir_lib
+from t5x_like.training.checkpoint_cadence import CheckpointCadence
+from t5x_like.training.evaluation import TrainingEvaluator
+from t5x_like.training.hooks import Hooks, StepInfo
+from t5x_like.training.incidents import IncidentReports
+from t5x_like.training.step import CompiledSteps, batch_sharding
+
+
+class Trainer:
+  """Owns a run: mesh, state layout, data, checkpoints, metrics, hooks; `run()` trains to the end.
+
+  Constructing it checks everything that can refuse the run (config, workdir lock, the
+  checkpoint to resume and its metadata, the data, the writability of every output directory)
+  and writes nothing; `run()` restores the state and checks the data, and only then `start()`s
+  the run: the workdir changes from that moment on. A refused run leaves it as it was.
+  """
+
+  def __init__(self, cfg: Config, workdir: str):
+    startup.check_config(cfg)
+    self.workdir = workdir_lib.resolve(workdir)
+    self.is_writer = distributed.joined().process_id == 0
+    self.lock = workdir_lib.Lock(self.workdir)
+    self.started = False
+    workdir_lib.lock_on_every_process(
+      self.lock, self.workdir, self.is_writer, distributed.joined().is_multi_process
+    )
+    try:
+      self.plan = resume.plan(cfg, self.workdir)
+      cfg = self.cfg = self.plan.config
+      self.ckpt_root, self.data_seed = self.plan.ckpt_root, self.plan.data_seed
+      self.adam_count_base = self.plan.adam_count_base
+      workdir_lib.check_run_outputs(
+        self.workdir, cfg.runtime.tensorboard_dir, cfg.runtime.compilation_cache_dir
+      )
+      # The data next: a bad path, file or split is one error before JAX starts a backend.
+      self.data = open_data(cfg, self.data_seed)
+      self.source = self.data.train
+      # The mesh comes first among JAX objects: it creates virtual CPU devices before anything
+      # starts the backend.
+      self.mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
+      self.layout = make_layout(cfg, self.mesh)
+      self.batch_sharding = batch_sharding(self.layout)
+      rt = cfg.runtime
+      self.alerts = alerts.Alerts(rt.alert_command, self.workdir, jax.process_index())
+      self.writer = metrics.MetricsWriter(
+        self.workdir, enabled=self.is_writer, tensorboard_dir=rt.tensorboard_dir
+      )
+      self.profiler = profiling.Profiler(
+        rt.profile_range(),
+        os.path.join(self.workdir, rt.tensorboard_dir),
+        rt.profile_process,
+        log=self.writer.info if self.is_writer else print,
+      )
+      # Only the process that writes the log appends the stacks of a hang to it; every process
+      # prints its own to stderr. Armed by run().
+      self.watchdog = runtime.Watchdog(
+        rt.hang_timeout_mins * 60.0,
+        self.writer.log_path if self.is_writer else None,
+        lambda message: self.alerts.send('hang', message),
+      )
+      # optimizer.decay_tokens counts from here (a pure function of the config).
+      self.warmup_end_tokens = schedule.warmup_end_tokens(cfg) if cfg.optimizer.decay_tokens else 0
+      self.steps = CompiledSteps(cfg, self.layout, self.writer.info, self.watchdog.suspended)
+      self.skipped = batches.SkippedIterations(cfg, self.writer.info)
+      self.throughput, self.throughput_setup, self.throughput_note = (
+        watches.resumed_throughput_watch(cfg, self.plan.software, self.plan.meta.get('throughput'))
+      )
+      self.spikes = watches.SpikeWatch(
+        rt.spike_window, rt.spike_loss_threshold, rt.spike_grad_factor
+      )
+      self.divergence = watches.DivergenceWatch(
+        rt.max_consecutive_nan, dataclasses.replace(self.plan.progress)
+      )
+      # The MFU reference; on CPU a matmul probe, compiled once the run started (and its
+      # compilation cache is set).
+      self.peak = accounting.PeakReference(cfg.model.dtype)
+      self.incidents = IncidentReports(
+        self.writer.info,
+        self.alerts,
+        self.workdir,
+        self.ckpt_root,
+        self.divergence,
+        lambda: self.checkpointer,
+        self.save_checkpoint,
+        self.plan.progress.iteration,
+      )
+      self.evaluator = TrainingEvaluator(
+        cfg, self.layout, self.batch_sharding, self.data, self.writer, self.watchdog
+      )
+      self.replica_check = partitioning.ReplicaCheck(
+        self.writer.info, self.alerts.send, self.is_writer, self.mesh.devices.size
+      )
+      self.checkpointer: checkpoints.Checkpointer | None = None  # opened by start()
+      self.compilation_cache: str | None = None  # set by start()
+      self.stop_reason: runtime.StopReason | None = None
+      self.final_state: TrainState | None = None
+      self.hooks = self.builtin_hooks()
+    except BaseException:
+      self.lock.release(started=False)
+      raise
+
+  def builtin_hooks(self) -> Hooks:
+    """The run's monitors, in the order they see an iteration (docs/training_loop.md)."""
+    cfg, hooks = self.cfg, Hooks()
+    hooks.add_hook(metrics.record_hook(self.writer, schedule.total_iterations(cfg.train)))
+    hooks.add_hook(
+      watches.throughput_hook(
+        self.throughput, self.writer.info, self.alerts.send, cfg.curriculum.enabled
+      )
+    )
+    hooks.add_hook(watches.spike_hook(self.spikes, self.incidents.spike))
+    hooks.add_hook(watches.divergence_hook(self.divergence, self.incidents.on_diverged))
+    if cfg.runtime.replica_check_interval:
+      hooks.add_hook(self.replica_check, every=cfg.runtime.replica_check_interval)
+    cadence = CheckpointCadence(
+      self.incidents.save_or_stop,
+      lambda n: self.checkpointer.should_save(n),
+      self.divergence,
+      self.watchdog.beat,
+      self._close_checkpointer,
+    )
+    hooks.add_hook(cadence.iteration_hook)
+    if cfg.eval.interval:
+      hooks.add_hook(self.evaluator.iteration_hook, every=cfg.eval.interval)
+    for add in (hooks.at_end, hooks.on_stop):
+      add(cadence.final_hook)
+    if cfg.eval.interval:
+      hooks.at_end(self.evaluator.end_hook)
+    for add in (hooks.at_end, hooks.on_stop):
+      add(metrics.end_line_hook(self.writer.info))
+      add(alerts.end_hook(self.alerts))
+    return hooks
+
+  def start(self, progress: Progress) -> None:
+    """The run really starts: from here on the workdir changes (resume.begin)."""
+    self.started = True
+    self.lock.mark_started()
+    self.writer.open()
+    self.checkpointer = resume.begin(
+      self.plan, progress, self.layout, self.writer, self.workdir, self.is_writer
+    )
+    self.compilation_cache = use_compilation_cache(
+      self.workdir, self.cfg.runtime.compilation_cache_dir, self.writer.info
+    )
+
+  def release(self) -> None:
+    """Ends the run's hold on its workdir (its lock); no-op when already released."""
+    self.lock.release(started=self.started)
+
+  # ---------------------------------------------------------------------------------- state
+
+  def save_checkpoint(self, state: TrainState, progress: Progress) -> bool:
+    meta = checkpoints.make_meta(
+      self.cfg,
+      progress,
+      self.data_seed,
+      self.adam_count_base,
+      self.plan.software,
+      self.checkpointer.kept_steps,
+    )
+    meta['throughput'] = {'setup': self.throughput_setup, 'baselines': self.throughput.baselines()}
+    return self.checkpointer.save(state, progress, self.cfg, meta)
+
+  def initial_state(self) -> tuple[TrainState, Progress]:
+    notes = [self.throughput_note] if self.throughput_note else []
+    return resume.initial_state(self.plan, self.layout, self.writer.info, notes)
+
+  def global_batch(
+    self,
+    consumed_samples: int,
+    global_batch_size: int,
+    source=None,
+    what: str = 'training',
+    **lengths,
+  ) -> jax.Array:
+    """batches.global_batch of `source` (default: the training stream) in the run's sharding."""
+    return batches.global_batch(
+      self.cfg,
+      self.batch_sharding,
+      self.source if source is None else source,
+      consumed_samples,
+      global_batch_size,
+      what,
+      **lengths,
+    )
+
+  def step_for(self, global_batch_size: int, seq_len: int):
+    return self.steps.get(global_batch_size, seq_len)
+
+  # ------------------------------------------------------------------------------------ loop
+
+  def run(self, stop: runtime.StopConditions | None = None) -> Progress:
+    """Trains to the end or until a stop condition; `stop_reason` says which (None: the end).
+
+    A kill switch present at start-up stops the run before any work. `stop` (entered by the
+    caller, `train.main`, at process start) handles the signals; without one, run() installs
+    its own. Before the training loop a signal ends the run at once (runtime.Interrupted: there
+    is nothing to save), in the loop at the next iteration boundary, after a save.
+    """
+    rt = self.cfg.runtime
+    self.stop_reason = None
+    if runtime.kill_switch_present(rt.kill_switch_path):
+      self.release()
+      self.stop_reason = runtime.StopReason.KILL_SWITCH
+      self.writer.info(
+        f'> kill switch {rt.kill_switch_path} exists: exiting without training '
+        '(remove the file to train)'
+      )
+      return self.plan.progress
+    own_stop = stop is None
+    stop_context = (
+      runtime.StopConditions(
+        rt.kill_switch_path, rt.exit_duration_mins, num_processes=jax.process_count()
+      )
+      if own_stop
+      else contextlib.nullcontext(stop)
+    )
+    try:
+      with stop_context as stop, self.watchdog, self.writer:
+        try:
+          return self._train(stop)
+        finally:
+          self._close_checkpointer()
+    except runtime.Interrupted as e:
+      self.stop_reason = runtime.StopReason.SIGNAL
+      if self.started:
+        self.writer.info(f'> stopped: {e}')
+        self.alerts.send('stopped', f'> stopped: {e}', self.plan.progress.iteration)
+      if own_stop:
+        return self.plan.progress
+      raise
+    except Exception as e:
+      if self.started:
+        self.alerts.send('crashed', f'{type(e).__name__}: {e}')
+      raise
+    finally:
+      self.profiler.close()  # a trace an early stop or an error left open
+      self.alerts.wait()
+      self.release()
+
+  def _close_checkpointer(self) -> None:
+    """Waits for the save in flight (checkpoints.close_unless_failing); closes it once."""
+    checkpointer, self.checkpointer = self.checkpointer, None
+    checkpoints.close_unless_failing(checkpointer)
+
+  def _train(self, stop: runtime.StopConditions) -> Progress:
+    cfg = self.cfg
+    for line in startup.report_lines(
+      cfg, self.layout, self.plan.software, jax.device_count(), jax.devices()[0].platform
+    ) + startup.parameter_table(self.layout.logical.params):
+      self.writer.info(line)  # process 0's log only, as every line
+    # Everything that can refuse the run comes before start(): the restore and the data check.
+    state, progress = self.initial_state()
+    for line in batches.check_run_data(
+      cfg, self.data, self.batch_sharding, progress.consumed_samples
+    ):
+      self.writer.info(line)
+    self.start(progress)
+    peak_tflops, peak_source = self.peak.measured
+    self.writer.info(f'> MFU reference: {peak_tflops:.4f} TFLOP/s per device ({peak_source})')
+    for line in startup.schedule_lines(cfg, self.layout):
+      self.writer.info(line)
+    start_iteration, total = progress.iteration, schedule.total_iterations(cfg.train)
+    if progress.iteration < total:
+      # Compiled now rather than in the loop: a signal during compilation ends the run at once,
+      # and a failure shows in the first minutes rather than at iteration 1000.
+      gbs = schedule.global_batch_size_at(cfg.train, progress.consumed_samples)
+      self.step_for(gbs, schedule.padded_seq_len_at(cfg, progress.iteration + 1))
+      if cfg.eval.interval:
+        self.evaluator.step_for(gbs)
+    stop.start_training()
+    self.hooks.run_start(StepInfo(progress, state, start_iteration=start_iteration))
+    info = StepInfo(progress, state, start_iteration=start_iteration)
+    while progress.iteration < total:
+      # The job's first step also sets up the communicators of its collectives: more time.
+      self.watchdog.beat(
+        f'in iteration {progress.iteration + 1}',
+        grace=runtime.FIRST_ITERATION_GRACE if progress.iteration == start_iteration else 1.0,
+      )
+      info.stop_reason = stop.poll()
+      if info.stop_reason is not None:
+        self.writer.info(
+          f'> stopping at iteration {progress.iteration}: {stop.describe(info.stop_reason)}'
+        )
+        break
+      if cfg.data.skips(progress.iteration + 1):
+        self.skipped.skip(progress, total)
+        info = StepInfo(progress, state, start_iteration=start_iteration)
+      else:
+        self.profiler.before_iteration(progress.iteration + 1)
+        state, record, finite = self.train_iteration(state, progress)
+        self.profiler.after_iteration(progress.iteration)
+        info = StepInfo(progress, state, record, finite, start_iteration)
+      self.hooks.run_iteration(info)
+      if info.stop_reason is not None:
+        break
+    (self.hooks.run_stop if info.stop_reason else self.hooks.run_end)(info)
+    self.stop_reason, self.final_state = info.stop_reason, state
+    return progress
+
+  def train_iteration(self, state: TrainState, progress: Progress) -> tuple[TrainState, dict, bool]:
+    """One train step on the next global batch. Returns the new state, the iteration's metrics
+    record and whether the step was finite (a non-finite one changed nothing)."""
+    cfg = self.cfg
+    self.skipped.trained()
+    seq = schedule.seq_len_at(cfg, progress.iteration + 1)
+    padded_seq = schedule.padded_seq_len_at(cfg, progress.iteration + 1)  # what the step runs at
+    gbs = schedule.global_batch_size_at(cfg.train, progress.consumed_samples)
+    compiled = self.step_for(gbs, padded_seq)
+    lr = schedule.learning_rate(
+      cfg.optimizer, progress.consumed_samples, progress.consumed_tokens, self.warmup_end_tokens
+    )
+    start = time.perf_counter()
+    step_micro = schedule.step_microbatches(cfg, gbs)
+    batch = self.global_batch(
+      progress.consumed_samples,
+      gbs,
+      seq_len=seq,
+      padded_seq_len=padded_seq,
+      microbatches=step_micro,
+    )
+    state, stats = compiled(state, batch, np.float32(lr), np.int32(progress.iteration))
+    stats = jax.device_get(stats)
+    elapsed = time.perf_counter() - start
+    progress.advance(gbs, seq)
+    progress.skipped_iterations += int(not stats['finite'])
+    progress.nan_iterations += int(not stats['loss_finite'])
+    bubble = (
+      self.layout.plan.bubble_fraction(step_micro, cfg.pipeline.microbatch_group)
+      if cfg.mesh.pipeline > 1
+      else None
+    )
+    record = accounting.iteration_record(
+      cfg,
+      progress,
+      lr,
+      gbs,
+      seq,
+      padded_seq,
+      step_micro,
+      stats,
+      elapsed,
+      self.peak.measured[0],
+      bubble,
+    )
+    return state, record, bool(stats['finite'])
+
+
+def open_data(cfg: Config, data_seed: int) -> sources.DataSources:
+  """The run's data sources; a bad path, file or split (or a tokenizer larger than the model's
+  vocabulary) is a ConfigError."""
+  tokenizer = None
+  if sources.uses_embedded_corpus(cfg.data):  # the embedded corpus and its tokenizer
+    tokenizer = Tokenizer.load_default()
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+      raise ConfigError(
+        f'the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size '
+        f'is {cfg.model.vocab_size}; set model.vocab_size >= '
+        f'{tokenizer.vocab_size}'
+      )
+  try:
+    return sources.build(cfg.data, cfg.train.seq_len, data_seed, tokenizer)
+  except DataError as e:
+    raise ConfigError(str(e)) from None
+
+
+def use_compilation_cache(workdir: str, cache_dir: str, log) -> str | None:
+  """Points JAX's persistent compilation cache at runtime.compilation_cache_dir (relative to the
+  workdir) and logs what it holds; returns its absolute path, or None when it is off. Programs
+  that compile in under a second are not stored (JAX's default threshold): loading them would
+  gain nothing."""
+  if not cache_dir:
+    return None
+  path = os.path.join(workdir, cache_dir)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(
+      f'runtime.compilation_cache_dir: cannot create {path} ({e.strerror}); '
+      "point it at a writable directory or set it to '' for no cache"
+    ) from None
+  if jax.config.jax_compilation_cache_dir != path:
+    jax.config.update('jax_compilation_cache_dir', path)
+    # JAX opens its cache once per process, at the first compilation that finds a directory set;
+    # a cache opened before this (another Trainer in the same process) would keep its directory.
+    compilation_cache.reset_cache()
+  log(
+    f'> compilation cache: {path} ({len(os.listdir(path))} programs stored; a program found '
+    'there is loaded instead of compiled)'
+  )
+  return path
