@@ -1,5 +1,5 @@
-"""Fits the cost model's two efficiency constants (t5x_like/cost_model.py, FITTED) on ONE table of
-the chronicles: seed 004's 02-25 "Tweaking TP for the first time from the TP=8 is best
+"""Fits the cost model's two efficiency constants (t5x_like/planning/cost_model.py, FITTED) on ONE
+table of the chronicles: seed 004's 02-25 "Tweaking TP for the first time from the TP=8 is best
 assumption" table (NLAYERS 72, NHIDDEN 14336, NHEADS 64, 48 nodes of 8 A100 80GB on Jean Zay,
 Megatron-DeepSpeed, full activation recomputation, ZeRO-1), its 9 timed rows.
 

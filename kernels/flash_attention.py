@@ -248,9 +248,13 @@ def _tile_scores(
   return s if mask is None else jnp.where(mask, s, _MASK_VALUE)
 
 
+# [first, end) of the blocks a loop visits: Python ints or traced scalars.
+_BlockRange = tuple[int | jax.Array, int | jax.Array]
+
+
 def _causal_ranges(
   causal: bool, own_start, own_block: int, other_block: int, num_other: int, own_is_query: bool
-):
+) -> tuple[_BlockRange, _BlockRange]:
   """(unmasked range, masked range) of the other axis's blocks that one program visits.
 
   A query block [qs, qs + bq) needs key blocks below cdiv(qs + bq, bk); those below qs // bk are

@@ -16,12 +16,31 @@ package but errors.py, so that every module can import it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
+import typing
 from typing import Any, Literal
 
 from t5x_like.errors import ConfigError  # re-exported: config.ConfigError is public
+
+# What each key may hold is declared with the key, and `Config.check_values` checks it once:
+#
+# * its type: the type of its default (an int where a float is wanted is a float);
+# * a `Literal[...]` annotation: the values it may take, read back by `allowed_values`;
+# * a number's range, `_ranged(default, lowest, highest, bounds)`: bounds '[' or '(' for whether
+#   lowest is allowed and ']' or ')' for highest, read back by `numeric_range`. A number declared
+#   without one must be >= 0 (counts, intervals, durations). Every float must be finite.
+#
+# `Config.validate` then checks what relates keys to each other, one method per section.
+
+_INF = math.inf
+
+
+def _ranged(default: float, low: float, high: float = _INF, bounds: str = '[]') -> Any:
+  """A numeric field with its default and the range [low, high] (per `bounds`) it must be in."""
+  return dataclasses.field(default=default, metadata={'range': (low, high, bounds)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,17 +48,17 @@ class ModelConfig:
   # 'bloom': ALiBi, embedding LayerNorm.
   # 'gpt2': learned absolute positions, no embedding LayerNorm.
   architecture: Literal['bloom', 'gpt2'] = 'bloom'
-  num_layers: int = 2
-  hidden_size: int = 64
-  num_heads: int = 4
+  num_layers: int = _ranged(2, 1)
+  hidden_size: int = _ranged(64, 1)
+  num_heads: int = _ranged(4, 1)
   ffn_hidden_size: int = 0  # 0 means 4 * hidden_size.
-  vocab_size: int = 256  # Real tokens; the embedding is padded (see padded_vocab_size).
+  vocab_size: int = _ranged(256, 1)  # Real tokens; the embedding is padded (see padded_vocab_size).
   # 0: pad to a multiple of 128 * mesh.tensor (Megatron's --make-vocab-size-divisible-by).
   pad_vocab_size_to: int = 0
-  max_position_embeddings: int = 2048  # gpt2 only.
-  layernorm_epsilon: float = 1e-5
-  hidden_dropout: float = 0.0
-  attention_dropout: float = 0.0
+  max_position_embeddings: int = _ranged(2048, 1)  # gpt2 only.
+  layernorm_epsilon: float = _ranged(1e-5, 0, bounds='(]')  # 0: 0/0 on a constant input
+  hidden_dropout: float = _ranged(0.0, 0, 1, '[)')
+  attention_dropout: float = _ranged(0.0, 0, 1, '[)')
   # Std of all weights; output projections use init_std / sqrt(2 * num_layers). 0: sqrt(1/(3h)).
   init_std: float = 0.0
   dtype: str = 'float32'  # Compute dtype, 'float32' or 'bfloat16'; params stay fp32.
@@ -55,7 +74,7 @@ class ModelConfig:
   # 'fused': the loss and its gradient in one forward pass, cross_entropy_chunk tokens at a time
   # (no recomputation; fastest on CPU; not with mesh.pipeline > 1).
   cross_entropy_impl: Literal['dense', 'chunked', 'fused'] = 'dense'
-  cross_entropy_chunk: int = 4096
+  cross_entropy_chunk: int = _ranged(4096, 1)
   # 'none': keep every activation; 'full': recompute each block in backward;
   # 'save_dots': keep matmul outputs, recompute the rest.
   remat_policy: Literal['none', 'full', 'save_dots'] = 'none'
@@ -107,10 +126,11 @@ class ModelConfig:
 class TrainConfig:
   steps: int = 0  # Cap on iterations; 0 means no cap (then train_samples must be set).
   train_samples: int = 0  # Megatron's --train-samples; 0 means no sample-based stop.
-  global_batch_size: int = 8
-  micro_batch_size: int = 4
-  seq_len: int = 64
-  seed: int = 1234
+  global_batch_size: int = _ranged(8, 1)
+  micro_batch_size: int = _ranged(4, 1)
+  seq_len: int = _ranged(64, 1)
+  # jax.random.PRNGKey without 64-bit mode keeps 32 bits: 2**32 would be the same key as 0.
+  seed: int = _ranged(1234, 0, 2**32 - 1)
   # Megatron's --rampup-batch-size START INCREMENT SAMPLES; () means no ramp-up.
   rampup_batch_size: tuple = ()
   # 0: the step is compiled for every micro-batch count of the ramp-up (tr11's: 117 programs of a
@@ -120,16 +140,16 @@ class TrainConfig:
   # gradients either way; the pipeline computes the padding micro-batches, the non-pipelined
   # step skips them.
   rampup_microbatch_multiple: int = 0
-  # The ramp-up and the run's length in iterations and samples: t5x_like/schedule.py.
+  # The ramp-up and the run's length in iterations and samples: t5x_like/training/schedule.py.
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
   lr: float = 1e-3
   min_lr: float = 1e-4
-  beta1: float = 0.9
-  beta2: float = 0.95
-  eps: float = 1e-8
+  beta1: float = _ranged(0.9, 0, 1, '[)')
+  beta2: float = _ranged(0.95, 0, 1, '[)')
+  eps: float = _ranged(1e-8, 0, bounds='(]')  # 0: 0/0 for a parameter whose gradient is 0
   weight_decay: float = 0.1
   clip_grad: float = 1.0  # Global-norm clipping threshold; 0 disables clipping.
   warmup_samples: int = 0
@@ -142,7 +162,7 @@ class OptimizerConfig:
   # 'adamw': fp32 Adam moments (8 bytes per param). 'adamw_8bit': both moments as 8-bit codes
   # with block-wise dynamic quantisation (bitsandbytes' Adam8bit; about 2 bytes per param):
   # blocks of quant_block_size values, one fp32 absmax each; tensors with fewer than
-  # quant_min_size values per layer keep fp32 moments (t5x_like/quantized_adam.py).
+  # quant_min_size values per layer keep fp32 moments (t5x_like/optim/quantized_adam.py).
   name: Literal['adamw', 'adamw_8bit'] = 'adamw'
   # One of QUANT_BLOCK_SIZES. 256: more blocks split evenly over more shards (BLOOM-176B's hidden
   # 14336 is 56 blocks, 7 of 2048), docs/benchmarks.md's plan figures.
@@ -162,10 +182,10 @@ class CurriculumConfig:
 
   min_seq_len: int = 0  # DeepSpeed's min_difficulty; 0: no curriculum.
   total_iterations: int = 0  # total_curriculum_step: iterations until train.seq_len.
-  difficulty_step: int = 8  # Every length is a multiple of this (tensor-core shapes).
+  difficulty_step: int = _ranged(8, 1)  # Every length is a multiple of this (tensor-core shapes).
   # 'fixed_linear', or 'fixed_root': the length follows (n / total_iterations) ** (1/root_degree).
   schedule: Literal['fixed_linear', 'fixed_root'] = 'fixed_linear'
-  root_degree: int = 2  # fixed_root only.
+  root_degree: int = _ranged(2, 1)  # fixed_root only.
   # 0: the step is compiled for every length (tr8b's settings: 249 compilations). N > 0: each
   # iteration runs at its length rounded up to a multiple of N (at most train.seq_len), the extra
   # positions padding outside the loss (losses.PAD_ID), so at most seq_len / N programs are
@@ -176,7 +196,7 @@ class CurriculumConfig:
   def enabled(self) -> bool:
     return self.min_seq_len > 0
 
-  # The lengths it gives each iteration: t5x_like/schedule.py.
+  # The lengths it gives each iteration: t5x_like/training/schedule.py.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +236,8 @@ class DataConfig:
 
   def skip_ranges(self) -> list[tuple[int, int]]:
     """skip_train_iteration_range as [(first, last)]; validate() has checked the syntax."""
-    return [tuple(int(x) for x in str(r).split('-')) for r in self.skip_train_iteration_range]
+    pairs = [str(r).split('-') for r in self.skip_train_iteration_range]
+    return [(int(first), int(last)) for first, last in pairs]
 
   def skips(self, iteration: int) -> bool:
     return any(a <= iteration <= b for a, b in self.skip_ranges())
@@ -225,14 +246,16 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
   interval: int = 0  # Iterations between evaluations of the validation sets; 0: none.
-  iters: int = 1  # Batches (of the current global batch size) per validation set and evaluation.
+  iters: int = _ranged(
+    1, 1
+  )  # Batches (of the current global batch size) per validation set and evaluation.
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  data: int = 1
-  pipeline: int = 1
-  tensor: int = 1
+  data: int = _ranged(1, 1)
+  pipeline: int = _ranged(1, 1)
+  tensor: int = _ranged(1, 1)
 
   @property
   def num_devices(self) -> int:
@@ -243,7 +266,7 @@ class MeshConfig:
 class PipelineConfig:
   # Circular (interleaved) schedule: each stage holds `repeats` groups of layers and micro-batches
   # loop `repeats` times, shrinking the bubble to (P-1)/(M*repeats + P-1).
-  repeats: int = 1
+  repeats: int = _ranged(1, 1)
   # 0: one schedule over all M micro-batches (each one's stage inputs kept until the backward
   # pass). G > 0: the step runs the schedule over groups of G micro-batches one after another,
   # each group's forward and backward done before the next starts, so only G*repeats + P-1
@@ -262,7 +285,7 @@ class PipelineConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   save_interval: int = 0  # Iterations between saves; 0 saves only at the end.
-  max_to_keep: int = 3  # The latest K checkpoints are kept...
+  max_to_keep: int = _ranged(3, 1)  # The latest K checkpoints are kept...
   keep_period: int = 0  # ...plus, for good, every step that is a multiple of this (0: none).
   init_from: str = ''  # A checkpoint whose weights start a new run (optimizer starts fresh).
   # Restart controls, applied when a run resumes from its workdir (docs/checkpoints.md).
@@ -289,7 +312,7 @@ class RuntimeConfig:
   # Loss-spike report (watches.SpikeWatch): an lm loss more than spike_loss_threshold (a fraction)
   # above the median of the previous spike_window iterations, or a grad norm above
   # spike_grad_factor times theirs; 0 turns that check off.
-  spike_window: int = 50
+  spike_window: int = _ranged(50, 1)
   spike_loss_threshold: float = 0.15
   spike_grad_factor: float = 4.0
   # JAX's persistent compilation cache: the run's compiled programs are stored here and a later
@@ -403,144 +426,130 @@ class Config:
       raw.setdefault(name, {}).update(values)
     return Config.from_dict(raw)
 
-  def check_ranges(self) -> Config:
-    """Every int and float key finite and in its range (numeric_range); one ConfigError."""
-    _validate_ranges(self)
+  def check_values(self) -> Config:
+    """Every key against its declaration: the type of its default, the values of its `Literal`
+    annotation (allowed_values), the range of a number (numeric_range, finite); one
+    ConfigError naming the key, the value and what it may be."""
+    for name, section_cls in SECTIONS.items():
+      section = getattr(self, name)
+      for f in dataclasses.fields(section_cls):
+        key, value = f'{name}.{f.name}', getattr(section, f.name)
+        _coerce(key, value, type(f.default))  # raises on a value of the wrong type
+        _check_allowed(key, value)
+        _check_range(key, value)
     return self
 
+  # The name start-up calls it by.
+  check_ranges = check_values
+
   def validate(self) -> Config:
-    """Checks each key and the cross-field constraints this module can check by itself; raises
-    one ConfigError naming the fix. The checks that need the modules owning the mesh, the
-    attention kernels, the schedule and the data run with these in `startup.check_config`,
-    which every command calls once before any compilation."""
-    m, t, o, mesh = self.model, self.train, self.optimizer, self.mesh
+    """Checks each key (check_values) and the constraints between keys that this module can
+    check by itself, section by section; raises one ConfigError naming the fix. The checks that
+    need the modules owning the mesh, the attention kernels, the schedule and the data run with
+    these in `startup.check_config`, which every command calls once before any compilation."""
+    self.check_values()
+    self._check_model()
+    self._check_train()
+    self._check_pipeline()
+    self._check_optimizer()
+    self._check_curriculum()
+    self._check_runtime()
+    self._check_checkpoint()
+    return self
 
-    def need(ok: bool, message: str):
-      if not ok:
-        raise ConfigError(message)
-
-    self.check_ranges()
-    need(
-      m.architecture in ('bloom', 'gpt2'),
-      f"model.architecture must be 'bloom' or 'gpt2', got {m.architecture!r}",
-    )
-    need(
+  def _check_model(self) -> None:
+    m, t, tensor = self.model, self.train, self.mesh.tensor
+    _need(
       m.hidden_size % m.num_heads == 0,
       f'model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads '
       f'({m.num_heads}); pick a head count that divides it',
     )
-    need(
-      m.num_heads % mesh.tensor == 0,
-      f'model.num_heads ({m.num_heads}) must be divisible by mesh.tensor ({mesh.tensor}): '
+    _need(
+      m.num_heads % tensor == 0,
+      f'model.num_heads ({m.num_heads}) must be divisible by mesh.tensor ({tensor}): '
       'tensor parallelism splits whole heads; use a mesh.tensor that divides the head count',
     )
-    need(
-      m.ffn_size % mesh.tensor == 0,
-      f'the FFN size ({m.ffn_size}) must be divisible by mesh.tensor ({mesh.tensor})',
+    _need(
+      m.ffn_size % tensor == 0,
+      f'the FFN size ({m.ffn_size}) must be divisible by mesh.tensor ({tensor})',
     )
-    need(
-      not m.sequence_parallel or t.seq_len % mesh.tensor == 0,
+    _need(
+      not m.sequence_parallel or t.seq_len % tensor == 0,
       f'model.sequence_parallel splits the sequence over mesh.tensor, so train.seq_len '
-      f'({t.seq_len}) must be divisible by mesh.tensor ({mesh.tensor}); change one of them '
+      f'({t.seq_len}) must be divisible by mesh.tensor ({tensor}); change one of them '
       'or set model.sequence_parallel=False',
     )
     padded = self.padded_vocab_size
-    need(
+    _need(
       padded >= m.vocab_size,
       f'model.pad_vocab_size_to ({m.pad_vocab_size_to}) is smaller than model.vocab_size '
       f'({m.vocab_size})',
     )
-    need(
-      padded % mesh.tensor == 0,
-      f'the padded vocabulary ({padded}) must be divisible by mesh.tensor ({mesh.tensor}); '
+    _need(
+      padded % tensor == 0,
+      f'the padded vocabulary ({padded}) must be divisible by mesh.tensor ({tensor}); '
       'set model.pad_vocab_size_to to a multiple of it',
     )
     # fp16 gradients underflow without Megatron's dynamic loss scaling, which this trainer does
     # not have; bf16 (BLOOM's choice after tr8's fp16 divergences) has fp32's range.
-    need(
-      self.runtime.replica_check_interval >= 0,
-      f'runtime.replica_check_interval must be >= 0 (0: never), got '
-      f'{self.runtime.replica_check_interval}',
-    )
-    need(
+    _need(
       m.dtype != 'float16',
       "model.dtype='float16' needs dynamic loss scaling, which t5x_like does not implement "
       "(its gradients would underflow); use 'bfloat16', as BLOOM-176B did, or 'float32'",
     )
-    need(
+    _need(
       m.dtype in ('float32', 'bfloat16'),
       f"model.dtype must be 'float32' or 'bfloat16', got {m.dtype!r}",
     )
-    need(
-      m.attention_impl in ('xla', 'pallas', 'cudnn'),
-      f"model.attention_impl must be 'xla', 'pallas' or 'cudnn', got {m.attention_impl!r}",
+    _need(
+      m.attention_impl == 'xla' or m.attention_dropout == 0.0,
+      f"model.attention_dropout={m.attention_dropout} needs model.attention_impl='xla': the "
+      f'fused {m.attention_impl!r} attention has no dropout; set model.attention_dropout=0',
     )
-    if m.attention_impl != 'xla':
-      need(
-        m.attention_dropout == 0.0,
-        f"model.attention_dropout={m.attention_dropout} needs model.attention_impl='xla': the "
-        f'fused {m.attention_impl!r} attention has no dropout; set model.attention_dropout=0',
-      )
-    need(
-      m.cross_entropy_impl in ('dense', 'chunked', 'fused'),
-      "model.cross_entropy_impl must be 'dense', 'chunked' or 'fused', got "
-      f'{m.cross_entropy_impl!r}',
+    _need(
+      m.architecture != 'gpt2' or t.seq_len <= m.max_position_embeddings,
+      f'train.seq_len ({t.seq_len}) exceeds model.max_position_embeddings '
+      f'({m.max_position_embeddings}) of the gpt2 architecture',
     )
-    need(
-      m.cross_entropy_chunk >= 1,
-      f'model.cross_entropy_chunk must be >= 1, got {m.cross_entropy_chunk}',
-    )
-    need(
-      m.remat_policy in ('none', 'full', 'save_dots'),
-      f"model.remat_policy must be 'none', 'full' or 'save_dots', got {m.remat_policy!r}",
-    )
-    need(
-      0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
-      'model.hidden_dropout and model.attention_dropout must be in [0, 1)',
-    )
-    if m.architecture == 'gpt2':
-      need(
-        t.seq_len <= m.max_position_embeddings,
-        f'train.seq_len ({t.seq_len}) exceeds model.max_position_embeddings '
-        f'({m.max_position_embeddings}) of the gpt2 architecture',
-      )
-    need(
+
+  def _check_train(self) -> None:
+    t, data = self.train, self.mesh.data
+    _need(
       t.steps > 0 or t.train_samples > 0,
       'set train.steps (iterations) or train.train_samples (samples) so the run can end',
     )
-    per_step = t.micro_batch_size * mesh.data
-    need(
+    per_step = t.micro_batch_size * data
+    _need(
       t.global_batch_size % per_step == 0,
       f'train.global_batch_size ({t.global_batch_size}) must be divisible by '
-      f'train.micro_batch_size x mesh.data ({t.micro_batch_size} x {mesh.data} = {per_step})',
+      f'train.micro_batch_size x mesh.data ({t.micro_batch_size} x {data} = {per_step})',
     )
     if t.rampup_batch_size:
-      need(
+      _need(
         len(t.rampup_batch_size) == 3
-        and all(isinstance(v, int) and v > 0 for v in t.rampup_batch_size),
+        and all(
+          isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in t.rampup_batch_size
+        ),
         f'train.rampup_batch_size must be (start, increment, samples) of positive ints, got '
         f'{t.rampup_batch_size}',
       )
       start, increment, _ = t.rampup_batch_size
-      need(
+      _need(
         start < t.global_batch_size and (t.global_batch_size - start) % increment == 0,
         f'train.rampup_batch_size: global_batch_size - start ({t.global_batch_size} - {start}) '
         f'must be a positive multiple of the increment ({increment})',
       )
-    need(
-      isinstance(t.rampup_microbatch_multiple, int) and t.rampup_microbatch_multiple >= 0,
-      f'train.rampup_microbatch_multiple must be an int >= 0 (0: no padding), got '
-      f'{t.rampup_microbatch_multiple!r}',
-    )
-    need(
-      not t.rampup_microbatch_multiple or t.rampup_batch_size,
+    _need(
+      not t.rampup_microbatch_multiple or bool(t.rampup_batch_size),
       f'train.rampup_microbatch_multiple ({t.rampup_microbatch_multiple}) pads the micro-batch '
       'counts of a batch-size ramp-up, and there is none (train.rampup_batch_size is empty); '
       'set train.rampup_batch_size, or train.rampup_microbatch_multiple=0',
     )
-    p, r = mesh.pipeline, self.pipeline.repeats
-    need(r >= 1, f'pipeline.repeats must be >= 1, got {r}')
-    need(
+
+  def _check_pipeline(self) -> None:
+    m, pl = self.model, self.pipeline
+    p, r = self.mesh.pipeline, pl.repeats
+    _need(
       p * r <= m.num_layers,
       f'mesh.pipeline x pipeline.repeats ({p} x {r}) exceeds model.num_layers '
       f'({m.num_layers}): every stage needs at least one layer per repeat',
@@ -551,104 +560,108 @@ class Config:
         for k in range(1, m.num_layers // p + 1)
         if k * -(-m.num_layers // (p * k)) == -(-m.num_layers // p)
       ]
-      need(
+      _need(
         r in fits,
         f'pipeline.repeats={r} does not fit {m.num_layers} layers on {p} stages: every stage '
         f'would hold more than one padding slot; repeats that fit: {fits}',
       )
-    if p > 1 and self.pipeline.schedule == '1f1b':
-      need(
+    if p == 1:
+      return
+    if pl.schedule == '1f1b':
+      _need(
         r == 1,
         f"pipeline.schedule='1f1b' runs one repeat, and pipeline.repeats is {r}; use "
         "pipeline.repeats=1 with '1f1b', or pipeline.schedule='gpipe' for the circular "
         'schedule',
       )
-      need(
-        not self.pipeline.microbatch_group,
+      _need(
+        not pl.microbatch_group,
         f"pipeline.schedule='1f1b' already keeps at most 2P - 1 stage inputs, and "
-        f'pipeline.microbatch_group={self.pipeline.microbatch_group} would only add a fill '
+        f'pipeline.microbatch_group={pl.microbatch_group} would only add a fill '
         "and drain per group; set pipeline.microbatch_group=0 with '1f1b'",
       )
-    if p > 1:
-      need(
-        m.cross_entropy_impl != 'fused',
-        "model.cross_entropy_impl='fused' keeps an embedding-sized gradient from each "
-        "micro-batch's forward to its backward pass, one per micro-batch in flight in the "
-        "pipeline; use 'chunked' (or 'dense') with mesh.pipeline > 1",
-      )
-    need(
-      o.decay_style in ('cosine', 'linear', 'constant'),
-      f"optimizer.decay_style must be 'cosine', 'linear' or 'constant', got {o.decay_style!r}",
+    _need(
+      m.cross_entropy_impl != 'fused',
+      "model.cross_entropy_impl='fused' keeps an embedding-sized gradient from each "
+      "micro-batch's forward to its backward pass, one per micro-batch in flight in the "
+      "pipeline; use 'chunked' (or 'dense') with mesh.pipeline > 1",
     )
-    need(
+
+  def _check_optimizer(self) -> None:
+    o = self.optimizer
+    _need(
       o.min_lr <= o.lr,
       f'optimizer.min_lr ({o.min_lr}) must not exceed optimizer.lr ({o.lr}): the schedule '
       'decays from lr down to min_lr; lower min_lr or raise lr',
     )
-    need(
+    _need(
       o.decay_samples == 0 or o.decay_samples > o.warmup_samples,
       f'optimizer.decay_samples ({o.decay_samples}) must exceed optimizer.warmup_samples '
       f'({o.warmup_samples}), or be 0 for no decay',
     )
-    need(
-      o.decay_tokens >= 0,
-      f'optimizer.decay_tokens must be >= 0 (0: decay by samples), got {o.decay_tokens}',
-    )
-    need(
-      o.name in ('adamw', 'adamw_8bit'),
-      f"optimizer.name must be 'adamw' or 'adamw_8bit', got {o.name!r}",
-    )
-    need(
+    _need(
       o.name != 'adamw_8bit' or o.quant_block_size in QUANT_BLOCK_SIZES,
       f'optimizer.quant_block_size must be one of {", ".join(map(str, QUANT_BLOCK_SIZES))} '
       f"with optimizer.name='adamw_8bit', got {o.quant_block_size}; set one of these",
     )
-    _validate_curriculum(self)
-    need(self.checkpoint.save_interval >= 0, 'checkpoint.save_interval must be >= 0')
-    need(
-      self.checkpoint.max_to_keep >= 1,
-      f'checkpoint.max_to_keep must be >= 1, got {self.checkpoint.max_to_keep}',
+
+  def _check_curriculum(self) -> None:
+    c, seq = self.curriculum, self.train.seq_len
+    if not c.enabled:
+      _need(
+        not c.pad_to_multiple,
+        f'curriculum.pad_to_multiple ({c.pad_to_multiple}) pads the lengths of a '
+        'sequence-length curriculum, and there is none (curriculum.min_seq_len '
+        '= 0); set curriculum.min_seq_len, or curriculum.pad_to_multiple=0',
+      )
+      return
+    fix = 'set curriculum.min_seq_len=0 for no curriculum'
+    _need(
+      c.total_iterations >= 1,
+      f'curriculum.total_iterations ({c.total_iterations}) must be >= 1 with a curriculum '
+      f'(curriculum.min_seq_len={c.min_seq_len}); {fix}',
     )
-    need(
-      self.checkpoint.keep_period >= 0,
-      f'checkpoint.keep_period must be >= 0 (0 keeps no extra steps), got '
-      f'{self.checkpoint.keep_period}',
+    # DeepSpeed rounds every length down to the step: a train.seq_len off the step is never
+    # reached, and a min_seq_len below it starts at length 0.
+    _need(
+      not (c.min_seq_len % c.difficulty_step or seq % c.difficulty_step),
+      f'curriculum.min_seq_len ({c.min_seq_len}) and train.seq_len ({seq}) must '
+      f'be multiples of curriculum.difficulty_step ({c.difficulty_step}), or the '
+      'schedule would never reach train.seq_len; change one of them',
     )
-    need(
-      self.runtime.spike_window >= 1
-      and self.runtime.spike_loss_threshold >= 0
-      and self.runtime.spike_grad_factor >= 0,
-      f'runtime.spike_window must be >= 1, runtime.spike_loss_threshold and '
-      f'runtime.spike_grad_factor >= 0 (0: that check off); got {self.runtime.spike_window}, '
-      f'{self.runtime.spike_loss_threshold}, {self.runtime.spike_grad_factor}',
+    _need(
+      c.min_seq_len < seq,
+      f'curriculum.min_seq_len ({c.min_seq_len}) must be below train.seq_len '
+      f'({seq}), where the curriculum ends; {fix}',
     )
-    need(
-      self.runtime.hang_timeout_mins >= 0,
-      f'runtime.hang_timeout_mins must be >= 0 (0: no watchdog), got '
-      f'{self.runtime.hang_timeout_mins}',
+    # Padded lengths stay on the step's grid (tensor-core shapes), as every unpadded one is.
+    _need(
+      c.pad_to_multiple % c.difficulty_step == 0,
+      f'curriculum.pad_to_multiple ({c.pad_to_multiple}) must be 0 (no padding) '
+      f'or a positive multiple of curriculum.difficulty_step '
+      f'({c.difficulty_step}), e.g. {8 * c.difficulty_step}',
     )
-    need(
-      isinstance(self.runtime.max_consecutive_nan, int) and self.runtime.max_consecutive_nan >= 0,
-      f'runtime.max_consecutive_nan must be an int >= 0 (0: never stop for non-finite '
-      f'iterations), got {self.runtime.max_consecutive_nan!r}',
-    )
-    need(
-      self.runtime.exit_duration_mins >= 0,
-      f'runtime.exit_duration_mins must be >= 0 (0: no limit), got '
-      f'{self.runtime.exit_duration_mins}',
-    )
-    need(
-      self.runtime.profile_range() is None or bool(self.runtime.tensorboard_dir),
-      f'runtime.profile_steps={self.runtime.profile_steps!r} writes its trace under '
+
+  def _check_runtime(self) -> None:
+    rt = self.runtime
+    _need(
+      rt.profile_range() is None or bool(rt.tensorboard_dir),
+      f'runtime.profile_steps={rt.profile_steps!r} writes its trace under '
       "runtime.tensorboard_dir, which is ''; set a tensorboard_dir or profile_steps=''",
     )
-    if self.checkpoint.init_from:
-      need(
-        os.path.isdir(self.checkpoint.init_from),
-        f'checkpoint.init_from={self.checkpoint.init_from!r} is not a directory; point it at a '
-        "checkpoint directory (a run's WORKDIR/checkpoints or one step inside it)",
-      )
-    return self
+
+  def _check_checkpoint(self) -> None:
+    init_from = self.checkpoint.init_from
+    _need(
+      not init_from or os.path.isdir(init_from),
+      f'checkpoint.init_from={init_from!r} is not a directory; point it at a '
+      "checkpoint directory (a run's WORKDIR/checkpoints or one step inside it)",
+    )
+
+
+def _need(ok: bool, message: str) -> None:
+  if not ok:
+    raise ConfigError(message)
 
 
 # Keys that earlier versions wrote into config.json (so into checkpoints), with the one value
@@ -682,43 +695,51 @@ def _without_retired_keys(raw: dict[str, Any]) -> dict[str, Any]:
   return raw
 
 
-# The allowed range of every numeric key: (lowest, highest, bounds), bounds '[' or '(' for whether
-# lowest is allowed and ']' or ')' for highest. A numeric key not listed must be >= 0 (counts,
-# intervals, durations). Every float must also be finite.
-_INF = math.inf
-_RANGES: dict[str, tuple[float, float, str]] = {
-  'model.num_layers': (1, _INF, '[]'),
-  'model.hidden_size': (1, _INF, '[]'),
-  'model.num_heads': (1, _INF, '[]'),
-  'model.vocab_size': (1, _INF, '[]'),
-  'model.max_position_embeddings': (1, _INF, '[]'),
-  'model.layernorm_epsilon': (0, _INF, '(]'),  # 0 divides by zero on a constant input
-  'model.hidden_dropout': (0, 1, '[)'),
-  'model.attention_dropout': (0, 1, '[)'),
-  'model.cross_entropy_chunk': (1, _INF, '[]'),
-  'train.global_batch_size': (1, _INF, '[]'),
-  'train.micro_batch_size': (1, _INF, '[]'),
-  'train.seq_len': (1, _INF, '[]'),
-  # jax.random.PRNGKey without 64-bit mode keeps 32 bits: 2**32 would be the same key as 0.
-  'train.seed': (0, 2**32 - 1, '[]'),
-  'optimizer.beta1': (0, 1, '[)'),
-  'optimizer.beta2': (0, 1, '[)'),
-  'optimizer.eps': (0, _INF, '(]'),  # 0 makes 0/0 of a parameter whose gradient is 0
-  'curriculum.difficulty_step': (1, _INF, '[]'),
-  'curriculum.root_degree': (1, _INF, '[]'),
-  'eval.iters': (1, _INF, '[]'),
-  'mesh.data': (1, _INF, '[]'),
-  'mesh.pipeline': (1, _INF, '[]'),
-  'mesh.tensor': (1, _INF, '[]'),
-  'pipeline.repeats': (1, _INF, '[]'),
-  'checkpoint.max_to_keep': (1, _INF, '[]'),
-  'runtime.spike_window': (1, _INF, '[]'),
-}
+def _field(key: str) -> dataclasses.Field:
+  section, _, name = key.partition('.')
+  return {f.name: f for f in dataclasses.fields(SECTIONS[section])}[name]
 
 
 def numeric_range(key: str) -> tuple[float, float, str]:
-  """(lowest, highest, bounds) that the numeric config key `key` ('section.name') must be in."""
-  return _RANGES.get(key, (0, _INF, '[]'))
+  """(lowest, highest, bounds) that the numeric config key `key` ('section.name') must be in:
+  what its field declares with `_ranged`, else [0, inf]."""
+  return _field(key).metadata.get('range', (0, _INF, '[]'))
+
+
+@functools.cache
+def _literals(section_cls: type) -> dict[str, tuple]:
+  """{field: the values of its Literal annotation} of one section dataclass."""
+  hints = typing.get_type_hints(section_cls)  # the annotations are strings (__future__)
+  return {
+    name: typing.get_args(hint)
+    for name, hint in hints.items()
+    if typing.get_origin(hint) is Literal
+  }
+
+
+def allowed_values(key: str) -> tuple | None:
+  """The values the key `key` ('section.name') may take, from its `Literal[...]` annotation;
+  None for a key without one."""
+  section, _, name = key.partition('.')
+  return _literals(SECTIONS[section]).get(name)
+
+
+def literal_keys() -> list[str]:
+  """Every key annotated `Literal[...]`, as 'section.name'."""
+  return [f'{name}.{key}' for name, cls in SECTIONS.items() for key in _literals(cls)]
+
+
+def _check_allowed(key: str, value: Any) -> None:
+  choices = allowed_values(key)
+  if choices is None or any(value == c and type(value) is type(c) for c in choices):
+    return
+  *rest, last = map(repr, choices)
+  listed = f'{", ".join(rest)} or {last}' if rest else last
+  hint = [c for c in choices if isinstance(value, str) and str(c).lower() == value.lower()]
+  raise ConfigError(
+    f'{key} must be {listed}, got {value!r}'
+    + (f' (the values are case-sensitive: {hint[0]!r})' if hint else '')
+  )
 
 
 def describe_range(low: float, high: float, bounds: str) -> str:
@@ -728,74 +749,21 @@ def describe_range(low: float, high: float, bounds: str) -> str:
   return f'in {bounds[0]}{low}, {high}{bounds[1]}'
 
 
-def _validate_ranges(cfg: Config) -> None:
-  """Every int and float key finite and in its range (numeric_range)."""
-  for name in SECTIONS:
-    section = getattr(cfg, name)
-    for f in dataclasses.fields(section):
-      value = getattr(section, f.name)
-      # bool is an int subclass; switches such as attention_fallback are not numbers.
-      if isinstance(value, bool) or not isinstance(value, (int, float)):
-        continue
-      key = f'{name}.{f.name}'
-      low, high, bounds = numeric_range(key)
-      inside = (
-        math.isfinite(value)
-        and (low <= value if bounds[0] == '[' else low < value)
-        and (value <= high if bounds[1] == ']' else value < high)
-      )
-      if not inside:
-        kind = '' if isinstance(value, int) else ' and finite'
-        raise ConfigError(
-          f'{key} must be {describe_range(low, high, bounds)}{kind}, got '
-          f'{value!r}; set it within that range'
-        )
-
-
-def _validate_curriculum(cfg: Config) -> None:
-  c, seq = cfg.curriculum, cfg.train.seq_len
-  if not c.enabled:
-    if c.min_seq_len < 0:
-      raise ConfigError(
-        f'curriculum.min_seq_len must be >= 0 (0: no curriculum), got {c.min_seq_len}'
-      )
-    if c.pad_to_multiple:
-      raise ConfigError(
-        f'curriculum.pad_to_multiple ({c.pad_to_multiple}) pads the lengths of a '
-        'sequence-length curriculum, and there is none (curriculum.min_seq_len '
-        '= 0); set curriculum.min_seq_len, or curriculum.pad_to_multiple=0'
-      )
+def _check_range(key: str, value: Any) -> None:
+  # bool is an int subclass; switches such as attention_fallback are not numbers.
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
     return
-  fix = 'set curriculum.min_seq_len=0 for no curriculum'
-  if c.difficulty_step < 1 or c.total_iterations < 1:
+  low, high, bounds = numeric_range(key)
+  inside = (
+    math.isfinite(value)
+    and (low <= value if bounds[0] == '[' else low < value)
+    and (value <= high if bounds[1] == ']' else value < high)
+  )
+  if not inside:
+    kind = '' if isinstance(value, int) else ' and finite'
     raise ConfigError(
-      f'curriculum.difficulty_step ({c.difficulty_step}) and curriculum.'
-      f'total_iterations ({c.total_iterations}) must be >= 1; {fix}'
-    )
-  if c.schedule not in ('fixed_linear', 'fixed_root') or c.root_degree < 1:
-    raise ConfigError(
-      f"curriculum.schedule must be 'fixed_linear' or 'fixed_root' with "
-      f'curriculum.root_degree >= 1, got {c.schedule!r}, {c.root_degree}'
-    )
-  if c.min_seq_len % c.difficulty_step or seq % c.difficulty_step:
-    # DeepSpeed rounds every length down to the step: a train.seq_len off the step is never
-    # reached, and a min_seq_len below it starts at length 0.
-    raise ConfigError(
-      f'curriculum.min_seq_len ({c.min_seq_len}) and train.seq_len ({seq}) must '
-      f'be multiples of curriculum.difficulty_step ({c.difficulty_step}), or the '
-      'schedule would never reach train.seq_len; change one of them'
-    )
-  if c.min_seq_len >= seq:
-    raise ConfigError(
-      f'curriculum.min_seq_len ({c.min_seq_len}) must be below train.seq_len '
-      f'({seq}), where the curriculum ends; {fix}'
-    )
-  if c.pad_to_multiple < 0 or c.pad_to_multiple % c.difficulty_step:
-    # Padded lengths stay on the step's grid (tensor-core shapes), as every unpadded one is.
-    raise ConfigError(
-      f'curriculum.pad_to_multiple ({c.pad_to_multiple}) must be 0 (no padding) '
-      f'or a positive multiple of curriculum.difficulty_step '
-      f'({c.difficulty_step}), e.g. {8 * c.difficulty_step}'
+      f'{key} must be {describe_range(low, high, bounds)}{kind}, got {value!r}; '
+      'set it within that range'
     )
 
 
@@ -840,6 +808,7 @@ def load_config_file(path: str, overrides: dict[str, Any] | None = None) -> Conf
       'with get_config() (such as configs/tiny.py), --gin_file a .gin file'
     )
   spec = importlib.util.spec_from_file_location('_t5x_like_config', path)
+  assert spec is not None and spec.loader is not None  # a .py path always has a source loader
   module = importlib.util.module_from_spec(spec)
   try:
     spec.loader.exec_module(module)

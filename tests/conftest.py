@@ -207,7 +207,8 @@ def read_tensorboard(*directories, kind='scalars'):
   return read if kind == 'all' else [kinds[kind] for kinds in read]
 
 
-# runtime.alert_command for tests: one line per alert in WORKDIR/alerts.txt (t5x_like/alerts.py).
+# runtime.alert_command for tests: one line per alert in WORKDIR/alerts.txt
+# (t5x_like/training/alerts.py).
 ALERT_RECORD = (
   'echo "$T5X_LIKE_EVENT|$T5X_LIKE_ITERATION|$T5X_LIKE_PROCESS|$T5X_LIKE_MESSAGE" '
   '>> "$T5X_LIKE_WORKDIR/alerts.txt"'

@@ -180,15 +180,20 @@ def check(result, code, fragment):
       "data.valid_weighted_split_paths: the group '1 0.95:1 /d/fr' has no name",
     ),
     (
-      ['--config', TINY, '--config.data.train_weighted_split_paths=train: 1 0:0.95 /d/en'],
+      [
+        '--config',
+        TINY,
+        '--config.data.train_path=/d/fr',
+        '--config.data.train_weighted_split_paths=train: 1 0:0.95 /d/en',
+      ],
       2,
-      "data.train_path and data.split (Megatron's --data-path and --split) cannot be combined",
+      "data.train_path (Megatron's --data-path, cut by data.split) cannot be combined with "
+      'data.*_weighted_split_paths',
     ),
     (
       [
         '--config',
         TINY,
-        '--config.data.split=969,30,1',
         '--config.data.train_weighted_split_paths=train: 1 0:0.95 {tmp}/en',
         '--config.data.root={tmp}/no_such_dir',
         '--config.eval.interval=0',
@@ -202,7 +207,6 @@ def check(result, code, fragment):
       [
         '--config',
         TINY,
-        '--config.data.split=969,30,1',
         '--config.data.mixture_or_task=no_such_task',
       ],
       2,
@@ -214,7 +218,6 @@ def check(result, code, fragment):
       [
         '--config',
         TINY,
-        '--config.data.split=969,30,1',
         '--config.data.mixture_or_task=t5x_like_corpus_mix',
         '--config.data.mixture_or_task_module=no_such_registry',
       ],
@@ -223,10 +226,15 @@ def check(result, code, fragment):
       "module named 'no_such_registry'",
     ),
     (
-      ['--config', TINY, '--config.data.mixture_or_task=t5x_like_corpus_mix'],
+      [
+        '--config',
+        TINY,
+        '--config.data.train_path=/d/en',
+        '--config.data.mixture_or_task=t5x_like_corpus_mix',
+      ],
       2,
       "data.mixture_or_task='t5x_like_corpus_mix' names the training data and its splits itself, "
-      'and data.split too; keep one of the two',
+      'and data.train_path too; keep one of the two',
     ),
     (
       ['--config', TINY, '--config.data.mixture_or_task_module=my_tasks'],

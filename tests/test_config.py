@@ -1,10 +1,14 @@
+import dataclasses
+import math
 import os
+import typing
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_cli
 
+from t5x_like import config as config_lib
 from t5x_like.cli.train import parse_args
-from t5x_like.config import Config, ConfigError, load_config_file, load_gin
+from t5x_like.config import CommandLineValue, Config, ConfigError, load_config_file, load_gin
 from t5x_like.training import accounting, schedule, startup
 
 
@@ -365,3 +369,118 @@ def test_bad_curriculum_or_token_decay_is_one_clear_error(sections, message):
     base[name] = {**base.get(name, {}), **values}
   with pytest.raises(ConfigError, match=message):
     startup.check_config(Config().replace(**base))
+
+
+# --------------------------------------------------------------------- declared allowed values
+
+
+def _wrong_value(choices):
+  """A value outside `choices`: the first one upper-cased (the likeliest typo), else 'bogus'."""
+  first = str(choices[0]).upper()
+  return first if first not in choices else 'bogus'
+
+
+def _literal_fields():
+  """{'section.key': its allowed values} of every field annotated Literal[...]."""
+  return {
+    f'{section}.{name}': typing.get_args(hint)
+    for section, cls in config_lib.SECTIONS.items()
+    for name, hint in typing.get_type_hints(cls).items()
+    if typing.get_origin(hint) is typing.Literal
+  }
+
+
+@pytest.mark.parametrize('key', sorted(_literal_fields()))
+def test_every_literal_key_refuses_a_value_outside_its_annotation(key):
+  """Found by introspection: a new Literal key is covered without a new row."""
+  section, _, name = key.partition('.')
+  choices = _literal_fields()[key]
+  assert choices and all(isinstance(c, str) for c in choices)
+  bad = _wrong_value(choices)
+  cfg = Config().replace(train={'steps': 1}, **{section: {name: bad}})
+  with pytest.raises(ConfigError) as error:
+    startup.check_config(cfg)
+  message = str(error.value)
+  assert message.startswith(f'{key} must be ') and repr(bad) in message, message
+  assert all(repr(c) in message for c in choices), message
+  # Every allowed value passes the declaration check.
+  for choice in choices:
+    Config().replace(**{section: {name: choice}}).check_ranges()
+
+
+def test_the_literal_keys_are_the_annotated_ones():
+  fields = _literal_fields()
+  assert len(fields) >= 8 and {'pipeline.schedule', 'curriculum.schedule'} <= set(fields)
+  assert config_lib.literal_keys() == list(fields)
+  assert all(config_lib.allowed_values(key) == choices for key, choices in fields.items())
+  assert config_lib.allowed_values('pipeline.schedule') == ('gpipe', '1f1b')
+  assert config_lib.allowed_values('train.steps') is None
+
+
+def test_ranges_are_declared_beside_their_fields():
+  assert config_lib.numeric_range('train.seed') == (0, 2**32 - 1, '[]')
+  assert config_lib.numeric_range('optimizer.eps') == (0, math.inf, '(]')
+  assert config_lib.numeric_range('train.steps') == (0, math.inf, '[]')  # undeclared: >= 0
+
+
+def test_a_value_of_the_wrong_type_is_refused_however_the_config_was_built():
+  cfg = Config(train=dataclasses.replace(Config().train, steps=1, rampup_microbatch_multiple=2.5))
+  with pytest.raises(ConfigError, match='train.rampup_microbatch_multiple must be of type int'):
+    cfg.validate()
+
+
+def test_train_refuses_a_wrong_pipeline_schedule_before_creating_the_workdir(tmp_path):
+  workdir = tmp_path / 'W'
+  r = run_cli(
+    [
+      '-m',
+      't5x_like.train',
+      '--config',
+      cfg_path('tiny.py'),
+      '--workdir',
+      str(workdir),
+      '--config.pipeline.schedule=1F1B',
+    ]
+  )
+  assert r.returncode == 2, r.stdout + r.stderr
+  errors = [line for line in r.stderr.splitlines() if 'error:' in line]
+  assert len(errors) == 1 and 'Traceback' not in r.stderr, r.stderr
+  assert "pipeline.schedule must be 'gpipe' or '1f1b', got '1F1B'" in errors[0], errors[0]
+  assert not workdir.exists()
+
+
+# ------------------------------------------------- data.split applies to the data it splits
+
+
+@pytest.mark.parametrize(
+  'overrides',
+  [
+    {'data.mixture_or_task': 't5x_like_corpus_mix'},
+    {
+      'data.train_weighted_split_paths': CommandLineValue('train: 1 0:0.95 /d/en'),
+      'data.valid_weighted_split_paths': CommandLineValue('valid: 1 0.95:1 /d/en'),
+    },
+  ],
+)
+def test_a_shipped_split_for_the_embedded_corpus_does_not_block_other_sources(overrides):
+  cfg = load_config_file(cfg_path('tiny.py'), overrides)
+  assert cfg.data.split != Config().data.split  # tiny's split, for the embedded corpus
+  startup.check_config(cfg)
+
+
+@pytest.mark.parametrize(
+  'overrides, message',
+  [
+    (
+      {'data.mixture_or_task': 't5x_like_corpus_mix', 'data.train_path': '/d/en'},
+      'and data.train_path too; keep one of the two',
+    ),
+    (
+      {'data.train_weighted_split_paths': 'train: 1 0:0.95 /d/en', 'data.train_path': '/d/en'},
+      'data.train_path .* cannot be combined with data.\\*_weighted_split_paths',
+    ),
+  ],
+)
+def test_data_that_the_split_cuts_still_conflicts_with_other_sources(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    startup.check_config(load_config_file(cfg_path('tiny.py'), overrides))

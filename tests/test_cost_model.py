@@ -1,4 +1,5 @@
-"""The topology planner's cost model (t5x_like/cost_model.py) and `plan --estimate/--search`.
+"""The topology planner's cost model (t5x_like/planning/cost_model.py) and `plan
+--estimate/--search`.
 
 The validation rows below are seed 004's (the chronicles prequel: Megatron-DeepSpeed on 48 nodes
 of 8 A100 80GB, Jean Zay, full activation recomputation, ZeRO-1), typed in with their dates and

@@ -218,7 +218,7 @@ def test_a_process_stuck_in_a_collective_exits_4_with_every_threads_stack(tmp_pa
       p.kill()
   assert code == 4, stderr[-3000:]
   # The SIGUSR2 dump: the main thread's stack, and training went on.
-  assert stderr.count('(most recent call first)') >= 2 and 't5x_like/trainer.py' in stderr
+  assert stderr.count('(most recent call first)') >= 2 and 't5x_like/training/trainer.py' in stderr
   message = re.search(
     r'> hang: no progress for ([\d.]+) minutes \(runtime.hang_timeout_mins=0.1\) '
     r'while in iteration (\d+);',

@@ -1,5 +1,5 @@
-"""The training loop's hooks (t5x_like/hooks.py): each runs at its cadence, every N iterations,
-at the start, at the end and on a stop; a hook can stop the run."""
+"""The training loop's hooks (t5x_like/training/hooks.py): each runs at its cadence, every N
+iterations, at the start, at the end and on a stop; a hook can stop the run."""
 
 import os
 

@@ -1,6 +1,6 @@
 """What a run shows about itself besides its metrics: runtime.profile_steps' JAX profiler trace of
-exactly those iterations (t5x_like/profiling.py, read back from the trace files for its step
-markers) and the start-up parameter table (startup.parameter_table)."""
+exactly those iterations (t5x_like/training/profiling.py, read back from the trace files for its
+step markers) and the start-up parameter table (startup.parameter_table)."""
 
 import glob
 import gzip

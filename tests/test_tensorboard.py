@@ -1,5 +1,5 @@
-"""TensorBoard event files through clu's metric writers (t5x_like/summaries.py), read back with
-TensorFlow's own reader."""
+"""TensorBoard event files through clu's metric writers (t5x_like/training/summaries.py), read back
+with TensorFlow's own reader."""
 
 import json
 import os

@@ -651,7 +651,7 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
   # own threshold.
   watch_class = watches.ThroughputWatch
   monkeypatch.setattr(
-    metrics,
+    watches,
     'ThroughputWatch',
     lambda threshold: watch_class(window=3, threshold=threshold, warmup=1),
   )
@@ -664,9 +664,9 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
     runtime=dict(replica_check_interval=0, alert_command=ALERT_RECORD),
   )
   spike_class = watches.SpikeWatch
-  monkeypatch.setattr(metrics, 'SpikeWatch', lambda *args: SpikeAt(5))
+  monkeypatch.setattr(watches, 'SpikeWatch', lambda *args: SpikeAt(5))
   first = Trainer(cfg, workdir)
-  monkeypatch.setattr(metrics, 'SpikeWatch', spike_class)  # the resumed job watches for real
+  monkeypatch.setattr(watches, 'SpikeWatch', spike_class)  # the resumed job watches for real
   compile_first = first.steps.compile
   monkeypatch.setattr(
     first.steps, 'compile', lambda shape: StepTakes(compile_first(shape), clock, 0.05)
@@ -810,7 +810,7 @@ def test_curriculum_truncates_samples_counts_tokens_and_decays_by_tokens(curricu
   )
   # Warm-up over 16 samples (2 iterations: 8 x 8 + 8 x 16 = 192 tokens), then the decay counts
   # the tokens consumed before each iteration from there to optimizer.decay_tokens.
-  assert first.warmup_end_tokens == 192
+  assert first.iterations.warmup_end_tokens == 192
   before = [0, *tokens[:-1]]
   assert [r['learning_rate'] for r in records] == pytest.approx(
     [schedule.learning_rate(cfg.optimizer, 8 * i, int(before[i]), 192) for i in range(4)]

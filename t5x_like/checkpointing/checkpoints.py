@@ -334,9 +334,9 @@ def read_progress(path: str, step: int | None = None) -> Progress:
       filter(
         None,
         [
-          missing and f'lacks {", ".join(missing)}',
-          unknown and f'has unknown keys {", ".join(unknown)}',
-          wrong and f'has counters that are not ints >= 0: {", ".join(wrong)}',
+          f'lacks {", ".join(missing)}' if missing else None,
+          f'has unknown keys {", ".join(unknown)}' if unknown else None,
+          f'has counters that are not ints >= 0: {", ".join(wrong)}' if wrong else None,
         ],
       )
     )
@@ -627,7 +627,7 @@ class Checkpointer:
     self._in_flight = step
     return True
 
-  def _save_error(self, step: int, error: BaseException) -> SaveError:
+  def _save_error(self, step: int | None, error: BaseException) -> SaveError:
     complete = [s for s in available_steps(self.root) if s != step]
     others = self._writer_errors.count
     # TensorStore names the operating system's error (no space left, file too large, permission
@@ -683,9 +683,12 @@ class Checkpointer:
       [os.path.join(deleted, d) for d in os.listdir(deleted)] if os.path.isdir(deleted) else []
     )
     if targets:
-      self._purger = threading.Thread(
-        target=lambda: [shutil.rmtree(t, ignore_errors=True) for t in targets], daemon=True
-      )
+
+      def purge() -> None:
+        for target in targets:
+          shutil.rmtree(target, ignore_errors=True)
+
+      self._purger = threading.Thread(target=purge, daemon=True)
       self._purger.start()
 
   def wait(self) -> None:
@@ -734,9 +737,10 @@ def close_unless_failing(checkpointer: Checkpointer | None) -> None:
       raise
 
 
-def error_reason(error: BaseException) -> str:
+def error_reason(first: BaseException) -> str:
   """The most specific line of an Orbax/TensorStore error chain (they nest the useful one)."""
   chain, seen = [], set()
+  error: BaseException | None = first
   while error is not None and id(error) not in seen:
     seen.add(id(error))
     chain.append(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)

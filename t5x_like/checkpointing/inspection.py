@@ -124,7 +124,10 @@ class CheckpointReader:
         kvstore = {'driver': 'ocdbt', 'base': f'file://{item_dir}', 'path': info.name}
       else:
         kvstore = {'driver': 'file', 'path': os.path.join(item_dir, info.name)}
-      spec = {'driver': 'zarr3' if layout.get('use_zarr3') else 'zarr', 'kvstore': kvstore}
+      spec: dict[str, object] = {
+        'driver': 'zarr3' if layout.get('use_zarr3') else 'zarr',
+        'kvstore': kvstore,
+      }
       if not layout.get('use_zarr3'):
         spec['fill_missing_data_reads'] = False  # a missing chunk is an error, never zeros
       try:
@@ -281,10 +284,11 @@ def format_inspect(info: dict[str, Any]) -> str:
 
 
 def _human(n: float) -> str:
-  for unit in ('B', 'KB', 'MB', 'GB', 'TB'):
-    if n < 1000 or unit == 'TB':
+  for unit in ('B', 'KB', 'MB', 'GB'):
+    if n < 1000:
       return f'{n:.1f} {unit}' if unit != 'B' else f'{int(n)} B'
     n /= 1000
+  return f'{n:.1f} TB'
 
 
 # ---------------------------------------------------------------------------------------- stats

@@ -34,6 +34,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from t5x_like.data import indexed, sources
 from t5x_like.data.hf_tokenizer import EOD_CANDIDATES, HFTokenizer
@@ -158,7 +159,7 @@ def inspect(prefix: str, split: str = '969,30,1', seq_len: int = 2048, scan: boo
   """What a dataset holds, and the documents, tokens and samples of each split."""
   dataset = indexed.IndexedDataset(prefix)
   offsets = dataset.document_token_offsets()
-  report = {
+  report: dict[str, Any] = {
     'prefix': prefix,
     'dtype': dataset.dtype.name,
     'documents': dataset.num_documents,
@@ -301,6 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
           )
     elif args.command == 'preprocess':
+      tokenizer: Tokenizer | HFTokenizer
       if args.tokenizer_json:
         tokenizer = HFTokenizer(args.tokenizer_json, args.eod_token)
       elif args.eod_token:

@@ -31,10 +31,14 @@ import json
 import math
 import os
 import sys
+from typing import Literal
 
 import numpy as np
 
 from t5x_like.config import Config, ConfigError
+
+# --cross_entropy's choices (model.cross_entropy_impl values).
+CrossEntropy = Literal['chunked', 'dense']
 
 
 def load_tokens(path: str, vocab_size: int) -> np.ndarray:
@@ -104,7 +108,11 @@ def dataset_samples(
 
 
 def evaluate(
-  cfg: Config, params, tokens: np.ndarray, batch_size: int = 8, cross_entropy: str = 'chunked'
+  cfg: Config,
+  params,
+  tokens: np.ndarray,
+  batch_size: int = 8,
+  cross_entropy: CrossEntropy = 'chunked',
 ) -> dict:
   """Mean next-token loss over every prediction; one compile (the last batch is padded).
 
@@ -137,7 +145,7 @@ def check_batch_size(batch_size: int, data: int) -> None:
     )
 
 
-def batch_loss_sum_fn(cfg: Config, cross_entropy: str):
+def batch_loss_sum_fn(cfg: Config, cross_entropy: CrossEntropy):
   """The jitted (params, tokens [B, L], valid [B]) -> summed loss of the valid rows, on cfg.mesh:
   rows split over `data`, the model's weights and activations split over `tensor` as in training
   (the params keep the shardings `inference.load_for_inference` gave them)."""

@@ -169,7 +169,8 @@ class _Reader:
         self.execute(words, line)
 
   def read_command(self) -> tuple[list[_Word], list[tuple[str, str]]]:
-    words, redirects = [], []
+    words: list[_Word] = []
+    redirects: list[tuple[str, str]] = []
     while self.pos < len(self.text):
       c = self.peek()
       if c in ' \t':
@@ -330,7 +331,7 @@ class _Reader:
   def read_double_quoted(self) -> str:
     start = self.line
     self.take()
-    out = []
+    out: list[str] = []
     while True:
       if self.pos >= len(self.text):
         raise ScriptError(f'line {start}: a double quote is never closed; close it')
@@ -428,16 +429,20 @@ class _Reader:
     empty = value is None or (op.startswith(':') and value == '')
     word_value = ''.join(t for t, _ in _Reader(word, self.shell, self.line).read_word_all().chunks)
     kind = op[-1]
+    # `empty` holds where value is None; the checks below repeat that for the type checker.
     if kind == '-':
-      return word_value if empty else value
+      return word_value if empty or value is None else value
     if kind == '=':
-      if empty:
+      if empty or value is None:
         self.shell.assign(name, word_value, self.line)
-        return self.shell.lookup(name)
+        assigned = self.shell.lookup(name)
+        assert assigned is not None  # assign() set it, or --set pinned it
+        return assigned
       return value
     if kind == '+':
       return '' if empty else word_value
-    return unknown(f'${{{inner}}}') if empty else value  # '?': the script would stop
+    # '?': the script would stop
+    return unknown(f'${{{inner}}}') if empty or value is None else value
 
   def read_word_all(self) -> _Word:
     """The whole text as one word (a ${VAR:-word} default), whitespace kept."""
@@ -518,8 +523,8 @@ class _Reader:
       return
     expanded = [field for word in words for field in self.fields(word)]
     self.shell.commands.append(Command(line, expanded))
-    for i, word in enumerate(expanded[:-2]):
-      if os.path.basename(word) in ('bash', 'sh') and expanded[i + 1] == '-c':
+    for i, arg in enumerate(expanded[:-2]):
+      if os.path.basename(arg) in ('bash', 'sh') and expanded[i + 1] == '-c':
         _Reader(expanded[i + 2], self.shell, line).run(at_line=line)
         break
 
@@ -561,8 +566,8 @@ def _evaluate(node: ast.AST, shell: Shell) -> int:
       raise _Unknown(unknowns(value)[0] if value else f'${node.id}')
     return int(value.strip() or 0)
   if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-    value = _evaluate(node.operand, shell)
-    return -value if isinstance(node.op, ast.USub) else value
+    operand = _evaluate(node.operand, shell)
+    return -operand if isinstance(node.op, ast.USub) else operand
   if isinstance(node, ast.BinOp):
     left, right = _evaluate(node.left, shell), _evaluate(node.right, shell)
     if isinstance(node.op, ast.Div):  # bash truncates toward zero

@@ -11,11 +11,11 @@ analysis counts a loop body once, not once per trip: pass --unroll for FLOP coun
 compile is what training runs and what the memory figures describe).
 
 --breakdown prints where the peak memory goes (`memory_breakdown` in --json), read from XLA's
-buffer assignment for this compile (t5x_like/memory_report.py): the state by kind, the buffers
-live at XLA's peak by what they hold, the heap's packing loss, the largest temporaries, and what
-the CPU compile overstates by keeping bf16 values in f32 buffers.
+buffer assignment for this compile (t5x_like/planning/memory_report.py): the state by kind, the
+buffers live at XLA's peak by what they hold, the heap's packing loss, the largest temporaries,
+and what the CPU compile overstates by keeping bf16 values in f32 buffers.
 
-Without compiling (t5x_like/cost_model.py, docs/planner.md), in milliseconds:
+Without compiling (t5x_like/planning/cost_model.py, docs/planner.md), in milliseconds:
 
   python -m t5x_like.plan --config CFG [--config.k=v ...] --estimate --gpu KIND [--json]
   python -m t5x_like.plan --config CFG --search --gpus N --gpu KIND [--nodes-of 8] [--top K]
@@ -270,11 +270,11 @@ def run_search(cfg: Config, args) -> int:
   )
   for i, r in enumerate(top, 1):
     data, pipeline, tensor = r['mesh']
-    compiled = f'  {r["aot_peak_gib"]:8.2f}' if args.aot else ''
+    aot_peak = f'  {r["aot_peak_gib"]:8.2f}' if args.aot else ''
     print(
       f'{i:>4} {data:>4} {pipeline:>3} {tensor:>3} {r["micro_batch_size"]:>3} '
       f'{r["estimated_step_s"]:7.1f} {r["estimated_tflops_per_gpu"]:7.1f} '
-      f'{r["bubble_fraction"]:6.1%} {r["estimated_memory_gib"]:6.1f}{compiled}  '
+      f'{r["bubble_fraction"]:6.1%} {r["estimated_memory_gib"]:6.1f}{aot_peak}  '
       f'{"yes" if r["fits"] else "no: " + r["why_not"]}'
     )
   return 0

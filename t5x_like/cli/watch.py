@@ -18,7 +18,7 @@ job waiting for nodes is not taken for a dead run. States, and the exit code:
             run (roll back, skip data, lower the learning rate) before resubmitting          1
 
 On `stopped`, `stale` and `diverged` the run's `runtime.alert_command` (from WORKDIR/config.json, or
-`--alert-command`) is sent the event of that name (t5x_like/alerts.py), once per episode:
+`--alert-command`) is sent the event of that name (t5x_like/training/alerts.py), once per episode:
 the next cron tick alerts again only after the run wrote something in between.
 
 Exit code 2, with one message: a WORKDIR that holds no run, squeue missing, or a bad flag

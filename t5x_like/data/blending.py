@@ -41,23 +41,18 @@ _FAR = 2**62
 
 def shares(weights: Sequence[float]) -> np.ndarray:
   """The weights normalised to sum 1, float64 [D]; ValueError for weights no blend can take."""
-  weights = np.asarray(weights, dtype=np.float64)
-  if (
-    weights.ndim != 1
-    or len(weights) < 1
-    or not np.all(np.isfinite(weights))
-    or np.any(weights <= 0)
-  ):
-    raise ValueError(f'blend weights must be positive and finite, got {weights.tolist()}')
+  values = np.asarray(weights, dtype=np.float64)
+  if values.ndim != 1 or len(values) < 1 or not np.all(np.isfinite(values)) or np.any(values <= 0):
+    raise ValueError(f'blend weights must be positive and finite, got {values.tolist()}')
   with np.errstate(over='ignore', divide='ignore'):
-    total = weights.sum()
-    normalised = weights / total
+    total = values.sum()
+    normalised = values / total
     # An infinite sum makes every share 0 (and an overflowing 1/share an infinite key): the
     # searches of either order would then never end.
     if not np.isfinite(total) or not np.all(np.isfinite(1.0 / normalised)):
       raise ValueError(
         f'blend weights must have a finite sum and shares whose inverse is '
-        f'finite, got {weights.tolist()}; scale them to moderate values'
+        f'finite, got {values.tolist()}; scale them to moderate values'
       )
   return normalised
 
@@ -144,7 +139,7 @@ class Blend:
     room = CHUNK - np.arange(CHUNK) - _suffix_sums(np.bincount(due_at, minlength=CHUNK))
     offsets, point = np.unique(at, return_inverse=True)
     least = np.minimum.reduceat(room[: offsets[-1] + 1], np.append(0, offsets[:-1] + 1))
-    chosen = order[:wanted]
+    chosen: np.ndarray | list[int] = order[:wanted]
     if np.any(_suffix_sums(np.bincount(point[chosen], minlength=len(offsets))) > least):
       chosen = []
       for candidate in order:
@@ -299,7 +294,10 @@ class DivisorBlend:
 
 
 # data.blend_order's values; a run keeps the order it started with (docs/data.md).
-ORDERS = {Blend.name: Blend, DivisorBlend.name: DivisorBlend}
+ORDERS: dict[str, type[Blend] | type[DivisorBlend]] = {
+  Blend.name: Blend,
+  DivisorBlend.name: DivisorBlend,
+}
 
 
 class BlendedSource:

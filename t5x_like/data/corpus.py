@@ -49,7 +49,7 @@ def topic_documents() -> list[str]:
 
 def source_files(root: str) -> list[str]:
   """All `.py` files under `root` in a sorted, platform-independent order."""
-  paths = []
+  paths: list[str] = []
   for directory, subdirs, files in os.walk(root):
     # Sorting in place fixes os.walk's descent order; the filter prunes the skipped subtrees.
     subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_DIRS)
@@ -57,7 +57,9 @@ def source_files(root: str) -> list[str]:
   return paths
 
 
-def _definitions(body: list[ast.stmt]) -> Iterator[ast.AST]:
+def _definitions(
+  body: list[ast.stmt],
+) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef]:
   """Function and class definitions anywhere in a statement list (also inside if/try/with...).
 
   Walking statement lists only is several times cheaper than `ast.walk` over every expression,
@@ -83,6 +85,7 @@ def _docstrings(tree: ast.Module) -> Iterator[tuple[int, int, str]]:
     text = ast.get_docstring(node, clean=True)
     if text and text.strip():
       literal = node.body[0]
+      assert literal.end_lineno is not None  # ast.parse sets every statement's end
       yield literal.lineno, literal.end_lineno, text.strip()
 
 

@@ -260,9 +260,9 @@ class IndexedDatasetWriter:
       os.replace(self._bin_tmp, bin_path)
       os.replace(idx_tmp, idx_path)
     except BaseException:
-      for tmp in (self._bin_tmp, idx_tmp):
-        if tmp and os.path.exists(tmp):
-          os.unlink(tmp)
+      for leftover in (self._bin_tmp, idx_tmp):
+        if leftover and os.path.exists(leftover):
+          os.unlink(leftover)
       raise
 
   def abort(self) -> None:

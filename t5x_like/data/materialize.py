@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from typing import TextIO
 
 import numpy as np
 
@@ -163,7 +164,7 @@ class _SplitLock:
   def __init__(self, prefix: str, timeout_s: float):
     self.path = prefix + '.lock'
     self.timeout_s = timeout_s
-    self._file = None
+    self._file: TextIO | None = None  # open from _open on
     self._created_file = False
     self._created_dirs: list[str] = []  # innermost first
 
@@ -173,7 +174,7 @@ class _SplitLock:
       if self._open() and self._wait(deadline):
         if self._still_named():
           return self
-        self._file.close()  # removed by a writer that failed: lock the path anew
+        self._opened.close()  # removed by a writer that failed: lock the path anew
 
   def _open(self) -> bool:
     directory = os.path.dirname(self.path)
@@ -190,16 +191,22 @@ class _SplitLock:
       return False
     return True
 
+  @property
+  def _opened(self) -> TextIO:
+    """The lock file, which _open has opened."""
+    assert self._file is not None, 'the lock file is not open'
+    return self._file
+
   def _wait(self, deadline: float) -> bool:
     while True:
       try:
-        fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(self._opened, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
       except OSError as error:
         if error.errno not in (errno.EAGAIN, errno.EACCES):
           raise
       if time.monotonic() >= deadline:
-        self._file.close()
+        self._opened.close()
         raise DataError(
           f'waited {self.timeout_s:g} s for another process preparing '
           f'{self.path[:-5]} (it holds {self.path}); let it finish, run `python -m '
@@ -209,7 +216,7 @@ class _SplitLock:
 
   def _still_named(self) -> bool:
     try:
-      return os.path.samestat(os.fstat(self._file.fileno()), os.stat(self.path))
+      return os.path.samestat(os.fstat(self._opened.fileno()), os.stat(self.path))
     except FileNotFoundError:
       return False
 
@@ -228,8 +235,8 @@ class _SplitLock:
         break
 
   def __exit__(self, *exc) -> None:
-    fcntl.flock(self._file, fcntl.LOCK_UN)
-    self._file.close()
+    fcntl.flock(self._opened, fcntl.LOCK_UN)
+    self._opened.close()
 
 
 def _checked_ids(task, split: str, data) -> Iterator[np.ndarray]:

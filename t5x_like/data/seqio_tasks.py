@@ -274,7 +274,7 @@ def subtasks(provider) -> list:
   return list(seqio.get_subtasks(provider))
 
 
-def training_tasks(provider) -> list[tuple[object, float]]:
+def training_tasks(provider) -> list[tuple[seqio.Task, float]]:
   """(Task, rate) of each Task a Task or Mixture trains on, in seqio's order (sorted by name);
   a Mixture's rates are the blend weights, and Tasks of rate 0 are left out."""
   if isinstance(provider, seqio.Task):

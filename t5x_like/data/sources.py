@@ -4,7 +4,10 @@
   ...` to blend several by weight (`blending.py`). Empty: the embedded default corpus.
 * `data.split` is Megatron's `--split` (default `969,30,1`): each dataset's documents, in file
   order, are cut into train / validation / test ranges with Megatron's rounding, so the same
-  files and split give the same document ranges as Megatron did.
+  files and split give the same document ranges as Megatron did. It cuts only these datasets
+  and the embedded corpus (`uses_split`): the weighted split paths and a seqio Task name their
+  splits themselves, and a config's split for the embedded corpus (configs/tiny.py) does not
+  apply to them.
 * `data.valid_path` names further validation sets, `{name: data path}`, each read whole.
 * `data.train_weighted_split_paths` (and `valid_`, `test_`) are Megatron-DeepSpeed's
   `--*-weighted-split-paths`, tr11's form: named groups `NAME: W1 START:END PREFIX1, ...` whose
@@ -26,6 +29,7 @@ import dataclasses
 import math
 import os
 import re
+from typing import Any
 
 import numpy as np
 
@@ -141,9 +145,9 @@ def open_embedded(tokenizer: Tokenizer) -> DocumentStream:
 class DataSources:
   """The sources of a run, and lines for the start-up log that say what they hold."""
 
-  train: object
-  valid: dict[str, object]
-  test: object | None
+  train: Any  # a SampleSource or a blending.BlendedSource
+  valid: dict[str, Any]
+  test: Any | None
   notes: list[str]
   train_names: list[str] = dataclasses.field(default_factory=list)
 
@@ -209,7 +213,7 @@ def _mix(sources: list[SampleSource], weights: list[float], names: list[str], or
   return blending.BlendedSource(sources, weights, names, order)
 
 
-def _valid_path_sets(data_cfg, seq_len: int, seed: int) -> dict[str, object]:
+def _valid_path_sets(data_cfg, seq_len: int, seed: int) -> dict[str, Any]:
   """data.valid_path: each named set read whole."""
   valid = {}
   for position, (name, spec) in enumerate(data_cfg.valid_path):
@@ -235,10 +239,16 @@ def _valid_path_sets(data_cfg, seq_len: int, seed: int) -> dict[str, object]:
 
 def build(data_cfg, seq_len: int, seed: int, tokenizer: Tokenizer | None = None) -> DataSources:
   """Opens every dataset `data_cfg` names and returns the run's sources (one DataError if bad)."""
-  if uses_weighted_split_paths(data_cfg):
-    return _build_weighted(data_cfg, seq_len, seed)
-  if uses_seqio(data_cfg):
-    return _build_seqio(data_cfg, seq_len, seed)
+  if not uses_split(data_cfg):
+    built = (_build_weighted if uses_weighted_split_paths(data_cfg) else _build_seqio)(
+      data_cfg, seq_len, seed
+    )
+    if data_cfg.split != type(data_cfg)().split:
+      built.notes.append(
+        f'> data: data.split={data_cfg.split!r} is not used: it cuts data.train_path or the '
+        'embedded corpus, and this run names its splits itself'
+      )
+    return built
   if data_cfg.train_path:
     pairs = parse_data_path(data_cfg.train_path)
     streams = [open_indexed(prefix) for _, prefix in pairs]
@@ -322,6 +332,7 @@ def check_config(d, e) -> None:
     if d.train_path:
       parse_data_path(d.train_path)
     shares = parse_split(d.split)
+    split_applies = uses_split(d)
     names = set()
     for entry in d.valid_path:
       if not (
@@ -339,7 +350,7 @@ def check_config(d, e) -> None:
           f'data.valid_path: the set name {name!r} goes into log lines and '
           'TensorBoard tags; use letters, digits, "_", "-" and "." only'
         )
-      if name in names or (name == 'valid' and shares[1] > 0) or name == 'test':
+      if name in names or (name == 'valid' and split_applies and shares[1] > 0) or name == 'test':
         raise ConfigError(
           f'data.valid_path names a set {name!r} twice, or a name the '
           f'data.split already uses ("valid" for its validation share, '
@@ -360,11 +371,6 @@ def check_config(d, e) -> None:
         f'data.skip_train_iteration_range: {r!r} is not a range of iterations '
         'FIRST-LAST with 1 <= FIRST <= LAST, e.g. ("13251-14000",)'
       )
-  if e.interval < 0 or e.iters < 1:
-    raise ConfigError(
-      f'eval.interval must be >= 0 (0: no evaluation) and eval.iters >= 1, got '
-      f'{e.interval} and {e.iters}'
-    )
   check_weighted_split_paths(d, e)
   if d.mixture_or_task_module and not d.mixture_or_task:
     raise ConfigError(
@@ -375,7 +381,7 @@ def check_config(d, e) -> None:
   if uses_seqio(d):
     check_seqio(d, e)
     return
-  if e.interval and shares[1] == 0 and not d.valid_path:
+  if e.interval and split_applies and shares[1] == 0 and not d.valid_path:
     raise ConfigError(
       f'eval.interval={e.interval} but there is no validation set: give '
       f'data.split a validation share (e.g. "969,30,1") or set data.valid_path'
@@ -409,6 +415,13 @@ def uses_weighted_split_paths(data_cfg) -> bool:
 
 def uses_seqio(data_cfg) -> bool:
   return bool(getattr(data_cfg, 'mixture_or_task', ''))
+
+
+def uses_split(data_cfg) -> bool:
+  """Whether data.split cuts this run's datasets: those of data.train_path, or the embedded
+  corpus. A seqio Task and the weighted split paths name their splits themselves, so a split
+  that a config file sets for the embedded corpus does not apply to them (nor block them)."""
+  return not uses_weighted_split_paths(data_cfg) and not uses_seqio(data_cfg)
 
 
 def uses_embedded_corpus(data_cfg) -> bool:
@@ -498,12 +511,11 @@ def check_weighted_split_paths(d, e) -> None:
         "data.root=''"
       )
     return
-  if d.train_path or d.split != type(d)().split:
+  if d.train_path:
     raise ConfigError(
-      "data.train_path and data.split (Megatron's --data-path and --split) "
-      'cannot be combined with data.*_weighted_split_paths, which name each '
-      f"dataset's range themselves; keep one of the two (data.train_path='', "
-      f'data.split left at its default {type(d)().split!r})'
+      "data.train_path (Megatron's --data-path, cut by data.split) cannot be combined "
+      "with data.*_weighted_split_paths, which name each dataset's range themselves; "
+      "keep one of the two (data.train_path='' for the weighted split paths)"
     )
   if len(groups['train']) != 1:
     raise ConfigError(
@@ -599,12 +611,10 @@ def check_seqio(d, e) -> None:
   evaluation has a validation split to read. Imports seqio (TensorFlow: seconds)."""
   from t5x_like.data import seqio_tasks  # pylint: disable=import-outside-toplevel  # TF: slow
 
-  default_split = type(d)().split
   others = [
     key
     for key, is_set in (
       ('data.train_path', d.train_path),
-      ('data.split', d.split != default_split),
       ('data.*_weighted_split_paths', uses_weighted_split_paths(d)),
     )
     if is_set
@@ -613,8 +623,7 @@ def check_seqio(d, e) -> None:
     raise ConfigError(
       f'data.mixture_or_task={d.mixture_or_task!r} names the training data and '
       f'its splits itself, and {" and ".join(others)} too; keep one of the two '
-      f"(data.train_path='', data.split={default_split!r} (the default), no "
-      'weighted split paths)'
+      "(data.train_path='', no weighted split paths)"
     )
   try:
     provider = seqio_tasks.get_mixture_or_task(d.mixture_or_task, d.mixture_or_task_module)

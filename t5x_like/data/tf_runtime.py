@@ -24,8 +24,8 @@ _LOCK = threading.Lock()
 
 def import_tensorflow() -> Any:
   """TensorFlow, started quietly, with the GPUs hidden from it: only JAX uses them."""
-  if 'tensorflow' in sys.modules:
-    return sys.modules['tensorflow']
+  if 'tensorflow' in sys.modules:  # started by someone else: only hide the GPUs
+    return _hide_gpus(sys.modules['tensorflow'])
   with _LOCK, tempfile.TemporaryFile() as captured:
     sys.stderr.flush()
     saved = os.dup(2)
@@ -33,10 +33,7 @@ def import_tensorflow() -> Any:
     try:
       import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
-      try:
-        tf.config.set_visible_devices([], 'GPU')
-      except RuntimeError:  # TensorFlow was initialised before: whoever did chose its devices
-        pass
+      _hide_gpus(tf)
     except BaseException:
       os.dup2(saved, 2)
       captured.seek(0)
@@ -45,4 +42,12 @@ def import_tensorflow() -> Any:
     finally:
       os.dup2(saved, 2)
       os.close(saved)
+  return tf
+
+
+def _hide_gpus(tf: Any) -> Any:
+  try:
+    tf.config.set_visible_devices([], 'GPU')
+  except RuntimeError:  # TensorFlow was initialised before: whoever did chose its devices
+    pass
   return tf

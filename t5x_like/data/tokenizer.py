@@ -21,6 +21,7 @@ import hashlib
 import io
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import sentencepiece as spm
 
@@ -36,7 +37,7 @@ TRAINING_SEED = 1234
 PAD_ID, EOS_ID, UNK_ID, BOS_ID = 0, 1, 2, 3
 
 
-def training_options(vocab_size: int) -> dict[str, object]:
+def training_options(vocab_size: int) -> dict[str, Any]:
   """SentencePiece trainer settings; every choice that affects the model is pinned here."""
   return dict(
     model_type='bpe',

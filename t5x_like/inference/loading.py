@@ -27,7 +27,11 @@ def inference_config(
   from t5x_like.training import startup  # the full check (attention, data, schedule), as training's
 
   padded = -(-saved.padded_vocab_size // tensor) * tensor
-  model = {'pad_vocab_size_to': padded, 'hidden_dropout': 0.0, 'attention_dropout': 0.0}
+  model: dict[str, object] = {
+    'pad_vocab_size_to': padded,
+    'hidden_dropout': 0.0,
+    'attention_dropout': 0.0,
+  }
   if dtype:
     model['dtype'] = dtype
   if not with_data:

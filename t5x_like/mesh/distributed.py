@@ -73,6 +73,8 @@ def from_flags_or_environment(
         f'{", ".join(given)} given without {", ".join(missing)}: a multi-process '
         'run needs all three (or none, under SLURM or for one process)'
       )
+    assert coordinator_address is not None and num_processes is not None
+    assert process_id is not None
     if num_processes < 1 or not 0 <= process_id < num_processes:
       raise ConfigError(
         f'--process_id {process_id} is not in [0, --num_processes '

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5x_like.errors import ConfigError
@@ -35,7 +35,7 @@ from t5x_like.errors import ConfigError
 MESH_AXES = ('data', 'pipeline', 'tensor')
 
 # Logical axis -> mesh axis (None: replicated). Parameter axes first, then activation axes.
-LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
   # parameters
   ('layers', 'pipeline'),  # Stage-major layer slots: each stage holds its own (pipeline.py).
   ('vocab', ('tensor', 'pipeline')),  # Spread over every stage, not whole on the first/last.
@@ -70,14 +70,14 @@ def logical_to_mesh(names: Sequence[str | None]) -> P:
   return P(*mesh_axes)
 
 
-def _axis_size(mesh: Mesh, axes) -> int:
+def _axis_size(mesh: Mesh | AbstractMesh, axes) -> int:
   if axes is None:
     return 1
   axes = axes if isinstance(axes, tuple) else (axes,)
   return int(np.prod([mesh.shape[a] for a in axes]))
 
 
-def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
+def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh | AbstractMesh) -> P:
   """Drops trailing mesh axes from a dim until they divide it (e.g. a 250,880-row vocabulary
   over tensor 4 x pipeline 12 stays split over `tensor` only)."""
   fitted = []
@@ -165,21 +165,24 @@ def zero_split(
   data = mesh.shape['data']
   if data == 1 or 'data' in _mesh_axes(spec):
     return ZeroSplit(spec, shape)
-  spec = list(spec) + [None] * (len(shape) - len(spec))
+  entries = list(spec) + [None] * (len(shape) - len(spec))
   # A tensor-split dim is never padded: padding would move its tensor shards' boundaries, and
   # the compute copy (no padding) would then be gathered across tensor ranks too.
   free = [
     i
     for i, n in enumerate(names)
-    if n != 'layers' and spec[i] is None and shape[i] >= data and (block is None or i != block[0])
+    if n != 'layers'
+    and entries[i] is None
+    and shape[i] >= data
+    and (block is None or i != block[0])
   ]
   if not free:
-    return ZeroSplit(P(*spec), shape)
+    return ZeroSplit(P(*entries), shape)
   dim = max(free, key=lambda i: shape[i])
-  spec[dim] = 'data'
+  entries[dim] = 'data'
   padded = list(shape)
   padded[dim] = -(-shape[dim] // data) * data
-  return ZeroSplit(P(*spec), tuple(padded))
+  return ZeroSplit(P(*entries), tuple(padded))
 
 
 def checkpoint_sharding(
@@ -202,7 +205,7 @@ def checkpoint_sharding(
   dims = [i for i, n in enumerate(names) if n != 'layers']
   best = max(dims, key=lambda i: (math.gcd(data, per_shard(i)), shape[i]), default=None)
   factor = math.gcd(data, per_shard(best)) if best is not None else 1
-  if factor == 1:
+  if best is None or factor == 1:
     return NamedSharding(mesh, P(*spec))
   devices = mesh.devices.reshape(factor, data // factor, *mesh.devices.shape[1:])
   factored = Mesh(devices, ('data', 'data_rest') + MESH_AXES[1:])
@@ -293,7 +296,8 @@ def ensure_devices(num_devices: int) -> None:
       'for fewer, or run on GPUs'
     )
   if not backends_started() and cpu_only() and not jax.distributed.is_initialized():
-    current = jax.config.jax_num_cpu_devices
+    # jax adds its flags to Config at runtime; its stubs do not declare them.
+    current = jax.config.jax_num_cpu_devices  # type: ignore[attr-defined]
     if current is None or current < num_devices:
       jax.config.update('jax_num_cpu_devices', max(num_devices, 1))
   available = jax.device_count()
@@ -318,7 +322,10 @@ def backends_started() -> bool:
 
 
 def cpu_only() -> bool:
-  platforms = (os.environ.get('JAX_PLATFORMS') or jax.config.jax_platforms or '').lower()
+  # jax adds its flags to Config at runtime; its stubs do not declare them.
+  platforms = (
+    os.environ.get('JAX_PLATFORMS') or jax.config.jax_platforms or ''  # type: ignore[attr-defined]
+  ).lower()
   if platforms:
     return platforms.split(',')[0] == 'cpu'
   # No explicit platform: CPU only when no accelerator plugin is installed.
@@ -373,7 +380,7 @@ def _digest(data: np.ndarray) -> np.ndarray:
   """The copy's bytes hashed: equal bytes, equal digest (stricter than ==, which equates -0 and 0
   and never equates NaNs)."""
   contiguous = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-  raw = hashlib.blake2b(contiguous, digest_size=4 * _DIGEST_WORDS).digest()
+  raw = hashlib.blake2b(contiguous.data, digest_size=4 * _DIGEST_WORDS).digest()
   return np.frombuffer(raw, np.uint32)
 
 
@@ -420,14 +427,14 @@ def replica_report(tree) -> list[ReplicaMismatch]:
     everyone = rows[None]
   bad, row = [], 0
   for path, _, indices in slots:
-    processes = set()
+    processes: set[int] = set()
     for table in everyone[:, row : row + len(indices)].transpose(1, 0, 2):  # one shard index
       holders = [p for p in range(len(table)) if table[p, 0]]
       processes.update(p for p in holders if table[p, 1])
-      digests = [tuple(table[p, 2:]) for p in holders]
+      copies = [tuple(table[p, 2:]) for p in holders]
       # The most common copy is taken as the right one; max() keeps the first on a tie.
-      common = max(digests, key=digests.count)
-      processes.update(p for p, d in zip(holders, digests) if d != common)
+      common = max(copies, key=copies.count)
+      processes.update(p for p, d in zip(holders, copies) if d != common)
     row += len(indices)
     if processes:
       bad.append(ReplicaMismatch(path, tuple(sorted(processes))))

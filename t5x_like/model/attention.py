@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from t5x_like.errors import ConfigError
 from t5x_like.kernels.flash_attention import flash_attention
@@ -105,6 +107,7 @@ def attention(q, k, v, *, cfg: ModelConfig, mesh: Mesh | None, alibi_slopes=None
       dropout_rate=cfg.attention_dropout,
       dropout_rng=dropout_rng,
     )
+  kernel: Callable[..., Any]
   if impl == 'pallas':
     kernel = functools.partial(flash_attention, causal=True, interpret=platform == 'cpu')
   else:
@@ -129,6 +132,9 @@ def _per_shard(kernel, q, k, v, alibi_slopes, mesh: Mesh):
   """Runs `kernel` on each (batch, heads) shard; heads are split contiguously, so are the slopes."""
   qkv_spec = partitioning.logical_to_mesh(('batch', 'length', 'act_heads', None))
   heads_spec = partitioning.logical_to_mesh(('act_heads',))
+  run: Callable[..., Any]
+  operands: tuple[Any, ...]
+  in_specs: tuple[P, ...]
   if alibi_slopes is None:
     run = lambda q, k, v: kernel(q, k, v)
     operands, in_specs = (q, k, v), (qkv_spec,) * 3

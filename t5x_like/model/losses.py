@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +83,7 @@ def _token_losses(model: model_lib.Transformer, params, inputs, labels, determin
   cfg = model.cfg
   if cfg.cross_entropy_impl == 'dense':
     logits = model.apply({'params': params}, inputs, deterministic=deterministic, rngs=rngs)
-    return model_lib.cross_entropy(logits, labels)
+    return model_lib.cross_entropy(cast(jax.Array, logits), labels)
   hidden, embedding = _final_hidden(model, params, inputs, deterministic, rngs)
   return chunked_token_losses(hidden, embedding, labels, cfg, model.mesh)
 
@@ -90,8 +91,11 @@ def _token_losses(model: model_lib.Transformer, params, inputs, labels, determin
 def _final_hidden(model: model_lib.Transformer, params, inputs, deterministic: bool, rngs):
   """The final-LN hidden states [B, S, h] and the tied embedding in their compute dtype, for the
   losses that apply the embedding themselves."""
-  hidden = model.apply(
-    {'params': params}, inputs, deterministic=deterministic, rngs=rngs, return_hidden=True
+  hidden = cast(
+    jax.Array,
+    model.apply(
+      {'params': params}, inputs, deterministic=deterministic, rngs=rngs, return_hidden=True
+    ),
   )
   return hidden, params['word_embeddings'].astype(hidden.dtype)
 

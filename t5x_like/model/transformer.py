@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import cast
 
 import flax.linen as nn
 import jax
@@ -80,6 +81,14 @@ def _param(module: nn.Module, name: str, init: Callable, shape, names):
   return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
 
 
+def _norm_params(module: nn.Module, h: int) -> dict:
+  """A LayerNorm's {scale, bias} [h], declared on `module`."""
+  return {
+    'scale': _param(module, 'scale', nn.initializers.ones, (h,), ('embed',)),
+    'bias': _param(module, 'bias', nn.initializers.zeros, (h,), ('embed',)),
+  }
+
+
 class LayerNorm(nn.Module):
   """LayerNorm with fp32 statistics whatever the compute dtype."""
 
@@ -88,10 +97,19 @@ class LayerNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    h = x.shape[-1]
-    scale = _param(self, 'scale', nn.initializers.ones, (h,), ('embed',))
-    bias = _param(self, 'bias', nn.initializers.zeros, (h,), ('embed',))
-    return layer_norm(x, scale, bias, self.eps).astype(self.dtype)
+    params = _norm_params(self, x.shape[-1])
+    return layer_norm(x, params['scale'], params['bias'], self.eps).astype(self.dtype)
+
+
+class NormParams(nn.Module):
+  """A LayerNorm's params alone ({scale, bias}, the layout of `LayerNorm`'s), for the model's
+  embedding and final norms, which `embed_tokens` and `final_norm` apply to a param tree."""
+
+  hidden_size: int
+
+  @nn.compact
+  def __call__(self) -> dict:
+    return _norm_params(self, self.hidden_size)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -223,38 +241,13 @@ class Transformer(nn.Module):
     self, tokens: jax.Array, deterministic: bool = True, return_hidden: bool = False
   ) -> jax.Array:
     """return_hidden: the final-LN hidden states [B, S, h] instead of the logits, for a loss
-    that applies the tied embedding itself (the chunked cross-entropy, t5x_like/losses.py)."""
+    that applies the tied embedding itself (the chunked cross-entropy, t5x_like/losses.py).
+
+    embed_tokens -> the scanned blocks -> final_norm -> tied_logits: the functions the
+    pipeline's stages apply to the same param tree (t5x_like/parallel/pipeline.py)."""
     cfg, ctx = self.cfg, Context(self.cfg, self.mesh)
-    std = cfg.weight_init_std
-    # StableEmbedding's Xavier-uniform: the init runs on the global [V_pad, h] shape (jitted
-    # into its shardings), so its fan is the whole vocabulary's on every tensor/pipeline shard,
-    # not a shard's (Megatron-DeepSpeed PR 182).
-    emb_init = (
-      nn.initializers.xavier_uniform() if cfg.stable_embedding else nn.initializers.normal(std)
-    )
-    emb = _param(
-      self, 'word_embeddings', emb_init, (self.padded_vocab, cfg.hidden_size), ('vocab', 'embed')
-    )
-    emb = emb.astype(ctx.dtype)
-    x = jnp.take(emb, tokens, axis=0)  # vocab-split table: masked local lookup + all-reduce
-    if cfg.architecture == 'gpt2':
-      if cfg.stable_embedding:
-        x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype, name='embed_ln')(
-          ctx.constrain(x, ctx.residual_names)
-        )
-      pos = _param(
-        self,
-        'position_embeddings',
-        nn.initializers.normal(std),
-        (cfg.max_position_embeddings, cfg.hidden_size),
-        ('positions', 'embed'),
-      )
-      x = x + pos[: tokens.shape[1]].astype(ctx.dtype)[None]
-    else:
-      x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype, name='embed_ln')(
-        ctx.constrain(x, ctx.residual_names)
-      )
-    x = ctx.constrain(x, ctx.residual_names)
+    embedding = _embedding_params(self, self.padded_vocab)
+    x = embed_tokens(embedding, tokens, cfg, ctx)
     x = nn.Dropout(cfg.hidden_dropout, deterministic=deterministic)(x)
 
     block = Block
@@ -269,12 +262,45 @@ class Transformer(nn.Module):
       metadata_params={nn.PARTITION_NAME: 'layers'},
     )(ctx, deterministic, name='layers')
     x, _ = layers(x, None)
-    x = ctx.constrain(
-      LayerNorm(cfg.layernorm_epsilon, ctx.dtype, name='final_ln')(x), ctx.residual_names
-    )
+    x = final_norm({'final_ln': NormParams(cfg.hidden_size, name='final_ln')()}, x, cfg, ctx)
     if return_hidden:
       return x
-    return tied_logits(x, emb, cfg.vocab_size, ctx)
+    return tied_logits(x, embedding['word_embeddings'], cfg.vocab_size, ctx)
+
+
+def _embedding_params(module: nn.Module, padded_vocab: int) -> dict:
+  """The input side's params, declared on the Transformer `module` in the order (and so with
+  the init values) they always had: word_embeddings, then embed_ln and position_embeddings as
+  the architecture has them."""
+  cfg = module.cfg
+  std = cfg.weight_init_std
+  # StableEmbedding's Xavier-uniform: the init runs on the global [V_pad, h] shape (jitted
+  # into its shardings), so its fan is the whole vocabulary's on every tensor/pipeline shard,
+  # not a shard's (Megatron-DeepSpeed PR 182).
+  emb_init = (
+    nn.initializers.xavier_uniform() if cfg.stable_embedding else nn.initializers.normal(std)
+  )
+  params = {
+    'word_embeddings': _param(
+      module, 'word_embeddings', emb_init, (padded_vocab, cfg.hidden_size), ('vocab', 'embed')
+    )
+  }
+  if has_embed_ln(cfg):
+    params['embed_ln'] = NormParams(cfg.hidden_size, name='embed_ln')()
+  if cfg.architecture == 'gpt2':
+    params['position_embeddings'] = _param(
+      module,
+      'position_embeddings',
+      nn.initializers.normal(std),
+      (cfg.max_position_embeddings, cfg.hidden_size),
+      ('positions', 'embed'),
+    )
+  return params
+
+
+def has_embed_ln(cfg: ModelConfig) -> bool:
+  """BLOOM's LayerNorm after the token lookup; GPT-2 has it under model.stable_embedding."""
+  return cfg.architecture != 'gpt2' or cfg.stable_embedding
 
 
 def tied_logits(x, emb, vocab_size: int, ctx: Context):
@@ -287,32 +313,35 @@ def tied_logits(x, emb, vocab_size: int, ctx: Context):
 
 
 def embed_tokens(params, tokens, cfg: ModelConfig, ctx: Context):
-  """The Transformer's input side (token lookup, positions or embedding LN) on a param tree."""
+  """The Transformer's input side on a param tree: the token lookup (a vocab-split table: masked
+  local lookup + all-reduce), then BLOOM's embedding LayerNorm, or GPT-2's positions (after the
+  LayerNorm of model.stable_embedding)."""
   x = jnp.take(params['word_embeddings'].astype(ctx.dtype), tokens, axis=0)
+  if has_embed_ln(cfg):
+    x = apply_norm(cfg, ctx, params['embed_ln'], ctx.constrain(x, ctx.residual_names))
   if cfg.architecture == 'gpt2':
-    if cfg.stable_embedding:
-      x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply(
-        {'params': params['embed_ln']}, ctx.constrain(x, ctx.residual_names)
-      )
     x = x + params['position_embeddings'][: tokens.shape[1]].astype(ctx.dtype)[None]
-  else:
-    x = LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply(
-      {'params': params['embed_ln']}, ctx.constrain(x, ctx.residual_names)
-    )
   return ctx.constrain(x, ctx.residual_names)
+
+
+def apply_norm(cfg: ModelConfig, ctx: Context, norm_params, x: jax.Array) -> jax.Array:
+  """A LayerNorm of the model's epsilon and compute dtype, with the given params."""
+  return cast(
+    jax.Array, LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply({'params': norm_params}, x)
+  )
 
 
 def final_norm(params, x, cfg: ModelConfig, ctx: Context):
   """The final LayerNorm on a param tree."""
   x = ctx.constrain(x, ctx.residual_names)
   return ctx.constrain(
-    LayerNorm(cfg.layernorm_epsilon, ctx.dtype).apply({'params': params['final_ln']}, x),
+    apply_norm(cfg, ctx, params['final_ln'], x),
     ctx.residual_names,
   )
 
 
 def output_logits(params, x, cfg: ModelConfig, ctx: Context):
-  """The Transformer's output side (final LN, tied logits) on a param tree."""
+  """The Transformer's output side on a param tree: `final_norm`, then `tied_logits`."""
   return tied_logits(
     final_norm(params, x, cfg, ctx), params['word_embeddings'], cfg.vocab_size, ctx
   )

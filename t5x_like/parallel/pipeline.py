@@ -292,6 +292,7 @@ class Schedule:
     params,
     batch,
     rng,
+    *,
     cfg: Config,
     plan: StagePlan,
     ctx: model_lib.Context,
@@ -396,10 +397,42 @@ class Schedule:
     )
 
 
+def loss_and_grads(
+  params,
+  batch,
+  rng,
+  *,
+  cfg: Config,
+  plan: StagePlan,
+  ctx: model_lib.Context,
+  deterministic: bool = True,
+  compute_params=None,
+  loss_scale=None,
+):
+  """The pipelined model's mean loss of batch [M, rows, S + 1] (`pipeline_loss`) and its fp32
+  gradient w.r.t. `params`, in the schedule of `pipeline.schedule`: 'gpipe' differentiates
+  `pipeline_loss`, '1f1b' computes its gradients itself (`one_f_one_b_loss_and_grads`).
+
+  loss_scale (a traced scalar, not differentiated): the loss and gradients of
+  `loss_scale x pipeline_loss`, for the step's groups of micro-batches (pipeline.microbatch_group,
+  'gpipe' only)."""
+  kwargs = dict(
+    cfg=cfg, plan=plan, ctx=ctx, deterministic=deterministic, compute_params=compute_params
+  )
+  if cfg.pipeline.schedule == '1f1b':
+    if loss_scale is not None:
+      raise ValueError("pipeline.schedule='1f1b' runs no groups of micro-batches (no loss_scale)")
+    return one_f_one_b_loss_and_grads(params, batch, rng, **kwargs)
+  if loss_scale is None:
+    return jax.value_and_grad(lambda p: pipeline_loss(p, batch, rng, **kwargs))(params)
+  return jax.value_and_grad(lambda p: loss_scale * pipeline_loss(p, batch, rng, **kwargs))(params)
+
+
 def pipeline_loss(
   params,
   batch,
   rng,
+  *,
   cfg: Config,
   plan: StagePlan,
   ctx: model_lib.Context,
@@ -411,7 +444,16 @@ def pipeline_loss(
   micro-batches' means over their targets that are not padding (`losses.PAD_ID`), over the
   micro-batches that hold any. Differentiate it for the gradients; see `Schedule` for the
   params."""
-  sched = Schedule(params, batch, rng, cfg, plan, ctx, deterministic, compute_params)
+  sched = Schedule(
+    params,
+    batch,
+    rng,
+    cfg=cfg,
+    plan=plan,
+    ctx=ctx,
+    deterministic=deterministic,
+    compute_params=compute_params,
+  )
   P, R = plan.stages, plan.repeats
   M = sched.num_microbatches
   full, stages, buffer_names = sched.full, sched.stages, sched.buffer_names
@@ -505,6 +547,7 @@ def one_f_one_b_loss_and_grads(
   params,
   batch,
   rng,
+  *,
   cfg: Config,
   plan: StagePlan,
   ctx: model_lib.Context,
@@ -522,7 +565,16 @@ def one_f_one_b_loss_and_grads(
   move one stage down per tick. The fill (P - 1 ticks of forwards only) and drain (P - 1 ticks of
   backwards only) skip the idle half, so the step does GPipe's work: the bubble is the same
   (P - 1) / (M + P - 1), and the gradients accumulate in fp32 in the scan's carry."""
-  sched = Schedule(params, batch, rng, cfg, plan, ctx, deterministic, compute_params)
+  sched = Schedule(
+    params,
+    batch,
+    rng,
+    cfg=cfg,
+    plan=plan,
+    ctx=ctx,
+    deterministic=deterministic,
+    compute_params=compute_params,
+  )
   P, M = plan.stages, sched.num_microbatches
   slots = 2 * P - 1  # a stage keeps micro-batches t - (2P - 2) + s .. t - s: at most 2P - 1
   stage_ids = jnp.arange(P)

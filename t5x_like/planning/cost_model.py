@@ -16,9 +16,9 @@
   gradients reduce-scattered, the bf16 weights all-gathered; and the embedding's gradient summed
   over the stages that each hold a whole copy (when tensor x pipeline does not divide it);
 * the optimizer: Adam reads and writes its shard of the state at HBM bandwidth;
-* memory per GPU in t5x_like/memory_report.py's categories, by the layout t5x_like's step uses
-  (ZeRO-1 state, a gathered bf16 copy of the stage, fp32 gradients in the ZeRO layout, kept stage
-  inputs, the recomputed layers' matmul outputs, one layer's backward).
+* memory per GPU in t5x_like/planning/memory_report.py's categories, by the layout t5x_like's step
+  uses (ZeRO-1 state, a gathered bf16 copy of the stage, fp32 gradients in the ZeRO layout, kept
+  stage inputs, the recomputed layers' matmul outputs, one layer's backward).
 
 Every hardware constant is in GPUS with its source; the two fitted constants are FITTED (fitted by
 benchmarks/fit_planner.py on one table of the chronicles, docs/planner.md). Nothing here starts
@@ -219,16 +219,13 @@ def local_params(cfg: Config) -> tuple[float, float]:
 
 def adam_bytes_per_param(cfg: Config, stage: float, embedding: float) -> float:
   """Both Adam moments' bytes per param: 8 in fp32; under optimizer.name='adamw_8bit' one byte
-  each plus an fp32 absmax per quant_block_size values (the embedding's fp32 under
-  model.stable_embedding), as optim.bytes_per_param counts them."""
+  each plus an fp32 absmax per quant_block_size values (the embedding's always fp32:
+  quantized_adam.FP32_STATE), as optim.bytes_per_param counts them."""
   o = cfg.optimizer
   if o.name != 'adamw_8bit':
     return 8.0
   quantized = 2 + 2 * 4 / o.quant_block_size
-  fp32_embedding = embedding if cfg.model.stable_embedding else 0.0
-  return (quantized * (stage + embedding - fp32_embedding) + 8 * fp32_embedding) / (
-    stage + embedding
-  )
+  return (quantized * stage + 8 * embedding) / (stage + embedding)
 
 
 def memory_bytes(cfg: Config) -> dict[str, float]:

@@ -312,7 +312,10 @@ class Hlo:
 
 
 def parse_hlo(text: str) -> Hlo:
-  instructions, roots, op_names, computation = {}, {}, {}, None
+  instructions: dict[str, tuple[str, str, list[str], str]] = {}
+  roots: dict[str, str] = {}
+  op_names: dict[str, str] = {}
+  computation: str | None = None
   for line in text.splitlines():
     header = re.match(r'^(?:ENTRY )?%(\S+) \((.*)\) -> .*\{$', line)
     if header:
@@ -362,7 +365,8 @@ def _temp_buffers(temp: Allocation) -> list[Buffer]:
   buffers = []
   for values in by_range.values():
     values.sort(key=lambda v: (v.start, v.end))
-    group, end = [], None
+    group: list[Value] = []
+    end = 0  # the group's last end; set by its first value before it is read
     for v in values:
       if group and v.start > end:
         buffers.append(Buffer(group))
@@ -426,7 +430,13 @@ def _classify(
   # The stack of kept stage inputs, [kept, stages on a device, rows, seq, hidden] (GPipe: one per
   # tick, written by the forward pass) or [stages on a device, kept, rows, seq, hidden] (1F1B: a
   # ring of 2P - 1 slots written by each tick's forward half, outside any jvp).
-  if activation and stage_input[0] in dims[:-3] and pass_ in ('forward', 'update') and backward:
+  if (
+    activation
+    and stage_input is not None
+    and stage_input[0] in dims[:-3]
+    and pass_ in ('forward', 'update')
+    and backward
+  ):
     return 'kept stage inputs'
   if pass_ == 'forward' and backward:  # written forward, read in the backward pass
     return 'kept activations'

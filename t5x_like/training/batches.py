@@ -45,7 +45,7 @@ def host_rows(
   consumed_samples: int,
   global_batch_size: int,
   shape: tuple[int, int, int],
-  index: tuple[slice, slice, slice],
+  index: tuple[slice, ...],
   trained: int,
   what: str,
 ) -> np.ndarray:
@@ -94,13 +94,12 @@ def global_batch(
     cfg, global_batch_size, seq_len if padded_seq_len is None else padded_seq_len, microbatches
   )
   trained = shape[2] if seq_len is None else seq_len + 1
-  return jax.make_array_from_callback(
-    shape,
-    sharding,
-    lambda index: host_rows(
-      cfg, source, consumed_samples, global_batch_size, shape, index, trained, what
-    ),
-  )
+
+  def shard_rows(index: tuple[slice, ...] | None) -> np.ndarray:
+    assert index is not None  # jax passes each addressable shard's index (its stubs allow None)
+    return host_rows(cfg, source, consumed_samples, global_batch_size, shape, index, trained, what)
+
+  return jax.make_array_from_callback(shape, sharding, shard_rows)
 
 
 def check_run_data(cfg: Config, data, sharding, consumed_samples: int) -> list[str]:

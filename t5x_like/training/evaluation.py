@@ -1,5 +1,6 @@
 """Evaluation during training (eval.interval): the validation sets' loss at an iteration, and
-the test split at the end. A hook of the loop (training/trainer.py registers it)."""
+the test split at the end. Registers its own hooks
+(`register`), as training/run_checkpoints.py does."""
 
 from __future__ import annotations
 
@@ -91,6 +92,13 @@ class TrainingEvaluator:
       )
     self.last_evaluated = progress.iteration
     return results
+
+  def register(self, hooks) -> None:
+    """Adds the evaluation to the run's hooks (hooks.Hooks), when eval.interval is set: every
+    eval.interval iterations, and at the end of training."""
+    if self.cfg.eval.interval:
+      hooks.add_hook(self.iteration_hook, every=self.cfg.eval.interval)
+      hooks.at_end(self.end_hook)
 
   def iteration_hook(self, info) -> None:
     """Every eval.interval iterations (hooks.Hooks.add_hook): the validation sets."""

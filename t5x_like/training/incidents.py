@@ -6,15 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from t5x_like.checkpointing import checkpoints
 from t5x_like.training import alerts as alerts_lib
 from t5x_like.training.watches import DivergenceWatch
 
 
 class IncidentReports:
-  """Writes the reports to the run's log (`log`) and sends them (`alerts`); `checkpointer()` is
-  the run's open checkpoint manager, `save(state, progress)` saves a checkpoint, and
-  `resumed_iteration` is where this job started."""
+  """Writes the reports to the run's log (`log`) and sends them (`alerts`). What the run does at
+  a spike or a divergence (keep a checkpoint, save the last finite state) is
+  run_checkpoints.RunCheckpoints': it says which checkpoints there are."""
 
   def __init__(
     self,
@@ -23,36 +22,13 @@ class IncidentReports:
     workdir: str,
     ckpt_root: str,
     divergence: DivergenceWatch,
-    checkpointer: Callable,
-    save: Callable,
-    resumed_iteration: int,
   ):
     self.log, self.alerts, self.workdir, self.ckpt_root = log, alerts, workdir, ckpt_root
-    self.divergence, self.checkpointer = divergence, checkpointer
-    self.save, self.resumed_iteration = save, resumed_iteration
+    self.divergence = divergence
 
-  def save_or_stop(self, state, progress) -> bool:
-    """Saves; a state with non-finite params is never written: the run then stops as diverged.
-    Returns whether the run goes on."""
-    try:
-      self.save(state, progress)
-      return True
-    except checkpoints.NonFiniteStateError as e:
-      self.diverged(f'> {e}')
-      return False
-
-  def on_diverged(self, message: str, state) -> None:
-    """runtime.max_consecutive_nan reached: the skipped iterations left the state as the last
-    finite one left it, which is saved (if this job trained it), then the remedies."""
-    last = self.divergence.last_finite
-    if last.iteration > self.resumed_iteration:
-      self.save_or_stop(state, last)
-    self.diverged(message)
-
-  def spike(self, message: str, iteration: int) -> None:
-    """A spike, with the checkpoint from before it (kept past the keep policy) and the command
-    that shows the batch it trained on."""
-    kept = self.checkpointer().keep_last_before(iteration)
+  def spike(self, message: str, iteration: int, kept: int | None) -> None:
+    """A spike, with the checkpoint from before it (`kept`: kept past the keep policy, None when
+    no checkpoint was saved before it) and the command that shows the batch it trained on."""
     where = (
       f'checkpoint {kept} (the last before it) is kept past checkpoint.max_to_keep'
       if kept is not None
@@ -64,9 +40,8 @@ class IncidentReports:
     )
     self.alerts.send('spike', message, iteration)
 
-  def diverged(self, message: str) -> None:
-    """A divergence, and what to do about it."""
-    saved = self.checkpointer().saved_steps()
+  def diverged(self, message: str, saved: list[int]) -> None:
+    """A divergence, and what to do about it (`saved`: the checkpoint steps, oldest first)."""
     before = saved[-1] if saved else None
     first = self.divergence.first_non_finite or self.divergence.last_finite.iteration + 1
     rollback = (

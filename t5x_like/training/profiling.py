@@ -36,7 +36,7 @@ class Profiler:
     self.tracing_since: int | None = None  # the first traced iteration while tracing
     # (first, last) once a trace is written; last None: stopped inside the first iteration.
     self.traced: tuple[int, int | None] | None = None
-    self._annotation = None
+    self._annotation: jax.profiler.StepTraceAnnotation | None = None
     self._last_ended: int | None = None
 
   def before_iteration(self, iteration: int) -> None:
@@ -49,8 +49,8 @@ class Profiler:
     ):
       jax.profiler.start_trace(self.log_dir, create_perfetto_trace=True)
       self.tracing_since = iteration
-    self._annotation = jax.profiler.StepTraceAnnotation('train', step_num=iteration)
-    self._annotation.__enter__()
+    self._annotation = annotation = jax.profiler.StepTraceAnnotation('train', step_num=iteration)
+    annotation.__enter__()
 
   def after_iteration(self, iteration: int) -> None:
     """`iteration` has ended, its results on the host."""
@@ -58,7 +58,7 @@ class Profiler:
       annotation, self._annotation = self._annotation, None
       annotation.__exit__(None, None, None)
     self._last_ended = iteration
-    if self.tracing_since is not None and iteration >= self.steps[1]:
+    if self.tracing_since is not None and self.steps and iteration >= self.steps[1]:
       self._stop()
 
   def close(self) -> None:
@@ -71,6 +71,7 @@ class Profiler:
 
   def _stop(self) -> None:
     first, self.tracing_since = self.tracing_since, None
+    assert first is not None, 'no trace is running'
     jax.profiler.stop_trace()
     last = self._last_ended if self._last_ended is not None and self._last_ended >= first else None
     self.traced = (first, last)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from t5x_like.checkpointing import checkpoints, provenance
@@ -136,7 +136,10 @@ def plan(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -> R
 
 
 def initial_state(
-  plan: ResumePlan, layout: StateLayout, log: Callable[[str], None], notes: list[str] = ()
+  plan: ResumePlan,
+  layout: StateLayout,
+  log: Callable[[str], None],
+  notes: Sequence[str] = (),
 ) -> tuple[TrainState, Progress]:
   """The state the plan starts from, restored onto `layout`: its checkpoint (with or without the
   Adam state), checkpoint.init_from's weights with a fresh optimizer, or a fresh init. Logs what

@@ -42,6 +42,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import numpy as np
 
@@ -131,6 +133,19 @@ def silence(stream) -> None:
     stream.flush()  # the lines that failed to reach the terminal go to /dev/null now
 
 
+def kill_switch_note(path: str) -> str:
+  """The log line of a run that the kill switch `path`, present at start-up, ends at once."""
+  return f'> kill switch {path} exists: exiting without training (remove the file to train)'
+
+
+def stop_conditions(rt, stop: StopConditions | None, num_processes: int):
+  """What a run watches, as a context manager: `stop` (entered by the caller), or when None its
+  own StopConditions from the config's `runtime` section `rt`."""
+  if stop is not None:
+    return contextlib.nullcontext(stop)
+  return StopConditions(rt.kill_switch_path, rt.exit_duration_mins, num_processes=num_processes)
+
+
 class StopConditions:
   """Watches the kill switch, the wall clock and the signals; a context manager for the handlers.
 
@@ -163,7 +178,8 @@ class StopConditions:
     self.last_iteration_s = 0.0
     self.training = False  # set by start_training(): the loop saves at a boundary from then on
     self._last_poll: float | None = None
-    self._previous = {}
+    # The handlers the signals had before __enter__ (signal.signal's return values).
+    self._previous: dict[signal.Signals, Callable[[int, FrameType | None], Any] | int | None] = {}
     self._wakeup: tuple[int, int] | None = None
     self._previous_wakeup_fd = -1
     self._interrupt_handled = threading.Event()
@@ -181,7 +197,7 @@ class StopConditions:
     self._wakeup = (read_fd, write_fd)
     self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     self._watcher = threading.Thread(
-      target=self._watch_signals, name='t5x_like-signals', daemon=True
+      target=self._watch_signals, args=(read_fd,), name='t5x_like-signals', daemon=True
     )
     self._watcher.start()
     return self
@@ -195,7 +211,8 @@ class StopConditions:
       read_fd, write_fd = self._wakeup
       self._wakeup = None
       os.write(write_fd, b'\0')  # not a signal number: the watcher ends
-      self._watcher.join(timeout=5)
+      if self._watcher is not None:
+        self._watcher.join(timeout=5)
       os.close(read_fd)
       os.close(write_fd)
 
@@ -221,8 +238,7 @@ class StopConditions:
     # Only a flag: the loop saves at the next iteration boundary, outside the handler.
     self.received = signum
 
-  def _watch_signals(self) -> None:
-    read_fd = self._wakeup[0]
+  def _watch_signals(self, read_fd: int) -> None:
     while True:
       try:
         data = os.read(read_fd, 1)

@@ -141,7 +141,7 @@ def step_shapes(cfg: Config) -> list[tuple[int, int]]:
   make fewer)."""
   if not cfg.train.rampup_batch_size and not cfg.curriculum.enabled:
     return [(cfg.num_microbatches, cfg.train.seq_len)]
-  shapes = {}
+  shapes: dict[tuple[int, int], None] = {}
   for n, gbs in enumerate(iteration_batch_sizes(cfg.train), start=1):
     shapes.setdefault((step_microbatches(cfg, gbs), padded_seq_len_at(cfg, n)), None)
   return list(shapes)

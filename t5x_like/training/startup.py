@@ -53,6 +53,14 @@ def report_lines(
   return lines
 
 
+def start_report(cfg: Config, layout, software: dict) -> list[str]:
+  """report_lines on this process's devices, then the parameter table: the trainer's log opens
+  with them."""
+  platform = jax.devices()[0].platform
+  report = report_lines(cfg, layout, software, jax.device_count(), platform)
+  return report + parameter_table(layout.logical.params)
+
+
 def parameter_table(params) -> list[str]:
   """Lines of clu's table of `params` (arrays or ShapeDtypeStructs with their shardings): each
   parameter's name, shape, dtype, size and sharding (the mesh axes splitting each dimension),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,162 +57,184 @@ def gathered_params(params, layout: StateLayout):
   return jax.tree.map(jax.lax.with_sharding_constraint, params, layout.compute_param_shardings)
 
 
+def fp32_zeros(params, shardings):
+  """An fp32 gradient accumulator: zeros of params' shapes in `shardings` (the ZeRO layout)."""
+  return jax.tree.map(
+    lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
+    params,
+    shardings,
+  )
+
+
+def add_grads(accumulated, grads, shardings):
+  """accumulated + grads in fp32, constrained to `shardings` (the ZeRO layout): each addition's
+  gradient is reduce-scattered into the data-split accumulator."""
+  return jax.tree.map(
+    lambda a, g, s: jax.lax.with_sharding_constraint(a + g.astype(jnp.float32), s),
+    accumulated,
+    grads,
+    shardings,
+  )
+
+
+def accumulate_grads(
+  loss_and_grads: Callable, params, xs, *, shardings, num_real=None, unroll: bool = False
+):
+  """(sum of the losses, fp32 sum of the gradients) of `loss_and_grads(x, index)` over the
+  leading dim of `xs` (a tree: the micro-batches, or the pipeline's groups of them), accumulated
+  in `shardings` (the ZeRO layout).
+
+  num_real: None runs them all (a scan); a traced count runs only the first num_real (a
+  fori_loop): under the ramp-up's rounded-up micro-batch count (train.rampup_microbatch_multiple)
+  the ones after the real ones are padding only, and a loop of as many iterations as there are
+  real ones never computes them. (Nothing differentiates through this loop, so its trip count
+  may be a traced value; a cond per micro-batch instead cost bloom_1b3 2.3 GiB per device.)"""
+
+  def add(index, x, carry):
+    grads_acc, loss_acc = carry
+    loss, grads = loss_and_grads(x, index)
+    return add_grads(grads_acc, grads, shardings), loss_acc + loss
+
+  carry = (fp32_zeros(params, shardings), jnp.float32(0.0))
+  if num_real is not None:
+    take = lambda m: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, m, 0, False), xs)
+    grads, loss = jax.lax.fori_loop(0, num_real, lambda m, c: add(m, take(m), c), carry)
+  else:
+    count = jax.tree.leaves(xs)[0].shape[0]
+    (grads, loss), _ = jax.lax.scan(
+      lambda c, index_x: (add(*index_x, c), None), carry, (jnp.arange(count), xs), unroll=unroll
+    )
+  return loss, grads
+
+
+def microbatched_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rng):
+  """No pipeline: the mean loss and gradients of the micro-batches, run one after another from
+  one compute-dtype copy of the params, their gradients accumulated in fp32 in the ZeRO layout."""
+  compute_params = compute_params_of(params, layout, jnp.dtype(cfg.model.dtype))  # once a step
+  deterministic = not _has_dropout(cfg)
+
+  def loss_and_grads(tokens, index):
+    # 'dense', 'chunked' or 'fused' cross-entropy (model.cross_entropy_impl), see losses.py.
+    loss_fn = lambda p: losses.mean_loss(
+      layout.model,
+      p,
+      tokens,
+      deterministic=deterministic,
+      rngs={'dropout': jax.random.fold_in(rng, index)},
+    )
+    return jax.value_and_grad(loss_fn)(compute_params)
+
+  num_real = None
+  num_micro = batch.shape[0]
+  if cfg.train.rampup_microbatch_multiple > 0:
+    num_real = losses.real_microbatches(batch).sum()
+    num_micro = num_real.astype(jnp.float32)
+  loss_sum, grads = accumulate_grads(
+    loss_and_grads,
+    params,
+    batch,
+    shardings=layout.shardings.params,
+    num_real=num_real,
+    unroll=cfg.model.scan_unroll,
+  )
+  return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grads)
+
+
+def pipelined_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rng):
+  """Pipeline: one schedule over all micro-batches (`pipeline.loss_and_grads`, GPipe or 1F1B as
+  pipeline.schedule says), or, with pipeline.microbatch_group = G, one per group of G
+  micro-batches, one group after another, accumulated as `accumulate_grads` does."""
+  zero_shardings = layout.shardings.params
+  kwargs = dict(
+    cfg=cfg,
+    plan=layout.plan,
+    ctx=model_lib.Context(cfg.model, layout.mesh),
+    deterministic=not _has_dropout(cfg),
+    compute_params=compute_bits_of(params, layout, jnp.dtype(cfg.model.dtype)),
+  )
+  gathered = gathered_params(params, layout)  # once per step, not per group
+  group, num_micro = cfg.pipeline.microbatch_group, batch.shape[0]
+  if not group or group >= num_micro:
+    loss, grads = pipeline.loss_and_grads(gathered, batch, rng, **kwargs)
+    return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, zero_shardings)
+  groups = batch.reshape((num_micro // group, group) + batch.shape[1:])
+  # pipeline_loss is a group's mean over its real micro-batches (all G without the ramp-up's
+  # padding); weighted by its share of the step's, the groups add up to the step's mean.
+  num_real = None
+  if cfg.train.rampup_microbatch_multiple > 0:
+    real = losses.real_microbatches(batch).reshape(groups.shape[0], group).sum(axis=1)
+    weights = real / jnp.maximum(real.sum(), 1)
+    # Groups of padding only (after the real micro-batches) are not run: their mean would be
+    # 0 / 0.
+    num_real = (real > 0).sum()
+  else:
+    weights = jnp.full((groups.shape[0],), group / num_micro, jnp.float32)
+
+  def loss_and_grads(group_and_weight, index):
+    tokens, weight = group_and_weight
+    return pipeline.loss_and_grads(
+      gathered, tokens, jax.random.fold_in(rng, index), loss_scale=weight, **kwargs
+    )
+
+  return accumulate_grads(
+    loss_and_grads,
+    params,
+    (groups, weights),
+    shardings=zero_shardings,
+    num_real=num_real,
+    unroll=cfg.model.scan_unroll,
+  )
+
+
+def loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rng):
+  """The step's mean loss and fp32 gradients (ZeRO layout), pipelined or not."""
+  if cfg.mesh.pipeline > 1:
+    return pipelined_loss_and_grads(cfg, layout, params, batch, rng)
+  return microbatched_loss_and_grads(cfg, layout, params, batch, rng)
+
+
+def apply_update(cfg: Config, layout: StateLayout, state: TrainState, loss, grads, lr):
+  """(new state, stats): grads clipped at cfg.optimizer.clip_grad's global norm, then the
+  optimizer's update at learning rate lr, unless the loss or the gradient norm is not finite."""
+  grads, grad_norm = optim.clip_by_global_norm(grads, cfg.optimizer.clip_grad)
+  num_zeros = jnp.asarray(sum(jnp.sum(g == 0) for g in jax.tree.leaves(grads)))
+
+  def update(state, grads):
+    updates, new_opt_state = layout.optimizer.update(grads, state.opt_state, state.params)
+    new_params = jax.tree.map(lambda p, u: p - lr * u, state.params, updates)
+    return TrainState(new_params, new_opt_state)
+
+  # A non-finite loss or gradient skips the update (params, moments and Adam's count unchanged).
+  # A cond, not a select of new against old: the update then runs in place in one pass over
+  # each tensor, with no copies of the old moments (1-8% faster bloom_100m steps on CPU in A/B
+  # runs, docs/benchmarks.md).
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  new_state = jax.lax.cond(finite, update, lambda state, grads: state, state, grads)
+  stats = {
+    'lm_loss': loss,
+    'grad_norm': grad_norm,
+    'num_zeros': num_zeros.astype(jnp.float32),
+    'finite': finite,
+    'loss_finite': jnp.isfinite(loss),
+  }
+  return new_state, stats
+
+
+def _has_dropout(cfg: Config) -> bool:
+  return cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
+
+
 def make_train_step(cfg: Config, layout: StateLayout):
   """The pure step function: (state, batch [M, rows, S+1], learning rate, iteration) ->
-  (state, stats); the learning rate is `schedule.learning_rate`'s, a float32 scalar."""
-  model, optimizer = layout.model, layout.optimizer
-  dtype = jnp.dtype(cfg.model.dtype)
-  zero_shardings = layout.shardings.params
-  dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
-  padded_microbatches = cfg.train.rampup_microbatch_multiple > 0
-
-  def loss_fn(compute_params, tokens, rng):
-    # 'dense', 'chunked' or 'fused' cross-entropy (model.cross_entropy_impl), see losses.py.
-    return losses.mean_loss(
-      model, compute_params, tokens, deterministic=not dropout, rngs={'dropout': rng}
-    )
-
-  def accumulated_loss_and_grads(params, batch, rng):
-    """No pipeline: micro-batches one after another, fp32 accumulation in the ZeRO layout."""
-    compute_params = compute_params_of(params, layout, dtype)  # cast once per step
-    num_micro = batch.shape[0]
-
-    def add_micro_batch(carry, tokens, index):
-      grads_acc, loss_acc = carry
-      loss, grads = jax.value_and_grad(loss_fn)(
-        compute_params, tokens, jax.random.fold_in(rng, index)
-      )
-      grads_acc = jax.tree.map(
-        lambda a, g, s: jax.lax.with_sharding_constraint(a + g.astype(jnp.float32), s),
-        grads_acc,
-        grads,
-        zero_shardings,
-      )
-      return grads_acc, loss_acc + loss
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    carry = (zeros, jnp.float32(0.0))
-    if padded_microbatches:
-      # The ramp-up's rounded-up count (train.rampup_microbatch_multiple): the micro-batches
-      # after the real ones are padding only, and a loop of as many iterations as there are real
-      # ones never computes them. (Nothing differentiates through this loop, so its trip count
-      # may be a traced value; a cond per micro-batch instead cost bloom_1b3 2.3 GiB per device.)
-      num_real = losses.real_microbatches(batch).sum()
-      grads, loss_sum = jax.lax.fori_loop(
-        0,
-        num_real,
-        lambda m, carry: add_micro_batch(
-          carry, jax.lax.dynamic_index_in_dim(batch, m, 0, False), m
-        ),
-        carry,
-      )
-      num_micro = num_real.astype(jnp.float32)
-    else:
-      (grads, loss_sum), _ = jax.lax.scan(
-        lambda carry, xs: (add_micro_batch(carry, *xs), None),
-        carry,
-        (batch, jnp.arange(num_micro)),
-        unroll=cfg.model.scan_unroll,
-      )
-    return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grads)
-
-  def pipelined_loss_and_grads(params, batch, rng):
-    """Pipeline: one differentiated schedule over all micro-batches (pipeline.py), or, with
-    pipeline.microbatch_group = G, one per group of G micro-batches, one group after another;
-    or the 1F1B schedule, which computes its gradients itself."""
-    ctx = model_lib.Context(cfg.model, layout.mesh)
-    gathered = gathered_params(params, layout)  # once per step, not per group
-    compute = compute_bits_of(params, layout, dtype)
-    group = cfg.pipeline.microbatch_group
-    num_micro = batch.shape[0]
-    if cfg.pipeline.schedule == '1f1b':
-      loss, grads = pipeline.one_f_one_b_loss_and_grads(
-        gathered, batch, rng, cfg, layout.plan, ctx, not dropout, compute
-      )
-      return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, zero_shardings)
-    if not group or group >= num_micro:
-      loss, grads = jax.value_and_grad(pipeline.pipeline_loss)(
-        gathered, batch, rng, cfg, layout.plan, ctx, not dropout, compute
-      )
-      return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, zero_shardings)
-    groups = batch.reshape((num_micro // group, group) + batch.shape[1:])
-    # pipeline_loss is a group's mean over its real micro-batches (all G without the ramp-up's
-    # padding); weighted by its share of the step's, the groups add up to the step's mean.
-    if padded_microbatches:
-      real = losses.real_microbatches(batch).reshape(groups.shape[0], group).sum(axis=1)
-      weights = real / jnp.maximum(real.sum(), 1)
-    else:
-      weights = jnp.full((groups.shape[0],), group / num_micro, jnp.float32)
-
-    def weighted_loss(gathered, tokens, weight, index):
-      return weight * pipeline.pipeline_loss(
-        gathered,
-        tokens,
-        jax.random.fold_in(rng, index),
-        cfg,
-        layout.plan,
-        ctx,
-        not dropout,
-        compute,
-      )
-
-    def add_group(index, carry):
-      grads_acc, loss_acc = carry
-      tokens = jax.lax.dynamic_index_in_dim(groups, index, 0, False)
-      weight = jax.lax.dynamic_index_in_dim(weights, index, 0, False)
-      loss, grads = jax.value_and_grad(weighted_loss)(gathered, tokens, weight, index)
-      # fp32, accumulated in the ZeRO layout: each group's gradient is reduce-scattered into it.
-      grads_acc = jax.tree.map(
-        lambda a, g, s: jax.lax.with_sharding_constraint(a + g, s), grads_acc, grads, zero_shardings
-      )
-      return grads_acc, loss_acc + loss
-
-    zeros = jax.tree.map(
-      lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s),
-      params,
-      zero_shardings,
-    )
-    carry = (zeros, jnp.float32(0.0))
-    if padded_microbatches:
-      # Groups of padding only (after the real micro-batches) are not run: their mean would be
-      # 0 / 0. Nothing differentiates through this loop, so its trip count may be traced.
-      grads, loss = jax.lax.fori_loop(0, (real > 0).sum(), add_group, carry)
-    else:
-      (grads, loss), _ = jax.lax.scan(
-        lambda carry, index: (add_group(index, carry), None),
-        carry,
-        jnp.arange(groups.shape[0]),
-        unroll=cfg.model.scan_unroll,
-      )
-    return loss, grads
-
-  loss_and_grads = pipelined_loss_and_grads if cfg.mesh.pipeline > 1 else accumulated_loss_and_grads
+  (state, stats); the learning rate is `schedule.learning_rate`'s, a float32 scalar.
+  `loss_and_grads` (`accumulate_grads` over the micro-batches, or the pipeline's schedule),
+  then `apply_update`."""
 
   def step(state: TrainState, batch, lr, iteration):
     rng = jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), iteration)
     state = layout.unpad(state, None)  # ZeRO's padding (partitioning.zero_split) stays outside
-    loss, grads = loss_and_grads(state.params, batch, rng)
-    grads, grad_norm = optim.clip_by_global_norm(grads, cfg.optimizer.clip_grad)
-    num_zeros = sum(jnp.sum(g == 0) for g in jax.tree.leaves(grads))
-
-    def apply_update(state, grads):
-      updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
-      new_params = jax.tree.map(lambda p, u: p - lr * u, state.params, updates)
-      return TrainState(new_params, new_opt_state)
-
-    # A non-finite loss or gradient skips the update (params, moments and Adam's count unchanged).
-    # A cond, not a select of new against old: the update then runs in place in one pass over
-    # each tensor, with no copies of the old moments (1-8% faster bloom_100m steps on CPU in A/B
-    # runs, docs/benchmarks.md).
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    new_state = jax.lax.cond(finite, apply_update, lambda state, grads: state, state, grads)
-    stats = {
-      'lm_loss': loss,
-      'grad_norm': grad_norm,
-      'num_zeros': num_zeros.astype(jnp.float32),
-      'finite': finite,
-      'loss_finite': jnp.isfinite(loss),
-    }
+    loss, grads = loss_and_grads(cfg, layout, state.params, batch, rng)
+    new_state, stats = apply_update(cfg, layout, state, loss, grads, lr)
     return layout.pad(new_state, None), stats
 
   return step
@@ -231,11 +254,11 @@ def make_eval_step(cfg: Config, layout: StateLayout):
         params,
         batch,
         jax.random.PRNGKey(0),
-        cfg,
-        layout.plan,
-        ctx,
-        True,
-        compute_bits_of(params, layout, dtype),
+        cfg=cfg,
+        plan=layout.plan,
+        ctx=ctx,
+        deterministic=True,
+        compute_params=compute_bits_of(params, layout, dtype),
       )
     compute_params = compute_params_of(params, layout, dtype)
 
@@ -295,7 +318,7 @@ class CompiledSteps:
   ):
     # `compiling`: the context a compilation runs in (the trainer's: its hang watchdog paused).
     self.cfg, self.layout, self.log, self.compiling = cfg, layout, log, compiling
-    self.programs = {}  # (micro-batches, sequence length + 1) -> compiled step
+    self.programs: dict[tuple[int, int], Any] = {}  # (micro-batches, length + 1) -> compiled
 
   def get(self, global_batch_size: int, seq_len: int):
     """The compiled step for this global batch size and sequence length."""

@@ -16,8 +16,8 @@ evaluation, and any a user adds with `trainer.hooks.add_hook(fn, every=N)`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import os
 import time
 
@@ -25,7 +25,6 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
-from t5x_like.checkpointing import checkpoints
 from t5x_like.config import Config, ConfigError
 from t5x_like.data import sources
 from t5x_like.data.indexed import DataError
@@ -45,10 +44,9 @@ from t5x_like.training import (
   watches,
 )
 from t5x_like.training import workdir as workdir_lib
-from t5x_like.training.checkpoint_cadence import CheckpointCadence
 from t5x_like.training.evaluation import TrainingEvaluator
 from t5x_like.training.hooks import Hooks, StepInfo
-from t5x_like.training.incidents import IncidentReports
+from t5x_like.training.run_checkpoints import RunCheckpoints
 from t5x_like.training.step import CompiledSteps, batch_sharding
 
 
@@ -73,13 +71,11 @@ class Trainer:
     try:
       self.plan = resume.plan(cfg, self.workdir)
       cfg = self.cfg = self.plan.config
-      self.ckpt_root, self.data_seed = self.plan.ckpt_root, self.plan.data_seed
-      self.adam_count_base = self.plan.adam_count_base
       workdir_lib.check_run_outputs(
         self.workdir, cfg.runtime.tensorboard_dir, cfg.runtime.compilation_cache_dir
       )
       # The data next: a bad path, file or split is one error before JAX starts a backend.
-      self.data = open_data(cfg, self.data_seed)
+      self.data = open_data(cfg, self.plan.data_seed)
       self.source = self.data.train
       # The mesh comes first among JAX objects: it creates virtual CPU devices before anything
       # starts the backend.
@@ -91,21 +87,8 @@ class Trainer:
       self.writer = metrics.MetricsWriter(
         self.workdir, enabled=self.is_writer, tensorboard_dir=rt.tensorboard_dir
       )
-      self.profiler = profiling.Profiler(
-        rt.profile_range(),
-        os.path.join(self.workdir, rt.tensorboard_dir),
-        rt.profile_process,
-        log=self.writer.info if self.is_writer else print,
-      )
-      # Only the process that writes the log appends the stacks of a hang to it; every process
-      # prints its own to stderr. Armed by run().
-      self.watchdog = runtime.Watchdog(
-        rt.hang_timeout_mins * 60.0,
-        self.writer.log_path if self.is_writer else None,
-        lambda message: self.alerts.send('hang', message),
-      )
-      # optimizer.decay_tokens counts from here (a pure function of the config).
-      self.warmup_end_tokens = schedule.warmup_end_tokens(cfg) if cfg.optimizer.decay_tokens else 0
+      self.profiler = run_profiler(cfg, self.workdir, self.writer, self.is_writer)
+      self.watchdog = run_watchdog(cfg, self.writer, self.alerts, self.is_writer)
       self.steps = CompiledSteps(cfg, self.layout, self.writer.info, self.watchdog.suspended)
       self.skipped = batches.SkippedIterations(cfg, self.writer.info)
       self.throughput, self.throughput_setup, self.throughput_note = (
@@ -120,15 +103,18 @@ class Trainer:
       # The MFU reference; on CPU a matmul probe, compiled once the run started (and its
       # compilation cache is set).
       self.peak = accounting.PeakReference(cfg.model.dtype)
-      self.incidents = IncidentReports(
-        self.writer.info,
+      self.iterations = TrainIteration(cfg, self.layout, self.steps, self.batch_sharding, self.peak)
+      self.checkpoints = RunCheckpoints(
+        self.plan,
+        self.layout,
+        self.writer,
         self.alerts,
         self.workdir,
-        self.ckpt_root,
+        self.is_writer,
         self.divergence,
-        lambda: self.checkpointer,
-        self.save_checkpoint,
-        self.plan.progress.iteration,
+        self.throughput,
+        self.throughput_setup,
+        self.watchdog,
       )
       self.evaluator = TrainingEvaluator(
         cfg, self.layout, self.batch_sharding, self.data, self.writer, self.watchdog
@@ -136,7 +122,6 @@ class Trainer:
       self.replica_check = partitioning.ReplicaCheck(
         self.writer.info, self.alerts.send, self.is_writer, self.mesh.devices.size
       )
-      self.checkpointer: checkpoints.Checkpointer | None = None  # opened by start()
       self.compilation_cache: str | None = None  # set by start()
       self.stop_reason: runtime.StopReason | None = None
       self.final_state: TrainState | None = None
@@ -154,24 +139,12 @@ class Trainer:
         self.throughput, self.writer.info, self.alerts.send, cfg.curriculum.enabled
       )
     )
-    hooks.add_hook(watches.spike_hook(self.spikes, self.incidents.spike))
-    hooks.add_hook(watches.divergence_hook(self.divergence, self.incidents.on_diverged))
+    hooks.add_hook(watches.spike_hook(self.spikes, self.checkpoints.spike))
+    hooks.add_hook(watches.divergence_hook(self.divergence, self.checkpoints.on_diverged))
     if cfg.runtime.replica_check_interval:
       hooks.add_hook(self.replica_check, every=cfg.runtime.replica_check_interval)
-    cadence = CheckpointCadence(
-      self.incidents.save_or_stop,
-      lambda n: self.checkpointer.should_save(n),
-      self.divergence,
-      self.watchdog.beat,
-      self._close_checkpointer,
-    )
-    hooks.add_hook(cadence.iteration_hook)
-    if cfg.eval.interval:
-      hooks.add_hook(self.evaluator.iteration_hook, every=cfg.eval.interval)
-    for add in (hooks.at_end, hooks.on_stop):
-      add(cadence.final_hook)
-    if cfg.eval.interval:
-      hooks.at_end(self.evaluator.end_hook)
+    self.checkpoints.register(hooks)  # the cadence's saves; the last save, then the close
+    self.evaluator.register(hooks)  # every eval.interval iterations, and at the end
     for add in (hooks.at_end, hooks.on_stop):
       add(metrics.end_line_hook(self.writer.info))
       add(alerts.end_hook(self.alerts))
@@ -182,9 +155,7 @@ class Trainer:
     self.started = True
     self.lock.mark_started()
     self.writer.open()
-    self.checkpointer = resume.begin(
-      self.plan, progress, self.layout, self.writer, self.workdir, self.is_writer
-    )
+    self.checkpoints.open(progress)  # resume.begin
     self.compilation_cache = use_compilation_cache(
       self.workdir, self.cfg.runtime.compilation_cache_dir, self.writer.info
     )
@@ -195,43 +166,18 @@ class Trainer:
 
   # ---------------------------------------------------------------------------------- state
 
-  def save_checkpoint(self, state: TrainState, progress: Progress) -> bool:
-    meta = checkpoints.make_meta(
-      self.cfg,
-      progress,
-      self.data_seed,
-      self.adam_count_base,
-      self.plan.software,
-      self.checkpointer.kept_steps,
-    )
-    meta['throughput'] = {'setup': self.throughput_setup, 'baselines': self.throughput.baselines()}
-    return self.checkpointer.save(state, progress, self.cfg, meta)
-
   def initial_state(self) -> tuple[TrainState, Progress]:
     notes = [self.throughput_note] if self.throughput_note else []
     return resume.initial_state(self.plan, self.layout, self.writer.info, notes)
 
   def global_batch(
-    self,
-    consumed_samples: int,
-    global_batch_size: int,
-    source=None,
-    what: str = 'training',
-    **lengths,
+    self, consumed_samples: int, global_batch_size: int, source=None, what='training', **lengths
   ) -> jax.Array:
     """batches.global_batch of `source` (default: the training stream) in the run's sharding."""
+    source = self.source if source is None else source
     return batches.global_batch(
-      self.cfg,
-      self.batch_sharding,
-      self.source if source is None else source,
-      consumed_samples,
-      global_batch_size,
-      what,
-      **lengths,
+      self.cfg, self.batch_sharding, source, consumed_samples, global_batch_size, what, **lengths
     )
-
-  def step_for(self, global_batch_size: int, seq_len: int):
-    return self.steps.get(global_batch_size, seq_len)
 
   # ------------------------------------------------------------------------------------ loop
 
@@ -248,25 +194,16 @@ class Trainer:
     if runtime.kill_switch_present(rt.kill_switch_path):
       self.release()
       self.stop_reason = runtime.StopReason.KILL_SWITCH
-      self.writer.info(
-        f'> kill switch {rt.kill_switch_path} exists: exiting without training '
-        '(remove the file to train)'
-      )
+      self.writer.info(runtime.kill_switch_note(rt.kill_switch_path))
       return self.plan.progress
     own_stop = stop is None
-    stop_context = (
-      runtime.StopConditions(
-        rt.kill_switch_path, rt.exit_duration_mins, num_processes=jax.process_count()
-      )
-      if own_stop
-      else contextlib.nullcontext(stop)
-    )
+    stop_context = runtime.stop_conditions(rt, stop, jax.process_count())
     try:
       with stop_context as stop, self.watchdog, self.writer:
         try:
           return self._train(stop)
         finally:
-          self._close_checkpointer()
+          self.checkpoints.close()
     except runtime.Interrupted as e:
       self.stop_reason = runtime.StopReason.SIGNAL
       if self.started:
@@ -284,16 +221,9 @@ class Trainer:
       self.alerts.wait()
       self.release()
 
-  def _close_checkpointer(self) -> None:
-    """Waits for the save in flight (checkpoints.close_unless_failing); closes it once."""
-    checkpointer, self.checkpointer = self.checkpointer, None
-    checkpoints.close_unless_failing(checkpointer)
-
   def _train(self, stop: runtime.StopConditions) -> Progress:
     cfg = self.cfg
-    for line in startup.report_lines(
-      cfg, self.layout, self.plan.software, jax.device_count(), jax.devices()[0].platform
-    ) + startup.parameter_table(self.layout.logical.params):
+    for line in startup.start_report(cfg, self.layout, self.plan.software):
       self.writer.info(line)  # process 0's log only, as every line
     # Everything that can refuse the run comes before start(): the restore and the data check.
     state, progress = self.initial_state()
@@ -308,12 +238,7 @@ class Trainer:
       self.writer.info(line)
     start_iteration, total = progress.iteration, schedule.total_iterations(cfg.train)
     if progress.iteration < total:
-      # Compiled now rather than in the loop: a signal during compilation ends the run at once,
-      # and a failure shows in the first minutes rather than at iteration 1000.
-      gbs = schedule.global_batch_size_at(cfg.train, progress.consumed_samples)
-      self.step_for(gbs, schedule.padded_seq_len_at(cfg, progress.iteration + 1))
-      if cfg.eval.interval:
-        self.evaluator.step_for(gbs)
+      self.iterations.compile_ahead(progress, self.evaluator)
     stop.start_training()
     self.hooks.run_start(StepInfo(progress, state, start_iteration=start_iteration))
     info = StepInfo(progress, state, start_iteration=start_iteration)
@@ -345,20 +270,51 @@ class Trainer:
     return progress
 
   def train_iteration(self, state: TrainState, progress: Progress) -> tuple[TrainState, dict, bool]:
-    """One train step on the next global batch. Returns the new state, the iteration's metrics
-    record and whether the step was finite (a non-finite one changed nothing)."""
-    cfg = self.cfg
+    """One train step on the next global batch (TrainIteration). Returns the new state, the
+    iteration's metrics record and whether the step was finite (a non-finite one changed
+    nothing)."""
     self.skipped.trained()
+    return self.iterations(state, progress, self.source)
+
+
+class TrainIteration:
+  """What one iteration of the loop does (Trainer.train_iteration): the step compiled for the
+  iteration's global batch size and length, the learning rate, the batch, the step, and the
+  iteration's metrics record (accounting.iteration_record), timed from the batch to the stats on
+  the host. `peak` is the run's accounting.PeakReference, the MFU reference."""
+
+  def __init__(self, cfg: Config, layout, steps: CompiledSteps, batch_sharding, peak):
+    self.cfg, self.layout, self.steps, self.batch_sharding = cfg, layout, steps, batch_sharding
+    self.peak = peak
+    # optimizer.decay_tokens counts from here (a pure function of the config).
+    self.warmup_end_tokens = schedule.warmup_end_tokens(cfg) if cfg.optimizer.decay_tokens else 0
+
+  def compile_ahead(self, progress: Progress, evaluator: TrainingEvaluator) -> None:
+    """Compiles the next iteration's step (and the evaluation step) before the loop rather than
+    in it: a signal during compilation ends the run at once, and a failure shows in the first
+    minutes rather than at iteration 1000."""
+    gbs = schedule.global_batch_size_at(self.cfg.train, progress.consumed_samples)
+    self.steps.get(gbs, schedule.padded_seq_len_at(self.cfg, progress.iteration + 1))
+    if self.cfg.eval.interval:
+      evaluator.step_for(gbs)
+
+  def __call__(
+    self, state: TrainState, progress: Progress, source
+  ) -> tuple[TrainState, dict, bool]:
+    cfg = self.cfg
     seq = schedule.seq_len_at(cfg, progress.iteration + 1)
     padded_seq = schedule.padded_seq_len_at(cfg, progress.iteration + 1)  # what the step runs at
     gbs = schedule.global_batch_size_at(cfg.train, progress.consumed_samples)
-    compiled = self.step_for(gbs, padded_seq)
+    compiled = self.steps.get(gbs, padded_seq)
     lr = schedule.learning_rate(
       cfg.optimizer, progress.consumed_samples, progress.consumed_tokens, self.warmup_end_tokens
     )
     start = time.perf_counter()
     step_micro = schedule.step_microbatches(cfg, gbs)
-    batch = self.global_batch(
+    batch = batches.global_batch(
+      cfg,
+      self.batch_sharding,
+      source,
       progress.consumed_samples,
       gbs,
       seq_len=seq,
@@ -376,20 +332,33 @@ class Trainer:
       if cfg.mesh.pipeline > 1
       else None
     )
+    peak = self.peak.measured[0]
     record = accounting.iteration_record(
-      cfg,
-      progress,
-      lr,
-      gbs,
-      seq,
-      padded_seq,
-      step_micro,
-      stats,
-      elapsed,
-      self.peak.measured[0],
-      bubble,
+      cfg, progress, lr, gbs, seq, padded_seq, step_micro, stats, elapsed, peak, bubble
     )
     return state, record, bool(stats['finite'])
+
+
+def run_profiler(cfg: Config, workdir: str, writer, is_writer: bool) -> profiling.Profiler:
+  """The run's profiler (runtime.profile_*), tracing into the TensorBoard directory."""
+  rt = cfg.runtime
+  return profiling.Profiler(
+    rt.profile_range(),
+    os.path.join(workdir, rt.tensorboard_dir),
+    rt.profile_process,
+    log=writer.info if is_writer else print,
+  )
+
+
+def run_watchdog(cfg: Config, writer, run_alerts: alerts.Alerts, is_writer: bool):
+  """The run's hang watchdog (runtime.hang_timeout_mins), armed by Trainer.run(): only the
+  process that writes the log appends the stacks of a hang to it; every process prints its own to
+  stderr; a hang is alerted ('hang')."""
+  return runtime.Watchdog(
+    cfg.runtime.hang_timeout_mins * 60.0,
+    writer.log_path if is_writer else None,
+    functools.partial(run_alerts.send, 'hang'),
+  )
 
 
 def open_data(cfg: Config, data_seed: int) -> sources.DataSources:
@@ -425,7 +394,7 @@ def use_compilation_cache(workdir: str, cache_dir: str, log) -> str | None:
       f'runtime.compilation_cache_dir: cannot create {path} ({e.strerror}); '
       "point it at a writable directory or set it to '' for no cache"
     ) from None
-  if jax.config.jax_compilation_cache_dir != path:
+  if jax.config.jax_compilation_cache_dir != path:  # type: ignore[attr-defined]
     jax.config.update('jax_compilation_cache_dir', path)
     # JAX opens its cache once per process, at the first compilation that finds a directory set;
     # a cache opened before this (another Trainer in the same process) would keep its directory.

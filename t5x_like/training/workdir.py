@@ -126,14 +126,14 @@ class Lock:
       ) from None
     self._fd = fd
     if self._created_file:  # removed again if the run is refused
-      self._write_holder()
+      self._write_holder(fd)
 
   def mark_started(self) -> None:
     """The run starts: the lock file names this process (for the message refusing another)."""
     if self._fd is not None and not self._created_file:
-      self._write_holder()
+      self._write_holder(self._fd)
 
-  def _write_holder(self) -> None:
+  def _write_holder(self, fd: int) -> None:
     holder = (
       json.dumps(
         {
@@ -144,8 +144,8 @@ class Lock:
       )
       + '\n'
     )
-    os.ftruncate(self._fd, 0)
-    os.pwrite(self._fd, holder.encode(), 0)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder.encode(), 0)
 
   def release(self, started: bool = True) -> None:
     """Lets the lock go. A run that never started removes the lock file and the workdir it

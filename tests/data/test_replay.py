@@ -66,9 +66,9 @@ def test_the_batch_of_any_iteration_is_the_one_the_trainer_reads(tmp_path):
 
   # A resumed job keeps the checkpoint's data order whatever train.seed its config.json says.
   state, _ = trainer.initial_state()
-  trainer.save_checkpoint(state, Progress(iteration=2, consumed_samples=8))
-  trainer.checkpointer.wait()
-  trainer.checkpointer.close()
+  trainer.checkpoints.save(state, Progress(iteration=2, consumed_samples=8))
+  trainer.checkpoints.checkpointer.wait()
+  trainer.checkpoints.checkpointer.close()
   with open(os.path.join(workdir, 'config.json')) as f:
     raw = json.load(f)
   raw['train']['seed'] = 99

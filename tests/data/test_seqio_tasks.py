@@ -323,7 +323,6 @@ def test_train_refuses_a_bad_task_before_compiling(argv, fragment, user_module, 
     [
       '--config',
       os.path.join(REPO, 'configs', 'tiny.py'),
-      '--config.data.split=969,30,1',
       *argv,
       '--workdir',
       str(workdir),

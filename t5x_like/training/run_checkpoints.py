@@ -1,0 +1,143 @@
+"""A run's checkpoints as one object: the Orbax checkpointer (opened when the run starts), the
+metadata of each save, when to save (checkpoint.save_interval), and what a save decides: a state
+with non-finite params is never written and stops the run as diverged.
+
+It registers its own hooks (t5x_like/hooks.py; docs/training_loop.md): a save every
+save_interval iterations (0: none in between), never in the middle of non-finite iterations (a
+divergence keeps the last finite state), and one at the end or before leaving early, after
+which the save in flight is waited for. At a spike it keeps the checkpoint from before it; at a
+divergence it saves the last finite state; incidents.IncidentReports tells the user.
+"""
+
+from __future__ import annotations
+
+from t5x_like.checkpointing import checkpoints
+from t5x_like.parallel.train_state import Progress, StateLayout, TrainState
+from t5x_like.training import alerts as alerts_lib
+from t5x_like.training import resume, runtime, watches
+from t5x_like.training.hooks import Hooks, StepInfo
+from t5x_like.training.incidents import IncidentReports
+
+
+class RunCheckpoints:
+  """The checkpoints of the run `plan` (a resume.ResumePlan) describes. `writer` is the run's
+  metrics.MetricsWriter, `divergence` its watches.DivergenceWatch, `throughput` (with
+  `throughput_setup`) its watches.ThroughputWatch, whose baselines each save carries, and
+  `watchdog` its runtime.Watchdog. `checkpointer` is None until `open()`, and again after
+  `close()`."""
+
+  def __init__(
+    self,
+    plan: resume.ResumePlan,
+    layout: StateLayout,
+    writer,
+    alerts: alerts_lib.Alerts,
+    workdir: str,
+    is_writer: bool,
+    divergence: watches.DivergenceWatch,
+    throughput: watches.ThroughputWatch,
+    throughput_setup: dict,
+    watchdog: runtime.Watchdog,
+  ):
+    self.plan, self.cfg, self.layout, self.writer = plan, plan.config, layout, writer
+    self.workdir, self.is_writer, self.divergence = workdir, is_writer, divergence
+    self.throughput, self.throughput_setup, self.watchdog = throughput, throughput_setup, watchdog
+    self.resumed_iteration = plan.progress.iteration  # where this job started
+    self.incidents = IncidentReports(writer.info, alerts, workdir, plan.ckpt_root, divergence)
+    self.checkpointer: checkpoints.Checkpointer | None = None  # opened by open()
+
+  def open(self, progress: Progress) -> None:
+    """The run starts at `progress`: resume.begin, which opens the checkpointer."""
+    self.checkpointer = resume.begin(
+      self.plan, progress, self.layout, self.writer, self.workdir, self.is_writer
+    )
+
+  def close(self) -> None:
+    """Waits for the save in flight (checkpoints.close_unless_failing); closes it once."""
+    checkpointer, self.checkpointer = self.checkpointer, None
+    checkpoints.close_unless_failing(checkpointer)
+
+  def register(self, hooks: Hooks) -> None:
+    """The save every checkpoint.save_interval iterations; the last save, at the end and on a
+    stop."""
+    hooks.add_hook(self.iteration_hook)
+    for add in (hooks.at_end, hooks.on_stop):
+      add(self.final_hook)
+
+  # ---------------------------------------------------------------------------------- saves
+
+  @property
+  def opened(self) -> checkpoints.Checkpointer:
+    """The checkpoint manager, which exists from open() on (the hooks run after it)."""
+    assert self.checkpointer is not None, 'RunCheckpoints.open() was not called'
+    return self.checkpointer
+
+  def should_save(self, iteration: int) -> bool:
+    return self.opened.should_save(iteration)
+
+  def meta(self, progress: Progress) -> dict:
+    """The `meta` item of the checkpoint of `progress` (checkpoints.make_meta), with the
+    throughput baselines the next job starts from."""
+    plan = self.plan
+    meta = checkpoints.make_meta(
+      self.cfg,
+      progress,
+      plan.data_seed,
+      plan.adam_count_base,
+      plan.software,
+      self.opened.kept_steps,
+    )
+    meta['throughput'] = {'setup': self.throughput_setup, 'baselines': self.throughput.baselines()}
+    return meta
+
+  def save(self, state: TrainState, progress: Progress) -> bool:
+    """Starts saving `state` as step `progress.iteration` (Checkpointer.save: False if that step
+    is already saved; checkpoints.NonFiniteStateError for non-finite params)."""
+    return self.opened.save(state, progress, self.cfg, self.meta(progress))
+
+  def save_or_stop(self, state: TrainState, progress: Progress) -> bool:
+    """Saves; a state with non-finite params is never written: the run then stops as diverged.
+    Returns whether the run goes on."""
+    try:
+      self.save(state, progress)
+      return True
+    except checkpoints.NonFiniteStateError as e:
+      self.diverged(f'> {e}')
+      return False
+
+  # ---------------------------------------------------------------------------------- hooks
+
+  def iteration_hook(self, info: StepInfo) -> None:
+    """After every iteration (every=1): a save when the interval says so."""
+    if self.should_save(info.iteration) and not self.divergence.consecutive:
+      if not self.save_or_stop(info.state, info.progress):
+        info.request_stop(runtime.StopReason.DIVERGED)
+
+  def final_hook(self, info: StepInfo) -> None:
+    """At the end and on a stop: the last save, unless nothing trained or the run diverged;
+    then the checkpointer is closed (a failed save raises checkpoints.SaveError here)."""
+    trained = info.iteration > info.start_iteration
+    if trained and info.stop_reason is not runtime.StopReason.DIVERGED:
+      self.watchdog.beat(f'saving the checkpoint of iteration {info.iteration}')
+      if not self.save_or_stop(info.state, info.progress):
+        info.stop_reason = runtime.StopReason.DIVERGED
+    self.close()
+
+  # ------------------------------------------------------------------------------ incidents
+
+  def spike(self, message: str, iteration: int) -> None:
+    """A spike (watches.spike_hook): the checkpoint from before it is kept past the keep
+    policy, and reported."""
+    self.incidents.spike(message, iteration, self.opened.keep_last_before(iteration))
+
+  def on_diverged(self, message: str, state: TrainState) -> None:
+    """runtime.max_consecutive_nan reached (watches.divergence_hook): the skipped iterations
+    left the state as the last finite one left it, which is saved (if this job trained it),
+    then the remedies."""
+    last = self.divergence.last_finite
+    if last.iteration > self.resumed_iteration:
+      self.save_or_stop(state, last)
+    self.diverged(message)
+
+  def diverged(self, message: str) -> None:
+    self.incidents.diverged(message, self.opened.saved_steps())
