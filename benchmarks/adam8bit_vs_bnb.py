@@ -274,8 +274,8 @@ class TinyRun:
     from t5x_like.model import losses
     from t5x_like.optim import adamw as optim
     from t5x_like.parallel.train_state import make_layout
+    from t5x_like.training.startup import open_data
     from t5x_like.training.step import batch_sharding
-    from t5x_like.training.trainer import open_data
 
     cfg = (
       load_config_file(config_path, parse_overrides(overrides or []))

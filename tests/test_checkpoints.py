@@ -420,7 +420,7 @@ def test_load_optimizer_false_starts_fresh_moments_and_count(base_run, tmp_path)
     'already applied at iteration 2 by the job that saved this checkpoint'
     in open(os.path.join(workdir, 'logs', 'main_log.txt')).read()
   )
-  assert again.plan.adam_count_base == {'iteration': 2, 'skipped_iterations': 0}
+  assert again.resumption.adam_count_base == {'iteration': 2, 'skipped_iterations': 0}
 
 
 def test_a_changed_lr_schedule_needs_override_lr_scheduler(base_run, tmp_path):
@@ -457,12 +457,15 @@ def test_load_rng_keeps_the_checkpoints_stream_and_false_takes_the_configs(base_
   other_seed = corpus_config(train=dict(seed=99))
   kept = resumable_copy(base_run[0], tmp_path / 'kept')
   trainer = Trainer(other_seed, kept)  # load_rng=True (default): seed 3 of the checkpoint
-  assert (trainer.cfg.train.seed, trainer.plan.data_seed) == (3, 3)
+  assert (trainer.cfg.train.seed, trainer.resumption.data_seed) == (3, 3)
   trainer.run()
   assert losses_of(kept) == losses_of(base_run[0])  # the same masks and data: bitwise
   fresh = resumable_copy(base_run[0], tmp_path / 'fresh')
   trainer = Trainer(other_seed.replace(checkpoint={'load_rng': False}), fresh)
-  assert (trainer.cfg.train.seed, trainer.plan.data_seed) == (99, 3)  # new masks, same data order
+  assert (trainer.cfg.train.seed, trainer.resumption.data_seed) == (
+    99,
+    3,
+  )  # new masks, same data order
   trainer.run()
   assert losses_of(fresh)[:2] == losses_of(base_run[0])[:2]
   assert losses_of(fresh)[2][1] != losses_of(base_run[0])[2][1]

@@ -180,7 +180,7 @@ def test_estimate_adds_up_its_parts():
   assert math.isclose(r['estimated_step_s'], sum(r[p] for p in parts))
   flops = accounting.megatron_flops_per_iteration(cfg, 2048, 2048)
   assert math.isclose(r['estimated_tflops_per_gpu'], flops / r['estimated_step_s'] / 384 / 1e12)
-  assert math.isclose(r['bubble_fraction'], pipeline.plan_for(cfg).bubble_fraction(128))
+  assert math.isclose(r['bubble_fraction'], pipeline.placement_for(cfg).bubble_fraction(128))
   assert math.isclose(r['estimated_memory_gib'], sum(r['memory_gib_by_category'].values()))
   assert r['fits'] and r['mesh'] == [8, 12, 4] and all(r[p] > 0 for p in parts)
   # Full recomputation: one more forward of the stage's 6 layer slots per micro-batch (MBS 2).

@@ -74,7 +74,7 @@ def test_the_pipelined_loss_of_padded_micro_batches_is_the_loss_of_the_trained_t
   value_and_grad = jax.jit(
     jax.value_and_grad(
       lambda p, batch: pipeline.pipeline_loss(
-        p, batch, jax.random.PRNGKey(0), cfg=cfg, plan=layout.plan, ctx=ctx
+        p, batch, jax.random.PRNGKey(0), cfg=cfg, placement=layout.placement, ctx=ctx
       )
     )
   )

@@ -442,9 +442,9 @@ def test_an_unknown_block_size_and_a_switched_optimizer_are_refused_at_start_up(
     match=r"optimizer.name: checkpoint 'adamw' vs config "
     r"'adamw_8bit'.*checkpoint.load_optimizer=False",
   ):
-    resume.plan(eight_bit_config(), str(tmp_path))
+    resume.resolve(eight_bit_config(), str(tmp_path))
   fresh = eight_bit_config(checkpoint=dict(load_optimizer=False))
-  assert not resume.plan(fresh, str(tmp_path)).load_optimizer  # the way to switch
+  assert not resume.resolve(fresh, str(tmp_path)).load_optimizer  # the way to switch
   # The trainer's command line: the same message, exit code 2, before any compilation.
   r = run_cli(
     [

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: stage plans, layout conversion, parity with one device, ramp-up."""
+"""Pipeline parallelism: layer placement, layout conversion, parity with one device, ramp-up."""
 
 import re
 
@@ -26,40 +26,40 @@ def assert_trains_as_reference(cfg, results, reference):
   ref_losses, ref_norms, ref_params = reference
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
-  canonical = pipeline.to_canonical(pipeline.plan_for(cfg), params)
+  canonical = pipeline.to_canonical(pipeline.placement_for(cfg), params)
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), canonical, ref_params
   )
 
 
 def test_bloom_176b_plan_puts_five_layers_on_the_end_stages():
-  plan = pipeline.make_plan(70, 12)
-  assert plan.chunk == 6 and plan.num_slots == 72
-  assert plan.layers_per_stage() == [5] + [6] * 10 + [5]  # as the original run balanced it
-  assert 'costing 2.8%' in plan.describe()
-  assert sorted(plan.storage_slots[plan.storage_slots >= 0]) == list(range(70))
+  placement = pipeline.place_layers(70, 12)
+  assert placement.chunk == 6 and placement.num_slots == 72
+  assert placement.layers_per_stage() == [5] + [6] * 10 + [5]  # as the original run balanced it
+  assert 'costing 2.8%' in placement.describe()
+  assert sorted(placement.storage_slots[placement.storage_slots >= 0]) == list(range(70))
 
 
 def test_circular_plan_interleaves_chunks_over_stages():
-  plan = pipeline.make_plan(8, 2, repeats=2)
+  placement = pipeline.place_layers(8, 2, repeats=2)
   # Chunk c = r * P + s runs on stage s: stage 0 holds layers 0-1 and 4-5.
-  assert plan.slot_layer[0].tolist() == [[0, 1], [4, 5]]
-  assert plan.slot_layer[1].tolist() == [[2, 3], [6, 7]]
-  assert plan.bubble_fraction(4) == pytest.approx(1 / 9)
-  assert pipeline.make_plan(8, 2).bubble_fraction(4) == pytest.approx(1 / 5)
+  assert placement.slot_layer[0].tolist() == [[0, 1], [4, 5]]
+  assert placement.slot_layer[1].tolist() == [[2, 3], [6, 7]]
+  assert placement.bubble_fraction(4) == pytest.approx(1 / 9)
+  assert pipeline.place_layers(8, 2).bubble_fraction(4) == pytest.approx(1 / 5)
 
 
 def test_storage_layout_round_trips():
-  plan = pipeline.make_plan(5, 2)
+  placement = pipeline.place_layers(5, 2)
   tree = {
     'layers': {'w': np.arange(5 * 3, dtype=np.float32).reshape(5, 3)},
     'word_embeddings': np.ones((4, 3), np.float32),
   }
-  stored = pipeline.to_storage(plan, tree)
+  stored = pipeline.to_storage(placement, tree)
   assert stored['layers']['w'].shape == (6, 3)
-  padding = plan.storage_slots < 0
+  padding = placement.storage_slots < 0
   assert padding.sum() == 1 and float(np.abs(stored['layers']['w'][padding]).max()) == 0.0
-  back = pipeline.to_canonical(plan, stored)
+  back = pipeline.to_canonical(placement, stored)
   np.testing.assert_array_equal(back['layers']['w'], tree['layers']['w'])
   np.testing.assert_array_equal(back['word_embeddings'], tree['word_embeddings'])
 
@@ -163,7 +163,7 @@ def test_padding_micro_batches_change_no_loss_gradient_or_update(
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
   if stages > 1:
-    params = pipeline.to_canonical(pipeline.plan_for(cfg), params)
+    params = pipeline.to_canonical(pipeline.placement_for(cfg), params)
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), params, ref_params
   )
@@ -421,10 +421,10 @@ def test_bad_microbatch_group_is_one_clear_error(changes, message):
 
 
 def test_grouped_bubble_counts_each_groups_fill_and_drain():
-  plan = pipeline.make_plan(8, 4)
-  assert plan.bubble_fraction(8) == pytest.approx(3 / 11)
-  assert plan.bubble_fraction(8, microbatch_group=4) == pytest.approx(3 / 7)
-  assert pipeline.make_plan(8, 2, repeats=2).bubble_fraction(8, 2) == pytest.approx(1 / 5)
+  placement = pipeline.place_layers(8, 4)
+  assert placement.bubble_fraction(8) == pytest.approx(3 / 11)
+  assert placement.bubble_fraction(8, microbatch_group=4) == pytest.approx(3 / 7)
+  assert pipeline.place_layers(8, 2, repeats=2).bubble_fraction(8, 2) == pytest.approx(1 / 5)
 
 
 def test_grouped_step_keeps_fewer_stage_inputs():

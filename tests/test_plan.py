@@ -14,7 +14,7 @@ def test_bloom_176b_lowers_and_compiles_on_384_virtual_devices():
   assert abs(report['pipeline_bubble'] - 11 / 139) < 1e-9  # 1F1B's bubble is GPipe's
   # The ramp-up from 192 to 2048 by 16 (12 to 128 micro-batches): one program per batch size.
   assert report['train_programs'] == 117
-  assert 'layers per stage [5, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 5]' in report['stage_plan']
+  assert 'layers per stage [5, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 5]' in report['layer_placement']
   # The state (fp32 master params + both Adam moments: 12 bytes/param) per device: 72 layer slots
   # (2 of them padding) split over all 384 devices, and the 250,880-row embedding, which 48 does
   # not divide, split over tensor x data only.

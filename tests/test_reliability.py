@@ -444,7 +444,14 @@ async def read_shard(started):
     await asyncio.sleep(3600)
   except BaseException as e:  # as Orbax's _read_array_index_and_device_put does
     raise Exception('Encountered error while reading array index') from e
+
+async def write_fragment():
+  raise ValueError('RESOURCE_EXHAUSTED: Error writing in OCDBT database')
 '''
+
+async def unrelated_task():
+  raise ValueError('an unrelated task error')
+
 if sys.argv[1] == 'silenced':
   aftermath = checkpoints.silence_orbax_aftermath()
 closed = asyncio.new_event_loop()
@@ -462,6 +469,9 @@ task = loop.create_task(orbax_code['read_shard'](started))
 loop.run_until_complete(started)
 PendingWrite()
 del task
+failed = [loop.create_task(orbax_code['write_fragment']()), loop.create_task(unrelated_task())]
+loop.run_until_complete(asyncio.wait(failed))
+del failed  # asyncio logs 'Task exception was never retrieved' for each
 loop.close()
 gc.collect()  # the pending read is finalised: GeneratorExit -> Exception
 
@@ -480,9 +490,11 @@ def test_the_echoes_of_a_failed_save_or_restore_are_not_printed(silenced):
   """What Orbax's threads print after a failed write or read reaches Python's unraisable hook:
   a callback that finds Orbax's event loop closed (TensorStore calls it with no Python frame to
   raise into), an Orbax read coroutine finalised mid-read, which turns the GeneratorExit into
-  its own error. Once a save or restore has begun (checkpoints.silence_orbax_aftermath) those
-  are counted, not printed; any other unraisable error still is. In a process of its own: pytest
-  swaps the unraisable hook around each test."""
+  its own error (and asyncio's report of its task destroyed while pending); and asyncio's report
+  of an Orbax write task whose error nobody retrieved. Once
+  a save or restore has begun (checkpoints.silence_orbax_aftermath) those are counted, not
+  printed; any other unraisable error or unretrieved task error still is. In a process of its
+  own: pytest swaps the unraisable hook around each test."""
   r = subprocess.run(
     [sys.executable, '-c', ECHOES, 'silenced' if silenced else 'plain'],
     cwd=REPO,
@@ -492,10 +504,13 @@ def test_the_echoes_of_a_failed_save_or_restore_are_not_printed(silenced):
     check=True,
   )
   assert 'an unrelated error' in r.stderr
+  assert 'an unrelated task error' in r.stderr
   assert ('Event loop is closed' in r.stderr) != silenced, r.stderr
   assert ('reading array index' in r.stderr) != silenced, r.stderr
+  assert ('RESOURCE_EXHAUSTED' in r.stderr) != silenced, r.stderr
+  assert ('Task was destroyed but it is pending' in r.stderr) != silenced, r.stderr
   if silenced:
-    assert r.stdout.split() == ['2']
+    assert r.stdout.split() == ['4']
 
 
 def test_a_truncated_tensor_file_is_one_message(four_steps, tmp_path):

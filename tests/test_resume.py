@@ -1,4 +1,4 @@
-"""resume.plan: where a run starts, a pure function of (config, workdir) that reads only the
+"""resume.resolve: where a run starts, a pure function of (config, workdir) that reads only the
 checkpoints' metadata and writes nothing."""
 
 import os
@@ -32,7 +32,7 @@ def test_resume_plan_is_a_pure_function_of_config_and_workdir(tmp_path):
   workdir = str(tmp_path)
   software = {'python': 'test'}
   cfg = small_config(train=dict(seed=7))
-  scratch = resume.plan(cfg, workdir, software)
+  scratch = resume.resolve(cfg, workdir, software)
   assert (scratch.steps, scratch.step, scratch.progress, scratch.data_seed) == (
     [],
     None,
@@ -50,25 +50,25 @@ def test_resume_plan_is_a_pure_function_of_config_and_workdir(tmp_path):
   # The next job: more steps, another seed. The data order stays the checkpoint's; with
   # checkpoint.load_rng (the default) so does the dropout seed.
   wanted = small_config(train=dict(seed=11, steps=5))
-  plan = resume.plan(wanted, workdir, software)
-  assert plan == resume.plan(wanted, workdir, software)
+  resumption = resume.resolve(wanted, workdir, software)
+  assert resumption == resume.resolve(wanted, workdir, software)
   assert listing(workdir) == before  # nothing written, nothing moved
-  assert (plan.steps, plan.step, plan.progress) == ([2], 2, saved_progress)
-  assert plan.data_seed == 7 and plan.config.train.seed == 7
-  assert plan.config_changes == ['train.steps: checkpoint 3 -> now 5']
-  assert plan.load_optimizer and not plan.reset_optimizer
-  assert plan.adam_count_base == {'iteration': 1, 'skipped_iterations': 0}  # the checkpoint's
+  assert (resumption.steps, resumption.step, resumption.progress) == ([2], 2, saved_progress)
+  assert resumption.data_seed == 7 and resumption.config.train.seed == 7
+  assert resumption.config_changes == ['train.steps: checkpoint 3 -> now 5']
+  assert resumption.load_optimizer and not resumption.reset_optimizer
+  assert resumption.adam_count_base == {'iteration': 1, 'skipped_iterations': 0}  # the checkpoint's
   assert (
     '> dropout seed 7 from the checkpoint (config: 11; checkpoint.load_rng=False would use '
-    'it)' in plan.notes
+    'it)' in resumption.notes
   )
 
   # checkpoint.load_optimizer=False: fresh Adam moments, whose step count starts at the resumed
   # iteration (and its skipped count).
-  reset = resume.plan(wanted.replace(checkpoint={'load_optimizer': False}), workdir, software)
+  reset = resume.resolve(wanted.replace(checkpoint={'load_optimizer': False}), workdir, software)
   assert not reset.load_optimizer and reset.reset_optimizer
   assert reset.adam_count_base == {'iteration': 2, 'skipped_iterations': 1}
   # checkpoint.load_rng=False: the config's dropout seed, the checkpoint's data order.
-  own_seed = resume.plan(wanted.replace(checkpoint={'load_rng': False}), workdir, software)
+  own_seed = resume.resolve(wanted.replace(checkpoint={'load_rng': False}), workdir, software)
   assert (own_seed.config.train.seed, own_seed.data_seed) == (11, 7)
   assert 'train.seed: checkpoint 7 -> now 11' in own_seed.config_changes

@@ -23,7 +23,7 @@ def assert_same_training(run, reference, cfg, loose=False):
   losses, norms, params = run
   ref_losses, ref_norms, ref_params = reference
   if cfg.mesh.pipeline > 1:
-    params = pipeline.to_canonical(pipeline.plan_for(cfg), params)
+    params = pipeline.to_canonical(pipeline.placement_for(cfg), params)
   assert losses[-1] < losses[0]  # it trains
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
   # The fused kernel's own summation order: test_model_integration's tolerances.

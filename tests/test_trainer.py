@@ -22,7 +22,7 @@ from t5x_like.mesh import partitioning
 from t5x_like.optim import adamw as optim
 from t5x_like.parallel.train_state import TrainState, make_layout
 from t5x_like.training import metrics, schedule, startup, watches
-from t5x_like.training import trainer as trainer_lib
+from t5x_like.training import iteration as iteration_lib
 from t5x_like.training.step import make_train_step
 from t5x_like.training.trainer import Trainer
 from t5x_like.training.workdir import read_metrics
@@ -656,7 +656,7 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
     lambda threshold: watch_class(window=3, threshold=threshold, warmup=1),
   )
   clock = FakeClock()
-  monkeypatch.setattr(trainer_lib, 'time', clock)
+  monkeypatch.setattr(iteration_lib, 'time', clock)
   workdir = str(tmp_path / 'run')
   cfg = corpus_config(
     train=dict(steps=8),
@@ -701,7 +701,7 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
     baseline['last'],
   ) == (8, 0, 2, 4)
   assert baseline['step_s'] == pytest.approx(0.05)
-  assert meta['throughput']['setup'] == first.throughput_setup
+  assert meta['throughput']['setup'] == first.watches.throughput_setup
 
   # The next job lands on a slow device: every step takes 40% longer.
   resumed = Trainer(
@@ -734,7 +734,7 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
     meta['throughput'], setup=dict(meta['throughput']['setup'], device_kind='a slower kind')
   )
   fresh_watch = watch_class()
-  note = watches.seed_throughput(fresh_watch, other, resumed.throughput_setup)
+  note = watches.seed_throughput(fresh_watch, other, resumed.watches.throughput_setup)
   assert fresh_watch.baselines() == []
   assert note.startswith("> throughput: the checkpoint's job ran on another setup")
 
@@ -765,7 +765,7 @@ def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
 
   # An exception out of training (once it started) is sent as 'crashed' and still raised.
   def fail(stop):
-    trainer.start(trainer.plan.progress)
+    trainer.start(trainer.resumption.progress)
     raise OSError('disk full')
 
   trainer._train = fail
@@ -935,14 +935,14 @@ def test_rampup_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_same(tm
   # A job that pads where the checkpoint's job did not measures its own step-time baseline
   # (under a pipeline a padded ramp-up step takes longer than the exact one).
   saved = {
-    'setup': exact_trainer.throughput_setup,
+    'setup': exact_trainer.watches.throughput_setup,
     'baselines': [{'global_batch_size': 8, 'seq_len': 0, 'step_s': 0.1, 'first': 2, 'last': 4}],
   }
   padded_watch, exact_watch = watches.ThroughputWatch(), watches.ThroughputWatch()
-  note = watches.seed_throughput(padded_watch, saved, padded.throughput_setup)
+  note = watches.seed_throughput(padded_watch, saved, padded.watches.throughput_setup)
   assert padded_watch.baselines() == []
   assert note.startswith("> throughput: the checkpoint's job ran on another")
-  watches.seed_throughput(exact_watch, saved, exact_trainer.throughput_setup)
+  watches.seed_throughput(exact_watch, saved, exact_trainer.watches.throughput_setup)
   assert len(exact_watch.baselines()) == 1
 
 

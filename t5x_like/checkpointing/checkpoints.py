@@ -491,10 +491,12 @@ class _OrbaxAftermath:
 
   When one write or read of a step fails, Orbax closes its event loop and leaves the others
   running: each that completes later (one per array shard: hundreds on a full disk) finds the
-  loop closed, and each read that fails after the first is a coroutine nobody awaits. Python
-  prints both through sys.unraisablehook (and an uncaught error through sys.excepthook), in
-  Orbax's threads, also after the SaveError or CheckpointError that says what went wrong was
-  printed. They are counted here instead, and every other report is printed as before."""
+  loop closed, each read that fails after the first is a coroutine nobody awaits, and each write
+  task that failed after the first is a Task whose exception nobody retrieves. Python prints the
+  first two through sys.unraisablehook (and an uncaught error through sys.excepthook) and asyncio
+  logs the third when the task is collected, in Orbax's threads, also after the SaveError or
+  CheckpointError that says what went wrong was printed. They are counted here instead, and every
+  other report is printed as before."""
 
   def __init__(self):
     self.count = 0
@@ -502,6 +504,7 @@ class _OrbaxAftermath:
     self._excepthook = sys.excepthook
     sys.unraisablehook = self._on_unraisable
     sys.excepthook = self._on_uncaught
+    logging.getLogger('asyncio').addFilter(self._on_asyncio_report)
 
   @staticmethod
   def is_echo(value: BaseException | None, source: Any = None) -> bool:
@@ -521,6 +524,15 @@ class _OrbaxAftermath:
       self.count += 1
       return
     self._excepthook(kind, value, traceback)
+
+  def _on_asyncio_report(self, record: logging.LogRecord) -> bool:
+    """False (not logged) for asyncio's report of an Orbax task whose error nobody retrieved:
+    the message names the task's coroutine and the file it is defined in."""
+    orbax = f'{os.sep}orbax{os.sep}'
+    if record.levelno >= logging.ERROR and orbax in record.getMessage():
+      self.count += 1
+      return False
+    return True
 
 
 _AFTERMATH: list[_OrbaxAftermath] = []  # installed once per process, by the first save or restore

@@ -103,10 +103,10 @@ def plan(cfg: Config) -> dict:
     padding, runs = schedule.padding_microbatches(cfg)
     report['padding_microbatch_share'] = padding / runs
   if cfg.mesh.pipeline > 1:
-    report['pipeline_bubble'] = layout.plan.bubble_fraction(
+    report['pipeline_bubble'] = layout.placement.bubble_fraction(
       cfg.num_microbatches, cfg.pipeline.microbatch_group
     )
-    report['stage_plan'] = layout.plan.describe()
+    report['layer_placement'] = layout.placement.describe()
   with dump:
     report.update(_memory_breakdown(cfg, dump.name, memory, report['peak_gib']))
   return report

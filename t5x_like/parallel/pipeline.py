@@ -1,9 +1,9 @@
 """Pipeline parallelism over the `pipeline` mesh axis: one SPMD program, a circular schedule.
 
-Stage plan. The L layers are cut into chunks of `chunk` layers; chunk c = r * P + s runs on stage
-s in repeat r (R repeats: the circular/interleaved schedule). When P * R does not divide L, some
-stages get one padding slot (an identity layer): never more than one per stage, first and last
-stages first (BLOOM-176B put 5 blocks + the embedding on those and 6 on the others).
+Layer placement. The L layers are cut into chunks of `chunk` layers; chunk c = r * P + s runs on
+stage s in repeat r (R repeats: the circular/interleaved schedule). When P * R does not divide L,
+some stages get one padding slot (an identity layer): never more than one per stage, first and
+last stages first (BLOOM-176B put 5 blocks + the embedding on those and 6 on the others).
 
 Storage. In memory, layer params are stacked in *stage-major* order [P * R * chunk, ...] so that
 splitting the leading dim over `pipeline` gives every stage exactly its own slots. Checkpoints use
@@ -47,7 +47,7 @@ from t5x_like.model import transformer as model_lib
 
 
 @dataclasses.dataclass(frozen=True)
-class StagePlan:
+class LayerPlacement:
   num_layers: int
   stages: int
   repeats: int
@@ -106,7 +106,7 @@ class StagePlan:
     )
 
 
-def make_plan(num_layers: int, stages: int, repeats: int = 1) -> StagePlan:
+def place_layers(num_layers: int, stages: int, repeats: int = 1) -> LayerPlacement:
   chunk = math.ceil(num_layers / (stages * repeats))
   padding = stages * repeats * chunk - num_layers
   if padding > stages:
@@ -127,11 +127,11 @@ def make_plan(num_layers: int, stages: int, repeats: int = 1) -> StagePlan:
         slot_layer[s, r, i] = layer
         layer += 1
   assert layer == num_layers
-  return StagePlan(num_layers, stages, repeats, chunk, slot_layer)
+  return LayerPlacement(num_layers, stages, repeats, chunk, slot_layer)
 
 
-def plan_for(cfg: Config) -> StagePlan:
-  return make_plan(cfg.model.num_layers, cfg.mesh.pipeline, cfg.pipeline.repeats)
+def placement_for(cfg: Config) -> LayerPlacement:
+  return place_layers(cfg.model.num_layers, cfg.mesh.pipeline, cfg.pipeline.repeats)
 
 
 # ----------------------------------------------------------------------------- layout conversion
@@ -148,12 +148,12 @@ def map_layer_leaves(fn, tree):
   )
 
 
-def to_storage(plan: StagePlan, tree):
+def to_storage(placement: LayerPlacement, tree):
   """Canonical [L, ...] layer stacks -> stage-major storage [P * R * chunk, ...] (zero padding)."""
-  if plan.is_identity:
+  if placement.is_identity:
     return tree
-  slots = jnp.asarray(np.maximum(plan.storage_slots, 0))
-  real = jnp.asarray(plan.storage_slots >= 0)
+  slots = jnp.asarray(np.maximum(placement.storage_slots, 0))
+  real = jnp.asarray(placement.storage_slots >= 0)
 
   def convert(x):
     taken = jnp.take(x, slots, axis=0)
@@ -162,17 +162,17 @@ def to_storage(plan: StagePlan, tree):
   return map_layer_leaves(convert, tree)
 
 
-def to_canonical(plan: StagePlan, tree):
+def to_canonical(placement: LayerPlacement, tree):
   """Storage [P * R * chunk, ...] -> canonical [L, ...] layer order."""
-  if plan.is_identity:
+  if placement.is_identity:
     return tree
-  position = jnp.asarray(plan.storage_position)
+  position = jnp.asarray(placement.storage_position)
   return map_layer_leaves(lambda x: jnp.take(x, position, axis=0), tree)
 
 
-def storage_shape(plan: StagePlan, path, shape: tuple[int, ...]) -> tuple[int, ...]:
-  if is_layer_leaf(path) and len(shape) and not plan.is_identity:
-    return (plan.num_slots,) + tuple(shape[1:])
+def storage_shape(placement: LayerPlacement, path, shape: tuple[int, ...]) -> tuple[int, ...]:
+  if is_layer_leaf(path) and len(shape) and not placement.is_identity:
+    return (placement.num_slots,) + tuple(shape[1:])
   return tuple(shape)
 
 
@@ -278,7 +278,7 @@ def _dropout(x, rate: float, rng):
 
 
 class Schedule:
-  """What both schedules share: the stage plan, the master params and their compute copy in
+  """What both schedules share: the layer placement, the master params and their compute copy in
   storage layout, and the functions a tick runs (a stage, the embedding, the head and loss).
 
   `params` hold the fp32 master values in storage layout, `compute_params` their compute-dtype
@@ -294,13 +294,13 @@ class Schedule:
     rng,
     *,
     cfg: Config,
-    plan: StagePlan,
+    placement: LayerPlacement,
     ctx: model_lib.Context,
     deterministic: bool,
     compute_params=None,
   ):
-    P, R, chunk = plan.stages, plan.repeats, plan.chunk
-    self.cfg, self.plan, self.ctx, self.batch, self.rng = cfg, plan, ctx, batch, rng
+    P, R, chunk = placement.stages, placement.repeats, placement.chunk
+    self.cfg, self.placement, self.ctx, self.batch, self.rng = cfg, placement, ctx, batch, rng
     self.deterministic = deterministic
     self.num_microbatches = batch.shape[0]
     self.activation_shape = (batch.shape[1], batch.shape[2] - 1, cfg.model.hidden_size)
@@ -318,8 +318,8 @@ class Schedule:
     self.embedding_params = tuple(
       {k: v for k, v in tree.items() if k != 'layers'} for tree in (params, compute_params)
     )
-    self.slot_is_real = jnp.asarray(plan.slot_layer >= 0)
-    self.slot_layer = jnp.asarray(plan.slot_layer)
+    self.slot_is_real = jnp.asarray(placement.slot_layer >= 0)
+    self.slot_layer = jnp.asarray(placement.slot_layer)
     self.full = cfg.model.remat_policy == 'full'
     # Under 'full' a whole tick is recomputed in the backward pass; inside that recompute each
     # layer still keeps only its matmul outputs for its own backward, not the attention
@@ -361,7 +361,9 @@ class Schedule:
       one_layer = jax.checkpoint(
         one_layer, policy=_never_save_weights(self.policy), prevent_cse=False
       )
-    x, _ = jax.lax.scan(one_layer, x, jnp.arange(self.plan.chunk), unroll=cfg.model.scan_unroll)
+    x, _ = jax.lax.scan(
+      one_layer, x, jnp.arange(self.placement.chunk), unroll=cfg.model.scan_unroll
+    )
     return x
 
   def embed_with(self, embedding_params, m):
@@ -403,7 +405,7 @@ def loss_and_grads(
   rng,
   *,
   cfg: Config,
-  plan: StagePlan,
+  placement: LayerPlacement,
   ctx: model_lib.Context,
   deterministic: bool = True,
   compute_params=None,
@@ -417,7 +419,11 @@ def loss_and_grads(
   `loss_scale x pipeline_loss`, for the step's groups of micro-batches (pipeline.microbatch_group,
   'gpipe' only)."""
   kwargs = dict(
-    cfg=cfg, plan=plan, ctx=ctx, deterministic=deterministic, compute_params=compute_params
+    cfg=cfg,
+    placement=placement,
+    ctx=ctx,
+    deterministic=deterministic,
+    compute_params=compute_params,
   )
   if cfg.pipeline.schedule == '1f1b':
     if loss_scale is not None:
@@ -434,7 +440,7 @@ def pipeline_loss(
   rng,
   *,
   cfg: Config,
-  plan: StagePlan,
+  placement: LayerPlacement,
   ctx: model_lib.Context,
   deterministic: bool = True,
   compute_params=None,
@@ -449,12 +455,12 @@ def pipeline_loss(
     batch,
     rng,
     cfg=cfg,
-    plan=plan,
+    placement=placement,
     ctx=ctx,
     deterministic=deterministic,
     compute_params=compute_params,
   )
-  P, R = plan.stages, plan.repeats
+  P, R = placement.stages, placement.repeats
   M = sched.num_microbatches
   full, stages, buffer_names = sched.full, sched.stages, sched.buffer_names
 
@@ -549,7 +555,7 @@ def one_f_one_b_loss_and_grads(
   rng,
   *,
   cfg: Config,
-  plan: StagePlan,
+  placement: LayerPlacement,
   ctx: model_lib.Context,
   deterministic: bool = True,
   compute_params=None,
@@ -570,12 +576,12 @@ def one_f_one_b_loss_and_grads(
     batch,
     rng,
     cfg=cfg,
-    plan=plan,
+    placement=placement,
     ctx=ctx,
     deterministic=deterministic,
     compute_params=compute_params,
   )
-  P, M = plan.stages, sched.num_microbatches
+  P, M = placement.stages, sched.num_microbatches
   slots = 2 * P - 1  # a stage keeps micro-batches t - (2P - 2) + s .. t - s: at most 2P - 1
   stage_ids = jnp.arange(P)
   scale = 1.0 / sched.loss_denominator()

@@ -62,7 +62,7 @@ class StateLayout:
   mesh: Mesh
   model: model_lib.Transformer
   optimizer: optax.GradientTransformation
-  plan: pipeline.StagePlan
+  placement: pipeline.LayerPlacement
   param_names: Any  # logical axis names per param
   abstract: TrainState  # ShapeDtypeStructs carrying their (ZeRO) shardings
   canonical: TrainState  # the same in checkpoint layout
@@ -84,7 +84,7 @@ class StateLayout:
     """Initialises params and optimizer state directly into their shardings."""
 
     def init_fn(rng):
-      params = pipeline.to_storage(self.plan, nn.unbox(_init_boxed(self.model, rng)))
+      params = pipeline.to_storage(self.placement, nn.unbox(_init_boxed(self.model, rng)))
       params = self.pad(params, 'params')
       return TrainState(params, self.optimizer.init(params))
 
@@ -117,19 +117,19 @@ class StateLayout:
   def to_canonical(self, tree, which: str):
     """A storage-layout `params` or `opt_state` tree in checkpoint layout (identity for
     P = R = 1 without ZeRO padding)."""
-    if self.plan.is_identity and not self.is_padded:
+    if self.placement.is_identity and not self.is_padded:
       return tree
     target = jax.tree.map(lambda a: a.sharding, getattr(self.canonical, which))
     return jax.jit(
-      lambda t: pipeline.to_canonical(self.plan, self.unpad(t, which)), out_shardings=target
+      lambda t: pipeline.to_canonical(self.placement, self.unpad(t, which)), out_shardings=target
     )(tree)
 
   def from_canonical(self, tree, which: str):
-    if self.plan.is_identity and not self.is_padded:
+    if self.placement.is_identity and not self.is_padded:
       return tree
     target = getattr(self.shardings, which)
     return jax.jit(
-      lambda t: self.pad(pipeline.to_storage(self.plan, t), which), out_shardings=target
+      lambda t: self.pad(pipeline.to_storage(self.placement, t), which), out_shardings=target
     )(tree)
 
   def replicated_over_data(self) -> list[str]:
@@ -191,12 +191,12 @@ def _abstract_state(mesh, optimizer, shapes, param_shardings) -> TrainState:
 
 def make_layout(cfg: Config, mesh: Mesh) -> StateLayout:
   model = model_lib.Transformer(cfg.model, cfg.padded_vocab_size, mesh)
-  plan = pipeline.plan_for(cfg)
+  placement = pipeline.placement_for(cfg)
   boxed = jax.eval_shape(lambda: _init_boxed(model, jax.random.PRNGKey(0)))
   names = model_lib.param_logical_names(boxed)
   canonical_shapes = nn.unbox(boxed)
   shapes = jax.tree_util.tree_map_with_path(
-    lambda path, s: jax.ShapeDtypeStruct(pipeline.storage_shape(plan, path, s.shape), s.dtype),
+    lambda path, s: jax.ShapeDtypeStruct(pipeline.storage_shape(placement, path, s.shape), s.dtype),
     canonical_shapes,
   )
   fp32_state = optim.fp32_state_params(cfg.model)
@@ -222,4 +222,6 @@ def make_layout(cfg: Config, mesh: Mesh) -> StateLayout:
     partitioning.tree_checkpoint_shardings(mesh, names, shape_of(canonical_shapes), blocks),
   )
   compute = partitioning.tree_shardings(mesh, names, shape_of(shapes), zero=False)
-  return StateLayout(mesh, model, optimizer, plan, names, abstract, canonical, compute, logical)
+  return StateLayout(
+    mesh, model, optimizer, placement, names, abstract, canonical, compute, logical
+  )

@@ -189,7 +189,7 @@ def check_topology(cfg: Config, gpu: Gpu) -> None:
 
 
 def stage_slots(cfg: Config) -> int:
-  """Layer slots a stage holds (pipeline.make_plan's chunk x repeats: padding slots included)."""
+  """Layer slots a stage holds (pipeline.place_layers's chunk x repeats: padding slots included)."""
   p, r = cfg.mesh.pipeline, cfg.pipeline.repeats
   return math.ceil(cfg.model.num_layers / (p * r)) * r
 

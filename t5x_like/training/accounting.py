@@ -70,6 +70,11 @@ class PeakReference:
     """(TFLOP/s of one device, where the number comes from)."""
     return device_peak_tflops(self.dtype)
 
+  def describe(self) -> str:
+    """The log line that names the reference (it measures it, if not yet done)."""
+    tflops, source = self.measured
+    return f'> MFU reference: {tflops:.4f} TFLOP/s per device ({source})'
+
 
 def measure_matmul_tflops(dtype: str = 'float32', n: int = 1024, repeats: int = 8) -> float:
   """Best-of-N TFLOP/s of an n x n x n matmul on this process's first device."""

@@ -1,7 +1,7 @@
-"""Where a run starts: `plan(cfg, workdir)` reads the workdir's checkpoints (metadata only, no
-array, no JAX backend) and returns a ResumePlan, or raises the CheckpointError/ConfigError that
-refuses the run. It writes nothing: `initial_state(plan, layout, log)` restores the state it
-names, and `begin(plan, ...)` acts on it once the run really starts (the workdir changes from
+"""Where a run starts: `resolve(cfg, workdir)` reads the workdir's checkpoints (metadata only, no
+array, no JAX backend) and returns a Resumption, or raises the CheckpointError/ConfigError that
+refuses the run. It writes nothing: `initial_state(resumption, layout, log)` restores the state it
+names, and `begin(resumption, ...)` acts on it once the run really starts (the workdir changes from
 there on).
 
 A workdir with a complete checkpoint resumes its latest step with the checkpoint's data order;
@@ -26,7 +26,7 @@ from t5x_like.training import workdir as workdir_lib
 
 
 @dataclasses.dataclass(frozen=True)
-class ResumePlan:
+class Resumption:
   config: Config  # what the run trains with (the checkpoint's dropout seed with load_rng)
   ckpt_root: str
   steps: list[int]  # the complete checkpoints available, oldest first
@@ -53,8 +53,8 @@ class ResumePlan:
     return self.step is not None and not self.load_optimizer
 
 
-def plan(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -> ResumePlan:
-  """The plan for `cfg` in `workdir` (software: this job's versions, provenance.software() unless
+def resolve(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -> Resumption:
+  """Where `cfg` starts in `workdir` (software: this job's versions, provenance.software() unless
   given)."""
   root = os.path.join(workdir, 'checkpoints')
   software = provenance.software() if software is None else software
@@ -77,7 +77,7 @@ def plan(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -> R
         cfg,
         f'checkpoint.init_from={cfg.checkpoint.init_from}',
       )
-    return ResumePlan(
+    return Resumption(
       cfg, root, steps, damaged, Progress(), cfg.train.seed, True, zero, {}, software, [], [], []
     )
   what = f'the checkpoint in {root} (this workdir resumes it)'
@@ -118,7 +118,7 @@ def plan(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -> R
   software_changes = provenance.software_changes(meta.get('software'), software)
   notes += [f'> config changed since the checkpoint: {change}' for change in config_changes]
   notes += [f'> software changed since the checkpoint: {change}' for change in software_changes]
-  return ResumePlan(
+  return Resumption(
     resumed_cfg,
     root,
     steps,
@@ -136,24 +136,28 @@ def plan(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -> R
 
 
 def initial_state(
-  plan: ResumePlan,
+  resumption: Resumption,
   layout: StateLayout,
   log: Callable[[str], None],
   notes: Sequence[str] = (),
 ) -> tuple[TrainState, Progress]:
-  """The state the plan starts from, restored onto `layout`: its checkpoint (with or without the
+  """The state the run starts from, restored onto `layout`: its checkpoint (with or without the
   Adam state), checkpoint.init_from's weights with a fresh optimizer, or a fresh init. Logs what
-  it did, the plan's notes and `notes`."""
-  cfg = plan.config
-  if plan.step is not None:
+  it did, the resumption's notes and `notes`."""
+  cfg = resumption.config
+  if resumption.step is not None:
     state, progress = checkpoints.restore(
-      plan.ckpt_root, layout, cfg, step=plan.step, load_optimizer=plan.load_optimizer
+      resumption.ckpt_root,
+      layout,
+      cfg,
+      step=resumption.step,
+      load_optimizer=resumption.load_optimizer,
     )
     log(
-      f'> resumed from {plan.ckpt_root}/{progress.iteration}: '
+      f'> resumed from {resumption.ckpt_root}/{progress.iteration}: '
       f'{progress.consumed_samples} samples consumed'
     )
-    if plan.reset_optimizer:
+    if resumption.reset_optimizer:
       log(
         '> checkpoint.load_optimizer=False: fresh Adam moments, Adam step count 0 (once: a '
         'restart from a checkpoint saved with this flag loads its Adam state)'
@@ -161,10 +165,10 @@ def initial_state(
     elif not cfg.checkpoint.load_optimizer:
       log(
         '> checkpoint.load_optimizer=False: already applied at iteration '
-        f'{plan.adam_count_base["iteration"]} by the job that saved this checkpoint; its Adam '
-        'state is loaded, not reset again'
+        f'{resumption.adam_count_base["iteration"]} by the job that saved this checkpoint; its '
+        'Adam state is loaded, not reset again'
       )
-    for note in list(plan.notes) + list(notes):
+    for note in list(resumption.notes) + list(notes):
       log(note)
     return state, progress
   if cfg.checkpoint.init_from:
@@ -211,23 +215,28 @@ def resumed_config(cfg: Config, meta: dict[str, Any], notes: list[str]) -> tuple
 
 
 def begin(
-  plan: ResumePlan, progress: Progress, layout: StateLayout, writer, workdir: str, is_writer: bool
+  resumption: Resumption,
+  progress: Progress,
+  layout: StateLayout,
+  writer,
+  workdir: str,
+  is_writer: bool,
 ) -> checkpoints.Checkpointer:
   """The run really starts: damaged checkpoints are moved aside, the checkpoint manager opens,
   the records past the resumed iteration are dropped (`writer`: the run's metrics.MetricsWriter,
   open), and the config and this job are recorded. Returns the open checkpoint manager."""
-  cfg = plan.config
+  cfg = resumption.config
   if is_writer:
-    for step, problem in sorted(plan.damaged.items()):
-      moved = checkpoints.move_damaged_aside(plan.ckpt_root, step)
+    for step, problem in sorted(resumption.damaged.items()):
+      moved = checkpoints.move_damaged_aside(resumption.ckpt_root, step)
       writer.info(
         f'> checkpoint {step} is damaged ({problem}): moved aside to {moved}; it is '
         'not restored and not counted by the keep policy'
       )
-    if plan.damaged:  # (with no complete step left, plan() refused the run)
+    if resumption.damaged:  # (with no complete step left, resolve() refused the run)
       writer.info(
         f'> the run resumes from checkpoint {progress.iteration} (complete '
-        f'checkpoints: {plan.steps})'
+        f'checkpoints: {resumption.steps})'
       )
   if distributed.joined().is_multi_process:
     # No process opens the checkpoint manager while process 0 still moves damaged steps.
@@ -235,12 +244,12 @@ def begin(
 
     multihost_utils.sync_global_devices('t5x_like: damaged checkpoints moved aside')
   checkpointer = checkpoints.Checkpointer(
-    plan.ckpt_root,
+    resumption.ckpt_root,
     cfg.checkpoint.save_interval,
     cfg.checkpoint.max_to_keep,
     layout,
     keep_period=cfg.checkpoint.keep_period,
-    kept_steps=plan.meta.get('kept_steps', []),
+    kept_steps=resumption.meta.get('kept_steps', []),
   )
   # Records after the resumed iteration were written by a job that died before saving again;
   # with no checkpoint at all, the run starts its records afresh.
@@ -250,5 +259,5 @@ def begin(
     workdir_lib.atomic_write_text(os.path.join(workdir, 'config.json'), cfg.to_json() + '\n')
     # The config and data seed of each job, from its first iteration on: the batch of any
     # iteration can be rebuilt after the config changed between jobs (data/replay.py).
-    replay.record_job(workdir, progress.iteration + 1, cfg, plan.data_seed)
+    replay.record_job(workdir, progress.iteration + 1, cfg, resumption.data_seed)
   return checkpointer

@@ -14,42 +14,42 @@ from __future__ import annotations
 from t5x_like.checkpointing import checkpoints
 from t5x_like.parallel.train_state import Progress, StateLayout, TrainState
 from t5x_like.training import alerts as alerts_lib
-from t5x_like.training import resume, runtime, watches
+from t5x_like.training import resume, runtime
+from t5x_like.training import watches as watches_lib
 from t5x_like.training.hooks import Hooks, StepInfo
 from t5x_like.training.incidents import IncidentReports
 
 
 class RunCheckpoints:
-  """The checkpoints of the run `plan` (a resume.ResumePlan) describes. `writer` is the run's
-  metrics.MetricsWriter, `divergence` its watches.DivergenceWatch, `throughput` (with
-  `throughput_setup`) its watches.ThroughputWatch, whose baselines each save carries, and
-  `watchdog` its runtime.Watchdog. `checkpointer` is None until `open()`, and again after
-  `close()`."""
+  """The checkpoints of the run `resumption` (a resume.Resumption) describes. `writer` is the
+  run's metrics.MetricsWriter (its process writes the checkpoints' side files when it is
+  enabled), `watches` its watches.RunWatches (a save carries the throughput baselines; a
+  divergence saves the last finite state) and `watchdog` its runtime.Watchdog. `checkpointer` is
+  None until `open()`, and again after `close()`."""
 
   def __init__(
     self,
-    plan: resume.ResumePlan,
+    resumption: resume.Resumption,
     layout: StateLayout,
     writer,
     alerts: alerts_lib.Alerts,
     workdir: str,
-    is_writer: bool,
-    divergence: watches.DivergenceWatch,
-    throughput: watches.ThroughputWatch,
-    throughput_setup: dict,
+    watches: watches_lib.RunWatches,
     watchdog: runtime.Watchdog,
   ):
-    self.plan, self.cfg, self.layout, self.writer = plan, plan.config, layout, writer
-    self.workdir, self.is_writer, self.divergence = workdir, is_writer, divergence
-    self.throughput, self.throughput_setup, self.watchdog = throughput, throughput_setup, watchdog
-    self.resumed_iteration = plan.progress.iteration  # where this job started
-    self.incidents = IncidentReports(writer.info, alerts, workdir, plan.ckpt_root, divergence)
+    self.resumption, self.cfg, self.layout = resumption, resumption.config, layout
+    self.writer, self.workdir, self.is_writer = writer, workdir, writer.enabled
+    self.watches, self.divergence, self.watchdog = watches, watches.divergence, watchdog
+    self.resumed_iteration = resumption.progress.iteration  # where this job started
+    self.incidents = IncidentReports(
+      writer.info, alerts, workdir, resumption.ckpt_root, self.divergence
+    )
     self.checkpointer: checkpoints.Checkpointer | None = None  # opened by open()
 
   def open(self, progress: Progress) -> None:
     """The run starts at `progress`: resume.begin, which opens the checkpointer."""
     self.checkpointer = resume.begin(
-      self.plan, progress, self.layout, self.writer, self.workdir, self.is_writer
+      self.resumption, progress, self.layout, self.writer, self.workdir, self.is_writer
     )
 
   def close(self) -> None:
@@ -78,16 +78,16 @@ class RunCheckpoints:
   def meta(self, progress: Progress) -> dict:
     """The `meta` item of the checkpoint of `progress` (checkpoints.make_meta), with the
     throughput baselines the next job starts from."""
-    plan = self.plan
+    resumption = self.resumption
     meta = checkpoints.make_meta(
       self.cfg,
       progress,
-      plan.data_seed,
-      plan.adam_count_base,
-      plan.software,
+      resumption.data_seed,
+      resumption.adam_count_base,
+      resumption.software,
       self.opened.kept_steps,
     )
-    meta['throughput'] = {'setup': self.throughput_setup, 'baselines': self.throughput.baselines()}
+    meta['throughput'] = self.watches.checkpoint_meta()
     return meta
 
   def save(self, state: TrainState, progress: Progress) -> bool:

@@ -1,5 +1,7 @@
-"""What a command does once at start-up, before anything compiles: the whole config check, and
-the trainer's start-up report as lines (with the parameter table of `clu.parameter_overview`).
+"""What a command does once at start-up, before anything compiles: the whole config check, the
+trainer's start-up report as lines (with the parameter table of `clu.parameter_overview`), and
+the run's parts that come from its config alone: data sources, profiler, hang watchdog and
+compilation cache.
 
 `check_config` is the one full validation of a config. config.py is a leaf (it imports only
 errors.py), so the checks that need the modules owning the mesh (partitioning), the fused
@@ -9,16 +11,22 @@ attention kernels (attention), the schedule's arithmetic (schedule) and the data
 
 from __future__ import annotations
 
+import functools
+import os
+
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from t5x_like.checkpointing import provenance
-from t5x_like.config import Config
+from t5x_like.config import Config, ConfigError
 from t5x_like.data import sources
+from t5x_like.data.indexed import DataError
+from t5x_like.data.tokenizer import Tokenizer
 from t5x_like.mesh import partitioning
 from t5x_like.model import attention
 from t5x_like.parallel import pipeline
 from t5x_like.parallel.train_state import describe_zero
-from t5x_like.training import schedule
+from t5x_like.training import alerts, profiling, runtime, schedule
 
 
 def check_config(cfg: Config) -> Config:
@@ -102,8 +110,8 @@ def schedule_lines(cfg: Config, layout) -> list[str]:
 
 
 def describe_pipeline(cfg: Config, layout) -> str:
-  """Stage plan, and parameters held per stage (all of a stage's tensor ranks together)."""
-  plan, sizes = layout.plan, []
+  """Layer placement, and parameters held per stage (all of a stage's tensor ranks together)."""
+  plan, sizes = layout.placement, []
   per_slot, shared = 0, 0
   for path, a in jax.tree_util.tree_flatten_with_path(layout.logical.params)[0]:
     if pipeline.is_layer_leaf(path):
@@ -156,3 +164,70 @@ def describe_curriculum(cfg: Config) -> str:
       else ''
     )
   )
+
+
+def run_profiler(cfg: Config, workdir: str, writer, is_writer: bool) -> profiling.Profiler:
+  """The run's profiler (runtime.profile_*), tracing into the TensorBoard directory."""
+  rt = cfg.runtime
+  return profiling.Profiler(
+    rt.profile_range(),
+    os.path.join(workdir, rt.tensorboard_dir),
+    rt.profile_process,
+    log=writer.info if is_writer else print,
+  )
+
+
+def run_watchdog(cfg: Config, writer, run_alerts: alerts.Alerts, is_writer: bool):
+  """The run's hang watchdog (runtime.hang_timeout_mins), armed by Trainer.run(): only the
+  process that writes the log appends the stacks of a hang to it; every process prints its own to
+  stderr; a hang is alerted ('hang')."""
+  return runtime.Watchdog(
+    cfg.runtime.hang_timeout_mins * 60.0,
+    writer.log_path if is_writer else None,
+    functools.partial(run_alerts.send, 'hang'),
+  )
+
+
+def open_data(cfg: Config, data_seed: int) -> sources.DataSources:
+  """The run's data sources; a bad path, file or split (or a tokenizer larger than the model's
+  vocabulary) is a ConfigError."""
+  tokenizer = None
+  if sources.uses_embedded_corpus(cfg.data):  # the embedded corpus and its tokenizer
+    tokenizer = Tokenizer.load_default()
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+      raise ConfigError(
+        f'the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size '
+        f'is {cfg.model.vocab_size}; set model.vocab_size >= '
+        f'{tokenizer.vocab_size}'
+      )
+  try:
+    return sources.build(cfg.data, cfg.train.seq_len, data_seed, tokenizer)
+  except DataError as e:
+    raise ConfigError(str(e)) from None
+
+
+def use_compilation_cache(workdir: str, cache_dir: str, log) -> str | None:
+  """Points JAX's persistent compilation cache at runtime.compilation_cache_dir (relative to the
+  workdir) and logs what it holds; returns its absolute path, or None when it is off. Programs
+  that compile in under a second are not stored (JAX's default threshold): loading them would
+  gain nothing."""
+  if not cache_dir:
+    return None
+  path = os.path.join(workdir, cache_dir)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(
+      f'runtime.compilation_cache_dir: cannot create {path} ({e.strerror}); '
+      "point it at a writable directory or set it to '' for no cache"
+    ) from None
+  if jax.config.jax_compilation_cache_dir != path:  # type: ignore[attr-defined]
+    jax.config.update('jax_compilation_cache_dir', path)
+    # JAX opens its cache once per process, at the first compilation that finds a directory set;
+    # a cache opened before this (another Trainer in the same process) would keep its directory.
+    compilation_cache.reset_cache()
+  log(
+    f'> compilation cache: {path} ({len(os.listdir(path))} programs stored; a program found '
+    'there is loaded instead of compiled)'
+  )
+  return path

@@ -147,7 +147,7 @@ def pipelined_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rn
   zero_shardings = layout.shardings.params
   kwargs = dict(
     cfg=cfg,
-    plan=layout.plan,
+    placement=layout.placement,
     ctx=model_lib.Context(cfg.model, layout.mesh),
     deterministic=not _has_dropout(cfg),
     compute_params=compute_bits_of(params, layout, jnp.dtype(cfg.model.dtype)),
@@ -255,7 +255,7 @@ def make_eval_step(cfg: Config, layout: StateLayout):
         batch,
         jax.random.PRNGKey(0),
         cfg=cfg,
-        plan=layout.plan,
+        placement=layout.placement,
         ctx=ctx,
         deterministic=True,
         compute_params=compute_bits_of(params, layout, dtype),
@@ -337,7 +337,9 @@ class CompiledSteps:
       compiled = lower_train_step(cfg, self.layout, batch_shape[0], batch_shape[2] - 1).compile()
     bubble = ''
     if cfg.mesh.pipeline > 1:
-      fraction = self.layout.plan.bubble_fraction(batch_shape[0], cfg.pipeline.microbatch_group)
+      fraction = self.layout.placement.bubble_fraction(
+        batch_shape[0], cfg.pipeline.microbatch_group
+      )
       bubble = f', pipeline bubble {fraction:.3f}'
     self.log(
       f'> compiled the train step for {batch_shape[0]} micro-batch(es) of '

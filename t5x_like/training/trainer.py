@@ -16,19 +16,9 @@ evaluation, and any a user adds with `trainer.hooks.add_hook(fn, every=N)`.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import os
-import time
-
 import jax
-import numpy as np
-from jax.experimental.compilation_cache import compilation_cache
 
-from t5x_like.config import Config, ConfigError
-from t5x_like.data import sources
-from t5x_like.data.indexed import DataError
-from t5x_like.data.tokenizer import Tokenizer
+from t5x_like.config import Config
 from t5x_like.mesh import distributed, partitioning
 from t5x_like.parallel.train_state import Progress, TrainState, make_layout
 from t5x_like.training import (
@@ -36,7 +26,6 @@ from t5x_like.training import (
   alerts,
   batches,
   metrics,
-  profiling,
   resume,
   runtime,
   schedule,
@@ -46,6 +35,7 @@ from t5x_like.training import (
 from t5x_like.training import workdir as workdir_lib
 from t5x_like.training.evaluation import TrainingEvaluator
 from t5x_like.training.hooks import Hooks, StepInfo
+from t5x_like.training.iteration import TrainIteration
 from t5x_like.training.run_checkpoints import RunCheckpoints
 from t5x_like.training.step import CompiledSteps, batch_sharding
 
@@ -62,20 +52,17 @@ class Trainer:
   def __init__(self, cfg: Config, workdir: str):
     startup.check_config(cfg)
     self.workdir = workdir_lib.resolve(workdir)
-    self.is_writer = distributed.joined().process_id == 0
-    self.lock = workdir_lib.Lock(self.workdir)
-    self.started = False
-    workdir_lib.lock_on_every_process(
-      self.lock, self.workdir, self.is_writer, distributed.joined().is_multi_process
-    )
+    joined = distributed.joined()
+    self.is_writer, self.started = joined.process_id == 0, False
+    self.lock = workdir_lib.lock_run(self.workdir, self.is_writer, joined.is_multi_process)
     try:
-      self.plan = resume.plan(cfg, self.workdir)
-      cfg = self.cfg = self.plan.config
+      self.resumption = resume.resolve(cfg, self.workdir)
+      cfg = self.cfg = self.resumption.config
       workdir_lib.check_run_outputs(
         self.workdir, cfg.runtime.tensorboard_dir, cfg.runtime.compilation_cache_dir
       )
       # The data next: a bad path, file or split is one error before JAX starts a backend.
-      self.data = open_data(cfg, self.plan.data_seed)
+      self.data = startup.open_data(cfg, self.resumption.data_seed)
       self.source = self.data.train
       # The mesh comes first among JAX objects: it creates virtual CPU devices before anything
       # starts the backend.
@@ -87,34 +74,18 @@ class Trainer:
       self.writer = metrics.MetricsWriter(
         self.workdir, enabled=self.is_writer, tensorboard_dir=rt.tensorboard_dir
       )
-      self.profiler = run_profiler(cfg, self.workdir, self.writer, self.is_writer)
-      self.watchdog = run_watchdog(cfg, self.writer, self.alerts, self.is_writer)
+      self.profiler = startup.run_profiler(cfg, self.workdir, self.writer, self.is_writer)
+      self.watchdog = startup.run_watchdog(cfg, self.writer, self.alerts, self.is_writer)
       self.steps = CompiledSteps(cfg, self.layout, self.writer.info, self.watchdog.suspended)
       self.skipped = batches.SkippedIterations(cfg, self.writer.info)
-      self.throughput, self.throughput_setup, self.throughput_note = (
-        watches.resumed_throughput_watch(cfg, self.plan.software, self.plan.meta.get('throughput'))
-      )
-      self.spikes = watches.SpikeWatch(
-        rt.spike_window, rt.spike_loss_threshold, rt.spike_grad_factor
-      )
-      self.divergence = watches.DivergenceWatch(
-        rt.max_consecutive_nan, dataclasses.replace(self.plan.progress)
-      )
+      r = self.resumption
+      self.watches = watches.RunWatches(cfg, r.software, r.meta.get('throughput'), r.progress)
       # The MFU reference; on CPU a matmul probe, compiled once the run started (and its
       # compilation cache is set).
       self.peak = accounting.PeakReference(cfg.model.dtype)
       self.iterations = TrainIteration(cfg, self.layout, self.steps, self.batch_sharding, self.peak)
       self.checkpoints = RunCheckpoints(
-        self.plan,
-        self.layout,
-        self.writer,
-        self.alerts,
-        self.workdir,
-        self.is_writer,
-        self.divergence,
-        self.throughput,
-        self.throughput_setup,
-        self.watchdog,
+        r, self.layout, self.writer, self.alerts, self.workdir, self.watches, self.watchdog
       )
       self.evaluator = TrainingEvaluator(
         cfg, self.layout, self.batch_sharding, self.data, self.writer, self.watchdog
@@ -134,13 +105,7 @@ class Trainer:
     """The run's monitors, in the order they see an iteration (docs/training_loop.md)."""
     cfg, hooks = self.cfg, Hooks()
     hooks.add_hook(metrics.record_hook(self.writer, schedule.total_iterations(cfg.train)))
-    hooks.add_hook(
-      watches.throughput_hook(
-        self.throughput, self.writer.info, self.alerts.send, cfg.curriculum.enabled
-      )
-    )
-    hooks.add_hook(watches.spike_hook(self.spikes, self.checkpoints.spike))
-    hooks.add_hook(watches.divergence_hook(self.divergence, self.checkpoints.on_diverged))
+    self.watches.register(hooks, self.writer.info, self.alerts.send, self.checkpoints)
     if cfg.runtime.replica_check_interval:
       hooks.add_hook(self.replica_check, every=cfg.runtime.replica_check_interval)
     self.checkpoints.register(hooks)  # the cadence's saves; the last save, then the close
@@ -156,7 +121,7 @@ class Trainer:
     self.lock.mark_started()
     self.writer.open()
     self.checkpoints.open(progress)  # resume.begin
-    self.compilation_cache = use_compilation_cache(
+    self.compilation_cache = startup.use_compilation_cache(
       self.workdir, self.cfg.runtime.compilation_cache_dir, self.writer.info
     )
 
@@ -167,8 +132,8 @@ class Trainer:
   # ---------------------------------------------------------------------------------- state
 
   def initial_state(self) -> tuple[TrainState, Progress]:
-    notes = [self.throughput_note] if self.throughput_note else []
-    return resume.initial_state(self.plan, self.layout, self.writer.info, notes)
+    notes = [self.watches.note] if self.watches.note else []
+    return resume.initial_state(self.resumption, self.layout, self.writer.info, notes)
 
   def global_batch(
     self, consumed_samples: int, global_batch_size: int, source=None, what='training', **lengths
@@ -195,7 +160,7 @@ class Trainer:
       self.release()
       self.stop_reason = runtime.StopReason.KILL_SWITCH
       self.writer.info(runtime.kill_switch_note(rt.kill_switch_path))
-      return self.plan.progress
+      return self.resumption.progress
     own_stop = stop is None
     stop_context = runtime.stop_conditions(rt, stop, jax.process_count())
     try:
@@ -208,9 +173,9 @@ class Trainer:
       self.stop_reason = runtime.StopReason.SIGNAL
       if self.started:
         self.writer.info(f'> stopped: {e}')
-        self.alerts.send('stopped', f'> stopped: {e}', self.plan.progress.iteration)
+        self.alerts.send('stopped', f'> stopped: {e}', self.resumption.progress.iteration)
       if own_stop:
-        return self.plan.progress
+        return self.resumption.progress
       raise
     except Exception as e:
       if self.started:
@@ -223,7 +188,7 @@ class Trainer:
 
   def _train(self, stop: runtime.StopConditions) -> Progress:
     cfg = self.cfg
-    for line in startup.start_report(cfg, self.layout, self.plan.software):
+    for line in startup.start_report(cfg, self.layout, self.resumption.software):
       self.writer.info(line)  # process 0's log only, as every line
     # Everything that can refuse the run comes before start(): the restore and the data check.
     state, progress = self.initial_state()
@@ -232,9 +197,7 @@ class Trainer:
     ):
       self.writer.info(line)
     self.start(progress)
-    peak_tflops, peak_source = self.peak.measured
-    self.writer.info(f'> MFU reference: {peak_tflops:.4f} TFLOP/s per device ({peak_source})')
-    for line in startup.schedule_lines(cfg, self.layout):
+    for line in [self.peak.describe(), *startup.schedule_lines(cfg, self.layout)]:
       self.writer.info(line)
     start_iteration, total = progress.iteration, schedule.total_iterations(cfg.train)
     if progress.iteration < total:
@@ -244,10 +207,8 @@ class Trainer:
     info = StepInfo(progress, state, start_iteration=start_iteration)
     while progress.iteration < total:
       # The job's first step also sets up the communicators of its collectives: more time.
-      self.watchdog.beat(
-        f'in iteration {progress.iteration + 1}',
-        grace=runtime.FIRST_ITERATION_GRACE if progress.iteration == start_iteration else 1.0,
-      )
+      grace = runtime.FIRST_ITERATION_GRACE if progress.iteration == start_iteration else 1.0
+      self.watchdog.beat(f'in iteration {progress.iteration + 1}', grace=grace)
       info.stop_reason = stop.poll()
       if info.stop_reason is not None:
         self.writer.info(
@@ -270,137 +231,7 @@ class Trainer:
     return progress
 
   def train_iteration(self, state: TrainState, progress: Progress) -> tuple[TrainState, dict, bool]:
-    """One train step on the next global batch (TrainIteration). Returns the new state, the
-    iteration's metrics record and whether the step was finite (a non-finite one changed
-    nothing)."""
+    """One train step on the next global batch (iteration.TrainIteration): the new state, the
+    iteration's metrics record, whether the step was finite (a non-finite one changed nothing)."""
     self.skipped.trained()
     return self.iterations(state, progress, self.source)
-
-
-class TrainIteration:
-  """What one iteration of the loop does (Trainer.train_iteration): the step compiled for the
-  iteration's global batch size and length, the learning rate, the batch, the step, and the
-  iteration's metrics record (accounting.iteration_record), timed from the batch to the stats on
-  the host. `peak` is the run's accounting.PeakReference, the MFU reference."""
-
-  def __init__(self, cfg: Config, layout, steps: CompiledSteps, batch_sharding, peak):
-    self.cfg, self.layout, self.steps, self.batch_sharding = cfg, layout, steps, batch_sharding
-    self.peak = peak
-    # optimizer.decay_tokens counts from here (a pure function of the config).
-    self.warmup_end_tokens = schedule.warmup_end_tokens(cfg) if cfg.optimizer.decay_tokens else 0
-
-  def compile_ahead(self, progress: Progress, evaluator: TrainingEvaluator) -> None:
-    """Compiles the next iteration's step (and the evaluation step) before the loop rather than
-    in it: a signal during compilation ends the run at once, and a failure shows in the first
-    minutes rather than at iteration 1000."""
-    gbs = schedule.global_batch_size_at(self.cfg.train, progress.consumed_samples)
-    self.steps.get(gbs, schedule.padded_seq_len_at(self.cfg, progress.iteration + 1))
-    if self.cfg.eval.interval:
-      evaluator.step_for(gbs)
-
-  def __call__(
-    self, state: TrainState, progress: Progress, source
-  ) -> tuple[TrainState, dict, bool]:
-    cfg = self.cfg
-    seq = schedule.seq_len_at(cfg, progress.iteration + 1)
-    padded_seq = schedule.padded_seq_len_at(cfg, progress.iteration + 1)  # what the step runs at
-    gbs = schedule.global_batch_size_at(cfg.train, progress.consumed_samples)
-    compiled = self.steps.get(gbs, padded_seq)
-    lr = schedule.learning_rate(
-      cfg.optimizer, progress.consumed_samples, progress.consumed_tokens, self.warmup_end_tokens
-    )
-    start = time.perf_counter()
-    step_micro = schedule.step_microbatches(cfg, gbs)
-    batch = batches.global_batch(
-      cfg,
-      self.batch_sharding,
-      source,
-      progress.consumed_samples,
-      gbs,
-      seq_len=seq,
-      padded_seq_len=padded_seq,
-      microbatches=step_micro,
-    )
-    state, stats = compiled(state, batch, np.float32(lr), np.int32(progress.iteration))
-    stats = jax.device_get(stats)
-    elapsed = time.perf_counter() - start
-    progress.advance(gbs, seq)
-    progress.skipped_iterations += int(not stats['finite'])
-    progress.nan_iterations += int(not stats['loss_finite'])
-    bubble = (
-      self.layout.plan.bubble_fraction(step_micro, cfg.pipeline.microbatch_group)
-      if cfg.mesh.pipeline > 1
-      else None
-    )
-    peak = self.peak.measured[0]
-    record = accounting.iteration_record(
-      cfg, progress, lr, gbs, seq, padded_seq, step_micro, stats, elapsed, peak, bubble
-    )
-    return state, record, bool(stats['finite'])
-
-
-def run_profiler(cfg: Config, workdir: str, writer, is_writer: bool) -> profiling.Profiler:
-  """The run's profiler (runtime.profile_*), tracing into the TensorBoard directory."""
-  rt = cfg.runtime
-  return profiling.Profiler(
-    rt.profile_range(),
-    os.path.join(workdir, rt.tensorboard_dir),
-    rt.profile_process,
-    log=writer.info if is_writer else print,
-  )
-
-
-def run_watchdog(cfg: Config, writer, run_alerts: alerts.Alerts, is_writer: bool):
-  """The run's hang watchdog (runtime.hang_timeout_mins), armed by Trainer.run(): only the
-  process that writes the log appends the stacks of a hang to it; every process prints its own to
-  stderr; a hang is alerted ('hang')."""
-  return runtime.Watchdog(
-    cfg.runtime.hang_timeout_mins * 60.0,
-    writer.log_path if is_writer else None,
-    functools.partial(run_alerts.send, 'hang'),
-  )
-
-
-def open_data(cfg: Config, data_seed: int) -> sources.DataSources:
-  """The run's data sources; a bad path, file or split (or a tokenizer larger than the model's
-  vocabulary) is a ConfigError."""
-  tokenizer = None
-  if sources.uses_embedded_corpus(cfg.data):  # the embedded corpus and its tokenizer
-    tokenizer = Tokenizer.load_default()
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-      raise ConfigError(
-        f'the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size '
-        f'is {cfg.model.vocab_size}; set model.vocab_size >= '
-        f'{tokenizer.vocab_size}'
-      )
-  try:
-    return sources.build(cfg.data, cfg.train.seq_len, data_seed, tokenizer)
-  except DataError as e:
-    raise ConfigError(str(e)) from None
-
-
-def use_compilation_cache(workdir: str, cache_dir: str, log) -> str | None:
-  """Points JAX's persistent compilation cache at runtime.compilation_cache_dir (relative to the
-  workdir) and logs what it holds; returns its absolute path, or None when it is off. Programs
-  that compile in under a second are not stored (JAX's default threshold): loading them would
-  gain nothing."""
-  if not cache_dir:
-    return None
-  path = os.path.join(workdir, cache_dir)
-  try:
-    os.makedirs(path, exist_ok=True)
-  except OSError as e:
-    raise ConfigError(
-      f'runtime.compilation_cache_dir: cannot create {path} ({e.strerror}); '
-      "point it at a writable directory or set it to '' for no cache"
-    ) from None
-  if jax.config.jax_compilation_cache_dir != path:  # type: ignore[attr-defined]
-    jax.config.update('jax_compilation_cache_dir', path)
-    # JAX opens its cache once per process, at the first compilation that finds a directory set;
-    # a cache opened before this (another Trainer in the same process) would keep its directory.
-    compilation_cache.reset_cache()
-  log(
-    f'> compilation cache: {path} ({len(os.listdir(path))} programs stored; a program found '
-    'there is loaded instead of compiled)'
-  )
-  return path

@@ -276,3 +276,29 @@ def divergence_hook(watch: DivergenceWatch, on_diverged: Callable[[str, Any], No
       info.request_stop(runtime.StopReason.DIVERGED)
 
   return watch_divergence
+
+
+class RunWatches:
+  """A run's three watches, from where it resumes: the throughput watch (seeded with the
+  checkpoint's baselines when its job ran on the same `setup`; `note` says what happened to
+  them), the spike watch and the divergence watch (counting from `progress`, the resumed one)."""
+
+  def __init__(self, cfg: Config, software: dict[str, Any], saved: dict[str, Any] | None, progress):
+    rt = cfg.runtime
+    self.throughput, self.throughput_setup, self.note = resumed_throughput_watch(
+      cfg, software, saved
+    )
+    self.spikes = SpikeWatch(rt.spike_window, rt.spike_loss_threshold, rt.spike_grad_factor)
+    self.divergence = DivergenceWatch(rt.max_consecutive_nan, dataclasses.replace(progress))
+    self.curriculum = cfg.curriculum.enabled
+
+  def register(self, hooks, log: Callable[[str], None], alert, checkpoints) -> None:
+    """Their hooks, every iteration: a slowdown is logged and alerted, a spike and a divergence go
+    to `checkpoints` (training.run_checkpoints.RunCheckpoints: `spike`, `on_diverged`)."""
+    hooks.add_hook(throughput_hook(self.throughput, log, alert, self.curriculum))
+    hooks.add_hook(spike_hook(self.spikes, checkpoints.spike))
+    hooks.add_hook(divergence_hook(self.divergence, checkpoints.on_diverged))
+
+  def checkpoint_meta(self) -> dict[str, Any]:
+    """What a checkpoint's meta carries for the next job (its 'throughput')."""
+    return {'setup': self.throughput_setup, 'baselines': self.throughput.baselines()}

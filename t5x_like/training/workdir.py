@@ -257,10 +257,11 @@ def check_run_outputs(workdir: str, tensorboard_dir: str, compilation_cache_dir:
     check_writable(path, what, fix)
 
 
-def lock_on_every_process(lock: Lock, workdir: str, is_writer: bool, multi_process: bool) -> None:
-  """Process 0 (the writer) takes the run's `lock`; every process learns whether it could (one
-  verdict, so none goes on alone into a collective). Raises the ConfigError of a refusal."""
-  error = None
+def lock_run(workdir: str, is_writer: bool, multi_process: bool) -> Lock:
+  """The run's Lock of `workdir`: process 0 (the writer) takes it; every process learns whether
+  it could (one verdict, so none goes on alone into a collective). Raises the ConfigError of a
+  refusal."""
+  lock, error = Lock(workdir), None
   if is_writer:
     try:
       lock.acquire()
@@ -276,6 +277,7 @@ def lock_on_every_process(lock: Lock, workdir: str, is_writer: bool, multi_proce
   if error is not None:
     lock.release(started=False)
     raise error
+  return lock
 
 
 def read_records(path: str, torn_tail_ok: bool = False) -> list[dict[str, Any]]:

@@ -242,12 +242,12 @@ def test_a_run_keeps_the_blend_order_it_started_with(tmp_path):
   )
   assert checkpointer.save(layout.init(0), progress, cfg, meta)
   checkpointer.close()
-  assert resume.plan(cfg, str(tmp_path)).config.data.blend_order == 'quota'
+  assert resume.resolve(cfg, str(tmp_path)).config.data.blend_order == 'quota'
   item = tmp_path / 'checkpoints' / '1' / 'config' / 'metadata'
   saved = json.loads(item.read_text())
   del saved['data']['blend_order']  # as a checkpoint of the divisor order's version has it
   item.write_text(json.dumps(saved))
-  plan = resume.plan(cfg, str(tmp_path))
+  plan = resume.resolve(cfg, str(tmp_path))
   assert plan.config.data.blend_order == 'divisor'
   assert (
     "> data order: blend order 'divisor' of the checkpoint (data.blend_order='quota' "

@@ -36,7 +36,7 @@ def blended_run(tmp_path, seed=7):
 
 def started(trainer):
   """A Trainer whose run has started (config.json and the job record written), not trained."""
-  trainer.start(trainer.plan.progress)
+  trainer.start(trainer.resumption.progress)
   return trainer
 
 

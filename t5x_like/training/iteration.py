@@ -1,0 +1,77 @@
+"""One iteration of the loop (Trainer.train_iteration): the step compiled for the iteration's
+global batch size and length, the learning rate, the batch, the step, and the iteration's
+metrics record."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from t5x_like.config import Config
+from t5x_like.parallel.train_state import Progress, TrainState
+from t5x_like.training import accounting, batches, schedule
+from t5x_like.training.evaluation import TrainingEvaluator
+from t5x_like.training.step import CompiledSteps
+
+
+class TrainIteration:
+  """What one iteration of the loop does, timed from the batch to the stats on the host; the
+  record is accounting.iteration_record's. `peak` is the run's accounting.PeakReference, the MFU
+  reference."""
+
+  def __init__(self, cfg: Config, layout, steps: CompiledSteps, batch_sharding, peak):
+    self.cfg, self.layout, self.steps, self.batch_sharding = cfg, layout, steps, batch_sharding
+    self.peak = peak
+    # optimizer.decay_tokens counts from here (a pure function of the config).
+    self.warmup_end_tokens = schedule.warmup_end_tokens(cfg) if cfg.optimizer.decay_tokens else 0
+
+  def compile_ahead(self, progress: Progress, evaluator: TrainingEvaluator) -> None:
+    """Compiles the next iteration's step (and the evaluation step) before the loop rather than
+    in it: a signal during compilation ends the run at once, and a failure shows in the first
+    minutes rather than at iteration 1000."""
+    gbs = schedule.global_batch_size_at(self.cfg.train, progress.consumed_samples)
+    self.steps.get(gbs, schedule.padded_seq_len_at(self.cfg, progress.iteration + 1))
+    if self.cfg.eval.interval:
+      evaluator.step_for(gbs)
+
+  def __call__(
+    self, state: TrainState, progress: Progress, source
+  ) -> tuple[TrainState, dict, bool]:
+    cfg = self.cfg
+    seq = schedule.seq_len_at(cfg, progress.iteration + 1)
+    padded_seq = schedule.padded_seq_len_at(cfg, progress.iteration + 1)  # what the step runs at
+    gbs = schedule.global_batch_size_at(cfg.train, progress.consumed_samples)
+    compiled = self.steps.get(gbs, padded_seq)
+    lr = schedule.learning_rate(
+      cfg.optimizer, progress.consumed_samples, progress.consumed_tokens, self.warmup_end_tokens
+    )
+    start = time.perf_counter()
+    step_micro = schedule.step_microbatches(cfg, gbs)
+    batch = batches.global_batch(
+      cfg,
+      self.batch_sharding,
+      source,
+      progress.consumed_samples,
+      gbs,
+      seq_len=seq,
+      padded_seq_len=padded_seq,
+      microbatches=step_micro,
+    )
+    state, stats = compiled(state, batch, np.float32(lr), np.int32(progress.iteration))
+    stats = jax.device_get(stats)
+    elapsed = time.perf_counter() - start
+    progress.advance(gbs, seq)
+    progress.skipped_iterations += int(not stats['finite'])
+    progress.nan_iterations += int(not stats['loss_finite'])
+    bubble = (
+      self.layout.placement.bubble_fraction(step_micro, cfg.pipeline.microbatch_group)
+      if cfg.mesh.pipeline > 1
+      else None
+    )
+    peak = self.peak.measured[0]
+    record = accounting.iteration_record(
+      cfg, progress, lr, gbs, seq, padded_seq, step_micro, stats, elapsed, peak, bubble
+    )
+    return state, record, bool(stats['finite'])
