@@ -54,7 +54,7 @@ from t5x_like.training import step as step_lib
 def delivered_tokens_per_s(cfg, iterations: int) -> dict:
   """Builds `iterations` consecutive global batches of cfg's training data; tokens/s."""
   data = sources.build(cfg.data, cfg.train.seq_len, cfg.train.seed)
-  mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
+  mesh = partitioning.mesh_of(cfg.mesh)
   sharding = step_lib.batch_sharding(make_layout(cfg, mesh))
   gbs = cfg.train.global_batch_size
   jax.block_until_ready(batches.global_batch(cfg, sharding, data.train, 0, gbs))  # warm-up

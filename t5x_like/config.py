@@ -256,6 +256,19 @@ class MeshConfig:
   data: int = _ranged(1, 1)
   pipeline: int = _ranged(1, 1)
   tensor: int = _ranged(1, 1)
+  # How the fp32 state is split over `data` (docs/parallelism.md). 1: ZeRO-1, the fp32 master
+  # params and Adam moments are split and the step gathers one compute-dtype copy of the whole
+  # model. 3: ZeRO-3 (fully sharded), the compute-dtype copy stays split too: each layer's
+  # weights are gathered just before use and freed after, and its gradients reduce-scattered.
+  zero_stage: Literal[1, 3] = 1
+  # Data ranks that split one copy of the state (hybrid sharding); the data // zero_group copies
+  # are replicated, so the gathers stay inside a group (a node). 0: all of `data`.
+  zero_group: int = _ranged(0, 0)
+
+  @property
+  def zero_group_size(self) -> int:
+    """Data ranks one copy of the state is split over (mesh.zero_group, 0 meaning all)."""
+    return self.zero_group or self.data
 
   @property
   def num_devices(self) -> int:
@@ -448,6 +461,7 @@ class Config:
     need the modules owning the mesh, the attention kernels, the schedule and the data run with
     these in `startup.check_config`, which every command calls once before any compilation."""
     self.check_values()
+    self._check_mesh()
     self._check_model()
     self._check_train()
     self._check_pipeline()
@@ -510,6 +524,15 @@ class Config:
       m.architecture != 'gpt2' or t.seq_len <= m.max_position_embeddings,
       f'train.seq_len ({t.seq_len}) exceeds model.max_position_embeddings '
       f'({m.max_position_embeddings}) of the gpt2 architecture',
+    )
+
+  def _check_mesh(self) -> None:
+    mesh = self.mesh
+    _need(
+      mesh.data % mesh.zero_group_size == 0,
+      f'mesh.zero_group ({mesh.zero_group}) must divide mesh.data ({mesh.data}): each group of '
+      'zero_group data ranks splits one copy of the state; use a divisor of mesh.data, or 0 '
+      'for all of them',
     )
 
   def _check_train(self) -> None:

@@ -70,7 +70,7 @@ def run_steps(cfg, num_steps=4, padding_microbatches=0):
   from t5x_like.training import step as step_lib
 
   m = cfg.mesh
-  mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor)
+  mesh = partitioning.mesh_of(m)
   layout = make_layout(cfg, mesh)
   step = step_lib.jit_train_step(cfg, layout)
   state = layout.init(cfg.train.seed)
@@ -89,6 +89,28 @@ def run_steps(cfg, num_steps=4, padding_microbatches=0):
     losses.append(float(stats['lm_loss']))
     norms.append(float(stats['grad_norm']))
   return np.array(losses), np.array(norms), jax.device_get(state.params)
+
+
+def assert_same_training(run, reference, cfg, loose=False):
+  """`run` (run_steps of `cfg`, on any mesh) trained as `reference` (run_steps on one device):
+  the same losses, gradient norms and final params within fp32 tolerance (`loose`: a fused
+  kernel's own summation order)."""
+  import numpy as np
+
+  from t5x_like.parallel import pipeline
+
+  losses, norms, params = run
+  ref_losses, ref_norms, ref_params = reference
+  if cfg.mesh.pipeline > 1:
+    params = pipeline.to_canonical(pipeline.placement_for(cfg), params)
+  assert losses[-1] < losses[0]  # it trains
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  # The fused kernel's own summation order: test_model_integration's tolerances.
+  np.testing.assert_allclose(norms, ref_norms, rtol=1e-4 if loose else 2e-5)
+  atol = 1e-4 if loose else 2e-5
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol), params, ref_params
+  )
 
 
 def free_port() -> int:

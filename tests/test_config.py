@@ -375,7 +375,10 @@ def test_bad_curriculum_or_token_decay_is_one_clear_error(sections, message):
 
 
 def _wrong_value(choices):
-  """A value outside `choices`: the first one upper-cased (the likeliest typo), else 'bogus'."""
+  """A value outside `choices`: for words the first one upper-cased (the likeliest typo), else
+  'bogus'; for numbers the first one missing between them (mesh.zero_stage's 2)."""
+  if all(isinstance(c, int) for c in choices):
+    return next(n for n in range(min(choices), max(choices) + 2) if n not in choices)
   first = str(choices[0]).upper()
   return first if first not in choices else 'bogus'
 
@@ -395,7 +398,8 @@ def test_every_literal_key_refuses_a_value_outside_its_annotation(key):
   """Found by introspection: a new Literal key is covered without a new row."""
   section, _, name = key.partition('.')
   choices = _literal_fields()[key]
-  assert choices and all(isinstance(c, str) for c in choices)
+  assert choices and len({type(c) for c in choices}) == 1
+  assert isinstance(choices[0], (str, int))
   bad = _wrong_value(choices)
   cfg = Config().replace(train={'steps': 1}, **{section: {name: bad}})
   with pytest.raises(ConfigError) as error:

@@ -7,31 +7,15 @@ import re
 import jax
 import numpy as np
 import pytest
-from conftest import run_cli, run_steps, small_config
+from conftest import assert_same_training, run_cli, run_steps, small_config
 
 from t5x_like.config import ConfigError
 from t5x_like.mesh import partitioning
-from t5x_like.parallel import pipeline
 from t5x_like.parallel.train_state import make_layout
 from t5x_like.training import step as step_lib
 
 # head_dim 16, so the Pallas kernels can run the same model.
 MODEL = dict(num_heads=4)
-
-
-def assert_same_training(run, reference, cfg, loose=False):
-  losses, norms, params = run
-  ref_losses, ref_norms, ref_params = reference
-  if cfg.mesh.pipeline > 1:
-    params = pipeline.to_canonical(pipeline.placement_for(cfg), params)
-  assert losses[-1] < losses[0]  # it trains
-  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
-  # The fused kernel's own summation order: test_model_integration's tolerances.
-  np.testing.assert_allclose(norms, ref_norms, rtol=1e-4 if loose else 2e-5)
-  atol = 1e-4 if loose else 2e-5
-  jax.tree.map(
-    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol), params, ref_params
-  )
 
 
 @pytest.fixture(scope='module')

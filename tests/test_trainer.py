@@ -21,8 +21,8 @@ from t5x_like.config import Config, ConfigError
 from t5x_like.mesh import partitioning
 from t5x_like.optim import adamw as optim
 from t5x_like.parallel.train_state import TrainState, make_layout
-from t5x_like.training import metrics, schedule, startup, watches
 from t5x_like.training import iteration as iteration_lib
+from t5x_like.training import metrics, schedule, startup, watches
 from t5x_like.training.step import make_train_step
 from t5x_like.training.trainer import Trainer
 from t5x_like.training.workdir import read_metrics

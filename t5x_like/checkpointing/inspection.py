@@ -611,7 +611,7 @@ def _saved_mesh_or_none(cfg):
   from t5x_like.mesh import partitioning
 
   try:
-    return partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
+    return partitioning.mesh_of(cfg.mesh)
   except ConfigError:
     return None
 

@@ -841,7 +841,8 @@ DERIVED = {
 
 _ZERO = (
   'the optimizer state (fp32 master weights, both Adam moments) is always split over '
-  'mesh.data here (ZeRO-1, which bf16 runs with DeepSpeed stage 0 also had)'
+  'mesh.data here (ZeRO-1, which bf16 runs with DeepSpeed stage 0 also had); for stage 3 set '
+  'mesh.zero_stage=3'
 )
 _LOGGING = 'logging here is fixed: every iteration, TensorBoard under WORKDIR/tensorboard'
 _FUSION = 'XLA fuses the kernels itself; the numbers are the same'

@@ -22,10 +22,12 @@ Without compiling (t5x_like/planning/cost_model.py, docs/planner.md), in millise
       [--aot] [--json]
 
 --estimate: the config's step on its mesh of GPUs of KIND (a100-80gb, a100-40gb, h100-80gb,
-h200): seconds per iteration, TFLOP/s per GPU (Megatron's formula), memory per GPU and whether it
-fits, and the parts they add up from. --search: every valid (data, pipeline, tensor,
-micro-batch) for N GPUs at the config's model and global batch, those that fit first, each group
-by estimated time; --aot adds XLA's compiled memory (the compile above) for the top K. More
+h200), its ZeRO stage and group (mesh.zero_stage, mesh.zero_group) included: seconds per
+iteration, TFLOP/s per GPU (Megatron's formula), memory per GPU and whether it fits, and the parts
+they add up from. --search: every valid (data, pipeline, tensor, micro-batch, ZeRO stage 1 or 3
+over all of data or one node's data ranks) for N GPUs at the config's model and global batch,
+those that fit first, each group by estimated time, each with why it does not fit or what it
+loses to the first; --aot adds XLA's compiled memory (the compile above) for the top K. More
 --gpus than any topology can use (cost_model.max_gpus) is refused at once, with the limit.
 """
 
@@ -48,7 +50,7 @@ def plan(cfg: Config) -> dict:
   from t5x_like.training import accounting
   from t5x_like.training.step import lower_train_step
 
-  mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
+  mesh = partitioning.mesh_of(cfg.mesh)
   layout = make_layout(cfg, mesh)
   start = time.perf_counter()
   lowered = lower_train_step(cfg, layout, cfg.num_microbatches)
@@ -65,6 +67,8 @@ def plan(cfg: Config) -> dict:
   gib = 1024**3
   report = {
     'mesh': [cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor],
+    'zero_stage': cfg.mesh.zero_stage,
+    'zero_group': cfg.mesh.zero_group_size,  # data ranks that split one copy of the state
     'pipeline_repeats': cfg.pipeline.repeats,
     'num_microbatches': cfg.num_microbatches,
     'params': cfg.model.num_params(cfg.mesh.tensor),
@@ -246,9 +250,16 @@ def run_search(cfg: Config, args) -> int:
   if args.aot:
     for r in top:
       data, pipeline, tensor = r['mesh']
+      zero_group = 0 if r['zero_group'] == data else r['zero_group']
       candidate = startup.check_config(
         cfg.replace(
-          mesh={'data': data, 'pipeline': pipeline, 'tensor': tensor},
+          mesh={
+            'data': data,
+            'pipeline': pipeline,
+            'tensor': tensor,
+            'zero_stage': r['zero_stage'],
+            'zero_group': zero_group,
+          },
           train={'micro_batch_size': r['micro_batch_size']},
         )
       )
@@ -264,18 +275,23 @@ def run_search(cfg: Config, args) -> int:
     'estimated time per iteration:'
   )
   aot = '  XLA peak' if args.aot else ''
+  # ZeRO: the stage (1, 3) and the data ranks G that split one copy of the state (hybrid
+  # sharding when G < DP).
   print(
-    f'{"rank":>4} {"DP":>4} {"PP":>3} {"TP":>3} {"MBS":>3} {"s/it":>7} {"TFLOP/s":>7} '
-    f'{"bubble":>6} {"GiB":>6}{aot}  fits'
+    f'{"rank":>4} {"DP":>4} {"PP":>3} {"TP":>3} {"ZeRO":>4} {"G":>4} {"MBS":>3} {"s/it":>7} '
+    f'{"TFLOP/s":>7} {"bubble":>6} {"GiB":>6}{aot}  fits; behind rank 1 by'
   )
   for i, r in enumerate(top, 1):
     data, pipeline, tensor = r['mesh']
     aot_peak = f'  {r["aot_peak_gib"]:8.2f}' if args.aot else ''
+    verdict = 'yes' if r['fits'] else 'no: ' + r['why_not']
+    if r['fits'] and 'why_behind' in r:
+      verdict += '; ' + r['why_behind']
     print(
-      f'{i:>4} {data:>4} {pipeline:>3} {tensor:>3} {r["micro_batch_size"]:>3} '
-      f'{r["estimated_step_s"]:7.1f} {r["estimated_tflops_per_gpu"]:7.1f} '
-      f'{r["bubble_fraction"]:6.1%} {r["estimated_memory_gib"]:6.1f}{aot_peak}  '
-      f'{"yes" if r["fits"] else "no: " + r["why_not"]}'
+      f'{i:>4} {data:>4} {pipeline:>3} {tensor:>3} {r["zero_stage"]:>4} {r["zero_group"]:>4} '
+      f'{r["micro_batch_size"]:>3} {r["estimated_step_s"]:7.1f} '
+      f'{r["estimated_tflops_per_gpu"]:7.1f} {r["bubble_fraction"]:6.1%} '
+      f'{r["estimated_memory_gib"]:6.1f}{aot_peak}  {verdict}'
     )
   return 0
 

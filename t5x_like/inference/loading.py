@@ -39,7 +39,8 @@ def inference_config(
   return startup.check_config(
     saved.replace(
       model=model,
-      mesh={'data': data, 'pipeline': 1, 'tensor': tensor},
+      # The whole model on every data shard: no ZeRO split of the weights to gather.
+      mesh={'data': data, 'pipeline': 1, 'tensor': tensor, 'zero_stage': 1, 'zero_group': 0},
       pipeline={'repeats': 1},
       train={'global_batch_size': data, 'micro_batch_size': 1, 'rampup_batch_size': ()},
     )

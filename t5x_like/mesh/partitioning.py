@@ -19,6 +19,7 @@ unpadded shapes (train_state.StateLayout converts).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -27,12 +28,17 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from t5x_like.config import MeshConfig
 from t5x_like.errors import ConfigError
 
 MESH_AXES = ('data', 'pipeline', 'tensor')
+# Hybrid sharding (mesh.zero_group < mesh.data): `data` is one group of ranks that splits a copy
+# of the state, `replica` counts the copies; the batch is split over both.
+HYBRID_MESH_AXES = ('replica',) + MESH_AXES
 
 # Logical axis -> mesh axis (None: replicated). Parameter axes first, then activation axes.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -46,7 +52,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
   ('kv', None),
   ('mlp', 'tensor'),
   # activations
-  ('batch', 'data'),
+  ('batch', ('replica', 'data')),  # `replica` only exists under hybrid sharding
   ('stages', 'pipeline'),
   ('length', None),
   # The sequence dim of the residual stream under model.sequence_parallel (Megatron-LM's
@@ -60,14 +66,25 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 _RULES = dict(LOGICAL_AXIS_RULES)
 
 
-def logical_to_mesh(names: Sequence[str | None]) -> P:
-  """PartitionSpec for a tuple of logical axis names."""
+def logical_to_mesh(names: Sequence[str | None], mesh: Mesh | AbstractMesh | None = None) -> P:
+  """PartitionSpec for a tuple of logical axis names (on `mesh`: without the axes it lacks)."""
   mesh_axes = []
   for name in names:
     if name is not None and name not in _RULES:
       raise KeyError(f'logical axis {name!r} has no rule in partitioning.LOGICAL_AXIS_RULES')
-    mesh_axes.append(_RULES.get(name) if name else None)
+    axes = _RULES.get(name) if name else None
+    if mesh is not None and isinstance(axes, tuple):
+      axes = tuple(a for a in axes if a in mesh.shape) or None
+      axes = axes[0] if axes is not None and len(axes) == 1 else axes
+    elif mesh is not None and axes is not None and axes not in mesh.shape:
+      axes = None
+    mesh_axes.append(axes)
   return P(*mesh_axes)
+
+
+def batch_axes(mesh: Mesh | AbstractMesh) -> str | tuple[str, ...]:
+  """The mesh axes that split a batch's rows: `data`, and `replica` under hybrid sharding."""
+  return 'data' if 'replica' not in mesh.shape else ('replica', 'data')
 
 
 def _axis_size(mesh: Mesh | AbstractMesh, axes) -> int:
@@ -83,7 +100,8 @@ def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh | AbstractMesh) -> P:
   fitted = []
   for axes, size in zip(tuple(spec) + (None,) * (len(shape) - len(spec)), shape):
     axes = axes if isinstance(axes, tuple) or axes is None else (axes,)
-    axes = tuple(a for a in axes or () if mesh.shape[a] > 1)  # size-1 axes split nothing
+    # Size-1 axes split nothing; `replica` is absent from a mesh without hybrid sharding.
+    axes = tuple(a for a in axes or () if mesh.shape.get(a, 1) > 1)
     while axes and size % _axis_size(mesh, axes):
       axes = axes[:-1]
     fitted.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
@@ -207,8 +225,11 @@ def checkpoint_sharding(
   factor = math.gcd(data, per_shard(best)) if best is not None else 1
   if best is None or factor == 1:
     return NamedSharding(mesh, P(*spec))
-  devices = mesh.devices.reshape(factor, data // factor, *mesh.devices.shape[1:])
-  factored = Mesh(devices, ('data', 'data_rest') + MESH_AXES[1:])
+  at = mesh.axis_names.index('data')
+  shape = mesh.devices.shape
+  devices = mesh.devices.reshape(shape[:at] + (factor, data // factor) + shape[at + 1 :])
+  names = tuple(mesh.axis_names)
+  factored = Mesh(devices, names[:at] + ('data', 'data_rest') + names[at + 1 :])
   axes = (
     () if spec[best] is None else (spec[best] if isinstance(spec[best], tuple) else (spec[best],))
   )
@@ -337,12 +358,102 @@ def cpu_only() -> bool:
   )
 
 
-def make_mesh(data: int, pipeline: int, tensor: int, devices=None) -> Mesh:
-  """A `data x pipeline x tensor` mesh; `tensor` is innermost so it stays within a node."""
+# ZeRO-3's gathered weights are named so that no remat policy keeps them for the backward pass:
+# it gathers them again, and the peak holds about one layer's.
+GATHERED_WEIGHTS = 'gathered_weights'
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gather_for_use(x, gathered: NamedSharding, split: NamedSharding):
+  """ZeRO-3: `x`, a compute-dtype weight split over `data`, in its rule sharding `gathered` (an
+  all-gather over `data`); its gradient back in `split` (a reduce-scatter), so that neither the
+  gathered weight nor its full gradient outlives its use."""
+  del split
+  return jax.lax.with_sharding_constraint(x, gathered)
+
+
+def _gather_forward(x, gathered, split):
+  return gather_for_use(x, gathered, split), None
+
+
+def _gather_backward(gathered, split, _, cotangent):
+  del gathered
+  return (jax.lax.with_sharding_constraint(cotangent, split),)
+
+
+gather_for_use.defvjp(_gather_forward, _gather_backward)
+
+
+class WeightGathers:
+  """ZeRO-3's per-use gathers of a model's params: for every param its rule sharding (without
+  the `data` split) and its ZeRO sharding, those of the stacked `layers` for one layer (without
+  the leading layer dim, which the layer scan indexes). Built by train_state.make_layout from
+  the state's shardings; the model calls it on the params it is about to use."""
+
+  def __init__(self, mesh: Mesh, gathered_specs, split_specs):
+    per_layer = lambda spec: P(*tuple(spec)[1:])
+    to_sharding = lambda tree, layer: jax.tree.map(
+      lambda spec: NamedSharding(mesh, per_layer(spec) if layer else spec),
+      tree,
+      is_leaf=lambda x: isinstance(x, P),
+    )
+    split_out = lambda tree: (
+      to_sharding({k: v for k, v in tree.items() if k != 'layers'}, False),
+      to_sharding(tree['layers'], True),
+    )
+    self.mesh = mesh
+    (self.top_gathered, self.layer_gathered) = split_out(gathered_specs)
+    (self.top_split, self.layer_split) = split_out(split_specs)
+
+  def top(self, tree: dict) -> dict:
+    """Params outside the layer stack (a dict of some of the model's top-level entries),
+    gathered for use."""
+    return {
+      key: self._gather(value, self.top_gathered[key], self.top_split[key])
+      for key, value in tree.items()
+    }
+
+  def layer(self, tree):
+    """One layer's params (a slice of the `layers` stack), gathered for use."""
+    return self._gather(tree, self.layer_gathered, self.layer_split)
+
+  @staticmethod
+  def _gather(tree, gathered, split):
+    return jax.tree.map(
+      lambda x, g, s: checkpoint_name(gather_for_use(x, g, s), GATHERED_WEIGHTS),
+      tree,
+      gathered,
+      split,
+    )
+
+
+def never_save(names: Sequence[str], policy=None):
+  """A remat policy: `policy`'s choice (None: save everything) except the values named `names`
+  (jax.ad_checkpoint.checkpoint_name), which the backward pass computes again."""
+  exclude = jax.checkpoint_policies.save_anything_except_these_names(*names)
+  if policy is None:
+    return exclude
+  return lambda prim, *args, **params: (
+    exclude(prim, *args, **params) and policy(prim, *args, **params)
+  )
+
+
+def make_mesh(data: int, pipeline: int, tensor: int, devices=None, zero_group: int = 0) -> Mesh:
+  """A `data x pipeline x tensor` mesh; `tensor` is innermost so it stays within a node. With
+  0 < zero_group < data (hybrid sharding), `data` is cut into `replica` (data // zero_group
+  copies of the state) x `data` (the zero_group consecutive ranks that split one copy)."""
   ensure_devices(data * pipeline * tensor)
   devices = devices if devices is not None else jax.devices()
   devices = np.asarray(devices[: data * pipeline * tensor]).reshape(data, pipeline, tensor)
+  if 0 < zero_group < data:
+    devices = devices.reshape(data // zero_group, zero_group, pipeline, tensor)
+    return Mesh(devices, HYBRID_MESH_AXES)
   return Mesh(devices, MESH_AXES)
+
+
+def mesh_of(cfg: MeshConfig) -> Mesh:
+  """The mesh of a config's `mesh` section (hybrid under mesh.zero_group)."""
+  return make_mesh(cfg.data, cfg.pipeline, cfg.tensor, zero_group=cfg.zero_group)
 
 
 def named(mesh: Mesh, spec: P) -> NamedSharding:

@@ -130,8 +130,8 @@ def cudnn_attention(q, k, v, *, alibi_slopes=None):
 
 def _per_shard(kernel, q, k, v, alibi_slopes, mesh: Mesh):
   """Runs `kernel` on each (batch, heads) shard; heads are split contiguously, so are the slopes."""
-  qkv_spec = partitioning.logical_to_mesh(('batch', 'length', 'act_heads', None))
-  heads_spec = partitioning.logical_to_mesh(('act_heads',))
+  qkv_spec = partitioning.logical_to_mesh(('batch', 'length', 'act_heads', None), mesh)
+  heads_spec = partitioning.logical_to_mesh(('act_heads',), mesh)
   run: Callable[..., Any]
   operands: tuple[Any, ...]
   in_specs: tuple[P, ...]

@@ -97,7 +97,7 @@ def _final_hidden(model: model_lib.Transformer, params, inputs, deterministic: b
       {'params': params}, inputs, deterministic=deterministic, rngs=rngs, return_hidden=True
     ),
   )
-  return hidden, params['word_embeddings'].astype(hidden.dtype)
+  return hidden, model_lib.gathered_embedding(model, params).astype(hidden.dtype)
 
 
 def chunked_token_losses(hidden, embedding, labels, cfg: ModelConfig, mesh: Mesh | None):

@@ -60,12 +60,16 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 
 
 class Context:
-  """What every module needs besides the config: compute dtype and an activation constraint."""
+  """What every module needs besides the config: compute dtype, an activation constraint, and
+  under ZeRO-3 (`gathers`: partitioning.WeightGathers) the gathers of the weights it uses."""
 
-  def __init__(self, cfg: ModelConfig, mesh: Mesh | None):
+  def __init__(
+    self, cfg: ModelConfig, mesh: Mesh | None, gathers: partitioning.WeightGathers | None = None
+  ):
     self.cfg = cfg
     self.dtype = jnp.dtype(cfg.dtype)
     self.mesh = mesh
+    self.gathers = gathers if mesh is not None else None
     # The residual stream [batch, length, embed] between the tensor-parallel matmuls (and the
     # LayerNorms and dropout on it): split along the sequence under model.sequence_parallel.
     self.residual_names = ('batch', 'length_sp' if cfg.sequence_parallel else 'length', 'act_embed')
@@ -75,6 +79,16 @@ class Context:
       return x
     spec = partitioning.spec_for(names, x.shape, self.mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+  def gather_top(self, params: dict) -> dict:
+    """Top-level params (embedding, norms) about to be used: gathered under ZeRO-3."""
+    return params if self.gathers is None else self.gathers.top(params)
+
+  def gather_layer(self, variables: dict) -> dict:
+    """One layer's {'params': ...} about to be used: gathered under ZeRO-3."""
+    if self.gathers is None:
+      return variables
+    return dict(variables, params=self.gathers.layer(variables['params']))
 
 
 def _param(module: nn.Module, name: str, init: Callable, shape, names):
@@ -235,6 +249,9 @@ class Transformer(nn.Module):
   cfg: ModelConfig
   padded_vocab: int
   mesh: Mesh | None = None
+  # ZeRO-3 (mesh.zero_stage=3): the params arrive split over `data` and each is gathered where
+  # it is used (train_state.make_layout sets it).
+  gathers: partitioning.WeightGathers | None = None
 
   @nn.compact
   def __call__(
@@ -245,14 +262,23 @@ class Transformer(nn.Module):
 
     embed_tokens -> the scanned blocks -> final_norm -> tied_logits: the functions the
     pipeline's stages apply to the same param tree (t5x_like/parallel/pipeline.py)."""
-    cfg, ctx = self.cfg, Context(self.cfg, self.mesh)
+    cfg, ctx = self.cfg, Context(self.cfg, self.mesh, self.gathers)
     embedding = _embedding_params(self, self.padded_vocab)
-    x = embed_tokens(embedding, tokens, cfg, ctx)
+    x = embed_tokens(ctx.gather_top(embedding), tokens, cfg, ctx)
     x = nn.Dropout(cfg.hidden_dropout, deterministic=deterministic)(x)
 
-    block = Block
-    if cfg.remat_policy != 'none':
-      block = nn.remat(Block, policy=_REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
+    block: type[Block] = Block
+    policy = remat_policy(cfg.remat_policy)
+    if ctx.gathers is not None:  # ZeRO-3: each layer's weights gathered inside the scan
+      block = nn.map_variables(Block, 'params', trans_in_fn=ctx.gather_layer, mutable=False)
+      # The backward pass gathers them again. Without recomputation ('none') it would keep
+      # values computed from them (a reshaped kernel): the matmul outputs are kept instead
+      # (save_dots) and the elementwise work recomputed.
+      policy = partitioning.never_save(
+        [partitioning.GATHERED_WEIGHTS], policy or remat_policy('save_dots')
+      )
+    if policy is not None:
+      block = nn.remat(block, policy=policy, prevent_cse=False)
     layers = nn.scan(
       block,
       variable_axes={'params': 0},
@@ -262,10 +288,12 @@ class Transformer(nn.Module):
       metadata_params={nn.PARTITION_NAME: 'layers'},
     )(ctx, deterministic, name='layers')
     x, _ = layers(x, None)
-    x = final_norm({'final_ln': NormParams(cfg.hidden_size, name='final_ln')()}, x, cfg, ctx)
+    final = ctx.gather_top({'final_ln': NormParams(cfg.hidden_size, name='final_ln')()})
+    x = final_norm(final, x, cfg, ctx)
     if return_hidden:
       return x
-    return tied_logits(x, embedding['word_embeddings'], cfg.vocab_size, ctx)
+    emb = ctx.gather_top({'word_embeddings': embedding['word_embeddings']})['word_embeddings']
+    return tied_logits(x, emb, cfg.vocab_size, ctx)
 
 
 def _embedding_params(module: nn.Module, padded_vocab: int) -> dict:
@@ -348,10 +376,19 @@ def output_logits(params, x, cfg: ModelConfig, ctx: Context):
 
 
 def apply_block(layer_params, x, ctx: Context, deterministic: bool = True, dropout_rng=None):
-  """One transformer block (params of a single layer, unstacked) on x."""
+  """One transformer block (params of a single layer, unstacked; gathered here under ZeRO-3)
+  on x."""
   rngs = {'dropout': dropout_rng} if dropout_rng is not None else {}
-  y, _ = Block(ctx, deterministic).apply({'params': layer_params}, x, None, rngs=rngs)
+  variables = ctx.gather_layer({'params': layer_params})
+  y, _ = Block(ctx, deterministic).apply(variables, x, None, rngs=rngs)
   return y
+
+
+def gathered_embedding(model: Transformer, params) -> jax.Array:
+  """The tied embedding of `params` as the model uses it (gathered under ZeRO-3), for the losses
+  that apply it themselves."""
+  ctx = Context(model.cfg, model.mesh, model.gathers)
+  return ctx.gather_top({'word_embeddings': params['word_embeddings']})['word_embeddings']
 
 
 def remat_policy(name: str):

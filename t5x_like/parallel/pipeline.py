@@ -42,6 +42,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from t5x_like.config import Config
+from t5x_like.mesh import partitioning
 from t5x_like.model import losses
 from t5x_like.model import transformer as model_lib
 
@@ -214,13 +215,9 @@ compute_copy.defvjp(_compute_copy_forward, _compute_copy_backward)
 
 
 def _never_save_weights(policy):
-  """`policy` (None: save everything), except the per-layer compute-dtype weights."""
-  exclude = jax.checkpoint_policies.save_anything_except_these_names('stage_weights')
-  if policy is None:
-    return exclude
-  return lambda prim, *args, **params: (
-    exclude(prim, *args, **params) and policy(prim, *args, **params)
-  )
+  """`policy` (None: save everything), except the per-layer compute-dtype weights (and under
+  ZeRO-3 their gathered copies)."""
+  return partitioning.never_save(['stage_weights', partitioning.GATHERED_WEIGHTS], policy)
 
 
 def _recompute_in_backward(fn, dtype):
@@ -369,13 +366,14 @@ class Schedule:
   def embed_with(self, embedding_params, m):
     """Micro-batch m's embedded (and dropped-out) tokens."""
     inputs, _, _ = losses.split_tokens(jax.lax.dynamic_index_in_dim(self.batch, m, 0, False))
-    x = model_lib.embed_tokens(self.read(*embedding_params), inputs, self.cfg.model, self.ctx)
+    embedding = self.ctx.gather_top(self.read(*embedding_params))
+    x = model_lib.embed_tokens(embedding, inputs, self.cfg.model, self.ctx)
     return _dropout(x, self.hidden_dropout, self.keyed(self.rng, m, _EMBED_DROPOUT_ID))
 
   def head_loss(self, head_params, x, tokens):
     """The mean loss of the micro-batch `tokens` from the last stage's output x."""
     cfg, ctx = self.cfg, self.ctx
-    head_params = self.read(*head_params)
+    head_params = ctx.gather_top(self.read(*head_params))
     _, labels, weights = losses.split_tokens(tokens)
     if cfg.model.cross_entropy_impl == 'chunked':
       hidden = model_lib.final_norm(head_params, x, cfg.model, ctx)

@@ -68,6 +68,13 @@ class StateLayout:
   canonical: TrainState  # the same in checkpoint layout
   compute_param_shardings: Any  # rule shardings without the ZeRO `data` split
   logical: TrainState  # `abstract` without the ZeRO padding
+  zero_stage: int = 1  # mesh.zero_stage; under 3 the model (`model.gathers`) gathers per use
+
+  @property
+  def step_compute_shardings(self) -> Any:
+    """Where the train and evaluation steps hold the compute-dtype copy of the params: gathered
+    whole once per step (rule shardings) under ZeRO-1, split as the fp32 params under ZeRO-3."""
+    return self.shardings.params if self.zero_stage == 3 else self.compute_param_shardings
 
   @property
   def is_padded(self) -> bool:
@@ -149,11 +156,14 @@ def _resize(x, want: jax.ShapeDtypeStruct):
 
 
 def describe_zero(layout: StateLayout) -> str:
-  """The start-up log's line on ZeRO-1: how the state is split over `data`, what is padded, and
-  every tensor left whole on each `data` rank."""
-  data = layout.mesh.shape['data']
+  """The start-up log's line on ZeRO: the stage, how the state is split over `data` (its groups
+  under hybrid sharding), what is padded, and every tensor left whole on each `data` rank."""
+  data, copies = layout.mesh.shape['data'], layout.mesh.shape.get('replica', 1)
+  stage = f'ZeRO-{layout.zero_stage}'
   if data == 1:
-    return '> ZeRO-1: mesh.data is 1, nothing to split'
+    if copies > 1:
+      return f'> {stage}: mesh.zero_group is 1, each of the {copies} data ranks holds all the state'
+    return f'> {stage}: mesh.data is 1, nothing to split'
   padded = [
     jax.tree_util.keystr(path)
     for (path, a), b in zip(
@@ -163,8 +173,14 @@ def describe_zero(layout: StateLayout) -> str:
     if a.shape != b.shape
   ]
   whole = layout.replicated_over_data()
+  what = (
+    'fp32 params, Adam moments and the compute copy (each layer gathered where it is used)'
+    if layout.zero_stage == 3
+    else 'fp32 params and Adam moments'
+  )
+  where = f'data={data}' if copies == 1 else f'data groups of {data} ({copies} copies)'
   return (
-    f'> ZeRO-1: fp32 params and Adam moments split over data={data}; '
+    f'> {stage}: {what} split over {where}; '
     f'{len(padded)} tensor(s) padded to a multiple of {data}'
     f'{" (" + ", ".join(padded) + ")" if padded else ""}; replicated over data: '
     f'{", ".join(whole) if whole else "none"}'
@@ -222,6 +238,19 @@ def make_layout(cfg: Config, mesh: Mesh) -> StateLayout:
     partitioning.tree_checkpoint_shardings(mesh, names, shape_of(canonical_shapes), blocks),
   )
   compute = partitioning.tree_shardings(mesh, names, shape_of(shapes), zero=False)
+  if cfg.mesh.zero_stage == 3:
+    spec_of = lambda tree: jax.tree.map(lambda s: s.spec, tree)
+    gathers = partitioning.WeightGathers(mesh, spec_of(compute), spec_of(zero))
+    model = model.clone(gathers=gathers)
   return StateLayout(
-    mesh, model, optimizer, placement, names, abstract, canonical, compute, logical
+    mesh,
+    model,
+    optimizer,
+    placement,
+    names,
+    abstract,
+    canonical,
+    compute,
+    logical,
+    cfg.mesh.zero_stage,
   )

@@ -1,24 +1,34 @@
 """An analytical cost model of one training iteration on GPUs: time, TFLOP/s and memory per GPU.
 
 `estimate(cfg, gpu)` answers, in milliseconds and without compiling anything, what the step of
-`cfg` (its model, global batch and mesh) would cost on `cfg.mesh.num_devices` GPUs of kind
-`gpu` (a key of GPUS). The parts (docs/planner.md):
+`cfg` (its model, global batch and mesh, ZeRO stage and group included) would cost on
+`cfg.mesh.num_devices` GPUs of kind `gpu` (a key of GPUS). The parts (docs/planner.md):
 
 * compute: the matmul and attention FLOPs of each pass a GPU runs per micro-batch (forward,
   backward = 2 forwards, and the recomputed forward of remat_policy='full' or the 1F1B order) at
   `efficiency(work)` of the bf16 peak, the one place the two fitted constants enter;
+* the attention scores' HBM traffic (bytes read and written per score element by the kernels
+  that materialise them), which grows with the head count;
 * the pipeline: (M R + P - 1) ticks of one stage's work per micro-batch (the bubble is the P - 1);
-* tensor-parallel collectives over NVLink (two all-reduces, or all-gather + reduce-scatter under
-  sequence parallelism, per layer and pass), not overlapped with compute (as Megatron runs them);
+* tensor-parallel collectives (two all-reduces, or all-gather + reduce-scatter under sequence
+  parallelism, per layer and pass) at nccl-tests' measured bus bandwidths, not overlapped with
+  compute (as Megatron runs them);
 * pipeline transfers: each tick sends an activation forward and a gradient back, 1/TP of it per
   GPU (Megatron's scatter-gather; sequence parallelism splits it the same way);
-* data-parallel ZeRO-1 collectives once per iteration over the inter-node network: the fp32
-  gradients reduce-scattered, the bf16 weights all-gathered; and the embedding's gradient summed
-  over the stages that each hold a whole copy (when tensor x pipeline does not divide it);
+* ZeRO over a group of G data ranks (mesh.zero_stage, mesh.zero_group): ZeRO-1's gradient
+  reduce-scatter and weight all-gather, or ZeRO-3's per-layer gathers and reduce-scatters in
+  every micro-batch, over NVLink when the group fits in a node and the network otherwise; with
+  hybrid sharding (G < data) an all-reduce of the 1/G gradient shards across the data / G
+  copies; and the embedding's gradient summed over the stages that each hold a whole copy;
 * the optimizer: Adam reads and writes its shard of the state at HBM bandwidth;
 * memory per GPU in t5x_like/planning/memory_report.py's categories, by the layout t5x_like's step
-  uses (ZeRO-1 state, a gathered bf16 copy of the stage, fp32 gradients in the ZeRO layout, kept
-  stage inputs, the recomputed layers' matmul outputs, one layer's backward).
+  uses (the ZeRO-split state, the gathered bf16 copy of the stage under ZeRO-1 or two gathered
+  layers under ZeRO-3, fp32 gradients split over the group, kept stage inputs, the recomputed
+  layers' matmul outputs, one layer's backward).
+
+`framework='megatron-deepspeed'` estimates the same config as the chronicles measured it (seed
+004's tables): the head on the last stage only, Megatron's fused-softmax constraint and
+Megatron-DeepSpeed's memory layout (half-precision weights and gradients whole on every rank).
 
 Every hardware constant is in GPUS with its source; the two fitted constants are FITTED (fitted by
 benchmarks/fit_planner.py on one table of the chronicles, docs/planner.md). Nothing here starts
@@ -39,16 +49,23 @@ from t5x_like.training import (
 
 GIB = 1024**3
 
+# t5x_like's own step (the planner's subject), or the same config as Megatron-DeepSpeed ran it in
+# the chronicles (what their tables measured; the validation tests use it).
+FRAMEWORKS = ('t5x_like', 'megatron-deepspeed')
+
 
 @dataclasses.dataclass(frozen=True)
 class Gpu:
-  """One GPU kind and the node it comes in. Bandwidths in GB/s (1e9 bytes), one direction."""
+  """One GPU kind and the node it comes in. Bandwidths in GB/s (1e9 bytes): nccl-tests' bus
+  bandwidths (busbw) measured on such nodes at large payloads, not the data sheets' link speeds
+  (those are in `sources`)."""
 
   peak_bf16_tflops: float  # dense, without sparsity
   hbm_gib: float  # what the device reports (nvidia-smi's total)
   hbm_gb_s: float
-  nvlink_gb_s: float  # per GPU, one direction (half the data sheet's bidirectional figure)
-  network_gb_s: float  # per node, one direction, the NICs that carry NCCL's traffic together
+  nvlink_allreduce_gb_s: float  # all-reduce busbw over the node's NVLink/NVSwitch
+  nvlink_gb_s: float  # busbw of all-gather, reduce-scatter and point-to-point over NVLink
+  network_gb_s: float  # the inter-node busbw of one node, all its NICs together
   gpus_per_node: int
   sources: str
 
@@ -57,51 +74,71 @@ class Gpu:
     return self.network_gb_s / self.gpus_per_node
 
 
+# nccl-tests' busbw grows with the payload: in the one published sweep we found by payload size
+# (all_reduce on 8 x H200, NVLink 4, nccl 2.27.7: stas00/ml-engineering, network/benchmarks/
+# results/all-reduce-8xH200.md), busbw = peak x S / (S + S_half) with S_half = 23.9-27.1 MiB for
+# the payloads of 32-256 MiB (219.9 GB/s at 16 MiB, 346.5 at 64 MiB, 436.2 at 256 MiB, 482.3 at
+# 16 GiB). The same shape is assumed for every kind and link (no A100 sweep was found).
+HALF_BANDWIDTH_BYTES = 25 * 2**20
+
 GPUS = {
   'a100-80gb': Gpu(
     peak_bf16_tflops=accounting.BF16_PEAK_TFLOPS['A100'],
     hbm_gib=80.0,
     hbm_gb_s=2039.0,
-    nvlink_gb_s=300.0,
-    network_gb_s=50.0,
+    nvlink_allreduce_gb_s=235.0,
+    nvlink_gb_s=235.0,
+    network_gb_s=135 / 8,
     gpus_per_node=8,
     sources='NVIDIA A100 data sheet (SXM4 80GB: 312 TFLOPS bf16 dense, 80 GB HBM2e at 2,039 '
-    'GB/s, NVLink 600 GB/s bidirectional); the node and network of Jean Zay, where BLOOM and '
-    'the chronicles ran (BLOOM model card, Hardware: 8 GPUs per node, 4 Omni-Path links of '
-    '100 Gb/s each)',
+    'GB/s, NVLink 600 GB/s bidirectional); nccl-tests all_reduce_perf on an 8 x A100 node: 235 '
+    'GB/s busbw, 80% of the 300 GB/s one-way NVLink (S. Bekman, stas00/ml-engineering, '
+    'network/README.md, "Unidirectional vs Bidirectional"; A100 has no NVLink SHARP, so its '
+    'ring all-gather and reduce-scatter reach the same); the node and network of Jean Zay, where '
+    'BLOOM and the chronicles ran (BLOOM model card, Hardware: 8 GPUs per node, 4 x 100 Gb/s '
+    'Omni-Path), of which 135 Gb/s per node was measured (ml-engineering, network/README.md, '
+    '"Omni-Path": "I used this technology at JeanZay ... It was only 135Gbps")',
   ),
   'a100-40gb': Gpu(
     peak_bf16_tflops=accounting.BF16_PEAK_TFLOPS['A100'],
     hbm_gib=40.0,
     hbm_gb_s=1555.0,
-    nvlink_gb_s=300.0,
+    nvlink_allreduce_gb_s=235.0,
+    nvlink_gb_s=235.0,
     network_gb_s=200.0,
     gpus_per_node=8,
     sources='NVIDIA A100 data sheet (SXM4 40GB: 312 TFLOPS bf16 dense, 40 GB HBM2 at 1,555 '
-    'GB/s, NVLink 600 GB/s bidirectional); NVIDIA DGX A100 data sheet (8 GPUs, 8 x 200 Gb/s '
-    'HDR InfiniBand for compute)',
+    'GB/s, NVLink 600 GB/s bidirectional); NVLink busbw as for a100-80gb (nccl-tests, 235 GB/s); '
+    'NVIDIA DGX A100 data sheet (8 GPUs, 8 x 200 Gb/s HDR InfiniBand for compute): the network '
+    'is the data sheet line rate, no published nccl-tests figure for it was found',
   ),
   'h100-80gb': Gpu(
     peak_bf16_tflops=accounting.BF16_PEAK_TFLOPS['H100'],
     hbm_gib=79.6,
     hbm_gb_s=3350.0,
-    nvlink_gb_s=450.0,
-    network_gb_s=400.0,
+    nvlink_allreduce_gb_s=480.0,
+    nvlink_gb_s=370.0,
+    network_gb_s=8 * 47.0,
     gpus_per_node=8,
     sources='NVIDIA H100 data sheet (SXM5: 989 TFLOPS bf16 dense, 80 GB HBM3 at 3.35 TB/s '
-    '(81,559 MiB reported), NVLink 900 GB/s bidirectional); NVIDIA DGX H100 data sheet (8 '
-    'GPUs, 8 x 400 Gb/s ConnectX-7)',
+    '(81,559 MiB reported), NVLink 900 GB/s bidirectional); NCCL maintainers on nccl-tests '
+    '(NVIDIA/nccl-tests#212): "On 8 GPUs, you should reach a peak busBw of ~480GB/s" for '
+    'all_reduce (NVLink SHARP), and "an effective NVLink bandwidth of 370GB/s, which you can '
+    'observe as BusBw when running non-allreduce operations"; NVIDIA/nccl-tests#290: "For NDR @ '
+    '400Gbps you should see 46-48GB/s per NIC", x 8 ConnectX-7 NICs of the DGX H100 data sheet',
   ),
   'h200': Gpu(
     peak_bf16_tflops=accounting.BF16_PEAK_TFLOPS['H200'],
     hbm_gib=140.4,
     hbm_gb_s=4800.0,
-    nvlink_gb_s=450.0,
-    network_gb_s=400.0,
+    nvlink_allreduce_gb_s=480.0,
+    nvlink_gb_s=370.0,
+    network_gb_s=8 * 47.0,
     gpus_per_node=8,
     sources='NVIDIA H200 data sheet (SXM: 989 TFLOPS bf16 dense, 141 GB HBM3e at 4.8 TB/s '
-    '(143,771 MiB reported), NVLink 900 GB/s bidirectional); NVIDIA DGX H200 data sheet (8 '
-    'GPUs, 8 x 400 Gb/s ConnectX-7)',
+    '(143,771 MiB reported), NVLink 900 GB/s bidirectional); NVLink 4 busbw as for h100-80gb '
+    '(8 x H200 all_reduce sweep: 482.3 GB/s at 16 GiB, stas00/ml-engineering network/benchmarks/'
+    'results/all-reduce-8xH200.md); NDR network as for h100-80gb (NVIDIA/nccl-tests#290)',
   ),
 }
 
@@ -123,9 +160,9 @@ class Fitted:
 
 # Fitted by benchmarks/fit_planner.py on seed 004's 02-25 table "Tweaking TP for the first time"
 # (its 9 timed rows: NLAYERS 72, NHIDDEN 14336, NHEADS 64, A100 80GB on Jean Zay; rms log error
-# 0.050): 71.7% of the peak for large kernels, half of that at 587 GFLOP per layer and
-# micro-batch (tr11's 5.2 TFLOP: 64% of the peak).
-FITTED = Fitted(peak_fraction=0.717, half_work=5.87e11)
+# 0.050) with the measured bus bandwidths of GPUS: 90.8% of the peak for large kernels (cuBLAS's
+# large bf16 GEMMs), half of that at 980 GFLOP per layer and micro-batch (tr11's 5.2 TFLOP: 76%).
+FITTED = Fitted(peak_fraction=0.941, half_work=1.02e12)
 
 
 def efficiency(work: float, fitted: Fitted = FITTED) -> float:
@@ -137,6 +174,13 @@ def efficiency(work: float, fitted: Fitted = FITTED) -> float:
 # The share of a GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION; 0.75 when it
 # is unset: JAX's documentation, "GPU memory allocation"): the budget a run fits in, not the HBM.
 DEFAULT_JAX_MEMORY_FRACTION = 0.75
+
+# The CUDA context and kernels a PyTorch process holds on an A100 before allocating anything (seed
+# 004: "also need to take into account the cuda kernels (1271MiB)").
+TORCH_CONTEXT_BYTES = 1271 * 2**20
+# Elements of the flat bucket DeepSpeed's pipeline engine all-reduces gradients in
+# (MEMORY_OPT_ALLREDUCE_SIZE in deepspeed/runtime/pipe/engine.py).
+DEEPSPEED_ALLREDUCE_BUCKET = 500_000_000
 
 
 def jax_memory_fraction() -> float:
@@ -188,6 +232,11 @@ def check_topology(cfg: Config, gpu: Gpu) -> None:
     )
 
 
+def _check_framework(framework: str) -> None:
+  if framework not in FRAMEWORKS:
+    raise ConfigError(f'unknown framework {framework!r}; known: {", ".join(FRAMEWORKS)}')
+
+
 def stage_slots(cfg: Config) -> int:
   """Layer slots a stage holds (pipeline.place_layers's chunk x repeats: padding slots included)."""
   p, r = cfg.mesh.pipeline, cfg.pipeline.repeats
@@ -200,19 +249,23 @@ def layer_params(cfg: Config) -> int:
   return 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h
 
 
-def embedding_split_over_pipeline(cfg: Config) -> bool:
-  """Whether the vocabulary is split over tensor x pipeline (else over tensor, whole per stage)."""
+def embedding_split_over_pipeline(cfg: Config, framework: str = 't5x_like') -> bool:
+  """Whether the vocabulary is split over tensor x pipeline (else over tensor, whole per stage).
+  Megatron-DeepSpeed never split it over the stages: the first stage embeds, the last computes
+  the logits."""
   return (
-    cfg.mesh.pipeline > 1 and cfg.padded_vocab_size % (cfg.mesh.tensor * cfg.mesh.pipeline) == 0
+    framework == 't5x_like'
+    and cfg.mesh.pipeline > 1
+    and cfg.padded_vocab_size % (cfg.mesh.tensor * cfg.mesh.pipeline) == 0
   )
 
 
-def local_params(cfg: Config) -> tuple[float, float]:
+def local_params(cfg: Config, framework: str = 't5x_like') -> tuple[float, float]:
   """(the stage's layer params, the embedding's) one GPU computes with, before ZeRO's split."""
   t = cfg.mesh.tensor
   stage = stage_slots(cfg) * layer_params(cfg) / t
   embedding = cfg.padded_vocab_size * cfg.model.hidden_size / t
-  if embedding_split_over_pipeline(cfg):
+  if embedding_split_over_pipeline(cfg, framework):
     embedding /= cfg.mesh.pipeline
   return stage, embedding
 
@@ -228,13 +281,80 @@ def adam_bytes_per_param(cfg: Config, stage: float, embedding: float) -> float:
   return (quantized * stage + 8 * embedding) / (stage + embedding)
 
 
-def memory_bytes(cfg: Config) -> dict[str, float]:
-  """Bytes per GPU by memory_report's categories, for t5x_like's step on a GPU."""
+def fused_softmax_available(cfg: Config) -> bool:
+  """Whether Megatron's fused scale-mask-softmax kernel runs this config's attention
+  (FusedScaleMaskSoftmax.is_kernel_available, bigscience-workshop/Megatron-DeepSpeed
+  megatron/model/fused_softmax.py): half-precision scores, 16 < seq <= 4096, seq divisible by 4,
+  and micro-batch x heads per tensor rank divisible by the kernel's batches per block (4 for
+  keys longer than 128, else 8). The chronicles name it: "the constraint is (HEADS/TP)*MBS % 4 =
+  0" (seed 004, NHEADs comparison). Otherwise PyTorch's unfused softmax runs, in fp32."""
+  m, s = cfg.model, cfg.train.seq_len
+  batches = cfg.train.micro_batch_size * m.num_heads // cfg.mesh.tensor
+  per_block = 4 if s > 128 else 8
+  return (
+    m.dtype in ('bfloat16', 'float16')
+    and 16 < s <= 4096
+    and s % 4 == 0
+    and batches % per_block == 0
+  )
+
+
+def score_traffic_bytes(cfg: Config, framework: str = 't5x_like') -> tuple[float, float]:
+  """(forward, backward) HBM bytes per attention score element, per layer and micro-batch: the
+  head-count effect. b x heads/TP x s x s scores per layer, so at a fixed hidden size this traffic
+  grows with the number of heads while the FLOPs do not.
+
+  Counted on Megatron's kernels with half-precision scores: the forward's QK^T writes the scores
+  (2 bytes), the fused softmax reads and writes them (4), dropout reads them and writes them and
+  a byte mask (5), the context matmul reads them (2); the backward writes the probabilities'
+  gradient (2), reads the probabilities for dV (2), runs dropout's (5) and the softmax's (6)
+  backward and reads the scores' gradient for dQ and dK (4). Without attention dropout, 8 and 14.
+  Megatron's unfused path (fused_softmax_available False) casts to fp32 and runs scale, mask,
+  softmax and the cast back as separate kernels: 33 more bytes forward and 35 backward. The
+  same counts stand for t5x_like's attention_impl='xla' (materialised fp32 scores; XLA's GPU
+  fusions were not counted: no GPU HLO was read); 'pallas' and 'cudnn' keep the scores on chip."""
+  m = cfg.model
+  if framework == 't5x_like' and m.attention_impl != 'xla':
+    return 0.0, 0.0
+  dropout = m.attention_dropout > 0
+  forward, backward = (13.0, 19.0) if dropout else (8.0, 14.0)
+  if framework == 'megatron-deepspeed' and not fused_softmax_available(cfg):
+    forward, backward = forward + 33, backward + 35
+  return forward, backward
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero:
+  """How the state is split over `data`: ZeRO stage, group size G and copies R = data / G."""
+
+  stage: int
+  group: int
+  copies: int
+
+
+def zero_of(cfg: Config, framework: str = 't5x_like') -> Zero:
+  """The config's ZeRO layout; Megatron-DeepSpeed's runs in the chronicles were ZeRO-1 over all of
+  data."""
+  mesh = cfg.mesh
+  if framework == 'megatron-deepspeed':
+    return Zero(1, mesh.data, 1)
+  return Zero(mesh.zero_stage, mesh.zero_group_size, mesh.data // mesh.zero_group_size)
+
+
+def memory_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, float]:
+  """Bytes per GPU by memory_report's categories, for t5x_like's step on a GPU (or, under
+  framework='megatron-deepspeed', for Megatron-DeepSpeed's as the chronicles ran it)."""
+  _check_framework(framework)
+  if framework == 'megatron-deepspeed':
+    return _megatron_memory_bytes(cfg)
   m, mesh, b, s = cfg.model, cfg.mesh, cfg.train.micro_batch_size, cfg.train.seq_len
   h, t, p, dp = m.hidden_size, mesh.tensor, mesh.pipeline, mesh.data
+  zero = zero_of(cfg, framework)
+  g = zero.group
   heads = m.num_heads // t
-  stage, embedding = local_params(cfg)
+  stage, embedding = local_params(cfg, framework)
   state = stage + embedding
+  layer = layer_params(cfg) / t
   compute_bytes = 2 if m.dtype == 'bfloat16' else 4
   split_seq = t if m.sequence_parallel else 1
   activation = b * s * h * compute_bytes  # one micro-batch's hidden states, whole
@@ -258,8 +378,10 @@ def memory_bytes(cfg: Config) -> dict[str, float]:
     ),
     0.0,
   )
-  out['master weights (fp32 params)'] = 4 * state / dp
-  out['Adam moments'] = adam_bytes_per_param(cfg, stage, embedding) * state / dp
+  # The fp32 master and both moments split over the G ranks of a ZeRO group (hybrid sharding
+  # keeps data / G copies of them).
+  out['master weights (fp32 params)'] = 4 * state / g
+  out['Adam moments'] = adam_bytes_per_param(cfg, stage, embedding) * state / g
   out['batch and step scalars'] = 2 * 4 * cfg.train.global_batch_size / dp * s
   if p > 1:
     if cfg.pipeline.schedule == '1f1b':
@@ -277,14 +399,24 @@ def memory_bytes(cfg: Config) -> dict[str, float]:
   else:
     keep = dots if m.remat_policy == 'save_dots' else dots + 3 * scores * compute_bytes
     out['kept activations'] = m.num_layers * keep
-  # fp32 gradients in the ZeRO layout, and the embedding's whole before its reduction.
-  out['gradient accumulators'] = 4 * state / dp + 4 * embedding
+  # fp32 gradients in the ZeRO layout, and the embedding's whole before its reduction; under
+  # ZeRO-3 also one layer's whole gradient before its reduce-scatter. ZeRO-1's are counted split
+  # as XLA's compile of tr11 keeps them (its 34.50 GiB peak has no room for the stage's whole
+  # fp32 gradient, 13.8 GiB; docs/benchmarks.md), though the pipeline asks for them in the rule
+  # sharding (step.gathered_params): a GPU compile must confirm it.
+  out['gradient accumulators'] = 4 * state / g + 4 * embedding
   # One layer's backward: its matmul outputs, and the softmax's f32 probabilities, their
   # gradient and the dropout mask's.
   out['backward workspace'] = dots + 3 * 4 * scores
-  # The bf16 copy of the stage and embedding gathered over data, and the embedding's fp32
-  # gather it is cast from.
-  out['weight copies'] = compute_bytes * state + 4 * embedding
+  if zero.stage == 3:
+    out['gradient accumulators'] += 4 * layer
+    # The split bf16 copy, two layers gathered whole (the one computing and the next, gathered
+    # just before use) and the embedding gathered where it is used.
+    out['weight copies'] = compute_bytes * (state / g + 2 * layer + embedding)
+  else:
+    # The bf16 copy of the stage and embedding gathered over data, and the embedding's fp32
+    # gather it is cast from.
+    out['weight copies'] = compute_bytes * state + 4 * embedding
   vocab = cfg.padded_vocab_size / t
   if m.cross_entropy_impl == 'dense':
     logits = 2 * 4 * b * s * vocab  # fp32 logits and their gradient
@@ -294,25 +426,114 @@ def memory_bytes(cfg: Config) -> dict[str, float]:
   return out
 
 
-def _allreduce_bytes(size: float, ranks: int) -> float:
-  """Bytes each rank sends in a ring all-reduce of `size` bytes (reduce-scatter + all-gather)."""
-  return 2 * (ranks - 1) / ranks * size
+def _megatron_memory_bytes(cfg: Config) -> dict[str, float]:
+  """Megatron-DeepSpeed's memory per GPU as the chronicles ran it before 02-28 (fp16/bf16 with
+  half-precision gradient accumulation, ZeRO-1 over all of data, full activation checkpointing,
+  DeepSpeed's 1F1B pipeline), on the busiest stage (the last: its layers and the tied
+  embedding for the logits)."""
+  m, mesh, b, s = cfg.model, cfg.mesh, cfg.train.micro_batch_size, cfg.train.seq_len
+  h, t, p, dp = m.hidden_size, mesh.tensor, mesh.pipeline, mesh.data
+  stage, embedding = local_params(cfg, 'megatron-deepspeed')
+  state = stage + embedding
+  slots = stage_slots(cfg)
+  activation = b * s * h * 2
+  scores = b * (m.num_heads // t) * s * s
+  fused = fused_softmax_available(cfg)
+  # One layer's forward outputs in half precision: QKV, context, the attention and MLP outputs
+  # (whole), h -> 4h and its GeLU; the scores, probabilities, dropout mask and dropped
+  # probabilities (7 bytes each), plus two fp32 copies on the unfused path.
+  layer_forward = activation * (3 / t + 1 / t + 2 + 2 * m.ffn_size / h / t) + scores * (
+    7 + (0 if fused else 8)
+  )
+  return {
+    'master weights (fp32 params)': 4 * state / dp,
+    'Adam moments': 8 * state / dp,
+    # Half-precision gradients whole on every rank, and the fp32 gradient partition DeepSpeed's
+    # ZeRO-1 step builds.
+    'gradient accumulators': 2 * state + 4 * state / dp,
+    # The flat half-precision bucket DeepSpeed's pipeline engine all-reduces the gradients in
+    # (MEMORY_OPT_ALLREDUCE_SIZE, 500M elements, deepspeed/runtime/pipe/engine.py).
+    'gradient all-reduce bucket': 2 * min(DEEPSPEED_ALLREDUCE_BUCKET, state),
+    'weight copies': 2 * state,
+    # Every layer's input of each micro-batch in flight (P of them on the first stage under
+    # 1F1B; activation checkpointing keeps them whole, not split over tensor).
+    'kept stage inputs': min(p, cfg.num_microbatches) * slots * activation,
+    'recomputation workspace': layer_forward,
+    'backward workspace': layer_forward,
+    # The logits of the vocabulary shard: half precision, their fp32 copy and fp32 softmax.
+    'other temporaries': b * s * cfg.padded_vocab_size / t * (2 + 4 + 4),
+    'CUDA context and kernels': TORCH_CONTEXT_BYTES,
+  }
 
 
-def estimate(cfg: Config, gpu: str, fitted: Fitted = FITTED, nodes_of: int | None = None) -> dict:
+def _ring_bytes(kind: str, size: float, ranks: int) -> float:
+  """Bytes each rank moves in a ring collective over `ranks` of a `size`-byte array (the whole
+  array: an all-reduce's input, an all-gather's output, a reduce-scatter's input), the
+  numerator of nccl-tests' busbw: 2 (n - 1)/n for all-reduce, (n - 1)/n for the others."""
+  if ranks <= 1:
+    return 0.0
+  factor = 2 if kind == 'all-reduce' else 1
+  return factor * (ranks - 1) / ranks * size
+
+
+def _bus_gb_s(spec: Gpu, kind: str, size: float, ranks_per_node: int, spans_nodes: bool) -> float:
+  """The busbw (GB/s) a collective of `kind` over `size` bytes reaches per rank: NVLink's within
+  a node; across nodes, the group's share of each node's network (`ranks_per_node` of the
+  node's GPUs are in it, each of the others in a group of its own doing the same), as NCCL's
+  rings cross nodes once per channel, one NIC each. Smaller payloads reach less
+  (HALF_BANDWIDTH_BYTES)."""
+  nvlink = spec.nvlink_allreduce_gb_s if kind == 'all-reduce' else spec.nvlink_gb_s
+  bus = nvlink
+  if spans_nodes:
+    bus = min(nvlink, spec.network_gb_s * ranks_per_node / spec.gpus_per_node)
+  return bus * size / (size + HALF_BANDWIDTH_BYTES)
+
+
+def _collective_s(
+  spec: Gpu, kind: str, size: float, ranks: int, ranks_per_node: int, spans_nodes: bool
+) -> float:
+  """Seconds of one ring collective (nccl-tests' model: busbw x time = the ring bytes)."""
+  if ranks <= 1 or size <= 0:
+    return 0.0
+  bus = _bus_gb_s(spec, kind, size, ranks_per_node, spans_nodes)
+  return _ring_bytes(kind, size, ranks) / (bus * 1e9)
+
+
+def _zero_group_geometry(cfg: Config, spec: Gpu, group: int) -> tuple[int, bool]:
+  """(ranks of one ZeRO group per node, whether it spans nodes). A group is `group` consecutive
+  data ranks (partitioning.make_mesh), pipeline x tensor devices apart in the device order."""
+  stride = cfg.mesh.pipeline * cfg.mesh.tensor
+  node = spec.gpus_per_node
+  span = group * stride
+  if span <= node and node % span == 0:
+    return group, False
+  return max(1, min(group, node // stride)), True
+
+
+def estimate(
+  cfg: Config,
+  gpu: str,
+  fitted: Fitted = FITTED,
+  nodes_of: int | None = None,
+  framework: str = 't5x_like',
+) -> dict:
   """The cost of one iteration of `cfg`'s step (at its full global batch) on its mesh of GPUs
   of kind `gpu` (`nodes_of` GPUs per node; None: the kind's): times in seconds, bytes per GPU per
-  iteration. `cfg` is a validated config (Config.validate, schedule.check)."""
+  iteration. `cfg` is a validated config (Config.validate, schedule.check). `framework`:
+  FRAMEWORKS, t5x_like's step or Megatron-DeepSpeed's as the chronicles measured it."""
+  _check_framework(framework)
   spec = gpu_spec(gpu, nodes_of)
   check_topology(cfg, spec)
+  megatron = framework == 'megatron-deepspeed'
   m, mesh, train = cfg.model, cfg.mesh, cfg.train
   h, s, b = m.hidden_size, train.seq_len, train.micro_batch_size
   t, p, dp, r = mesh.tensor, mesh.pipeline, mesh.data, cfg.pipeline.repeats
-  n = mesh.num_devices
+  n, node = mesh.num_devices, spec.gpus_per_node
   micro = cfg.num_microbatches
   slots = stage_slots(cfg)
   compute_bytes = 2 if m.dtype == 'bfloat16' else 4
   recompute = m.remat_policy == 'full' or (p > 1 and cfg.pipeline.schedule == '1f1b')
+  split_head = embedding_split_over_pipeline(cfg, framework)
 
   # FLOPs of one micro-batch's forward through one stage on one GPU.
   matmul = slots * (2 * b * s * (4 * h * h + 2 * h * m.ffn_size)) / t
@@ -320,7 +541,7 @@ def estimate(cfg: Config, gpu: str, fitted: Fitted = FITTED, nodes_of: int | Non
   # The head (tied embedding's logits) in every tick's path: split over the stages when the
   # vocabulary is, else run whole by the stage holding it.
   head = 2 * b * s * h * cfg.padded_vocab_size / t
-  if embedding_split_over_pipeline(cfg):
+  if split_head:
     head /= p
   layer_work = (matmul + attention) / slots
   flops_per_second = spec.peak_bf16_tflops * 1e12 * efficiency(layer_work, fitted)
@@ -328,61 +549,127 @@ def estimate(cfg: Config, gpu: str, fitted: Fitted = FITTED, nodes_of: int | Non
   tick_attention = 3 * attention / flops_per_second
   tick_recompute = (matmul + attention) / flops_per_second if recompute else 0.0
 
-  # Tensor parallelism: per layer and pass, two all-reduces of one micro-batch's hidden states
-  # (sequence parallelism's all-gather + reduce-scatter move the same bytes).
+  # The attention scores' HBM traffic per layer: forward (twice with recomputation) and backward.
+  scores = b * (m.num_heads // t) * s * s
+  forward_bytes, backward_bytes = score_traffic_bytes(cfg, framework)
+  score_bytes_tick = slots * scores * ((2 if recompute else 1) * forward_bytes + backward_bytes)
+  tick_scores = score_bytes_tick / (spec.hbm_gb_s * 1e9)
+
+  # Tensor parallelism: per layer and pass, two all-reduces of one micro-batch's hidden states,
+  # or under sequence parallelism an all-gather and a reduce-scatter for each (the same bytes, at
+  # the ring's bus bandwidth rather than the all-reduce's).
   passes = 3 if recompute else 2
-  tp_bytes_tick = (
-    slots * passes * 2 * _allreduce_bytes(b * s * h * compute_bytes, t) if t > 1 else 0.0
-  )
-  tick_tp = tp_bytes_tick / (spec.nvlink_gb_s * 1e9)
+  hidden_bytes = b * s * h * compute_bytes
+  if m.sequence_parallel and not megatron:
+    tp_one = _collective_s(spec, 'all-gather', hidden_bytes, t, t, False) + _collective_s(
+      spec, 'reduce-scatter', hidden_bytes, t, t, False
+    )
+  else:
+    tp_one = _collective_s(spec, 'all-reduce', hidden_bytes, t, t, False)
+  tick_tp = slots * passes * 2 * tp_one
+  tp_bytes_tick = slots * passes * 2 * _ring_bytes('all-reduce', hidden_bytes, t)
 
   # Pipeline transfers: an activation forward and a gradient back per tick, 1/t per GPU, over
-  # the network when consecutive stages sit on different nodes.
-  crosses_nodes = t * p > spec.gpus_per_node
+  # the network when consecutive stages sit on different nodes (each GPU's share of its node's
+  # NICs: every GPU of the node sends at once).
+  crosses_nodes = t * p > node
   pp_bandwidth = (spec.network_per_gpu_gb_s() if crosses_nodes else spec.nvlink_gb_s) * 1e9
-  pp_bytes_tick = 2 * b * s * h * compute_bytes / t if p > 1 else 0.0
+  pp_bytes_tick = 2 * hidden_bytes / t if p > 1 else 0.0
   tick_pp = pp_bytes_tick / pp_bandwidth
+
+  # ZeRO over a group of G data ranks (hybrid: R = data / G copies of the state).
+  zero = zero_of(cfg, framework)
+  g, copies = zero.group, zero.copies
+  stage, embedding = local_params(cfg, framework)
+  state = stage + embedding
+  layer = layer_params(cfg) / t
+  per_node, spans = _zero_group_geometry(cfg, spec, g)
+
+  def group_s(kind: str, size: float) -> float:
+    return _collective_s(spec, kind, size, g, per_node, spans)
+
+  # ZeRO-3: per micro-batch (a stage's tick), each layer's bf16 weights all-gathered for the
+  # forward and again for the backward (recomputation), its fp32 gradient reduce-scattered; the
+  # embedding likewise where it is used. Not overlapped with compute (docs/planner.md: a layer
+  # gathered inside the scanned layer loop is needed by that iteration's first matmul; only
+  # XLA's collective pipelining across iterations could hide it, unverified without GPU HLO).
+  tick_zero3 = 0.0
+  zero3_bytes_tick = 0.0
+  if zero.stage == 3 and g > 1:
+    for size, count in ((layer, slots), (embedding, 1)):
+      tick_zero3 += count * (
+        2 * group_s('all-gather', compute_bytes * size) + group_s('reduce-scatter', 4 * size)
+      )
+      zero3_bytes_tick += count * (
+        2 * _ring_bytes('all-gather', compute_bytes * size, g)
+        + _ring_bytes('reduce-scatter', 4 * size, g)
+      )
 
   # The schedule: each micro-batch passes each of a stage's R chunks once; P - 1 chunk-ticks of
   # fill and drain per schedule (per group under pipeline.microbatch_group).
   groups = micro // cfg.pipeline.microbatch_group if cfg.pipeline.microbatch_group else 1
   bubble_ticks = groups * (p - 1) / r
-  stage_tick = tick_matmul + tick_attention + tick_recompute + tick_tp + tick_pp
-
-  # ZeRO-1 over data, once per iteration: fp32 gradients reduce-scattered, bf16 weights
-  # all-gathered; over the network when a data rank's peers are on other nodes.
-  stage, embedding = local_params(cfg)
-  state = stage + embedding
-  dp_bytes = (dp - 1) / dp * state * (4 + compute_bytes) if dp > 1 else 0.0
-  dp_bandwidth = (spec.network_per_gpu_gb_s() if n > spec.gpus_per_node else spec.nvlink_gb_s) * 1e9
-  # The embedding held whole by every stage: its gradient summed over the stages.
-  embedding_bytes = (
-    _allreduce_bytes(4 * embedding, p) if p > 1 and not embedding_split_over_pipeline(cfg) else 0.0
+  stage_tick = (
+    tick_matmul + tick_attention + tick_recompute + tick_scores + tick_tp + tick_pp + tick_zero3
   )
+
+  # ZeRO-1: the fp32 gradients reduce-scattered over the group, the bf16 weights all-gathered
+  # once per step. t5x_like without a pipeline reduce-scatters each micro-batch's gradient into
+  # the split accumulator (step.add_grads); a pipeline returns its schedule's (each group's)
+  # gradients at once.
+  dp_s = dp_bytes = 0.0
+  if zero.stage == 1 and g > 1:
+    scatters = micro if (p == 1 and not megatron) else groups
+    dp_s = scatters * group_s('reduce-scatter', 4 * state) + group_s(
+      'all-gather', compute_bytes * state
+    )
+    dp_bytes = scatters * _ring_bytes('reduce-scatter', 4 * state, g) + _ring_bytes(
+      'all-gather', compute_bytes * state, g
+    )
+  # Hybrid sharding: each rank's 1/G fp32 gradient shard all-reduced across the R copies once per
+  # step (ranks G x pipeline x tensor devices apart).
+  replica_s = replica_bytes = 0.0
+  if copies > 1:
+    shard = 4 * state / g
+    apart = g * p * t
+    replica_spans = n > node
+    replica_per_node = max(1, min(copies, node // apart)) if replica_spans else copies
+    replica_s = _collective_s(spec, 'all-reduce', shard, copies, replica_per_node, replica_spans)
+    replica_bytes = _ring_bytes('all-reduce', shard, copies)
+
+  # The embedding held whole by every stage: its gradient summed over the stages.
+  embedding_bytes = _ring_bytes('all-reduce', 4 * embedding, p) if p > 1 and not split_head else 0.0
   # Adam reads the fp32 params, both moments and the gradient and writes the first three and
-  # the bf16 copy, on its 1/data shard.
-  optimizer_bytes = state / dp * (4 * 4 + 3 * 4 + compute_bytes)
+  # the bf16 copy, on its 1/G shard.
+  optimizer_bytes = state / g * (4 * 4 + 3 * 4 + compute_bytes)
 
   parts = {
     'matmul_s': micro * tick_matmul,
     'attention_s': micro * tick_attention,
+    'attention_scores_s': micro * tick_scores,
     'recompute_s': micro * tick_recompute,
     'tensor_parallel_s': micro * tick_tp,
     'pipeline_transfer_s': micro * tick_pp,
+    'zero3_gather_s': micro * tick_zero3,
     'pipeline_bubble_s': bubble_ticks * stage_tick,
-    'data_parallel_s': dp_bytes / dp_bandwidth,
+    'data_parallel_s': dp_s,
+    'replica_allreduce_s': replica_s,
     'embedding_sync_s': embedding_bytes / pp_bandwidth,
     'optimizer_s': optimizer_bytes / (spec.hbm_gb_s * 1e9),
   }
   step = sum(parts.values())
-  memory = memory_bytes(cfg)
+  memory = memory_bytes(cfg, framework)
   memory_gib = sum(memory.values()) / GIB
-  fraction = jax_memory_fraction()
+  # A PyTorch process may use the whole device; JAX takes its fraction.
+  fraction = 1.0 if megatron else jax_memory_fraction()
   usable_gib = spec.hbm_gib * fraction
   model_flops = accounting.megatron_flops_per_iteration(cfg, train.global_batch_size, s)
   report = {
     'gpu': gpu,
+    'framework': framework,
     'mesh': [dp, p, t],
+    'zero_stage': zero.stage,
+    'zero_group': g,
     'micro_batch_size': b,
     'num_microbatches': micro,
     'estimated_step_s': step,
@@ -397,17 +684,30 @@ def estimate(cfg: Config, gpu: str, fitted: Fitted = FITTED, nodes_of: int | Non
     'matmul_flops_per_gpu': micro * 3 * (matmul + head),
     'attention_flops_per_gpu': micro * 3 * attention,
     'recompute_flops_per_gpu': micro * (matmul + attention) if recompute else 0.0,
+    'attention_score_bytes_per_gpu': micro * score_bytes_tick,
     'tensor_parallel_bytes_per_gpu': micro * tp_bytes_tick,
     'pipeline_transfer_bytes_per_gpu': micro * pp_bytes_tick,
+    'zero3_bytes_per_gpu': micro * zero3_bytes_tick,
     'data_parallel_bytes_per_gpu': dp_bytes,
+    'replica_allreduce_bytes_per_gpu': replica_bytes,
     'embedding_sync_bytes_per_gpu': embedding_bytes,
     'memory_gib_by_category': {k: v / GIB for k, v in memory.items()},
   }
+  if zero.stage == 3:
+    # The bound if XLA hid every ZeRO-3 gather and reduce-scatter behind the compute: what an
+    # overlap found in the GPU HLO would be worth at most.
+    tick_compute = tick_matmul + tick_attention + tick_recompute + tick_scores
+    hidden = (micro + bubble_ticks) * min(tick_zero3, tick_compute)
+    report['estimated_step_s_if_zero3_overlapped'] = step - hidden
   if not report['fits']:
+    allocator = (
+      'PyTorch may use all of it'
+      if megatron
+      else f'{fraction:g} of {spec.hbm_gib:g} GiB; XLA_PYTHON_CLIENT_MEM_FRACTION raises it'
+    )
     report['why_not'] = (
-      f'{memory_gib:.1f} GiB per GPU exceeds the {usable_gib:.1f} GiB JAX may '
-      f'use of one {gpu} ({fraction:g} of {spec.hbm_gib:g} GiB; '
-      'XLA_PYTHON_CLIENT_MEM_FRACTION raises it)'
+      f'{memory_gib:.1f} GiB per GPU exceeds the {usable_gib:.1f} GiB '
+      f'{"Megatron-DeepSpeed" if megatron else "JAX"} may use of one {gpu} ({allocator})'
     )
   return report
 
@@ -440,15 +740,61 @@ def max_gpus(cfg: Config, spec: Gpu) -> tuple[int, str]:
   )
 
 
+def zero_choices(data: int, pipeline: int, tensor: int, node: int) -> list[tuple[int, int]]:
+  """The (zero_stage, zero_group) pairs `search` ranks for a mesh: ZeRO-1 and ZeRO-3, each over
+  all of data (zero_group 0) and, where it differs, over the data ranks of one node (hybrid
+  sharding: node / (pipeline x tensor) ranks, when that divides data)."""
+  if data == 1:
+    return [(1, 0)]
+  groups = [0]
+  in_node = node // (pipeline * tensor)
+  if 1 < in_node < data and data % in_node == 0:
+    groups.append(in_node)
+  return [(stage, group) for stage in (1, 3) for group in groups]
+
+
+# The parts of estimated_step_s (estimate's report).
+TIME_PARTS = (
+  'matmul_s',
+  'attention_s',
+  'attention_scores_s',
+  'recompute_s',
+  'tensor_parallel_s',
+  'pipeline_transfer_s',
+  'zero3_gather_s',
+  'pipeline_bubble_s',
+  'data_parallel_s',
+  'replica_allreduce_s',
+  'embedding_sync_s',
+  'optimizer_s',
+)
+
+
+def why_behind(best: dict, other: dict, parts: int = 2) -> str:
+  """Why `other` ranks below `best` (both estimate reports): its extra seconds per iteration, the
+  parts that add most of them and the part it saves most on."""
+  extra = other['estimated_step_s'] - best['estimated_step_s']
+  deltas = sorted(((other[k] - best[k], k) for k in TIME_PARTS), reverse=True)
+  lost = ', '.join(f'{k} +{d:.3g}' for d, k in deltas[:parts] if d > 0)
+  text = f'+{extra:.3g} s ({extra / best["estimated_step_s"]:+.1%}) vs rank 1: {lost or "-"}'
+  saved, part = deltas[-1]
+  if saved < 0:
+    text += f'; saves {part} {saved:.3g}'
+  return text
+
+
 def search(cfg: Config, gpus: int, gpu: str, nodes_of: int | None = None) -> list[dict]:
-  """Every valid (data, pipeline, tensor, micro-batch) for `gpus` GPUs of kind `gpu` at `cfg`'s
-  model, sequence and global batch (and ramp-up), each with its estimate: those that fit first,
-  then those that do not, each group by estimated seconds per iteration.
+  """Every valid (data, pipeline, tensor, micro-batch, ZeRO stage, ZeRO group) for `gpus` GPUs
+  of kind `gpu` at `cfg`'s model, sequence and global batch (and ramp-up), each with its
+  estimate: those that fit first, then those that do not, each group by estimated seconds per
+  iteration. Each carries `why_not` (memory) when it does not fit and `why_behind` (its extra
+  seconds and the parts they come from against the first) when it is not the first.
 
   Valid: tensor divides the heads, hidden and FFN sizes and the node; the layers go over the
   stages with at most one padding slot each; the global batch and every ramp-up batch divide by
   micro-batch x data, into at least as many micro-batches as stages (Config.validate and
-  schedule.check decide, as for a run). More GPUs than `max_gpus` is a ConfigError."""
+  schedule.check decide, as for a run). ZeRO: zero_choices. More GPUs than `max_gpus` is a
+  ConfigError."""
   from t5x_like.training import schedule
 
   spec = gpu_spec(gpu, nodes_of)
@@ -485,14 +831,23 @@ def search(cfg: Config, gpus: int, gpu: str, nodes_of: int | None = None) -> lis
       ):
         if any(b % (micro * data) or b // (micro * data) < pipeline for b in batches):
           continue
-        try:
-          candidate = cfg.replace(
-            mesh={'data': data, 'pipeline': pipeline, 'tensor': tensor},
-            train={'micro_batch_size': micro},
-          ).validate()
-          schedule.check(candidate)
-        except ConfigError:
-          continue  # a divisibility the loops above do not check (FFN, vocabulary, groups)
-        results.append(estimate(candidate, gpu, nodes_of=nodes_of))
+        for zero_stage, zero_group in zero_choices(data, pipeline, tensor, spec.gpus_per_node):
+          try:
+            candidate = cfg.replace(
+              mesh={
+                'data': data,
+                'pipeline': pipeline,
+                'tensor': tensor,
+                'zero_stage': zero_stage,
+                'zero_group': zero_group,
+              },
+              train={'micro_batch_size': micro},
+            ).validate()
+            schedule.check(candidate)
+          except ConfigError:
+            continue  # a divisibility the loops above do not check (FFN, vocabulary, groups)
+          results.append(estimate(candidate, gpu, nodes_of=nodes_of))
   results.sort(key=lambda r: (not r['fits'], r['estimated_step_s']))
+  for r in results[1:]:
+    r['why_behind'] = why_behind(results[0], r)
   return results

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5x_like.config import Config
+from t5x_like.mesh import partitioning
 from t5x_like.model import losses
 from t5x_like.model import transformer as model_lib
 from t5x_like.optim import adamw as optim
@@ -31,13 +32,14 @@ from t5x_like.training import batches, schedule
 
 
 def compute_params_of(params, layout: StateLayout, dtype):
-  """The master params cast to the compute dtype and constrained to the rule sharding: this
-  all-gathers the compute-dtype copy of the ZeRO-split fp32 params (DeepSpeed's bf16 weights),
-  not the fp32 ones."""
+  """The master params cast to the compute dtype, in `layout.step_compute_shardings`: under
+  ZeRO-1 this all-gathers the compute-dtype copy of the split fp32 params once a step
+  (DeepSpeed's bf16 weights), not the fp32 ones; under ZeRO-3 the copy stays split and the model
+  gathers each weight where it uses it."""
   return jax.tree.map(
     lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s),
     params,
-    layout.compute_param_shardings,
+    layout.step_compute_shardings,
   )
 
 
@@ -46,15 +48,15 @@ def compute_bits_of(params, layout: StateLayout, dtype):
   return jax.tree.map(
     jax.lax.with_sharding_constraint,
     pipeline.as_bits(params, dtype),
-    layout.compute_param_shardings,
+    layout.step_compute_shardings,
   )
 
 
 def gathered_params(params, layout: StateLayout):
-  """The fp32 params in the rule sharding (without ZeRO's `data` split): where the pipeline
-  accumulates its fp32 gradients. The stages compute from `compute_bits_of`'s copy, so this
-  gather's value is never used and XLA removes it."""
-  return jax.tree.map(jax.lax.with_sharding_constraint, params, layout.compute_param_shardings)
+  """The fp32 params where the pipeline accumulates its fp32 gradients: under ZeRO-1 in the rule
+  sharding (without ZeRO's `data` split; the stages compute from `compute_bits_of`'s copy, so
+  this gather's value is never used and XLA removes it), under ZeRO-3 split as they are."""
+  return jax.tree.map(jax.lax.with_sharding_constraint, params, layout.step_compute_shardings)
 
 
 def fp32_zeros(params, shardings):
@@ -272,8 +274,9 @@ def make_eval_step(cfg: Config, layout: StateLayout):
 
 
 def batch_sharding(layout: StateLayout) -> NamedSharding:
-  """Batches [micro-batches, rows, S + 1] are split over `data` on their rows."""
-  return NamedSharding(layout.mesh, P(None, 'data', None))
+  """Batches [micro-batches, rows, S + 1] are split over `data` on their rows (and `replica`
+  under hybrid sharding)."""
+  return NamedSharding(layout.mesh, P(None, partitioning.batch_axes(layout.mesh), None))
 
 
 def jit_train_step(cfg: Config, layout: StateLayout):

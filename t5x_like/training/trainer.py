@@ -66,7 +66,7 @@ class Trainer:
       self.source = self.data.train
       # The mesh comes first among JAX objects: it creates virtual CPU devices before anything
       # starts the backend.
-      self.mesh = partitioning.make_mesh(cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor)
+      self.mesh = partitioning.mesh_of(cfg.mesh)
       self.layout = make_layout(cfg, self.mesh)
       self.batch_sharding = batch_sharding(self.layout)
       rt = cfg.runtime

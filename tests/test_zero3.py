@@ -1,0 +1,239 @@
+"""mesh.zero_stage=3 (fully sharded) and mesh.zero_group (hybrid sharding): training as one device
+does, each layer's weights gathered inside the layer scan and never kept for the backward pass,
+and checkpoints that move between ZeRO-1, ZeRO-3 and group sizes with the same next losses."""
+
+import collections
+import os
+import re
+
+import numpy as np
+import pytest
+from conftest import assert_same_training, config_with, run_steps, small_config
+
+from t5x_like.checkpointing import checkpoints
+from t5x_like.config import ConfigError
+from t5x_like.inference.loading import load_for_inference
+from t5x_like.mesh import partitioning
+from t5x_like.parallel.train_state import describe_zero, make_layout
+from t5x_like.training import step as step_lib
+from t5x_like.training.trainer import Trainer
+from t5x_like.training.workdir import read_metrics
+
+
+@pytest.fixture(scope='module')
+def single_device_run():
+  return run_steps(small_config(), num_steps=3)
+
+
+@pytest.mark.parametrize(
+  'mesh, model, pipeline',
+  [
+    ((8, 1, 1, 0), {}, {}),
+    ((2, 1, 4, 0), dict(sequence_parallel=True), {}),
+    ((2, 2, 2, 0), dict(remat_policy='full'), {}),
+    ((2, 2, 2, 0), dict(remat_policy='full'), dict(schedule='1f1b')),
+    ((8, 1, 1, 2), {}, {}),  # hybrid: 4 copies, each split over 2 data ranks
+    ((4, 2, 1, 2), dict(remat_policy='save_dots'), {}),
+  ],
+  ids=['8x1x1', '2x1x4_sp', '2x2x2', '2x2x2_1f1b', '8x1x1_group2', '4x2x1_group2'],
+)
+def test_zero3_trains_as_one_device(single_device_run, mesh, model, pipeline):
+  data, stages, tensor, group = mesh
+  cfg = small_config(
+    model=model,
+    pipeline=pipeline,
+    mesh=dict(data=data, pipeline=stages, tensor=tensor, zero_stage=3, zero_group=group),
+  ).validate()
+  assert_same_training(run_steps(cfg, num_steps=3), single_device_run, cfg)
+
+
+def test_zero3_splits_8bit_adam_as_zero1_does():
+  """adamw_8bit's quantised moments keep their blocks whole under ZeRO-3's split too: the
+  losses and gradient norms of one device (as test_optim_8bit compares meshes: a summation order
+  that moves a value across a quantisation boundary moves a few params by a code)."""
+  sections = dict(optimizer=dict(name='adamw_8bit'), model=dict(hidden_size=256))
+  ref_losses, ref_norms, _ = run_steps(small_config(**sections), num_steps=3)
+  cfg = small_config(mesh=dict(data=4, tensor=2, zero_stage=3), **sections).validate()
+  losses, norms, _ = run_steps(cfg, num_steps=3)
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
+
+
+def test_hybrid_zero1_trains_as_one_device(single_device_run):
+  cfg = small_config(mesh=dict(data=4, tensor=2, zero_group=2)).validate()
+  assert_same_training(run_steps(cfg, num_steps=3), single_device_run, cfg)
+
+
+# ------------------------------------------------------------------------- the compiled step
+
+LAYERS = 3
+
+
+def compiled_step_text(zero_stage: int, zero_group: int = 0) -> str:
+  """The train step of a 3-layer model on 8 data ranks, compiled (its HLO text)."""
+  cfg = small_config(
+    model=dict(num_layers=LAYERS),
+    mesh=dict(data=8, zero_stage=zero_stage, zero_group=zero_group),
+  ).validate()
+  layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
+  return step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile().as_text()
+
+
+def collectives_by_place(hlo: str, op: str) -> dict[str, list[str]]:
+  """The result shapes of every `op` (all-gather, ...) of the HLO text, by whether the
+  computation it is in is a while loop's body ('loop') or not ('outside')."""
+  bodies = set(re.findall(r'body=%([\w.-]+)', hlo))
+  places: dict[str, list[str]] = collections.defaultdict(list)
+  computation = None
+  for line in hlo.splitlines():
+    header = re.match(r'^(?:ENTRY )?%([\w.-]+) .*\{$', line)
+    if header:
+      computation = header.group(1)
+      continue
+    found = re.search(rf'= (\S+) {op}\(', line)
+    if found:
+      places['loop' if computation in bodies else 'outside'].append(found.group(1))
+  return places
+
+
+def while_carried_shapes(hlo: str) -> list[str]:
+  """The shapes every while loop of the HLO text carries from one trip to the next (and out)."""
+  shapes = []
+  for carried in re.findall(r'= \((.*?)\) while\(', hlo):
+    shapes += re.findall(r'[a-z0-9]+\[[0-9,]*\]', carried)
+  return shapes
+
+
+# The first layer param of the small model, qkv_kernel [layers, h, heads, 3, d], whole: the
+# kernel the compute copy gathers under ZeRO-1 and the scan must not keep under ZeRO-3.
+WHOLE_QKV = f'f32[{LAYERS},64,8,3,8]'
+
+
+@pytest.fixture(scope='module')
+def zero1_and_zero3_steps():
+  return compiled_step_text(1), compiled_step_text(3)
+
+
+def test_zero3_gathers_each_layer_inside_the_scan_not_the_whole_stack(zero1_and_zero3_steps):
+  """ZeRO-1 gathers each stacked layer param whole ([L, ...]) once, before the layer scan;
+  ZeRO-3 gathers one layer's slice ([1, ...]) in the scans' bodies (the forward's, and the
+  backward's again), and nothing stacked."""
+  zero1, zero3 = (collectives_by_place(hlo, 'all-gather') for hlo in zero1_and_zero3_steps)
+  shapes = lambda found: [s.split('{')[0] for s in found]
+  stacked = lambda found: [s for s in shapes(found) if s.startswith(f'f32[{LAYERS},')]
+  one_layer = lambda found: [s for s in shapes(found) if s.startswith('f32[1,')]
+  assert WHOLE_QKV in stacked(zero1['outside'])
+  assert not one_layer(zero1['loop'])
+  assert not stacked(zero3['outside'] + zero3['loop'])
+  assert one_layer(zero3['loop']).count('f32[1,64,8,3,8]') == 2  # forward, backward
+  assert len(set(one_layer(zero3['loop']))) >= 6  # the block's kernels, biases and norms
+
+
+def test_zero3_never_keeps_a_gathered_layer_for_the_backward_pass(zero1_and_zero3_steps):
+  """With no recomputation asked for (remat_policy='none'), the layer scan of ZeRO-1 carries
+  the whole compute copy; ZeRO-3's carries only the split weights: the backward pass gathers
+  each layer again (the matmul outputs are kept instead, as 'save_dots' does)."""
+  zero1, zero3 = (while_carried_shapes(hlo) for hlo in zero1_and_zero3_steps)
+  assert WHOLE_QKV in zero1
+  assert WHOLE_QKV not in zero3
+  assert f'f32[{LAYERS},8,8,3,8]' in zero3  # the kernel split over the 8 data ranks
+
+
+def group_size(instruction: str) -> int:
+  """Devices in each replica group of a collective of the HLO text, from its iota form
+  (replica_groups=mesh['axis_0'=1,'axis_1'=2,...] ... {'axis_1'}: the product of the named axes'
+  sizes) or its list form ({{0,1},{2,3}})."""
+  listed = re.search(r'replica_groups=\{\{([\d,]+)\}', instruction)
+  if listed:
+    return len(listed.group(1).split(','))
+  sizes = dict(re.findall(r"'(axis_\d+)'=(\d+)", instruction.split('replica_groups=')[1]))
+  over = re.search(r"\{('axis_\d+'(?:,'axis_\d+')*)\}", instruction.split('replica_groups=')[1])
+  assert over, instruction
+  size = 1
+  for axis in re.findall(r"'(axis_\d+)'", over.group(1)):
+    size *= int(sizes[axis])
+  return size
+
+
+def test_hybrid_groups_gather_inside_a_group(zero1_and_zero3_steps):
+  """mesh.zero_group=2 on 8 data ranks: each layer gather runs over 2 devices (one group), not
+  over all 8 as without groups."""
+  one_layer_gathers = lambda hlo: [
+    line for line in hlo.splitlines() if re.search(r'= f32\[1,\S+ all-gather\(', line)
+  ]
+  grouped = one_layer_gathers(compiled_step_text(3, zero_group=2))
+  ungrouped = one_layer_gathers(zero1_and_zero3_steps[1])
+  assert grouped and ungrouped
+  assert {group_size(line) for line in grouped} == {2}
+  assert {group_size(line) for line in ungrouped} == {8}
+
+
+# ----------------------------------------------------------------------------- config, log
+
+
+def test_zero_group_must_divide_data():
+  with pytest.raises(ConfigError, match=r'mesh.zero_group \(3\) must divide mesh.data \(4\)'):
+    small_config(mesh=dict(data=4, zero_group=3)).validate()
+
+
+def test_start_up_line_names_the_stage_and_the_groups():
+  cfg = small_config(mesh=dict(data=8, zero_stage=3, zero_group=2)).validate()
+  line = describe_zero(make_layout(cfg, partitioning.mesh_of(cfg.mesh)))
+  assert line.startswith('> ZeRO-3: fp32 params, Adam moments and the compute copy (each layer ')
+  assert 'split over data groups of 2 (4 copies)' in line
+
+
+# ------------------------------------------------------------------------------- checkpoints
+
+
+def corpus_config(**mesh):
+  """The embedded corpus, 4 iterations, checkpoints at 2 and 4, on a mesh of 4 devices."""
+  return config_with(
+    {
+      'model': dict(num_layers=2, hidden_size=32, num_heads=4, vocab_size=8192, init_std=0.02),
+      'train': dict(steps=4, global_batch_size=8, micro_batch_size=1, seq_len=16, seed=3),
+      'optimizer': dict(lr=2e-3, min_lr=2e-4, warmup_samples=4, decay_samples=400),
+      'mesh': dict(dict(data=4, pipeline=1, tensor=1), **mesh),
+      'checkpoint': dict(save_interval=2),
+    },
+    {},
+  )
+
+
+def losses_after_resume(workdir: str, first: dict, then: dict) -> list[float]:
+  """Iterations 1-2 on mesh `first`, saved; 3-4 resumed from that checkpoint on mesh `then`."""
+  Trainer(corpus_config(**first).replace(train={'steps': 2}), workdir).run()
+  assert checkpoints.available_steps(os.path.join(workdir, 'checkpoints')) == [2]
+  Trainer(corpus_config(**then), workdir).run()
+  return [r['lm_loss'] for r in read_metrics(workdir)]
+
+
+@pytest.fixture(scope='module')
+def uninterrupted_zero1(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('zero1'))
+  Trainer(corpus_config(), workdir).run()
+  return [r['lm_loss'] for r in read_metrics(workdir)]
+
+
+@pytest.mark.parametrize(
+  'first, then',
+  [
+    ({}, dict(zero_stage=3)),
+    (dict(zero_stage=3), dict(zero_stage=1, zero_group=2)),
+    (dict(zero_stage=3, zero_group=2), dict(zero_stage=3)),
+  ],
+  ids=['zero1_to_zero3', 'zero3_to_hybrid_zero1', 'hybrid_zero3_to_zero3'],
+)
+def test_a_checkpoint_resumes_under_another_stage_or_group(
+  uninterrupted_zero1, tmp_path, first, then
+):
+  """Checkpoints hold the canonical layout: a run resumes across ZeRO stages and group sizes
+  with the losses of the run that never stopped, and the inference tools load its checkpoint
+  (on their own mesh, whatever stage and group it was saved with)."""
+  workdir = str(tmp_path / 'run')
+  resumed = losses_after_resume(workdir, first, then)
+  assert len(resumed) == 4
+  assert resumed == pytest.approx(uninterrupted_zero1, rel=2e-6)
+  cfg, params = load_for_inference(os.path.join(workdir, 'checkpoints'))
+  assert (cfg.mesh.zero_stage, cfg.mesh.zero_group) == (1, 0)
+  assert params['word_embeddings'].shape[1] == 32
