@@ -326,7 +326,13 @@ def test_inspect_shows_step_config_and_tensors_from_metadata_only(fake_run, caps
   assert code == 0
   info = json.loads(out)
   assert (info['step'], info['steps_in_root'], info['progress']['iteration']) == (1, [1, 2], 1)
-  assert info['saved_mesh'] == {'data': 2, 'pipeline': 1, 'tensor': 2}
+  assert info['saved_mesh'] == {
+    'data': 2,
+    'pipeline': 1,
+    'tensor': 2,
+    'zero_stage': 1,
+    'zero_group': 0,
+  }
   assert info['model']['num_layers'] == 2 and info['meta']['lr_schedule']['lr'] == 1e-3
   tensors = {t['name']: t for t in info['tensors']}
   emb = tensors['params/word_embeddings']
