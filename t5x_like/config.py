@@ -249,6 +249,18 @@ class EvalConfig:
   iters: int = _ranged(
     1, 1
   )  # Batches (of the current global batch size) per validation set and evaluation.
+  # lm-evaluation-harness tasks run on the live params during training (docs/evaluation.md),
+  # comma-separated ('' for none): every harness_interval iterations (0: only at the end), on
+  # at most harness_limit documents per task (0: all), with the task YAMLs of
+  # harness_include_path besides the harness's own.
+  harness_tasks: str = ''
+  harness_interval: int = _ranged(0, 0)
+  harness_limit: int = _ranged(0, 0)
+  harness_include_path: str = ''
+  harness_batch_size: int = _ranged(8, 1)  # Requests per batch of the harness backend.
+  # The tokenizer the run's data was tokenized with, for the harness's text: a tokenizer.json
+  # or a SentencePiece .model file ('': the shipped one, the embedded corpus's).
+  harness_tokenizer: str = ''
 
 
 @dataclasses.dataclass(frozen=True)

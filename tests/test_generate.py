@@ -1,4 +1,5 @@
-"""`python -m t5x_like.generate` against transformers' `generate` on the same imported weights."""
+"""`python -m t5x_like.generate` (KV-cache decoding, t5x_like/inference/decoding.py) against
+transformers' `generate` on the same imported weights."""
 
 import json
 
@@ -9,6 +10,7 @@ from conftest import random_bloom, run_cli, small_config
 from t5x_like.cli import ckpt, generate
 from t5x_like.config import ConfigError
 from t5x_like.data.tokenizer import Tokenizer
+from t5x_like.inference import decoding
 from t5x_like.inference import loading as inference
 
 
@@ -38,7 +40,7 @@ def test_greedy_generation_is_hf_generate_and_sampling_follows_its_seed(tmp_path
   model, out = imported(tmp_path, 4, 300, hidden=32)
   cfg, params = inference.load_for_inference(out, 'float32')
   prompt = [5, 17, 42, 7, 250]
-  ours = generate.generate_ids(cfg, params, prompt, 12, eod_id=model.config.eos_token_id)
+  [ours] = decoding.generate(cfg, params, [prompt], 12, eod_id=model.config.eos_token_id)
   with torch.no_grad():
     hf = model.generate(
       torch.tensor([prompt]),
@@ -49,11 +51,11 @@ def test_greedy_generation_is_hf_generate_and_sampling_follows_its_seed(tmp_path
     )[0, len(prompt) :].tolist()
   assert ours == hf and len(set(ours)) > 3  # a varied continuation, not one token repeated
   # Sampling is a function of the seed; top-k 1 leaves only the greedy token.
-  sample = lambda seed, **kw: generate.generate_ids(
-    cfg, params, prompt, 12, temperature=1.5, seed=seed, **kw
+  sample = lambda seed, **kw: decoding.generate(
+    cfg, params, [prompt], 12, temperature=1.5, seed=seed, **kw
   )
   assert sample(3) == sample(3) and sample(3) != sample(4)
-  assert sample(3, top_k=1) == generate.generate_ids(cfg, params, prompt, 12)
+  assert sample(3, top_k=1) == decoding.generate(cfg, params, [prompt], 12)
 
 
 def test_cli_continues_text_with_the_shipped_tokenizer_and_refuses_a_smaller_model(tmp_path):
@@ -145,11 +147,12 @@ def test_generation_and_export_run_without_the_data_of_the_run():
 def test_a_generation_that_cannot_fit_is_refused_before_the_restore_and_long_ones_show_progress(
   tmp_path, capsys, monkeypatch
 ):
-  """Without a KV cache every new token runs the model over the whole prompt + new-token buffer,
-  whose attention scores are [heads, length, length] float32: 10^9 new tokens once aborted the
-  process inside XLA (an overflowing shape) and 10^5 asked for 160 GB here. Both are refused
-  with the limit, before the checkpoint is restored (restoring here fails the test). A
-  generation that runs shows its progress on stderr."""
+  """A generation keeps every layer's keys and values of the prompt and the new tokens in its KV
+  cache, [layers, 1, length, heads, head_dim] for each (here 512 bytes a position), besides the
+  prompt's forward (its attention scores [heads, P, P] float32, P the prompt rounded up to 64).
+  10^12 new tokens (512 TB) and a generation beyond a 1 GiB device are refused with the limit,
+  before the checkpoint is restored (restoring here fails the test). A generation that runs
+  shows its progress on stderr."""
   _, out = imported(tmp_path, 4, 8192, hidden=32)
   capsys.readouterr()  # the export's own progress
 
@@ -159,20 +162,29 @@ def test_a_generation_that_cannot_fit_is_refused_before_the_restore_and_long_one
   monkeypatch.setattr(inference, 'load_for_inference', restore)
   prompt = ['--checkpoint', out, '--prompt', 'def f(x):', '--dtype', 'float32']
   prompt_tokens = len(Tokenizer.load_default().encode('def f(x):'))
-  assert generate.main([*prompt, '--max_new_tokens', '1000000000']) == 2
+  assert generate.main([*prompt, '--max_new_tokens', str(10**12)]) == 2
   err = capsys.readouterr().err
   assert err.startswith('error: ') and len(err.splitlines()) == 1, err
-  length = 10**9 + prompt_tokens
-  assert f'attention scores [4, {length}, {length}] float32' in err, err
-  # With 1 GiB to a device: 4 x 8192 x 8192 x 4 bytes is exactly 1 GiB.
-  monkeypatch.setattr(generate, 'device_memory', lambda tensor: (2**30, "a test device's"))
-  assert generate.main([*prompt, '--max_new_tokens', '100000']) == 2
-  err = capsys.readouterr().err
+  length = -(-(10**12 + prompt_tokens - 1) // 64) * 64  # the cache: all but the last new token
   assert (
-    f'prompt ({prompt_tokens} tokens) + --max_new_tokens (100000) is a '
-    f'{100000 + prompt_tokens}-token buffer' in err
-  ), err
-  assert f'at most --max_new_tokens {8192 - prompt_tokens} fits after this prompt' in err, err
+    f'a KV cache of {length} positions (keys and values of 2 layers x 4 heads x 8 float32' in err
+  )
+  assert 'attention scores [4, 64, 64] float32 (6.104e-05 GiB)' in err, err
+  # With 1 GiB to a device: 512 bytes a cache position and 4 x 64 x 64 x 4 bytes of scores
+  # leave 2^21 - 128 positions for the prompt and every new token but the last.
+  monkeypatch.setattr(generate, 'device_memory', lambda tensor: (2**30, "a test device's"))
+  assert generate.main([*prompt, '--max_new_tokens', '3000000']) == 2
+  err = capsys.readouterr().err
+  needs = f'prompt ({prompt_tokens} tokens) + --max_new_tokens (3000000) needs at least 1.431 GiB'
+  assert needs in err, err
+  most = 2**21 - 128 + 1 - prompt_tokens
+  assert f'at most --max_new_tokens {most} fits after this prompt' in err, err
+  assert generation_fits(out, prompt_tokens, most) and not generation_fits(
+    out, prompt_tokens, most + 1
+  )
+  monkeypatch.setattr(generate, 'device_memory', lambda tensor: (60000, "a test device's"))
+  assert generate.main([*prompt, '--max_new_tokens', '1']) == 2
+  assert 'the prompt alone does not fit: shorten it' in capsys.readouterr().err
   # lax.top_k of more than the vocabulary failed in the compile, after the restore.
   assert generate.main([*prompt, '--temperature', '1', '--top_k', '8193']) == 2
   assert capsys.readouterr().err == (
@@ -180,8 +192,27 @@ def test_a_generation_that_cannot_fit_is_refused_before_the_restore_and_long_one
     'model; use at most 8192, or 0 for all of them\n'
   )
   monkeypatch.undo()
-  monkeypatch.setattr(generate, 'PROGRESS_DELAY_S', 0.0)  # a bar from the first token
+  monkeypatch.setattr(decoding, 'PROGRESS_DELAY_S', 0.0)  # a bar from the first token
   assert generate.main([*prompt, '--max_new_tokens', '3']) == 0
   captured = capsys.readouterr()
   assert 1 <= len(json.loads(captured.out.splitlines()[-1])['completion_ids']) <= 3
   assert 'generating:' in captured.err and '/3 ' in captured.err, captured.err
+
+
+def generation_fits(checkpoint, prompt_tokens, new_tokens):
+  """Whether check_request lets the generation run within 1 GiB."""
+  from t5x_like.checkpointing.checkpoints import read_config
+
+  saved = read_config(checkpoint)
+  try:
+    generate.check_request(
+      saved,
+      Tokenizer.load_default(),
+      [1] * prompt_tokens,
+      new_tokens,
+      dtype='float32',
+      memory=(2**30, 'a test device'),
+    )
+  except ConfigError:
+    return False
+  return True

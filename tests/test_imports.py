@@ -44,6 +44,7 @@ COMMANDS = (
   'watch',
   'devices',
   'from_megatron',
+  'harness',
 )
 ENTRY_POINTS = {f't5x_like.{c}' for c in COMMANDS} | {'t5x_like.data.__main__'}
 

@@ -8,8 +8,12 @@ Megatron's tools/generate_samples_gpt.py for this trainer: a look at a checkpoin
 server. Temperature 0 (the default) is greedy decoding; above 0 it samples from
 softmax(logits / temperature), restricted to the --top_k likeliest tokens if given, from
 --seed. Generation stops after --max_new_tokens or at the tokenizer's end-of-document token.
-There is no KV cache: each new token runs the model over a fixed buffer of prompt + new tokens
-(one compilation), which is causal, so the tokens not yet written do not change the ones before.
+It runs with a KV cache (t5x_like/inference/decoding.py): the prompt runs through the model once
+and every layer keeps its keys and values at every position, in the compute dtype, split over
+the T devices on the heads; each new token then runs the model on itself alone and attends to
+the cache. The cache holds the prompt and all new tokens but the last, rounded up to a multiple
+of 64 positions, so similar requests share their compiled programs. Greedy tokens are those of
+the forward over the whole sequence, and a --seed draws what it drew before the cache.
 
 The model is restored from any mesh onto a 1 x 1 x T mesh as `evaluate` does. The text is
 encoded with the shipped tokenizer unless another is given. It must be the one the checkpoint's
@@ -17,13 +21,14 @@ data was tokenized with, and a tokenizer larger than the model's vocabulary is a
 continuation is printed, then one JSON line: `prompt`, `completion`, `prompt_ids`,
 `completion_ids`.
 
-What can be generated: the prompt + --max_new_tokens buffer must fit the model (a gpt2's learned
-positions) and the device: each forward over it holds the attention scores of every head on the
-device, [heads / T, length, length] float32 (the largest array under attention_impl 'xla'), in
-what JAX may use of a GPU, or on CPU in the host's memory, shared by the T devices. A request
-beyond either is refused before the checkpoint is restored, with the limit (an upper bound: the
-scores are not all a forward holds). As each token costs a forward over the whole buffer, a
-generation that takes more than a few seconds shows its progress (tqdm) on stderr.
+What can be generated: prompt + --max_new_tokens must fit the model (a gpt2's learned
+positions) and the device: at its peak a generation holds, besides the weights, the KV cache and
+the largest array of the prompt's forward (its attention scores [heads / T, P, P] float32 under
+attention_impl 'xla', P the prompt rounded up to a multiple of 64, or its MLP activation), in what
+JAX may use of a GPU, or on CPU in the host's memory, shared by the T devices. A request beyond
+either is refused before the checkpoint is restored, with the largest --max_new_tokens that
+could fit (an upper bound: the weights and the smaller arrays are not counted). A generation
+that takes more than a few seconds shows its progress (tqdm) on stderr.
 
 Exit codes: 0 done, 2 bad input (one message before the model is restored).
 """
@@ -35,94 +40,18 @@ import json
 import os
 import sys
 
-import numpy as np
-
 from t5x_like.config import Config, ConfigError, ModelConfig
-
-# A progress bar on stderr for generations that take longer than this (seconds); shorter ones
-# print nothing but their result.
-PROGRESS_DELAY_S = 2.0
-
-
-def generate_ids(
-  cfg: Config,
-  params,
-  prompt_ids: list[int],
-  max_new_tokens: int,
-  temperature: float = 0.0,
-  top_k: int = 0,
-  seed: int = 0,
-  eod_id: int | None = None,
-  progress: bool = False,
-) -> list[int]:
-  """The new token ids after `prompt_ids` (without them), at most max_new_tokens, ending at
-  eod_id (included) if the model writes it. cfg, params: from `inference.load_for_inference`.
-  `progress`: a bar on stderr once the generation has taken PROGRESS_DELAY_S."""
-  import jax
-  import jax.numpy as jnp
-  from tqdm import tqdm
-
-  from t5x_like.mesh import partitioning
-  from t5x_like.model import transformer as model_lib
-
-  mesh = partitioning.make_mesh(cfg.mesh.data, 1, cfg.mesh.tensor)
-  model = model_lib.Transformer(cfg.model, cfg.padded_vocab_size, mesh)
-  length = len(prompt_ids) + max_new_tokens
-
-  @jax.jit
-  def next_token(params, buffer, position, key):
-    """The token at `position`, from the logits at position - 1 (only those: at BLOOM's
-    vocabulary, logits of the whole buffer would be 2 GB per 2048 tokens)."""
-    hidden = model.apply({'params': params}, buffer[None], return_hidden=True)[0, position - 1]
-    embedding = params['word_embeddings'].astype(hidden.dtype)
-    logits = jnp.einsum('e,ve->v', hidden, embedding, preferred_element_type=jnp.float32)
-    # The padded vocabulary rows are never predicted, as in training.
-    logits = jnp.where(jnp.arange(logits.shape[0]) < cfg.model.vocab_size, logits, -jnp.inf)
-    if temperature == 0:
-      return jnp.argmax(logits).astype(jnp.int32)
-    logits = logits / temperature
-    if top_k:
-      kth = jax.lax.top_k(logits, top_k)[0][-1]
-      logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(key, logits).astype(jnp.int32)
-
-  buffer = np.zeros(length, np.int32)
-  buffer[: len(prompt_ids)] = prompt_ids
-  key = jax.random.PRNGKey(seed)
-  new = []
-  with tqdm(
-    total=max_new_tokens,
-    desc='generating',
-    unit='token',
-    file=sys.stderr,
-    delay=PROGRESS_DELAY_S,
-    mininterval=1.0,
-    leave=False,
-    disable=not progress,
-  ) as bar:
-    for position in range(len(prompt_ids), length):
-      key, step_key = jax.random.split(key)
-      token = int(next_token(params, jnp.asarray(buffer), position, step_key))
-      buffer[position] = token
-      new.append(token)
-      bar.update()
-      if token == eod_id:
-        break
-  return new
+from t5x_like.inference import decoding
 
 
 def load_tokenizer(args: argparse.Namespace):
-  from t5x_like.data.hf_tokenizer import HFTokenizer
+  """--tokenizer_json / --tokenizer_model (data.tokenizer.load_tokenizer); a bad path is one
+  ConfigError."""
   from t5x_like.data.indexed import DataError
-  from t5x_like.data.tokenizer import DEFAULT_MODEL_PATH, Tokenizer
+  from t5x_like.data.tokenizer import load_tokenizer as load
 
   try:
-    if args.tokenizer_json:
-      return HFTokenizer(args.tokenizer_json)
-    path = args.tokenizer_model or DEFAULT_MODEL_PATH
-    if not os.path.isfile(path):
-      raise DataError(f'--tokenizer_model {path!r} not found')
-    return Tokenizer.from_file(path)
+    return load(args.tokenizer_json, args.tokenizer_model)
   except DataError as e:
     raise ConfigError(str(e)) from None
 
@@ -148,6 +77,24 @@ def largest_array(
   return mlp
 
 
+def generation_memory(
+  model: ModelConfig, prompt_tokens: int, max_new_tokens: int, tensor: int, dtype: str | None = None
+) -> tuple[int, str]:
+  """(bytes, what) one device of a 1 x 1 x `tensor` mesh holds at the peak of a generation,
+  the weights aside: the KV cache and the largest array of the prompt's forward (the prefill;
+  a step's arrays are smaller)."""
+  dtype = dtype or model.dtype
+  prompt_buffer, length = decoding.buffer_lengths(prompt_tokens, max_new_tokens)
+  cache = decoding.kv_cache_bytes(model, 1, length, tensor, dtype)
+  forward, what = largest_array(model, prompt_buffer, tensor, dtype)
+  heads = -(-model.num_heads // tensor)
+  return cache + forward, (
+    f'a KV cache of {length} positions (keys and values of {model.num_layers} layers x {heads} '
+    f"heads x {model.head_dim} {dtype}, {cache / 2**30:.4g} GiB) and the prompt's forward's "
+    f'{what} ({forward / 2**30:.4g} GiB)'
+  )
+
+
 def device_memory(tensor: int) -> tuple[int, str]:
   """(bytes, whose) one device of a 1 x 1 x `tensor` mesh may use: what JAX may allocate on an
   accelerator; on CPU the host's memory, which the mesh's virtual devices share."""
@@ -164,16 +111,18 @@ def device_memory(tensor: int) -> tuple[int, str]:
   )
 
 
-def max_length(model: ModelConfig, tensor: int, budget: int, dtype: str | None = None) -> int:
-  """The longest buffer whose largest_array fits in `budget` bytes (0: none does)."""
+def max_new_tokens_that_fit(
+  model: ModelConfig, prompt_tokens: int, tensor: int, budget: int, dtype: str | None = None
+) -> int:
+  """The most new tokens after a prompt whose generation_memory fits in `budget` bytes (0:
+  not even one)."""
+  fits = lambda new: generation_memory(model, prompt_tokens, new, tensor, dtype)[0] <= budget
   low, high = 0, 1
-  while largest_array(model, high, tensor, dtype)[0] <= budget:
+  while fits(high):
     low, high = high, 2 * high
-  while high - low > 1:  # largest_array grows with the length: bisect.
+  while high - low > 1:  # generation_memory grows with the new tokens: bisect.
     middle = (low + high) // 2
-    low, high = (
-      (middle, high) if largest_array(model, middle, tensor, dtype)[0] <= budget else (low, middle)
-    )
+    low, high = (middle, high) if fits(middle) else (low, middle)
   return low
 
 
@@ -188,9 +137,9 @@ def check_request(
   top_k: int = 0,
 ) -> None:
   """One ConfigError for a request that cannot run: a tokenizer larger than the model, an empty
-  prompt, a buffer longer than a gpt2's learned positions or whose forward does not fit a device
-  (`memory`: (bytes, whose), default `device_memory(tensor)`), a top_k above the vocabulary.
-  Before the restore: cheap."""
+  prompt, a prompt + new tokens longer than a gpt2's learned positions or whose generation does
+  not fit a device (`memory`: (bytes, whose), default `device_memory(tensor)`), a top_k above
+  the vocabulary. Before the restore: cheap."""
   if tokenizer.vocab_size > saved.model.vocab_size:
     raise ConfigError(
       f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's "
@@ -212,20 +161,18 @@ def check_request(
       'this gpt2 model; shorten one of them'
     )
   budget, whose = memory or device_memory(tensor)
-  needed, what = largest_array(saved.model, length, tensor, dtype)
+  needed, what = generation_memory(saved.model, len(prompt_ids), max_new_tokens, tensor, dtype)
   if needed > budget:
-    most = max_length(saved.model, tensor, budget, dtype) - len(prompt_ids)
+    most = max_new_tokens_that_fit(saved.model, len(prompt_ids), tensor, budget, dtype)
     fix = (
       f'at most --max_new_tokens {most} fits after this prompt'
       if most >= 1
       else 'the prompt alone does not fit: shorten it'
     )
     raise ConfigError(
-      f'prompt ({len(prompt_ids)} tokens) + --max_new_tokens ({max_new_tokens}) '
-      f'is a {length}-token buffer, and each new token runs the model over all '
-      f'of it (no KV cache): a forward over it holds {what}, '
-      f'{needed / 2**30:.4g} GiB, more than the {budget / 2**30:.4g} GiB {whose}; '
-      f'{fix}'
+      f'prompt ({len(prompt_ids)} tokens) + --max_new_tokens ({max_new_tokens}) needs at '
+      f'least {needed / 2**30:.4g} GiB on a device, {what}: more than the '
+      f'{budget / 2**30:.4g} GiB {whose}; {fix}'
     )
 
 
@@ -288,15 +235,15 @@ def main(argv: list[str] | None = None) -> int:
   except (ConfigError, CheckpointError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  new = generate_ids(
+  [new] = decoding.generate(
     cfg,
     params,
-    prompt_ids,
+    [prompt_ids],
     args.max_new_tokens,
-    args.temperature,
-    args.top_k,
-    args.seed,
-    tokenizer.eod_id,
+    temperature=args.temperature,
+    top_k=args.top_k,
+    seed=args.seed,
+    eod_id=tokenizer.eod_id,
     progress=True,
   )
   text_ids = new[:-1] if new and new[-1] == tokenizer.eod_id else new

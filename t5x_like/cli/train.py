@@ -120,6 +120,8 @@ def _train(
     distributed.initialize(group, cfg.mesh.num_devices)
     distributed.check_same_run(cfg.to_json(), workdir)
     trainer = Trainer(cfg, workdir)
+    if trainer.cfg.eval.harness_tasks:
+      register_harness(trainer)
     trainer.run(stop)
   except (ConfigError, CheckpointError, DataError) as e:
     print(f'error: {e}', file=sys.stderr)
@@ -136,6 +138,18 @@ def _train(
       print(f'error: {e}', file=sys.stderr, flush=True)
     return runtime.ExitCode.CRASHED
   return runtime.exit_code(trainer.stop_reason)
+
+
+def register_harness(trainer) -> None:
+  """eval.harness_tasks: the harness evaluation on the trainer's hooks; a bad task name or
+  tokenizer ends the run before it starts (the workdir unchanged)."""
+  from t5x_like.inference.harness_evaluation import HarnessEvaluator
+
+  try:
+    HarnessEvaluator(trainer).register(trainer.hooks)
+  except BaseException:
+    trainer.release()
+    raise
 
 
 def cli() -> None:

@@ -178,3 +178,21 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == '__main__':
   main()
+
+
+def load_tokenizer(tokenizer_json: str | None = None, tokenizer_model: str | None = None):
+  """The tokenizer the inference tools read text with: a Hugging Face tokenizer.json (or the
+  directory a tokenizer was saved to with `save_pretrained`), a SentencePiece model, or by
+  default the shipped one. A bad path is a DataError."""
+  from t5x_like.data.hf_tokenizer import HFTokenizer
+
+  if tokenizer_json and tokenizer_model:
+    raise DataError('pass one of --tokenizer_json and --tokenizer_model')
+  if tokenizer_json:
+    if os.path.isdir(tokenizer_json):
+      tokenizer_json = os.path.join(tokenizer_json, 'tokenizer.json')
+    return HFTokenizer(tokenizer_json)
+  path = tokenizer_model or DEFAULT_MODEL_PATH
+  if not os.path.isfile(path):
+    raise DataError(f'--tokenizer_model {path!r} not found')
+  return Tokenizer.from_file(path)

@@ -8,6 +8,9 @@
 The fused ones run per shard under the mesh: a `shard_map` over the batch (`data`) and head
 (`tensor`) axes, each shard with the ALiBi slopes of its own (contiguous) heads.
 
+Decoding with a KV cache attends one new token per row to the cached keys (`cached_attention`):
+plain JAX whatever the implementation, as a matrix-vector product gains nothing from tiling.
+
 Fail fast, like Megatron's --abort-on-unmet-fused-kernel-constraints: a fused implementation that
 cannot run the model's head_dim / dtype / platform is a ConfigError naming the constraint, at
 config validation where the constraint is known then (the platform only when JAX has started or is
@@ -18,6 +21,7 @@ that says 'xla' runs instead.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -115,6 +119,52 @@ def attention(q, k, v, *, cfg: ModelConfig, mesh: Mesh | None, alibi_slopes=None
   if mesh is None:
     return kernel(q, k, v, alibi_slopes=alibi_slopes)
   return _per_shard(kernel, q, k, v, alibi_slopes, mesh)
+
+
+def cached_attention(q, k, v, positions, cache_k, cache_v, *, alibi_slopes=None):
+  """Attention of new tokens to a KV cache and to each other (decoding), plain JAX under any
+  attention_impl.
+
+  q, k, v: [batch, new, heads, head_dim] of the new tokens, at `positions` [batch, new]
+  (consecutive on each row, from the row's own start). cache_k: [batch, heads, head_dim, cache]
+  and cache_v: [batch, heads, cache, head_dim], entry j the key and value of position j. A row's
+  entries from its first new position on are masked out (not written yet, or what a longer
+  prompt of the batch left there): the new tokens' keys and values are used instead, causally,
+  and written by the caller after the layers (written here first, XLA copied each layer's
+  cache to update it, docs/benchmarks.md). The arithmetic is
+  attention_reference's (fp32 scores, the bias slope * (key - query), the mask as a finfo.min
+  bias, the softmax normalised after the second matmul), so a token's output is the one a
+  forward over its whole sequence computes, to rounding. Returns [batch, new, heads, head_dim].
+  """
+  f32 = jnp.float32
+  scale = 1.0 / math.sqrt(q.shape[-1])
+  q_pos = positions.astype(f32)[:, None, :, None]  # [batch, 1, new, 1]
+  cache_pos = jnp.arange(cache_k.shape[-1], dtype=f32)[None, None, None, :]
+  new_pos = positions.astype(f32)[:, None, None, :]  # [batch, 1, 1, new]
+
+  def bias(k_pos, visible):  # [batch, heads|1, new, keys]
+    if alibi_slopes is None:
+      return jnp.where(visible, 0.0, jnp.finfo(f32).min)
+    alibi = jnp.asarray(alibi_slopes, f32)[None, :, None, None] * (k_pos - q_pos)
+    return jnp.where(visible, alibi, jnp.finfo(f32).min)
+
+  first = q_pos[:, :, :1]  # each row's first new position
+  scores = jnp.concatenate(
+    [
+      jnp.einsum('bqnd,bndk->bnqk', q, cache_k, preferred_element_type=f32) * scale
+      + bias(cache_pos, cache_pos < first),
+      jnp.einsum('bqnd,bknd->bnqk', q, k, preferred_element_type=f32) * scale
+      + bias(new_pos, new_pos <= q_pos),
+    ],
+    -1,
+  )
+  weights = jnp.exp(scores - scores.max(-1, keepdims=True))
+  total = weights.sum(-1, keepdims=True)
+  weights = weights.astype(v.dtype)
+  cached = cache_k.shape[-1]
+  out = jnp.einsum('bnqk,bnkd->bnqd', weights[..., :cached], cache_v, preferred_element_type=f32)
+  out = out + jnp.einsum('bnqk,bknd->bnqd', weights[..., cached:], v, preferred_element_type=f32)
+  return jnp.swapaxes(out / total, 1, 2).astype(v.dtype)
 
 
 def cudnn_attention(q, k, v, *, alibi_slopes=None):

@@ -20,6 +20,9 @@ Layout (independent of the mesh, so any checkpoint restores onto any mesh):
   final_ln/{scale,bias}            [h]
 The (heads, 3, d) order of the fused QKV is HF BLOOM's head-major interleaving, so conversion is a
 reshape. Layers are one scanned block: compile time does not grow with depth.
+
+`decode` runs the same params with a KV cache, for generation (t5x_like/inference/decoding.py):
+prompts through the blocks once, then one token at a time against the cached keys and values.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import cast
+from typing import NamedTuple, cast
 
 import flax.linen as nn
 import jax
@@ -164,7 +167,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
-    cfg, dtype = self.ctx.cfg, self.ctx.dtype
+    cfg = self.ctx.cfg
     h, n, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     std = cfg.weight_init_std
     out_std = std / math.sqrt(2.0 * cfg.num_layers)
@@ -178,9 +181,7 @@ class Attention(nn.Module):
     )
     bout = _param(self, 'out_bias', zeros, (h,), ('embed',))
 
-    qkv = jnp.einsum('bse,encd->bsncd', x, wqkv.astype(dtype)) + bqkv.astype(dtype)
-    qkv = self.ctx.constrain(qkv, ('batch', 'length', 'act_heads', None, None))
-    q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+    q, k, v = attention_qkv({'qkv_kernel': wqkv, 'qkv_bias': bqkv}, x, self.ctx)
     dropout_rng = None
     if not deterministic and cfg.attention_dropout > 0:
       dropout_rng = self.make_rng('dropout')
@@ -190,11 +191,27 @@ class Attention(nn.Module):
     ctx = attention_lib.attention(
       q, k, v, cfg=cfg, mesh=self.ctx.mesh, alibi_slopes=slopes, dropout_rng=dropout_rng
     )
-    ctx = self.ctx.constrain(ctx, ('batch', 'length', 'act_heads', None))
-    out = jnp.einsum('bsnd,nde->bse', ctx, wout.astype(dtype))
-    # Sequence parallel: the partial sums are reduce-scattered, not all-reduced; bias after.
-    out = self.ctx.constrain(out, self.ctx.residual_names) + bout.astype(dtype)
-    return self.ctx.constrain(out, self.ctx.residual_names)
+    return attention_output({'out_kernel': wout, 'out_bias': bout}, ctx, self.ctx)
+
+
+def attention_qkv(params, x, ctx: Context):
+  """The fused QKV projection of x [B, S, h] (params: a layer's `attn`): q, k, v, each
+  [B, S, heads, head_dim]."""
+  dtype = ctx.dtype
+  qkv = jnp.einsum('bse,encd->bsncd', x, params['qkv_kernel'].astype(dtype))
+  qkv = qkv + params['qkv_bias'].astype(dtype)
+  qkv = ctx.constrain(qkv, ('batch', 'length', 'act_heads', None, None))
+  return qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+
+
+def attention_output(params, context, ctx: Context):
+  """The attention's output projection of its context [B, S, heads, head_dim] (params: a
+  layer's `attn`): [B, S, h]."""
+  context = ctx.constrain(context, ('batch', 'length', 'act_heads', None))
+  out = jnp.einsum('bsnd,nde->bse', context, params['out_kernel'].astype(ctx.dtype))
+  # Sequence parallel: the partial sums are reduce-scattered, not all-reduced; bias after.
+  out = ctx.constrain(out, ctx.residual_names) + params['out_bias'].astype(ctx.dtype)
+  return ctx.constrain(out, ctx.residual_names)
 
 
 class Mlp(nn.Module):
@@ -340,15 +357,20 @@ def tied_logits(x, emb, vocab_size: int, ctx: Context):
   return jnp.where(valid, logits, jnp.finfo(jnp.float32).min)
 
 
-def embed_tokens(params, tokens, cfg: ModelConfig, ctx: Context):
+def embed_tokens(params, tokens, cfg: ModelConfig, ctx: Context, positions=None):
   """The Transformer's input side on a param tree: the token lookup (a vocab-split table: masked
   local lookup + all-reduce), then BLOOM's embedding LayerNorm, or GPT-2's positions (after the
-  LayerNorm of model.stable_embedding)."""
+  LayerNorm of model.stable_embedding). `positions` [B, S]: each token's (decoding); default
+  0..S-1 on every row."""
   x = jnp.take(params['word_embeddings'].astype(ctx.dtype), tokens, axis=0)
   if has_embed_ln(cfg):
     x = apply_norm(cfg, ctx, params['embed_ln'], ctx.constrain(x, ctx.residual_names))
-  if cfg.architecture == 'gpt2':
+  if cfg.architecture == 'gpt2' and positions is None:
     x = x + params['position_embeddings'][: tokens.shape[1]].astype(ctx.dtype)[None]
+  elif cfg.architecture == 'gpt2':
+    # 'clip': a decoding cache may be longer than the table; no real token sits past its end.
+    table = params['position_embeddings'].astype(ctx.dtype)
+    x = x + jnp.take(table, positions, axis=0, mode='clip')
   return ctx.constrain(x, ctx.residual_names)
 
 
@@ -382,6 +404,89 @@ def apply_block(layer_params, x, ctx: Context, deterministic: bool = True, dropo
   variables = ctx.gather_layer({'params': layer_params})
   y, _ = Block(ctx, deterministic).apply(variables, x, None, rngs=rngs)
   return y
+
+
+# Decoding with a KV cache: the keys and values of every layer at every position written so far,
+# in the compute dtype, split over `tensor` on the heads as the attention's activations are.
+# Keys [layers, batch, heads, head_dim, length], values [layers, batch, heads, length, head_dim]:
+# the layouts whose two products XLA's CPU backend runs without transposing the cache. In the
+# order [length, heads, head_dim] it transposed each layer's keys and values every step, and
+# attention over 2048 positions took 4.3x as long (docs/benchmarks.md).
+KEY_CACHE_NAMES = ('layers', 'batch', 'act_heads', None, 'length')
+VALUE_CACHE_NAMES = ('layers', 'batch', 'act_heads', 'length', None)
+
+
+class KVCache(NamedTuple):
+  k: jax.Array  # [layers, batch, heads, head_dim, length]
+  v: jax.Array  # [layers, batch, heads, length, head_dim]
+
+
+def decode(params, tokens, positions, cache: KVCache | int, ctx: Context):
+  """The model with a KV cache on tokens [B, T] at positions [B, T] (each row its own):
+  (the final-LN hidden states [B, T, h], the cache with the tokens' keys and values written at
+  their positions).
+
+  `cache` a KVCache: the tokens attend to the cache's positions before them and to each other,
+  causally (a decoding step: T = 1), and their keys and values are written after the layers.
+  `cache` an int: the tokens are prompts from position 0 (positions 0..T-1 on every row) that
+  attend to each other, causally, with model.attention_impl as in training, and the cache
+  returned is a new one of that many positions (>= T), zeros after the prompts. ctx: without
+  ZeRO-3 gathers or sequence parallelism. Keys, values and outputs are the training forward's
+  for the same tokens.
+  """
+  cfg = ctx.cfg
+  x = embed_tokens(params, tokens, cfg, ctx, positions)
+  names = (KEY_CACHE_NAMES, VALUE_CACHE_NAMES)
+  if isinstance(cache, int):
+    after = cache - tokens.shape[1]
+
+    def prompt_layer(x, layer_params):
+      x, (k, v) = decode_block(layer_params, x, None, positions, ctx)
+      # In the cache's layouts, zeros after the prompts. The scan's outputs are the cache
+      # itself, one layer at a time: no second copy of it.
+      k = jnp.pad(k.transpose(0, 2, 3, 1), [(0, 0), (0, 0), (0, 0), (0, after)])
+      v = jnp.pad(v.transpose(0, 2, 1, 3), [(0, 0), (0, 0), (0, after), (0, 0)])
+      return x, tuple(ctx.constrain(a, n[1:]) for a, n in zip((k, v), names, strict=True))
+
+    x, kv = jax.lax.scan(prompt_layer, x, params['layers'])
+  else:
+    x, new = jax.lax.scan(
+      lambda x, layer_in: decode_block(layer_in[0], x, layer_in[1], positions, ctx),
+      x,
+      (params['layers'], tuple(cache)),
+    )
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    # Indexed apart, rows and positions put their [B, T] first: the new [layers, B, T, heads,
+    # head_dim] keys and values go in as [B, T, layers, heads, head_dim].
+    new_k, new_v = (a.transpose(1, 2, 0, 3, 4) for a in new)
+    kv = (
+      cache.k.at[:, rows, :, :, positions].set(new_k),
+      cache.v.at[:, rows, :, positions].set(new_v),
+    )
+  cache = KVCache(*(ctx.constrain(a, n) for a, n in zip(kv, names, strict=True)))
+  return final_norm(params, x, cfg, ctx), cache
+
+
+def decode_block(layer_params, x, kv, positions, ctx: Context):
+  """One block of `decode` (params of a single layer) on x [B, T, h] at positions [B, T]: (its
+  output, the tokens' keys and values [B, T, heads, head_dim]). kv: this layer's cache (keys
+  [B, heads, head_dim, L], values [B, heads, L, head_dim]), or None for prompts that attend to
+  each other only."""
+  cfg = ctx.cfg
+  residual = lambda y: ctx.constrain(y, ctx.residual_names)
+  x = residual(x)
+  q, k, v = attention_qkv(
+    layer_params['attn'], residual(apply_norm(cfg, ctx, layer_params['ln1'], x)), ctx
+  )
+  slopes = alibi_slopes(cfg.num_heads) if cfg.architecture == 'bloom' else None
+  if kv is None:
+    context = attention_lib.attention(q, k, v, cfg=cfg, mesh=ctx.mesh, alibi_slopes=slopes)
+  else:
+    context = attention_lib.cached_attention(q, k, v, positions, *kv, alibi_slopes=slopes)
+  x = x + attention_output(layer_params['attn'], context, ctx)
+  mlp_in = residual(apply_norm(cfg, ctx, layer_params['ln2'], x))
+  x = x + Mlp(ctx).apply({'params': layer_params['mlp']}, mlp_in)
+  return residual(x), (k, v)
 
 
 def gathered_embedding(model: Transformer, params) -> jax.Array:

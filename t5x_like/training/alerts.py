@@ -37,6 +37,7 @@ EVENTS = (
   'finished',
   'diverged',
   'stale',
+  'harness_failed',  # an eval.harness_tasks evaluation failed (the run goes on)
 )
 
 

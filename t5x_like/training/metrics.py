@@ -43,6 +43,22 @@ def eval_lines(r: dict, at: str) -> list[str]:
   return [rule, line, rule]
 
 
+def harness_lines(r: dict, at: str) -> list[str]:
+  """The lines of one lm-evaluation-harness task's metrics (eval.harness_tasks), in the form of
+  the evaluation lines: ' harness <task> at <at> | acc: 0.5 | acc_norm: 0.5 |'."""
+  values = ' | '.join(f'{name}: {value:.6g}' for name, value in r['metrics'].items())
+  line = f' harness {r["task"]} at {at} | {values} |'
+  rule = '-' * len(line)
+  return [rule, line, rule]
+
+
+def tensorboard_harness_scalars(record: dict) -> dict[str, list[tuple[str, float, int]]]:
+  """{run: [(tag, value, step)]} of one harness task: `harness/<task>/<metric>`."""
+  flat = dict(record, **{f'metric:{k}': v for k, v in record['metrics'].items()})
+  tags = tuple((f'harness/{record["task"]}/{k}', f'metric:{k}') for k in record['metrics'])
+  return _by_run(flat, {run: tags for run, _ in TENSORBOARD_RUNS})
+
+
 def record_hook(writer: MetricsWriter, total_iterations: int):
   """Every iteration: the Megatron log line and the metrics record (metrics.jsonl, TensorBoard)."""
 
@@ -235,6 +251,14 @@ class MetricsWriter:
       self.info(line)
     self._append(self.eval_jsonl_path, record)
     self._scalars(tensorboard_eval_scalars(record))
+
+  def harness_record(self, record: dict, at: str) -> None:
+    """One harness task's metrics (`task`, `metrics`, and the counters of the iteration) to the
+    log, eval_metrics.jsonl and TensorBoard."""
+    for line in harness_lines(record, at):
+      self.info(line)
+    self._append(self.eval_jsonl_path, record)
+    self._scalars(tensorboard_harness_scalars(record))
 
   def config_text(self, config_json: str, iteration: int) -> None:
     """The resolved config as TensorBoard text (tag `config`, run ''), at the job's first
