@@ -472,6 +472,12 @@ del task
 failed = [loop.create_task(orbax_code['write_fragment']()), loop.create_task(unrelated_task())]
 loop.run_until_complete(asyncio.wait(failed))
 del failed  # asyncio logs 'Task exception was never retrieved' for each
+# Futures TensorStore failed from its own threads: 'Future exception was never retrieved'.
+futures = [loop.create_future(), loop.create_future()]
+futures[0].set_exception(ValueError(
+  'OUT_OF_RANGE: Error reading "x" in OCDBT database at local file "/ckpt/4/params/"'))
+futures[1].set_exception(ValueError('an unrelated future error'))
+del futures
 loop.close()
 gc.collect()  # the pending read is finalised: GeneratorExit -> Exception
 
@@ -491,7 +497,7 @@ def test_the_echoes_of_a_failed_save_or_restore_are_not_printed(silenced):
   a callback that finds Orbax's event loop closed (TensorStore calls it with no Python frame to
   raise into), an Orbax read coroutine finalised mid-read, which turns the GeneratorExit into
   its own error (and asyncio's report of its task destroyed while pending); and asyncio's report
-  of an Orbax write task whose error nobody retrieved. Once
+  of an Orbax write task, or of a future TensorStore failed, whose error nobody retrieved. Once
   a save or restore has begun (checkpoints.silence_orbax_aftermath) those are counted, not
   printed; any other unraisable error or unretrieved task error still is. In a process of its
   own: pytest swaps the unraisable hook around each test."""
@@ -505,12 +511,14 @@ def test_the_echoes_of_a_failed_save_or_restore_are_not_printed(silenced):
   )
   assert 'an unrelated error' in r.stderr
   assert 'an unrelated task error' in r.stderr
+  assert 'an unrelated future error' in r.stderr
+  assert ('OCDBT' in r.stderr) != silenced, r.stderr
   assert ('Event loop is closed' in r.stderr) != silenced, r.stderr
   assert ('reading array index' in r.stderr) != silenced, r.stderr
   assert ('RESOURCE_EXHAUSTED' in r.stderr) != silenced, r.stderr
   assert ('Task was destroyed but it is pending' in r.stderr) != silenced, r.stderr
   if silenced:
-    assert r.stdout.split() == ['4']
+    assert r.stdout.split() == ['5']
 
 
 def test_a_truncated_tensor_file_is_one_message(four_steps, tmp_path):

@@ -526,13 +526,23 @@ class _OrbaxAftermath:
     self._excepthook(kind, value, traceback)
 
   def _on_asyncio_report(self, record: logging.LogRecord) -> bool:
-    """False (not logged) for asyncio's report of an Orbax task whose error nobody retrieved:
-    the message names the task's coroutine and the file it is defined in."""
-    orbax = f'{os.sep}orbax{os.sep}'
-    if record.levelno >= logging.ERROR and orbax in record.getMessage():
+    """False (not logged) for asyncio's report of an Orbax task, or of a future TensorStore
+    failed, whose error nobody retrieved: the message names the task's coroutine and the file it
+    is defined in, or the error is TensorStore's (its OCDBT database, its status codes)."""
+    if record.levelno < logging.ERROR:
+      return True
+    message = record.getMessage()
+    error = record.exc_info[1] if record.exc_info else None
+    if f'{os.sep}orbax{os.sep}' in message or self.is_tensorstore_error(error):
       self.count += 1
       return False
     return True
+
+  @staticmethod
+  def is_tensorstore_error(error: BaseException | None) -> bool:
+    """An error TensorStore raised reading or writing a checkpoint's OCDBT database."""
+    text = str(error or '')
+    return 'OCDBT database' in text or 'tensorstore' in type(error).__module__.lower()
 
 
 _AFTERMATH: list[_OrbaxAftermath] = []  # installed once per process, by the first save or restore
