@@ -1,15 +1,18 @@
 """Attention kernels on one device: forward and forward+backward TFLOP/s, and their correctness.
 
-    python benchmarks/attention.py [--seqs 2048,4096] [--impls pallas,cudnn,xla] [--json OUT]
+    python benchmarks/attention.py [--seqs 2048,4096,8192] [--impls pallas,tokamax,cudnn,xla]
+        [--json OUT]
     python benchmarks/attention.py --smoke      # tiny shapes; runs on CPU (Pallas interpret mode)
 
 The workload is the one of the issue: causal self-attention with ALiBi (BLOOM's slopes), head_dim
 128, bf16 inputs, 16 heads, and batch x seq = 16384 tokens (FlashAttention-2's benchmark shape:
 seq 2048 -> batch 8, seq 4096 -> batch 4). For each implementation and sequence length:
 
-* correctness first: outputs and dQ/dK/dV on one batch row against the fp32 plain-JAX reference
-  (`attention_reference` on the same bf16 inputs upcast), as max |error| / max |reference|; this is
-  where the Triton lowering of the Pallas kernels is checked, since CPU tests only interpret them;
+* correctness first: outputs and dQ/dK/dV of the first batch row (from the timed forward+backward
+  program's first run) against the fp32 plain-JAX reference (`attention_reference` on the same
+  bf16 inputs upcast, computed once per sequence length), as max |error| / max |reference|; this
+  is where the Triton lowering of the Pallas kernels is checked, since CPU tests only interpret
+  them;
 * then time: `jax.jit` of the forward, and of the forward plus the vjp (dQ, dK, dV), after warm-up,
   the median of `--iters` runs, each ended by `block_until_ready`.
 
@@ -19,19 +22,41 @@ forward (five matmuls against two); so fwd+bwd = 3.5 x forward. The backward's o
 (`accounting.BF16_PEAK_TFLOPS`; on CPU a matmul probe). The issue's aims: forward >= 50%, backward
 >= 40%.
 
-`cudnn` runs `jax.nn.dot_product_attention(implementation='cudnn')` with a materialised
-[1, H, S, S] ALiBi bias; it and `pallas` on a platform that cannot run them are reported as skipped
-with the reason. `--blocks` and `--num_warps/--num_stages` override the Pallas tile sizes (tuning).
+Implementations (`--impls`):
+
+* `pallas`: ours, `t5x_like.kernels.flash_attention` (Triton on GPU, interpret mode on CPU);
+* `cudnn`: `jax.nn.dot_product_attention(implementation='cudnn')` with a materialised
+  [1, H, S, S] ALiBi bias (`t5x_like.model.attention.cudnn_attention`);
+* `xla`: `attention_reference`;
+* `tokamax`: the model's `model.attention_impl='tokamax'` (`t5x_like.model.attention.
+  tokamax_attention`: its implementation for this device, its score-gradient dtype); where this
+  checkout has none, `tokamax-mosaic`'s direct call (the row says so);
+* `tokamax-mosaic`: `tokamax.dot_product_attention(q, k, v, bias, is_causal=True,
+  implementation='mosaic')` called directly, ALiBi as a float32 [1, H, 1, S] bias slope_h x
+  key position (ALiBi up to a constant per score row, which softmax cancels);
+* `tokamax-nobias`: the same without a bias: NOT ALiBi, the speed an in-kernel ALiBi should reach
+  (a target only; checked against the causal reference without ALiBi);
+* `tokamax-cudnn`: `tokamax.dot_product_attention(..., implementation='cudnn')` with the same
+  bias, if tokamax's cuDNN path accepts it.
+
+On CPU the tokamax rows run tokamax's `implementation='xla'` (so their code runs; the row says
+so); `cudnn` and `pallas` on a platform that cannot run them are reported as skipped with the
+reason; a row that fails is reported with its error and the others still run. `--json` is
+rewritten after each row (a run cut short keeps its rows). `--blocks` and
+`--num_warps/--num_stages` override the Pallas tile sizes (tuning).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,23 +70,105 @@ from t5x_like.training import accounting
 TOLERANCE = 2.5e-2  # bf16 inputs against the fp32 reference (max error / max reference)
 
 
-def make_impl(name: str, platform: str, slopes, blocks: BlockSizes | None):
-  """(attention function of q, k, v, reason it cannot run here or None)."""
+IMPLEMENTATIONS = (
+  'pallas',
+  'tokamax',
+  'tokamax-mosaic',
+  'tokamax-nobias',
+  'cudnn',
+  'tokamax-cudnn',
+  'xla',
+)
+
+
+@dataclasses.dataclass
+class Impl:
+  fn: Callable | None  # attention of q, k, v
+  reason: str | None = None  # why it cannot run here (skipped)
+  note: str = ''  # what ran, where it is not what the name says
+  alibi: bool = True  # False: checked against the causal reference without ALiBi
+
+
+def _tokamax(q, k, v, slopes, implementation: str):
+  import tokamax
+
+  _absl_flags_parsed()
+  bias = None
+  if slopes is not None:  # ALiBi up to a per-row constant: slope_h * key position, float32
+    seq = k.shape[1]
+    bias = (jnp.asarray(slopes, jnp.float32)[:, None] * jnp.arange(seq, dtype=jnp.float32))[
+      None, :, None, :
+    ]
+  return tokamax.dot_product_attention(
+    q, k, v, bias=bias, is_causal=True, implementation=implementation
+  )
+
+
+def _absl_flags_parsed() -> None:
+  """tokamax reads absl flags and parses sys.argv for them when no one has (our argparse flags
+  would be refused): marked parsed, at their defaults."""
+  from absl import flags
+
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+def make_impl(name: str, platform: str, slopes, blocks: BlockSizes | None) -> Impl:
+  """The attention function `name` stands for on `platform`, or why it cannot run here."""
   if name == 'xla':
-    return (lambda q, k, v: attention_reference(q, k, v, alibi_slopes=slopes, causal=True)), None
+    return Impl(lambda q, k, v: attention_reference(q, k, v, alibi_slopes=slopes, causal=True))
   if name == 'pallas':
     if platform not in ('gpu', 'cpu'):
-      return None, f'Pallas/Triton needs a GPU (or CPU interpret mode), not {platform}'
-    return (
+      return Impl(None, f'Pallas/Triton needs a GPU (or CPU interpret mode), not {platform}')
+    return Impl(
       lambda q, k, v: flash_attention(
         q, k, v, alibi_slopes=slopes, causal=True, block_sizes=blocks, interpret=platform == 'cpu'
-      )
-    ), None
+      ),
+      note='interpret mode' if platform == 'cpu' else '',
+    )
   if name == 'cudnn':
     if platform != 'gpu':
-      return None, f'cuDNN attention needs a GPU, not {platform}'
-    return (lambda q, k, v: attention_lib.cudnn_attention(q, k, v, alibi_slopes=slopes)), None
-  raise SystemExit(f'unknown implementation {name!r}; use pallas, cudnn, xla')
+      return Impl(None, f'cuDNN attention needs a GPU, not {platform}')
+    return Impl(lambda q, k, v: attention_lib.cudnn_attention(q, k, v, alibi_slopes=slopes))
+  if name.startswith('tokamax'):
+    try:
+      import tokamax  # noqa: F401
+    except ImportError as e:
+      return Impl(None, f'tokamax is not installed ({e})')
+    on_cpu = platform == 'cpu'
+    if name == 'tokamax':
+      model_fn = getattr(attention_lib, 'tokamax_attention', None)
+      if model_fn is None:  # this checkout has no tokamax attention_impl: tokamax directly
+        implementation = 'xla' if on_cpu else 'mosaic'
+        return Impl(
+          lambda q, k, v: _tokamax(q, k, v, slopes, implementation),
+          note=f'no model tokamax_attention here: tokamax called directly ({implementation!r})',
+        )
+      which = ''
+      if hasattr(attention_lib, 'tokamax_implementation') and hasattr(attention_lib, 'Device'):
+        device = attention_lib.Device.of(jax.devices()[0])
+        which = attention_lib.tokamax_implementation(device)
+      return Impl(
+        lambda q, k, v: model_fn(q, k, v, alibi_slopes=slopes),
+        note=f"model.attention_impl='tokamax' (tokamax implementation={which!r})",
+      )
+    implementation = {
+      'tokamax-mosaic': 'mosaic',
+      'tokamax-nobias': 'mosaic',
+      'tokamax-cudnn': 'cudnn',
+    }[name]
+    note = (
+      f"tokamax implementation='xla' on cpu (stands in for {implementation!r})" if on_cpu else ''
+    )
+    implementation = 'xla' if on_cpu else implementation
+    if name == 'tokamax-nobias':
+      return Impl(
+        lambda q, k, v: _tokamax(q, k, v, None, implementation),
+        note=('no ALiBi, target only; ' + note).rstrip('; '),
+        alibi=False,
+      )
+    return Impl(lambda q, k, v: _tokamax(q, k, v, slopes, implementation), note=note)
+  raise SystemExit(f'unknown implementation {name!r}; use {", ".join(IMPLEMENTATIONS)}')
 
 
 def fwd_and_bwd(fn):
@@ -100,15 +207,19 @@ def random_inputs(batch, seq, heads, head_dim, dtype, seed=0):
   ]
 
 
-def check(fn, seq, heads, head_dim, dtype, slopes) -> dict[str, float]:
-  """Errors of out, dq, dk, dv on one batch row against the fp32 reference."""
-  q, k, v, do = random_inputs(1, seq, heads, head_dim, dtype, seed=1)
-  _, forward_backward = fwd_and_bwd(fn)
-  got = forward_backward(q, k, v, do)
+def reference_grads(q, k, v, do, slopes):
+  """out, dq, dk, dv of the fp32 reference on the first batch row of q, k, v, do (slopes None:
+  without ALiBi)."""
   reference = lambda q, k, v: attention_reference(q, k, v, alibi_slopes=slopes, causal=True)
-  f32 = lambda x: x.astype(jnp.float32)
-  want = fwd_and_bwd(reference)[1](f32(q), f32(k), f32(v), f32(do))
-  return {name: relative_error(a, b) for name, a, b in zip(('out', 'dq', 'dk', 'dv'), got, want)}
+  f32 = lambda x: x[:1].astype(jnp.float32)
+  return jax.device_get(fwd_and_bwd(reference)[1](f32(q), f32(k), f32(v), f32(do)))
+
+
+def errors_against(got, want) -> dict[str, float]:
+  """Max error / max reference of out, dq, dk, dv: `got`'s first batch row against `want`."""
+  return {
+    name: relative_error(a[:1], b) for name, a, b in zip(('out', 'dq', 'dk', 'dv'), got, want)
+  }
 
 
 def run(args) -> dict:
@@ -134,7 +245,7 @@ def run(args) -> dict:
         **({'num_stages': args.num_stages} if args.num_stages else {}),
       }
     )
-  report = {
+  report: dict[str, Any] = {
     'date': datetime.date.today().isoformat(),
     'device': f'{platform} {device.device_kind}',
     'jax': jax.__version__,
@@ -156,31 +267,54 @@ def run(args) -> dict:
     flush=True,
   )
   print(
-    'impl    seq  batch |  fwd ms  fwd TFLOP/s (% peak) | fwd+bwd ms  TFLOP/s | bwd TFLOP/s '
-    '(% peak) | max rel. error out/dq/dk/dv',
+    'impl            seq  batch |  fwd ms  fwd TFLOP/s (% peak) | fwd+bwd ms  TFLOP/s | bwd '
+    'TFLOP/s (% peak) | max rel. error out/dq/dk/dv',
     flush=True,
   )
+
+  def save() -> None:
+    if args.json:
+      with open(args.json, 'w') as f:
+        json.dump(report, f, indent=2)
+
+  unsupported: dict[str, int] = {}  # implementation -> the length it raised NotImplementedError at
   for seq in args.seqs:
     batch = max(1, args.tokens // seq)
     fwd_flops = 4 * batch * args.heads * seq * seq * args.head_dim * 0.5  # causal
     q, k, v, do = random_inputs(batch, seq, args.heads, args.head_dim, dtype)
+    references: dict[bool, Any] = {}  # with / without ALiBi, computed when first needed
     for name in args.impls:
-      fn, reason = make_impl(name, platform, slopes, blocks)
-      row = {'impl': name, 'seq': seq, 'batch': batch}
-      if reason:
-        row['skipped'] = reason
-        print(f'{name:6} {seq:5} {batch:5}  skipped: {reason}', flush=True)
+      impl = make_impl(name, platform, slopes, blocks)
+      if name in unsupported:  # refused at a shorter length: not tried again
+        impl = Impl(None, f'not supported (at seq {unsupported[name]})', impl.note, impl.alibi)
+      row: dict[str, Any] = {'impl': name, 'seq': seq, 'batch': batch}
+      if impl.note:
+        row['note'] = impl.note
+      if not impl.alibi:
+        row['alibi'] = False
+      if impl.fn is None:
+        row['skipped'] = impl.reason
+        print(f'{name:14} {seq:5} {batch:5}  skipped: {impl.reason}', flush=True)
         report['results'].append(row)
+        save()
         continue
       try:
-        errors = check(fn, seq, args.heads, args.head_dim, dtype, slopes)
-        forward, forward_backward = fwd_and_bwd(fn)
+        forward, forward_backward = fwd_and_bwd(impl.fn)
+        # The first run of the timed program is also the correctness check (its first row).
+        got = jax.device_get([x[:1] for x in forward_backward(q, k, v, do)])
+        if impl.alibi not in references:
+          references[impl.alibi] = reference_grads(q, k, v, do, slopes if impl.alibi else None)
+        errors = errors_against(got, references[impl.alibi])
+        del got
         t_fwd = median_seconds(forward, (q, k, v), args.iters)
         t_all = median_seconds(forward_backward, (q, k, v, do), args.iters)
       except Exception as e:  # noqa: BLE001 (report the failure of one impl, run the others)
         row['failed'] = f'{type(e).__name__}: {e}'.splitlines()[0][:300]
-        print(f'{name:6} {seq:5} {batch:5}  FAILED: {row["failed"]}', flush=True)
+        if isinstance(e, NotImplementedError) or 'NotImplementedError' in repr(e):
+          unsupported[name] = seq
+        print(f'{name:14} {seq:5} {batch:5}  FAILED: {row["failed"]}', flush=True)
         report['results'].append(row)
+        save()
         continue
       fwd_tflops = fwd_flops / t_fwd / 1e12
       all_tflops = 3.5 * fwd_flops / t_all / 1e12
@@ -193,11 +327,13 @@ def run(args) -> dict:
         fwd_bwd_tflops=all_tflops,
         bwd_tflops=bwd_tflops,
         fwd_pct_peak=100 * fwd_tflops / peak,
+        fwd_bwd_pct_peak=100 * all_tflops / peak,
         bwd_pct_peak=None if bwd_tflops is None else 100 * bwd_tflops / peak,
         errors=errors,
         correct=all(e <= TOLERANCE for e in errors.values()),
       )
       report['results'].append(row)
+      save()
       flag = '' if row['correct'] else f'  WRONG (> {TOLERANCE})'
       bwd = (
         '     n/a         '
@@ -205,9 +341,12 @@ def run(args) -> dict:
         else f'{bwd_tflops:8.3g} ({row["bwd_pct_peak"]:4.1f}%)'
       )
       print(
-        f'{name:6} {seq:5} {batch:5} | {t_fwd * 1e3:7.2f}  {fwd_tflops:8.3g} '
+        f'{name:14} {seq:5} {batch:5} | {t_fwd * 1e3:7.2f}  {fwd_tflops:8.3g} '
         f'({row["fwd_pct_peak"]:4.1f}%)      | {t_all * 1e3:9.2f}  {all_tflops:7.3g} | {bwd}'
-        '    | ' + '/'.join(f'{errors[n]:.1e}' for n in ('out', 'dq', 'dk', 'dv')) + flag,
+        '    | '
+        + '/'.join(f'{errors[n]:.1e}' for n in ('out', 'dq', 'dk', 'dv'))
+        + flag
+        + (f'  [{impl.note}]' if impl.note else ''),
         flush=True,
       )
   return report
@@ -217,8 +356,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  parser.add_argument('--seqs', default='2048,4096')
-  parser.add_argument('--impls', default='pallas,cudnn,xla')
+  parser.add_argument('--seqs', default='')
+  parser.add_argument('--impls', default=','.join(IMPLEMENTATIONS))
   parser.add_argument('--tokens', type=int, default=16384, help='batch x seq per measurement')
   parser.add_argument('--heads', type=int, default=16)
   parser.add_argument('--head_dim', type=int, default=128)
@@ -232,13 +371,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument(
     '--smoke',
     action='store_true',
-    help='tiny shapes (seq 64 and 80, 2 heads of 64, 2 iterations): checks that '
+    help='tiny shapes (seq 64 and 80 unless --seqs, 2 heads of 64, 2 iterations): checks that '
     'the script and every implementation run, e.g. on CPU',
   )
   parser.add_argument('--json', default='', help='also write the report here')
   args = parser.parse_args(argv)
   if args.smoke:
-    args.seqs, args.tokens, args.heads, args.head_dim, args.iters = '64,80', 160, 2, 64, 2
+    args.seqs = args.seqs or '64,80'
+    args.tokens, args.heads, args.head_dim, args.iters = 160, 2, 64, 2
+  args.seqs = args.seqs or '2048,4096,8192'
   args.seqs = [int(s) for s in args.seqs.split(',')]
   args.impls = [s.strip() for s in args.impls.split(',') if s.strip()]
   return args
@@ -252,9 +393,6 @@ def failures(report: dict) -> list[dict]:
 def main(argv=None) -> int:
   args = parse_args(argv)
   report = run(args)
-  if args.json:
-    with open(args.json, 'w') as f:
-      json.dump(report, f, indent=2)
   return 1 if failures(report) else 0
 
 

@@ -1,16 +1,23 @@
-"""Fits the cost model's two efficiency constants (t5x_like/planning/cost_model.py, FITTED) on ONE
-table of the chronicles: seed 004's 02-25 "Tweaking TP for the first time from the TP=8 is best
-assumption" table (NLAYERS 72, NHIDDEN 14336, NHEADS 64, 48 nodes of 8 A100 80GB on Jean Zay,
-Megatron-DeepSpeed, full activation recomputation, ZeRO-1), its 9 timed rows.
+"""Fits the cost model's fitted constants (t5x_like/planning/cost_model.py), each on ONE set of
+measurements:
+
+* FITTED, the two efficiency constants of a GPU without measured kernel rates (and of
+  Megatron-DeepSpeed), on seed 004's 02-25 "Tweaking TP for the first time from the TP=8 is best
+  assumption" table (NLAYERS 72, NHIDDEN 14336, NHEADS 64, 48 nodes of 8 A100 80GB on Jean Zay,
+  Megatron-DeepSpeed, full activation recomputation, ZeRO-1), its 9 timed rows, estimated as
+  Megatron-DeepSpeed ran them;
+* MEASURED_HALF_WORK, the fixed cost per layer pass of t5x_like's step on a GPU with measured
+  kernel rates, on the one step this project measured on a GPU: BLOOM-1.3B on one H100 with
+  pallas attention (H100_STEP; its cudnn and xla rows are held out).
 
   python benchmarks/fit_planner.py [--json]
 
-It minimises the squared log error of the estimated seconds per iteration over a grid (coarse,
+FITTED minimises the squared log error of the estimated seconds per iteration over a grid (coarse,
 then fine) of peak_fraction (the kernels' share of the bf16 peak at large micro-batches) and
-half_work (the FLOPs of one layer's forward for one micro-batch on one GPU at which they
-reach half of it), and prints the constants
-to paste into cost_model.FITTED with the fit's residuals. The validation rows, which the fit
-does not see, are in tests/test_cost_model.py.
+half_work (the FLOPs of one layer's forward for one micro-batch on one GPU at which they reach
+half of it). MEASURED_HALF_WORK is the value (to 1 GFLOP) at which the estimate is the measured
+time. It prints the constants to paste into cost_model with the fits' residuals. The validation
+rows, which the fits do not see, are in tests/test_cost_model.py.
 """
 
 from __future__ import annotations
@@ -42,6 +49,48 @@ FIT_TABLE = [
 ]
 FIT_SHAPE = (72, 14336, 64)  # NLAYERS, NHIDDEN, NHEADS
 GPU = 'a100-80gb'
+FRAMEWORK = 'megatron-deepspeed'  # what the chronicles ran
+
+# The GPU suite's BLOOM-1.3B step on one H100 80GB HBM3 SXM (docs/benchmarks.md, "The GPU suite",
+# 2026-11-24, jax 0.11.2; benchmarks/step_throughput.py: configs/bloom_1b3.py on a 1 x 1 x 1 mesh,
+# global batch 16 = 4 micro-batches of 4 x 2048 tokens, save_dots, chunked cross-entropy, bf16
+# over fp32 master weights; median of 10 steps): (attention_impl, seconds per step, XLA's peak
+# GiB, which the allocator's high-water mark matched).
+H100_STEP = [('pallas', 0.951, 46.14), ('cudnn', 0.997, 46.85), ('xla', 1.528, 49.07)]
+H100_FIT_IMPL = 'pallas'  # the fit's row; 'auto' runs it on Hopper
+
+
+def h100_step_config(impl: str) -> Config:
+  """The suite's step: benchmarks/step_throughput.py's overrides of configs/bloom_1b3.py."""
+  return load_config_file(
+    os.path.join(REPO, 'configs', 'bloom_1b3.py'),
+    {
+      'mesh.data': 1,
+      'mesh.pipeline': 1,
+      'mesh.tensor': 1,
+      'train.global_batch_size': 16,
+      'model.attention_impl': impl,
+    },
+  ).validate()
+
+
+def fit_measured_half_work(impl: str = H100_FIT_IMPL) -> float:
+  """MEASURED_HALF_WORK: the FLOPs (to 1e9) at which the H100 estimate of the suite's step with
+  `impl` attention is the measured time (the estimate grows with it: bisection)."""
+  cfg = h100_step_config(impl)
+  measured = dict((name, sec) for name, sec, _ in H100_STEP)[impl]
+
+  def error(half: float) -> float:
+    step = cost_model.estimate(cfg, 'h100-80gb', measured_half_work=half)['estimated_step_s']
+    return step - measured
+
+  low, high = 0.0, 1e13
+  if error(low) > 0:
+    return 0.0
+  for _ in range(60):
+    middle = (low + high) / 2
+    low, high = (middle, high) if error(middle) < 0 else (low, middle)
+  return float(round((low + high) / 2, -9))
 
 
 def chronicles_config(
@@ -74,7 +123,8 @@ def fit_configs() -> list[tuple[Config, float]]:
 
 def loss(rows: list[tuple[Config, float]], fitted: cost_model.Fitted) -> float:
   return sum(
-    math.log(cost_model.estimate(cfg, GPU, fitted)['estimated_step_s'] / sec) ** 2
+    math.log(cost_model.estimate(cfg, GPU, fitted, framework=FRAMEWORK)['estimated_step_s'] / sec)
+    ** 2
     for cfg, sec in rows
   )
 
@@ -91,9 +141,11 @@ def fit(rows: list[tuple[Config, float]]) -> cost_model.Fitted:
         value = loss(rows, candidate)
         if best is None or value < best[0]:
           best = (value, candidate)
+    assert best is not None
     f0, h0 = best[1].peak_fraction, best[1].half_work
     fractions = [f0 + 0.001 * i for i in range(-20, 21) if 0 < f0 + 0.001 * i <= 1]
     halves = [h0 + 1e9 * i for i in range(-20, 21) if h0 + 1e9 * i >= 0]
+  assert best is not None
   return best[1]
 
 
@@ -105,7 +157,7 @@ def main(argv=None) -> None:
   fitted = fit(rows)
   residuals = []
   for (cfg, sec), row in zip(rows, FIT_TABLE):
-    estimated = cost_model.estimate(cfg, GPU, fitted)['estimated_step_s']
+    estimated = cost_model.estimate(cfg, GPU, fitted, framework=FRAMEWORK)['estimated_step_s']
     residuals.append(
       {
         'row': row,
@@ -115,8 +167,34 @@ def main(argv=None) -> None:
       }
     )
   rms = math.sqrt(loss(rows, fitted) / len(rows))
+  half = fit_measured_half_work()
+  h100 = []
+  for impl, sec, gib in H100_STEP:
+    r = cost_model.estimate(h100_step_config(impl), 'h100-80gb', measured_half_work=half)
+    h100.append(
+      {
+        'attention_impl': impl,
+        'fitted_on': impl == H100_FIT_IMPL,
+        'measured_s': sec,
+        'estimated_s': round(r['estimated_step_s'], 4),
+        'error': round(r['estimated_step_s'] / sec - 1, 4),
+        'measured_gib': gib,
+        'estimated_gib': round(r['estimated_memory_gib'], 2),
+        'memory_error': round(r['estimated_memory_gib'] / gib - 1, 4),
+      }
+    )
   if args.json:
-    print(json.dumps({'fitted': vars(fitted), 'rms_log_error': rms, 'rows': residuals}))
+    print(
+      json.dumps(
+        {
+          'fitted': vars(fitted),
+          'rms_log_error': rms,
+          'rows': residuals,
+          'measured_half_work': half,
+          'h100_step': h100,
+        }
+      )
+    )
     return
   print(
     f'FITTED = Fitted(peak_fraction={fitted.peak_fraction}, '
@@ -127,6 +205,18 @@ def main(argv=None) -> None:
     print(
       f'DP{dp:<3} TP{tp} PP{pp:<3} MBS{mbs} GBS{gbs}: measured {r["measured_s"]:7.2f} s, '
       f'estimated {r["estimated_s"]:7.2f} s ({100 * r["error"]:+.1f}%)'
+    )
+
+  print(
+    f'MEASURED_HALF_WORK = {half:.4g}  # {half / 671e12 * 1e3:.3f} ms per layer pass at the '
+    'H100 probe'
+  )
+  for r in h100:
+    print(
+      f'H100 BLOOM-1.3B {r["attention_impl"]:<6} ({"fit" if r["fitted_on"] else "held out"}): '
+      f'measured {1e3 * r["measured_s"]:.0f} ms, estimated {1e3 * r["estimated_s"]:.0f} ms '
+      f'({100 * r["error"]:+.1f}%); {r["measured_gib"]:.2f} GiB measured, '
+      f'{r["estimated_gib"]:.2f} estimated ({100 * r["memory_error"]:+.1f}%)'
     )
 
 

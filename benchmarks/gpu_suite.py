@@ -1,62 +1,200 @@
-"""The GPU suite: one command, on one GPU, in under 10 minutes; `--smoke` runs it on CPU (CI).
+"""The GPU suite: every figure a GPU-throughput issue needs, from one command on one GPU.
 
-    python benchmarks/gpu_suite.py --json OUT [--smoke] [--no-tests]
+    python benchmarks/gpu_suite.py --json OUT                   # one GPU, about 6 minutes
+    python benchmarks/gpu_suite.py --json OUT --only step,loss  # rerun some stages
+    python benchmarks/gpu_suite.py --json OUT --smoke           # CPU, tiny shapes (CI)
 
-Stages, each reported in OUT (and on stdout as it goes):
+Run it under a timeout of 8 minutes (480 s): it stops itself within `--budget_s` (default 420 s,
+counted from its start), each stage in its own process under a time limit (a stage that fails or
+runs out of time reports its error and what it measured so far, and the others still run; a
+stage the budget leaves no time for is reported as not run, `incomplete` in OUT), and OUT is
+rewritten after every stage, so a run cut short keeps every finished stage. The summary at the
+end puts the figures side by side.
 
-1. `tests`: `pytest tests/kernels` on this device: the Pallas kernels compiled through Triton (not
-   interpreted), cuDNN attention against xla, fp32 references at full precision
-   (JAX_DEFAULT_MATMUL_PRECISION=highest: no TF32, as on CPU). The tests that build a multi-device
-   mesh need the CPU suite's 8 virtual devices and are left to it. Not run with `--smoke` (CI runs
-   them in interpret mode) or `--no-tests`.
-2. `step`: a BLOOM-1.3B-shaped train step (configs/bloom_1b3.py, global batch 16, micro-batch 4,
-   seq 2048) per attention implementation, each in its own process (`step_throughput.py`): MFU,
-   tokens/s, the first loss against xla's, XLA's compiled memory and the allocator's measured peak.
-3. `plan`: `python -m t5x_like.plan` for the same step on one virtual CPU device (XLA's CPU
-   figure and its GPU estimate), and the cost model's estimate for this GPU kind
-   (`t5x_like.cost_model`, what `plan --estimate` prints: step time, TFLOP/s, memory), beside
-   what stage 2 measured.
-4. `matmul`: the measured bf16 matmul rate (8192^3, random values; the data-sheet peak beside it).
-5. `attention`: `benchmarks/attention.py` (seq 2048 and 4096: correctness and TFLOP/s).
+Stages, in the order they run, with their time limits and the GPU wall time each should take on
+an H100. The estimates come from the 2026-11-24 run (240 s for tests/kernels + 3 step processes
++ attention at 2 lengths x 3 implementations + plan + matmul; a step process took about 30 s
+there: about 16 s of start, CUDA init, compile and init, then 12 steps of 1.0-1.5 s); none of
+the new stages has run on a GPU yet:
 
-The GPU is only touched by the stages' own processes and then by stages 4-5 in this one, so no
-process holds memory that another needs. Exit status 1 if any stage failed (a test, a kernel's
-error above its tolerance, a loss that differs from xla's).
+0. The start: JAX's backend asked in a child process (CUDA init), about 8 s.
+1. `plan` (in the background from the start, CPU only: JAX_PLATFORMS=cpu, limit 300 s, about
+   60 s beside the others): `python -m t5x_like.plan --json` of the BLOOM-1.3B step on one
+   virtual CPU device: XLA's figure and its GPU estimate (`--breakdown`'s buffer analysis, or the
+   error naming the part of XLA's dump it could not read), and at the end `plan --estimate`
+   (the cost model, 2 s) for this GPU kind and the fastest attention measured.
+2. `matmul` (limit 60 s, about 10 s): the measured bf16 matmul rate (8192^3; the data-sheet peak).
+3. `attention` (limit 180 s, about 90 s: 6 implementations x 3 lengths, 2 compiles each):
+   `benchmarks/attention.py` at head_dim 128, 16 heads, causal ALiBi, bf16, seq 2048, 4096 and
+   8192 (16384 tokens per call): pallas, tokamax (the model's `tokamax_attention`: Mosaic GPU,
+   ALiBi as a float32 [1, H, 1, S] bias), tokamax-nobias (Mosaic without ALiBi: a target only),
+   cudnn, tokamax-cudnn (tokamax's cuDNN path with the same bias, if it takes it), xla; each
+   checked against the fp32 reference, then forward, backward and forward+backward TFLOP/s and %
+   of peak (10 timed runs).
+4. `step` (limit 90 s per implementation; about 30 s each, auto about 8 s: about 130 s): the
+   BLOOM-1.3B train step (configs/bloom_1b3.py, global batch 16 = 4 micro-batches of 4 x 2048)
+   per attention implementation, xla, pallas, cudnn, tokamax and auto, each in its own process
+   (`step_throughput.py`, 2 warm-up + 5 timed steps): MFU, tokens/s, the first loss against xla's,
+   XLA's compiled memory and the allocator's measured peak; then 2 steps under `jax.profiler`,
+   the device time by category (matmul, attention, LayerNorm/GeLU/elementwise, loss, optimizer,
+   copies/transposes, collectives, other, device idle; `profile_trace.py`). `auto` resolving to an
+   implementation already measured (pallas on Hopper) is reported as that one, not run again.
+5. `loss` (limit 75 s per variant, about 22 s each: 45 s): the step with the fastest attention
+   and model.cross_entropy_impl 'dense' and 'fused' (2 warm-up + 3 timed steps; 'chunked', the
+   config's, is the step stage's row).
+6. `shard176b` (limit 120 s, about 45 s): `benchmarks/shard_176b.py`, one tensor-parallel rank's
+   share of 4 BLOOM-176B layers as tr11 split them (28 heads of 128, FFN 14336, micro-batch 2 x
+   2048, full recomputation), pallas and tokamax: TFLOP/s per GPU by tr11's count beside its 150
+   per A100, and with the planner's estimate of the all-reduces one GPU does not do.
+7. `tests` (limit 150 s, about 80 s; started only with 90 s of the budget left): `pytest
+   tests/kernels` on this device: the Pallas kernels compiled through Triton, cuDNN and tokamax
+   attention against xla, fp32 references at full precision (JAX_DEFAULT_MATMUL_PRECISION=
+   highest). The tests that build a multi-device mesh need the CPU suite's 8 virtual devices and
+   are left to it. Not run with `--smoke` (CI runs them in interpret mode) or `--no-tests`.
+
+Estimated: about 330 s to the end of stage 6, about 410 s with the tests (plan beside them); where
+the GPU is slower than estimated the tests are what the budget leaves out (`--only tests` runs
+them alone). Only one stage touches the GPU at a time (plan's process has no GPU), so each
+measured peak is its own process's. Exit status 1 if any stage failed (a test, a kernel's error
+above its tolerance, a loss that differs from xla's, a stage out of its time limit).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, 'benchmarks')
 CONFIG = os.path.join(REPO, 'configs', 'bloom_1b3.py')
-IMPLEMENTATIONS = ('xla', 'pallas', 'cudnn')
+STAGES = ('plan', 'matmul', 'attention', 'step', 'loss', 'shard176b', 'tests')
+STEP_IMPLS = ('xla', 'pallas', 'cudnn', 'tokamax', 'auto')
+LOSS_VARIANTS = ('dense', 'chunked', 'fused')
+ATTENTION_SEQS = '2048,4096,8192'
+# tokamax: the model's tokamax_attention (a direct tokamax call where this checkout has none).
+ATTENTION_IMPLS = 'pallas,tokamax,tokamax-nobias,cudnn,tokamax-cudnn,xla'
+BUDGET_S = 420.0  # under a timeout of 480 s: the plan thread's join, the cost model, the summary
+# Attention rows whose failure fails the suite; the direct tokamax calls are comparisons.
+CORE_ATTENTION = ('pallas', 'tokamax', 'cudnn', 'xla')
+# Time limits (seconds) of one child process, on a GPU; --smoke uses SMOKE_LIMIT for each.
+LIMITS = {
+  'plan': 300,
+  'matmul': 60,
+  'attention': 180,
+  'step': 90,  # each implementation
+  'loss': 75,  # each variant
+  'shard176b': 120,
+  'tests': 150,
+}
+SMOKE_LIMIT = 600
+TESTS_NEED_S = 90  # the tests stage starts only with this much of the budget left
+STEP_ARGS = ['--global_batch', '16', '--warmup', '2', '--steps', '5', '--profile_steps', '2']
+SMOKE_STEP_ARGS = ['--smoke', '--global_batch', '4', '--warmup', '1', '--steps', '2']
+SMOKE_STEP_ARGS += ['--profile_steps', '1']
 # tests/kernels' cases that need 8 devices (multi-device meshes): the CPU suite runs them.
 MULTI_DEVICE_TESTS = (
   'not tiny_config and not chunked_cross_entropy_removes and not shard_map and not every_shard'
 )
 
 
-def run_logged(command: list[str], env: dict | None = None) -> tuple[int, str]:
-  """Runs `command` from the repository root; its output is echoed, its stdout returned."""
+_RUNNING: set[int] = set()  # process groups of the children running now
+
+
+def _stop_children(signum, frame) -> None:
+  """On SIGTERM/SIGINT (an outer timeout): the running child's process group goes too, so no
+  orphan keeps the GPU."""
+  for pgid in list(_RUNNING):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+      os.killpg(pgid, signal.SIGKILL)
+  raise SystemExit(128 + signum)
+
+
+class Clock:
+  """The run's time budget."""
+
+  def __init__(self, budget_s: float):
+    self.start = time.perf_counter()
+    self.budget_s = budget_s
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start
+
+  def left(self) -> float:
+    return self.budget_s - self.elapsed()
+
+
+def run_child(
+  command: list[str], limit_s: float, env: dict | None = None, echo: bool = True
+) -> dict:
+  """Runs `command` from the repository root in its own process group, its output echoed as it
+  comes (if `echo`), killed (the whole group) after `limit_s`. Returns its exit code (None when
+  it ran out of time), wall seconds and the last lines of its output."""
   print('$ ' + ' '.join(command), flush=True)
-  done = subprocess.run(
-    command, cwd=REPO, env={**os.environ, **(env or {})}, text=True, capture_output=True
+  start = time.perf_counter()
+  lines: list[str] = []
+  proc = subprocess.Popen(
+    command,
+    cwd=REPO,
+    env={**os.environ, **(env or {})},
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    start_new_session=True,
   )
-  print(done.stdout + done.stderr[-3000:], end='', flush=True)
-  return done.returncode, done.stdout + ('' if done.returncode == 0 else done.stderr)
+
+  _RUNNING.add(proc.pid)
+
+  def read() -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+      lines.append(line)
+      if echo:
+        print(line, end='', flush=True)
+
+  reader = threading.Thread(target=read, daemon=True)
+  reader.start()
+  try:
+    code: int | None = proc.wait(timeout=max(1.0, limit_s))
+  except subprocess.TimeoutExpired:
+    code = None
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+  _RUNNING.discard(proc.pid)
+  reader.join(timeout=10)
+  wall = time.perf_counter() - start
+  if code is None:
+    print(f'!!! killed after {limit_s:.0f} s (its time limit)', flush=True)
+  output = ''.join(lines)
+  return {'code': code, 'wall_s': round(wall, 1), 'tail': output[-3000:], 'output': output}
+
+
+def read_json(path: str) -> dict | None:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def failure(run: dict, limit_s: float) -> str:
+  """What went wrong with a child run, in one string."""
+  if run['code'] is None:
+    return f'timed out after {limit_s:.0f} s; output ends: {run["tail"][-800:]}'
+  return f'exit {run["code"]}; output ends: {run["tail"][-1500:]}'
 
 
 def default_backend() -> str:
-  """JAX's platform here, asked in a child process so that this one holds no GPU memory yet."""
+  """JAX's platform here, asked in a child process so that this one holds no GPU memory."""
   done = subprocess.run(
     [sys.executable, '-c', 'import jax; print(jax.default_backend())'],
     capture_output=True,
@@ -66,67 +204,28 @@ def default_backend() -> str:
   return done.stdout.strip().splitlines()[-1]
 
 
-def kernel_tests() -> dict:
-  code, output = run_logged(
-    [
-      sys.executable,
-      '-m',
-      'pytest',
-      'tests/kernels',
-      '-q',
-      '-p',
-      'no:cacheprovider',
-      '-k',
-      MULTI_DEVICE_TESTS,
-    ],
-    env={'JAX_DEFAULT_MATMUL_PRECISION': 'highest', 'JAX_PLATFORMS': 'cuda,cpu'},
+def step_config_overrides(smoke: bool) -> dict:
+  """The config overrides of the suite's step: step_throughput.py's (its SMOKE model with
+  --smoke), on one device, at the suite's global batch."""
+  overrides: dict = {}
+  if smoke:
+    sys.path.insert(0, BENCHMARKS)
+    import step_throughput
+
+    overrides.update(step_throughput.SMOKE)
+  overrides.update(
+    {
+      'mesh.data': 1,
+      'mesh.pipeline': 1,
+      'mesh.tensor': 1,
+      'train.global_batch_size': 4 if smoke else 16,
+    }
   )
-  summary = [line for line in output.splitlines() if ' passed' in line or ' failed' in line]
-  return {'exit_code': code, 'summary': summary[-1] if summary else output[-500:], 'ok': code == 0}
+  return overrides
 
 
-def train_steps(smoke: bool, workdir: str) -> dict:
-  """One process per implementation, so that each measured peak is that implementation's."""
-  results, overrides, device = {}, None, None
-  for impl in IMPLEMENTATIONS:
-    out = os.path.join(workdir, f'step_{impl}.json')
-    command = [
-      sys.executable,
-      os.path.join(BENCHMARKS, 'step_throughput.py'),
-      '--config',
-      CONFIG,
-      '--attention',
-      impl,
-      '--json',
-      out,
-    ]
-    command += (
-      ['--smoke', '--global_batch', '4', '--steps', '2']
-      if smoke
-      else ['--global_batch', '16', '--steps', '10']
-    )
-    code, output = run_logged(command)
-    if code != 0 or not os.path.exists(out):
-      results[impl] = {'failed': output[-1000:]}
-      continue
-    with open(out) as f:
-      report = json.load(f)
-    overrides, device = report['overrides'], report['device']
-    results[impl] = report['results'][impl]
-  ok = all('failed' not in r for r in results.values())
-  reference = results.get('xla', {}).get('losses')
-  for impl, result in results.items():
-    if reference and 'losses' in result and impl != 'xla':
-      result['first_loss_vs_xla'] = abs(result['losses'][0] - reference[0]) / abs(reference[0])
-      ok &= result['first_loss_vs_xla'] <= step_throughput_tolerance()
-  return {'config': CONFIG, 'overrides': overrides, 'device': device, 'results': results, 'ok': ok}
-
-
-def step_throughput_tolerance() -> float:
-  sys.path.insert(0, BENCHMARKS)
-  import step_throughput
-
-  return step_throughput.LOSS_TOLERANCE
+def config_flags(overrides: dict) -> list[str]:
+  return [f'--config.{key}={value}' for key, value in overrides.items()]
 
 
 def cost_model_kind(device_kind: str) -> str:
@@ -143,41 +242,72 @@ def cost_model_kind(device_kind: str) -> str:
   return 'h100-80gb'
 
 
-def plan_memory(overrides: dict, device_kind: str) -> dict:
-  """`plan` for the step that stage 2 ran, compiled for one virtual CPU device, and the cost
-  model's estimate of it."""
-  from t5x_like.config import load_config_file
-  from t5x_like.planning import cost_model
-  from t5x_like.training import startup
+def step_throughput_tolerance() -> float:
+  sys.path.insert(0, BENCHMARKS)
+  import step_throughput
 
+  return step_throughput.LOSS_TOLERANCE
+
+
+# --- the stages -----------------------------------------------------------------------------
+
+
+def start_plan(smoke: bool, workdir: str, limit_s: float) -> tuple[threading.Thread, dict]:
+  """`plan --json` of the suite's step in the background (CPU only); its result lands in the
+  returned dict when the thread ends."""
+  result: dict = {}
+  command = [sys.executable, '-m', 't5x_like.plan', '--config', CONFIG, '--json']
+  command += config_flags(step_config_overrides(smoke))
+
+  def work() -> None:
+    run = run_child(command, limit_s, env={'JAX_PLATFORMS': 'cpu'}, echo=False)
+    result['wall_s'] = run['wall_s']
+    if run['code'] != 0:
+      result.update(failed=failure(run, limit_s), ok=False)
+      return
+    try:
+      report = json.loads(run['output'].strip().splitlines()[-1])
+    except (ValueError, IndexError):
+      result.update(failed=f'no JSON from plan: {run["tail"][-800:]}', ok=False)
+      return
+    breakdown = report.get('memory_breakdown', {})
+    result.update(
+      peak_gib=report['peak_gib'],
+      gpu_estimate_peak_gib=report.get('gpu_estimate_peak_gib'),
+      breakdown_error=breakdown.get('error'),
+      breakdown_source=breakdown.get('source'),
+      ok=True,
+    )
+
+  thread = threading.Thread(target=work, daemon=True)
+  thread.start()
+  return thread, result
+
+
+def cost_model_estimate(smoke: bool, device_kind: str, attention_impl: str | None) -> dict:
+  """`plan --estimate` (the cost model, no compile) of the suite's step on this GPU kind."""
   kind = cost_model_kind(device_kind)
-  estimate = cost_model.estimate(startup.check_config(load_config_file(CONFIG, overrides)), kind)
-  result = {
-    'estimate': {
+  overrides = step_config_overrides(smoke)
+  if attention_impl:
+    overrides['model.attention_impl'] = attention_impl
+  command = [sys.executable, '-m', 't5x_like.plan', '--config', CONFIG, '--json']
+  command += config_flags(overrides) + ['--estimate', '--gpu', kind]
+  run = run_child(command, 30, env={'JAX_PLATFORMS': 'cpu'}, echo=False)
+  try:
+    estimate = json.loads(run['output'].strip().splitlines()[-1])
+    return {
       'gpu': kind,
+      'attention_impl': attention_impl,
       'step_s': estimate['estimated_step_s'],
       'tflops_per_gpu': estimate['estimated_tflops_per_gpu'],
       'memory_gib': estimate['estimated_memory_gib'],
     }
-  }
-  command = [sys.executable, '-m', 't5x_like.plan', '--config', CONFIG, '--json']
-  command += [
-    f'--config.{key}={value!r}' if isinstance(value, str) else f'--config.{key}={value}'
-    for key, value in overrides.items()
-  ]
-  code, output = run_logged(command, env={'JAX_PLATFORMS': 'cpu'})
-  if code != 0:
-    return {**result, 'failed': output[-1000:], 'ok': False}
-  report = json.loads(output.strip().splitlines()[-1])
-  return {
-    **result,
-    'peak_gib': report['peak_gib'],
-    'gpu_estimate_peak_gib': report.get('gpu_estimate_peak_gib'),
-    'ok': True,
-  }
+  except (ValueError, IndexError, KeyError):
+    return {'gpu': kind, 'failed': failure(run, 30)}
 
 
-def matmul_peak(smoke: bool) -> dict:
+def matmul_child(smoke: bool, out: str) -> None:
+  """The `matmul` stage's own process: a bf16 matmul probe against the device's peak."""
   import jax
   import jax.numpy as jnp
 
@@ -194,26 +324,184 @@ def matmul_peak(smoke: bool) -> dict:
     matmul(a, b).block_until_ready()
     best = min(best, time.perf_counter() - start)
   peak, source = accounting.device_peak_tflops('bfloat16')
-  return {
-    'n': n,
-    'measured_tflops': 2 * n**3 / best / 1e12,
-    'peak_tflops': peak,
-    'peak_source': source,
-    'ok': True,
-  }
+  device = jax.devices()[0]
+  with open(out, 'w') as f:
+    json.dump(
+      {
+        'n': n,
+        'measured_tflops': 2 * n**3 / best / 1e12,
+        'peak_tflops': peak,
+        'peak_source': source,
+        'device': device.device_kind,
+        'platform': device.platform,
+        'jax': jax.__version__,
+        'ok': True,
+      },
+      f,
+    )
 
 
-def attention(smoke: bool) -> dict:
-  sys.path.insert(0, BENCHMARKS)
-  import attention as attention_benchmark
+def matmul(smoke: bool, workdir: str, limit_s: float) -> dict:
+  out = os.path.join(workdir, 'matmul.json')
+  command = [sys.executable, os.path.abspath(__file__), '--child', 'matmul', '--json', out]
+  run = run_child(command + (['--smoke'] if smoke else []), limit_s)
+  report = read_json(out)
+  if report is None:
+    return {'failed': failure(run, limit_s), 'ok': False, 'wall_s': run['wall_s']}
+  return {**report, 'wall_s': run['wall_s']}
 
-  argv = ['--smoke'] if smoke else ['--seqs', '2048,4096', '--impls', 'pallas,cudnn,xla']
-  report = attention_benchmark.run(attention_benchmark.parse_args(argv))
-  report['ok'] = not attention_benchmark.failures(report)
+
+def attention(smoke: bool, workdir: str, limit_s: float) -> dict:
+  out = os.path.join(workdir, 'attention.json')
+  command = [sys.executable, os.path.join(BENCHMARKS, 'attention.py'), '--json', out]
+  command += ['--impls', ATTENTION_IMPLS]
+  command += ['--smoke', '--seqs', '64'] if smoke else ['--seqs', ATTENTION_SEQS, '--iters', '10']
+  run = run_child(command, limit_s)
+  report = read_json(out) or {'results': []}
+  report['wall_s'] = run['wall_s']
+  bad = [
+    r
+    for r in report['results']
+    if r.get('correct') is False or ('failed' in r and r['impl'] in CORE_ATTENTION)
+  ]
+  report['ok'] = run['code'] in (0, 1) and not bad
+  if run['code'] not in (0, 1):  # 1: a row failed or was wrong (reported in the rows)
+    report['failed'] = failure(run, limit_s)
   return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def step_child(specs: list[str], workdir: str, limit_s: float, extra: list[str]) -> dict:
+  """One step_throughput.py process for `specs` (IMPL or IMPL:LOSS); each one's result, or why
+  there is none."""
+  name = '_'.join(specs).replace(':', '-')
+  out = os.path.join(workdir, f'step_{name}.json')
+  command = [sys.executable, os.path.join(BENCHMARKS, 'step_throughput.py'), '--config', CONFIG]
+  command += ['--attention', ','.join(specs), '--json', out, *extra]
+  run = run_child(command, limit_s)
+  report = read_json(out) or {}
+  results = {}
+  for spec in specs:
+    result = dict(report.get('results', {}).get(spec) or {})
+    if not result:
+      result = {'failed': failure(run, limit_s)}
+    elif run['code'] is None and 'step_s_median' in result:  # out of time in the profile
+      result['profile_failed'] = result.get('profile_failed') or failure(run, limit_s)
+    result['process_wall_s'] = run['wall_s']
+    result['device'] = report.get('device')
+    results[spec] = result
+  return results
+
+
+def steps(smoke: bool, workdir: str, clock: Clock, impls: tuple[str, ...]) -> dict:
+  """The step per attention implementation, one process each (--smoke: one for all)."""
+  results: dict = {}
+  groups = [list(impls)] if smoke else [[impl] for impl in impls]
+  for group in groups:
+    limit = min(SMOKE_LIMIT if smoke else LIMITS['step'], clock.left())
+    if limit < 10:
+      results.update({impl: {'failed': 'skipped: out of the time budget'} for impl in group})
+      continue
+    extra = list(SMOKE_STEP_ARGS if smoke else STEP_ARGS)
+    measured = [i for i, r in results.items() if 'step_s_median' in r]
+    if 'auto' in group and measured:
+      extra += ['--reuse_if_auto_is', ','.join(measured)]
+    results.update(step_child(group, workdir, limit, extra))
+  device = next((r['device'] for r in results.values() if r.get('device')), None)
+  ok = True
+  reference = results.get('xla', {}).get('losses')
+  tolerance = step_throughput_tolerance()
+  for impl, result in results.items():
+    if 'same_as' in result:
+      continue
+    if 'failed' in result:
+      ok = False
+    if reference and 'losses' in result and impl != 'xla':
+      result['first_loss_vs_xla'] = abs(result['losses'][0] - reference[0]) / abs(reference[0])
+      ok &= result['first_loss_vs_xla'] <= tolerance
+  return {'config': CONFIG, 'device': device, 'results': results, 'ok': ok}
+
+
+def fastest(step_results: dict) -> str | None:
+  timed = {i: r['step_s_median'] for i, r in step_results.items() if 'step_s_median' in r}
+  return min(timed, key=timed.__getitem__) if timed else None
+
+
+def losses(smoke: bool, workdir: str, clock: Clock, step_results: dict, default_impl: str) -> dict:
+  """The step with the fastest attention and each cross-entropy implementation (one process
+  each; --smoke: one for all); the step stage's row stands for the config's own."""
+  impl = fastest(step_results) or default_impl
+  base = step_results.get(impl, {})
+  results: dict = {}
+  todo = []
+  for variant in LOSS_VARIANTS:
+    if variant == base.get('cross_entropy_impl'):
+      results[variant] = {**base, 'from': 'the step stage'}
+    else:
+      todo.append(variant)
+  extra = (
+    ['--smoke', '--global_batch', '4', '--warmup', '1', '--steps', '1']
+    if smoke
+    else ['--global_batch', '16', '--warmup', '2', '--steps', '3']
+  )
+  groups = [todo] if smoke else [[variant] for variant in todo]
+  for group in groups:
+    limit = min(SMOKE_LIMIT if smoke else LIMITS['loss'], clock.left())
+    if limit < 10:
+      results.update({v: {'failed': 'skipped: out of the time budget'} for v in group})
+      continue
+    found = step_child([f'{impl}:{v}' for v in group], workdir, limit, extra)
+    results.update({v: found[f'{impl}:{v}'] for v in group})
+  ok = all('failed' not in r for r in results.values())
+  reference = next((r['losses'][0] for r in results.values() if r.get('losses')), None)
+  tolerance = step_throughput_tolerance()
+  for result in results.values():
+    if reference and result.get('losses'):
+      result['first_loss_vs_first'] = abs(result['losses'][0] - reference) / abs(reference)
+      ok &= result['first_loss_vs_first'] <= tolerance
+  results = {v: results[v] for v in LOSS_VARIANTS if v in results}
+  return {'attention': impl, 'results': results, 'ok': ok}
+
+
+def shard176b(smoke: bool, workdir: str, limit_s: float) -> dict:
+  out = os.path.join(workdir, 'shard176b.json')
+  command = [sys.executable, os.path.join(BENCHMARKS, 'shard_176b.py'), '--json', out]
+  run = run_child(command + (['--smoke'] if smoke else []), limit_s)
+  report = read_json(out) or {'results': {}}
+  report['wall_s'] = run['wall_s']
+  results = report['results']
+  report['ok'] = bool(results) and all(
+    'failed' not in r and r.get('finite', True) for r in results.values()
+  )
+  if run['code'] not in (0, 1) or not results:
+    report['failed'] = failure(run, limit_s)
+    report['ok'] = False
+  return report
+
+
+def kernel_tests(limit_s: float) -> dict:
+  # -n 0: one process (setup.cfg's two xdist workers would each take the GPU's memory).
+  command = [sys.executable, '-m', 'pytest', 'tests/kernels', '-q', '-n', '0']
+  command += ['-p', 'no:cacheprovider']
+  command += ['-k', MULTI_DEVICE_TESTS]
+  run = run_child(
+    command, limit_s, env={'JAX_DEFAULT_MATMUL_PRECISION': 'highest', 'JAX_PLATFORMS': 'cuda,cpu'}
+  )
+  summary = [line for line in run['tail'].splitlines() if ' passed' in line or ' failed' in line]
+  result = {
+    'exit_code': run['code'],
+    'summary': summary[-1] if summary else run['tail'][-500:],
+    'ok': run['code'] == 0,
+    'wall_s': run['wall_s'],
+  }
+  if run['code'] is None:
+    result['failed'] = failure(run, limit_s)
+  return result
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
@@ -223,8 +511,52 @@ def main(argv: list[str] | None = None) -> int:
     action='store_true',
     help='small shapes, no kernel tests: checks every stage runs (CPU)',
   )
-  parser.add_argument('--no-tests', action='store_true', help='skip stage 1')
+  parser.add_argument('--no-tests', action='store_true', help='skip the tests stage')
+  parser.add_argument(
+    '--only', default='', help=f'comma-separated stages to run (of {", ".join(STAGES)})'
+  )
+  parser.add_argument(
+    '--step_impls',
+    default=','.join(STEP_IMPLS),
+    help='the attention implementations of the step stage',
+  )
+  parser.add_argument(
+    '--budget_s',
+    type=float,
+    default=BUDGET_S,
+    help=f'the run stops by this many seconds (default {BUDGET_S:.0f}; --smoke: 3600)',
+  )
+  parser.add_argument('--child', default='', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  only = [s for s in args.only.split(',') if s]
+  unknown = [s for s in only if s not in STAGES]
+  if unknown:
+    parser.error(f'unknown stage(s) {unknown}; the stages are {", ".join(STAGES)}')
+  args.stages = [s for s in STAGES if (not only or s in only)]
+  if args.smoke or args.no_tests:
+    args.stages = [s for s in args.stages if s != 'tests']
+  if args.smoke and args.budget_s == BUDGET_S:
+    args.budget_s = 3600.0
+  return args
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
+  if args.child == 'matmul':
+    matmul_child(args.smoke, args.json)
+    return 0
+  previous = {}
+  if threading.current_thread() is threading.main_thread():
+    previous = {s: signal.signal(s, _stop_children) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    return run_suite(args)
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+
+
+def run_suite(args: argparse.Namespace) -> int:
+  clock = Clock(args.budget_s)
   if not args.smoke and default_backend() != 'gpu':
     print(
       f'error: no GPU here (JAX runs on {default_backend()}); the suite measures a GPU. '
@@ -232,89 +564,267 @@ def main(argv: list[str] | None = None) -> int:
       file=sys.stderr,
     )
     return 2
-  start = time.perf_counter()
-  report = {
+  report: dict = {
     'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
     'smoke': args.smoke,
+    'budget_s': args.budget_s,
     'stages': {},
   }
   stages = report['stages']
-  if not (args.smoke or args.no_tests):
-    stages['tests'] = kernel_tests()
-  with tempfile.TemporaryDirectory() as workdir:
-    stages['step'] = train_steps(args.smoke, workdir)
-  if stages['step']['overrides'] is not None:
-    stages['plan'] = plan_memory(stages['step']['overrides'], stages['step']['device'])
-  stages['matmul'] = matmul_peak(args.smoke)
-  stages['attention'] = attention(args.smoke)
-  import jax
+  timing: dict = {}
+  report['stage_timing'] = timing
 
-  device = jax.devices()[0]
+  def save() -> None:
+    report['wall_s'] = round(clock.elapsed(), 1)
+    with open(args.json, 'w') as f:
+      json.dump(report, f, indent=1)
+
+  def limit(stage: str) -> float:
+    return min(SMOKE_LIMIT if args.smoke else LIMITS[stage], clock.left())
+
+  def finish(stage: str, result: dict, started: float) -> None:
+    stages[stage] = result
+    timing[stage] = {
+      'wall_s': round(time.perf_counter() - started, 1),
+      'limit_s': None if stage in ('step', 'loss') else LIMITS[stage],
+    }
+    save()
+
+  with tempfile.TemporaryDirectory(prefix='gpu_suite_') as workdir:
+    plan_thread: threading.Thread | None = None
+    plan_result: dict = {}
+    plan_started = time.perf_counter()
+    if 'plan' in args.stages:
+      plan_thread, plan_result = start_plan(args.smoke, workdir, limit('plan'))
+    for stage in args.stages:
+      if stage == 'plan':
+        continue
+      started = time.perf_counter()
+      if clock.left() < (TESTS_NEED_S if stage == 'tests' else 15):
+        # Not a failure: reported as not run, the suite's report 'incomplete'.
+        skipped = f'out of the time budget (rerun with --only {stage})'
+        finish(stage, {'skipped': skipped, 'ok': None}, started)
+        continue
+      print(f'\n=== {stage} ({clock.elapsed():.0f} s into the run) ===', flush=True)
+      if stage == 'matmul':
+        finish(stage, matmul(args.smoke, workdir, limit(stage)), started)
+      elif stage == 'attention':
+        finish(stage, attention(args.smoke, workdir, limit(stage)), started)
+      elif stage == 'step':
+        impls = tuple(s for s in args.step_impls.split(',') if s)
+        finish(stage, steps(args.smoke, workdir, clock, impls), started)
+      elif stage == 'loss':
+        step_results = stages.get('step', {}).get('results', {})
+        default = 'xla' if args.smoke else 'pallas'
+        finish(stage, losses(args.smoke, workdir, clock, step_results, default), started)
+      elif stage == 'shard176b':
+        finish(stage, shard176b(args.smoke, workdir, limit(stage)), started)
+      elif stage == 'tests':
+        finish(stage, kernel_tests(limit(stage)), started)
+    device = next(
+      (s['device'] for s in (stages.get('matmul', {}), stages.get('step', {})) if s.get('device')),
+      'unknown',
+    )
+    if plan_thread is not None:
+      print(f'\n=== plan ({clock.elapsed():.0f} s into the run) ===', flush=True)
+      plan_thread.join(timeout=max(5.0, clock.left() + 10))
+      if plan_thread.is_alive():
+        plan_result.update(failed='still running at the end of the time budget', ok=False)
+      impl = fastest(stages.get('step', {}).get('results', {}))
+      plan_result['estimate'] = cost_model_estimate(args.smoke, device, impl)
+      finish('plan', plan_result, plan_started)
   report.update(
-    device=device.device_kind,
-    platform=device.platform,
-    jax=jax.__version__,
-    wall_s=round(time.perf_counter() - start, 1),
+    device=device,
+    platform=stages.get('matmul', {}).get('platform', 'unknown'),
+    jax=stages.get('matmul', {}).get('jax', 'unknown'),
   )
-  report['ok'] = all(stage['ok'] for stage in stages.values())
-  with open(args.json, 'w') as f:
-    json.dump(report, f, indent=1)
-  print(summary(report), flush=True)
+  report['ok'] = all(stage.get('ok') is not False for stage in stages.values())
+  report['incomplete'] = [name for name, stage in stages.items() if stage.get('ok') is None]
+  save()
+  print('\n' + summary(report), flush=True)
   return 0 if report['ok'] else 1
 
 
-def summary(report: dict) -> str:
+# --- the summary ----------------------------------------------------------------------------
+
+
+def _pct(value: float | None) -> str:
+  return 'n/a' if value is None else f'{value:.1f}%'
+
+
+def attention_lines(stage: dict) -> list[str]:
+  lines = []
+  rows = stage.get('results', [])
+  for row in rows:
+    note = f' [{row["note"]}]' if row.get('note') else ''
+    if 'fwd_tflops' in row:
+      errors = row.get('errors', {})
+      lines.append(
+        f'attention {row["impl"]} seq {row["seq"]}: fwd {row["fwd_tflops"]:.3g} '
+        f'({_pct(row.get("fwd_pct_peak"))}) fwd+bwd {row["fwd_bwd_tflops"]:.3g} '
+        f'({_pct(row.get("fwd_bwd_pct_peak"))}) bwd '
+        + ('n/a' if row.get('bwd_tflops') is None else f'{row["bwd_tflops"]:.3g}')
+        + f' TFLOP/s, correct {row["correct"]} (max error '
+        f'{max(errors.values()) if errors else float("nan"):.1e}){note}'
+      )
+    else:
+      lines.append(
+        f'attention {row["impl"]} seq {row["seq"]}: '
+        f'{row.get("skipped") or "FAILED " + str(row.get("failed"))}{note}'
+      )
+  seqs = sorted({r['seq'] for r in rows})
+  impls = list(dict.fromkeys(r['impl'] for r in rows))
+  if seqs and impls:
+    lines.append('fwd+bwd TFLOP/s (% of peak) by seq:')
+    lines.append(f'  {"impl":<15}' + ''.join(f'{s:>17}' for s in seqs))
+    for impl in impls:
+      cells = []
+      for seq in seqs:
+        empty: dict = {}
+        row = next((r for r in rows if r['impl'] == impl and r['seq'] == seq), empty)
+        cells.append(
+          f'{row["fwd_bwd_tflops"]:.4g} ({_pct(row.get("fwd_bwd_pct_peak"))})'
+          if 'fwd_bwd_tflops' in row
+          else ('skipped' if 'skipped' in row else 'FAILED' if row else '-')
+        )
+      lines.append(f'  {impl:<15}' + ''.join(f'{c:>17}' for c in cells))
+  if stage.get('failed'):
+    lines.append(f'attention stage: {stage["failed"][-300:]}')
+  return lines
+
+
+def step_line(label: str, r: dict, impl: str) -> str:
   gib = 2**30
+  if 'same_as' in r:
+    return f'{label}: runs {r["same_as"]} (resolved here; the same program as that row)'
+  if 'mfu' not in r:
+    if 'skipped' in r:
+      return f'{label}: skipped: {r["skipped"]}'
+    return f'{label}: FAILED {str(r.get("failed", ""))[-300:]}'
+  measured = (
+    f', measured peak {r["measured_peak_bytes"] / gib:.1f} GiB'
+    if r.get('measured_peak_bytes')
+    else ''
+  )
+  runs = r.get('resolved_to')
+  extra = f' (runs {runs})' if runs and runs != impl else ''
+  vs = f', vs xla {r["first_loss_vs_xla"]:.1e}' if 'first_loss_vs_xla' in r else ''
+  if 'first_loss_vs_first' in r:
+    vs = f', vs the first variant {r["first_loss_vs_first"]:.1e}'
+  return (
+    f'{label}: {r["step_s_median"] * 1e3:.0f} ms, {r["tokens_per_s"]:,.0f} tokens/s, '
+    f'{r["model_tflops"]:.3g} TFLOP/s, MFU {100 * r["mfu"]:.1f}%, loss {r["losses"][0]:.4f}'
+    f'{vs}, XLA peak {r["xla_peak_bytes"] / gib:.1f} GiB{measured}{extra}'
+  )
+
+
+def profile_lines(results: dict) -> list[str]:
+  import profile_trace
+
+  profiled = {impl: r['profile'] for impl, r in results.items() if 'profile' in r}
+  lines = []
+  if profiled:
+    lines.append('step profile, ms per step (% of step):')
+    lines.append(f'  {"category":<24}' + ''.join(f'{impl:>18}' for impl in profiled))
+    for category in (*profile_trace.CATEGORIES, profile_trace.IDLE):
+      lines.append(
+        f'  {category:<24}'
+        + ''.join(
+          f'{p["ms_per_step"][category]:>9.1f} ({p["pct_of_step"][category]:4.1f}%)'
+          for p in profiled.values()
+        )
+      )
+    lines.append(
+      f'  {"step (wall)":<24}'
+      + ''.join(f'{p["step_ms"]:>9.1f} (100.0%)' for p in profiled.values())
+    )
+    for impl, p in profiled.items():
+      lines.append(
+        f'  {impl}: {p["events"]} {p["events_from"]} events, recognised by '
+        + ', '.join(f'{k} {v}' for k, v in sorted(p['recognised_by'].items()))
+      )
+  for impl, r in results.items():
+    if 'profile_failed' in r:
+      lines.append(f'step profile {impl}: FAILED {r["profile_failed"][-300:]}')
+  return lines
+
+
+def summary(report: dict) -> str:
+  sys.path.insert(0, BENCHMARKS)
   stages = report['stages']
   lines = [
     f'# GPU suite {report["date"]}: {report["device"]} ({report["platform"]}), jax '
     f'{report["jax"]}, {report["wall_s"]} s, {"ok" if report["ok"] else "FAILED"}'
+    + (f', not run: {", ".join(report["incomplete"])}' if report.get('incomplete') else '')
   ]
-  if 'tests' in stages:
+  for name, stage in stages.items():
+    if 'skipped' in stage:
+      lines.append(f'{name}: skipped: {stage["skipped"]}')
+  if 'tests' in stages and 'summary' in stages['tests']:
     lines.append(f'tests/kernels: {stages["tests"]["summary"]}')
-  matmul = stages['matmul']
-  lines.append(
-    f'bf16 matmul {matmul["n"]}^3: {matmul["measured_tflops"]:.3g} TFLOP/s measured '
-    f'({matmul["peak_tflops"]:.3g}: {matmul["peak_source"]})'
-  )
-  plan = stages.get('plan', {})
-  for impl, r in stages['step']['results'].items():
-    if 'mfu' not in r:
-      lines.append(f'step {impl}: {r.get("skipped") or "FAILED " + r.get("failed", "")[-300:]}')
-      continue
-    measured = (
-      f', measured peak {r["measured_peak_bytes"] / gib:.1f} GiB'
-      if r.get('measured_peak_bytes')
-      else ''
-    )
+  matmul = stages.get('matmul', {})
+  if 'measured_tflops' in matmul:
     lines.append(
-      f'step {impl}: {r["step_s_median"] * 1e3:.0f} ms, {r["model_tflops"]:.3g} '
-      f'TFLOP/s, MFU {100 * r["mfu"]:.1f}%, loss {r["losses"][0]:.4f}, XLA peak '
-      f'{r["xla_peak_bytes"] / gib:.1f} GiB{measured}'
+      f'bf16 matmul {matmul["n"]}^3: {matmul["measured_tflops"]:.3g} TFLOP/s measured '
+      f'({matmul["peak_tflops"]:.3g}: {matmul["peak_source"]})'
     )
+  elif 'failed' in matmul:
+    lines.append(f'matmul: FAILED {matmul["failed"][-300:]}')
+  lines += attention_lines(stages.get('attention', {}))
+  step = stages.get('step', {})
+  for impl, r in step.get('results', {}).items():
+    lines.append(step_line(f'step {impl}', r, impl))
+  lines += profile_lines(step.get('results', {}))
+  loss = stages.get('loss', {})
+  for variant, r in loss.get('results', {}).items():
+    lines.append(step_line(f'loss {variant} ({loss["attention"]} attention)', r, loss['attention']))
+  shard = stages.get('shard176b', {})
+  for impl, r in shard.get('results', {}).items():
+    if 'tflops' not in r:
+      lines.append(f'176B shard {impl}: FAILED {str(r.get("failed"))[-300:]}')
+      continue
+    t, pct = r['tflops'], r['pct_of_peak']
+    line = (
+      f'176B shard {impl} (1 of 4 TP ranks, {r["layers"]} layers, full recompute): '
+      f'{r["layer_ms"]:.2f} ms/layer, tr11 count {t["tr11"]:.4g} TFLOP/s ({pct["tr11"]:.1f}% '
+      f'of peak; tr11: 150 per A100, 48% of 312), model {t["model"]:.4g}, executed '
+      f'{t["executed"]:.4g}'
+    )
+    for gpu, e in r.get('tp_allreduce', {}).items():
+      line += (
+        f'; + planner all-reduces on {gpu} ({6 * e["seconds_each"] * 1e3:.2f} ms/layer): '
+        f'{e["tr11_tflops_with_allreduces"]:.4g}'
+      )
+    lines.append(line)
+  if shard.get('failed'):
+    lines.append(f'176B shard stage: {shard["failed"][-300:]}')
+  plan = stages.get('plan', {})
   if plan.get('ok'):
-    # The GPU estimate needs plan's buffer breakdown, which some JAX versions' dumps defeat.
-    estimate = plan['gpu_estimate_peak_gib']
+    estimate = plan.get('gpu_estimate_peak_gib')
+    source = f' (from {plan["breakdown_source"]})' if plan.get('breakdown_source') else ''
     lines.append(
       f'plan (CPU compile): peak {plan["peak_gib"]:.1f} GiB, GPU estimate '
-      + ('unavailable' if estimate is None else f'{estimate:.1f} GiB')
+      + (
+        f'unavailable: {plan.get("breakdown_error")}'
+        if estimate is None
+        else f'{estimate:.1f} GiB{source}'
+      )
     )
-  if 'estimate' in plan:
-    model = plan['estimate']
+  elif plan.get('failed'):
+    lines.append(f'plan: FAILED {plan["failed"][-300:]}')
+  model = plan.get('estimate', {})
+  if 'step_s' in model:
     lines.append(
-      f"cost model ({model['gpu']}, xla's step): {model['step_s'] * 1e3:.0f} ms, "
-      f'{model["tflops_per_gpu"]:.3g} TFLOP/s, {model["memory_gib"]:.1f} GiB'
+      f'cost model ({model["gpu"]}, {model.get("attention_impl") or "the config"} attention): '
+      f'{model["step_s"] * 1e3:.0f} ms, {model["tflops_per_gpu"]:.3g} TFLOP/s, '
+      f'{model["memory_gib"]:.1f} GiB'
     )
-  for row in stages['attention']['results']:
-    if 'fwd_tflops' in row:
-      lines.append(
-        f'attention {row["impl"]} seq {row["seq"]}: fwd {row["fwd_tflops"]:.3g} '
-        f'fwd+bwd {row["fwd_bwd_tflops"]:.3g} TFLOP/s, correct {row["correct"]}'
-      )
-    else:
-      lines.append(
-        f'attention {row["impl"]} seq {row["seq"]}: {row.get("skipped") or row.get("failed")}'
-      )
+  elif 'failed' in model:
+    lines.append(f'cost model: FAILED {model["failed"][-300:]}')
+  lines.append(
+    'stage timing: '
+    + ', '.join(f'{name} {t["wall_s"]:.0f} s' for name, t in report.get('stage_timing', {}).items())
+  )
   return '\n'.join(lines)
 
 

@@ -19,7 +19,8 @@ def get_config() -> ml_collections.ConfigDict:
     init_std=0.02,
     # On this CPU XLA's f32 matmuls are faster than bf16 ones (docs/benchmarks.md); GPUs use bf16.
     dtype='float32',
-    attention_impl='xla',
+    # The fastest attention that runs on the device: xla on CPU (model/attention.py AUTO_ORDER).
+    attention_impl='auto',
     remat_policy='none',
   )
   c.train = dict(

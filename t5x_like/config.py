@@ -64,8 +64,11 @@ class ModelConfig:
   dtype: str = 'float32'  # Compute dtype, 'float32' or 'bfloat16'; params stay fp32.
   # 'xla': plain JAX (the reference); 'pallas': the fused flash-attention kernels of
   # t5x_like.kernels (Triton on GPU, interpret mode on CPU); 'cudnn': jax.nn.dot_product_attention
-  # on cuDNN (GPU only, materialised ALiBi bias). The fused ones have no attention dropout.
-  attention_impl: Literal['xla', 'pallas', 'cudnn'] = 'xla'
+  # on cuDNN (GPU only, materialised ALiBi bias); 'tokamax': tokamax.dot_product_attention (Mosaic
+  # GPU kernels from compute capability 9.0, Triton below, XLA on CPU). The fused ones have no
+  # attention dropout. 'auto': the fastest of them that runs the model on the device it runs on
+  # (model/attention.py's AUTO_ORDER; 'xla' on CPU, and wherever attention_dropout > 0).
+  attention_impl: Literal['auto', 'xla', 'pallas', 'cudnn', 'tokamax'] = 'auto'
   # False: a fused attention_impl that cannot run this shape/dtype/platform is an error naming the
   # constraint (Megatron's --abort-on-unmet-fused-kernel-constraints). True: warn and run 'xla'.
   attention_fallback: bool = False
@@ -527,10 +530,12 @@ class Config:
       m.dtype in ('float32', 'bfloat16'),
       f"model.dtype must be 'float32' or 'bfloat16', got {m.dtype!r}",
     )
+    # 'auto' with dropout resolves to 'xla' on every device (model/attention.py).
     _need(
-      m.attention_impl == 'xla' or m.attention_dropout == 0.0,
-      f"model.attention_dropout={m.attention_dropout} needs model.attention_impl='xla': the "
-      f'fused {m.attention_impl!r} attention has no dropout; set model.attention_dropout=0',
+      m.attention_impl in ('xla', 'auto') or m.attention_dropout == 0.0,
+      f"model.attention_dropout={m.attention_dropout} needs model.attention_impl='xla' (or "
+      f"'auto', which then runs xla): the fused {m.attention_impl!r} attention has no dropout; "
+      'set model.attention_dropout=0',
     )
     _need(
       m.architecture != 'gpt2' or t.seq_len <= m.max_position_embeddings,

@@ -132,3 +132,45 @@ def test_memory_breakdown_without_a_pipeline_keeps_no_stage_inputs():
   assert gib['kept stage inputs'] == 0 and gib['kept activations'] > 0
   # 12 bytes/param of state: the fp32 params and both Adam moments.
   assert abs(gib['Adam moments'] - 2 * gib['master weights (fp32 params)']) < 1e-9
+
+
+def test_memory_breakdown_names_the_dump_part_it_cannot_read():
+  """A dump whose format changed (as jax 0.11.2's did) is one DumpError naming the file and the
+  part not found, never categories from half-read files (a GPU estimate silently equal to the CPU
+  peak, or None without a reason)."""
+  import glob
+
+  import jax
+  import jax.numpy as jnp
+  import pytest
+
+  from t5x_like.planning import memory_report
+
+  def f(x, y):
+    a = jnp.tanh(x @ y)
+    b = jnp.sin(a @ y)
+    return (a * b).sum(), (b @ x).sum()
+
+  lowered = jax.jit(f).lower(jnp.ones((256, 256)), jnp.ones((256, 256)))
+  compiled, dump = memory_report.compile_with_buffer_dump(lowered)
+  memory = compiled.memory_analysis()
+  with dump:
+    found = memory_report.breakdown(dump.name, memory)
+    assert sum(found['bytes'].values()) == found['peak_bytes']
+    edits = (
+      ('-live-range.txt', 'Live ranges at', 'Peak live set at', "'  Live ranges at N (peak):'"),
+      ('-live-range.txt', 'Live ranges at ', 'Live ranges at #', 'parse_live_ranges'),
+      ('-buffer-assignment.txt', ' value: <', ' value <', "' value: <id name @position>"),
+      ('-buffer-assignment-values.txt', ' from instruction:', ' defined by:', "' from instruc"),
+    )
+    for suffix, old, new, named in edits:
+      (path,) = glob.glob(f'{dump.name}/*{suffix}')
+      with open(path) as fh:
+        text = fh.read()
+      with open(path, 'w') as fh:
+        fh.write(text.replace(old, new))
+      with pytest.raises(memory_report.DumpError) as error:
+        memory_report.breakdown(dump.name, memory)
+      assert named in str(error.value) and suffix.lstrip('-') in str(error.value), error.value
+      with open(path, 'w') as fh:
+        fh.write(text)

@@ -40,6 +40,7 @@ import json
 import os
 import sys
 
+from t5x_like.cli.checkpoint_arguments import add_checkpoint_arguments, add_tokenizer_arguments
 from t5x_like.config import Config, ConfigError, ModelConfig
 from t5x_like.inference import decoding
 
@@ -69,7 +70,9 @@ def largest_array(
     length * ffn * (2 if dtype == 'bfloat16' else 4),
     f'the MLP activation [{length}, {ffn}] {dtype}',
   )
-  if model.attention_impl == 'xla':
+  from t5x_like.model import attention  # 'auto' as this process's device resolves it
+
+  if attention.resolved(model, attention.device_if_known()) == 'xla':
     # attention_reference's scores, fp32 whatever the dtype; the bias is smaller or fused in.
     return max(
       mlp, (4 * heads * length**2, f'attention scores [{heads}, {length}, {length}] float32')
@@ -182,22 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  parser.add_argument(
-    '--checkpoint',
-    required=True,
-    help="a run's WORKDIR/checkpoints (latest step) or one step directory",
-  )
+  add_checkpoint_arguments(parser)
   parser.add_argument('--prompt', required=True)
   parser.add_argument('--max_new_tokens', type=int, default=64)
   parser.add_argument('--temperature', type=float, default=0.0, help='0: greedy')
   parser.add_argument('--top_k', type=int, default=0, help='sample among the k likeliest (0: all)')
   parser.add_argument('--seed', type=int, default=0)
-  parser.add_argument('--dtype', default=None, choices=['float32', 'bfloat16'])
-  parser.add_argument('--step', type=int, default=None)
-  which = parser.add_mutually_exclusive_group()
-  which.add_argument('--tokenizer_model', help='a SentencePiece .model (default: the shipped one)')
-  which.add_argument('--tokenizer_json', help="a Hugging Face tokenizer.json (BLOOM's)")
-  parser.add_argument('--mesh.tensor', dest='mesh_tensor', type=int, default=1)
+  add_tokenizer_arguments(parser)
   args = parser.parse_args(argv)
   from t5x_like.checkpointing.checkpoints import CheckpointError, read_config
   from t5x_like.inference.loading import load_for_inference

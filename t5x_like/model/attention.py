@@ -4,9 +4,18 @@
 * 'pallas': the fused flash-attention kernels (`t5x_like.kernels.flash_attention`); Triton on GPU,
   interpret mode automatically on CPU.
 * 'cudnn': `jax.nn.dot_product_attention(implementation='cudnn')` with a materialised ALiBi bias.
+* 'tokamax': openxla's `tokamax.dot_product_attention` (`tokamax_attention`): its Mosaic GPU
+  kernels on compute capability >= 9.0 (Hopper, Blackwell), its Triton kernels on other CUDA GPUs
+  (>= 8.0), its XLA implementation on CPU (so the wrapper is tested there). ALiBi is a broadcast
+  [1, heads, 1, seq] float32 bias `slope * key_position` (`alibi_key_bias`).
+* 'auto' (the default): resolved per device when the model is traced (and at start-up, for the
+  log) to the first implementation of the device's row of `AUTO_ORDER` that can run the model: the
+  fastest measured there. `choose` returns the choice and the reason the log gives.
 
 The fused ones run per shard under the mesh: a `shard_map` over the batch (`data`) and head
-(`tensor`) axes, each shard with the ALiBi slopes of its own (contiguous) heads.
+(`tensor`) axes, each shard with the ALiBi slopes of its own (contiguous) heads. The model passes
+no segment ids (packed documents attend across their boundaries, as Megatron without
+--reset-attention-mask), so no implementation here takes them.
 
 Decoding with a KV cache attends one new token per row to the cached keys (`cached_attention`):
 plain JAX whatever the implementation, as a matrix-vector product gains nothing from tiling.
@@ -15,11 +24,12 @@ Fail fast, like Megatron's --abort-on-unmet-fused-kernel-constraints: a fused im
 cannot run the model's head_dim / dtype / platform is a ConfigError naming the constraint, at
 config validation where the constraint is known then (the platform only when JAX has started or is
 CPU-only) and again when the model is traced. With `model.attention_fallback=True` it is a warning
-that says 'xla' runs instead.
+that says 'xla' runs instead. 'auto' never fails: 'xla', last in every row, runs anything.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -40,11 +50,90 @@ from t5x_like.mesh import partitioning
 if TYPE_CHECKING:  # annotations only (they are strings here)
   from t5x_like.config import ModelConfig
 
-IMPLEMENTATIONS = ('xla', 'pallas', 'cudnn')
+IMPLEMENTATIONS = ('xla', 'pallas', 'cudnn', 'tokamax')
+# What model.attention_impl may be: the implementations, or 'auto' (config.py's Literal says the
+# same; tests/kernels/test_tokamax_attention.py checks that they agree).
+CHOICES = ('auto', *IMPLEMENTATIONS)
+
+# model.attention_impl='auto': per device family (`Device.family`), the implementations fastest
+# first and the measurement that orders them; 'auto' runs the first one that can run the model
+# (`unmet_constraints` empty). 'xla' ends every row, so every model runs. The GPU suite decides
+# the order: `python benchmarks/gpu_suite.py --json OUT` (the attention benchmark and a train step
+# per implementation), its numbers recorded in docs/benchmarks.md; change a row only with a
+# measurement there. A family not listed runs 'xla'.
+AUTO_ORDER: dict[str, tuple[tuple[str, ...], str]] = {
+  # tokamax (Mosaic sm90) is not measured on a GPU yet: a candidate after the measured two.
+  'hopper': (
+    ('pallas', 'cudnn', 'tokamax', 'xla'),
+    'H100, seq 4096, head_dim 128, causal + ALiBi: pallas 263 / 262 TFLOP/s forward / backward, '
+    'cudnn 177 / 145 (docs/benchmarks.md, 2026-11-24); tokamax not measured yet',
+  ),
+  'ampere': (
+    ('pallas', 'xla'),
+    "the Triton flash kernels (Pallas), the Hopper measurement's fastest; none on Ampere yet",
+  ),
+  'cpu': (
+    ('xla',),
+    'the fused kernels run on CPU only in interpret mode, an emulation slower than XLA',
+  ),
+}
+
+# The backward of tokamax's GPU kernels writes the score gradient ds ([batch, heads, q, k],
+# padded to its tiles) whenever a bias is given, then sums it into dbias. ALiBi is a constant,
+# so dbias is never used: XLA drops the sum, not the kernel's write. Only ds's dtype is ours to
+# choose (the kernels' `dbias_intermediate_dtype`; the bias's, float32, otherwise): bfloat16 halves
+# the buffer. dq, dk and dv do not depend on it (the kernel keeps ds in float32 registers for them).
+TOKAMAX_DS_DTYPE = jnp.bfloat16
 
 
-def unmet_constraints(impl: str, *, head_dim: int, dtype, platform: str | None) -> list[str]:
-  """What stops `impl` from running this head_dim / dtype on this platform (None: not known yet)."""
+@dataclasses.dataclass(frozen=True)
+class Device:
+  """What choosing an implementation needs to know of a device, as data (tests need no GPU)."""
+
+  platform: str  # jax's: 'cpu', 'gpu', 'tpu'
+  kind: str = ''  # jax's device_kind, e.g. 'NVIDIA H100 80GB HBM3'
+  compute_capability: str | None = None  # CUDA's 'major.minor' ('9.0'); None elsewhere
+
+  @classmethod
+  def of(cls, device) -> Device:
+    """The Device of a jax.Device."""
+    cc = getattr(device, 'compute_capability', None)
+    return cls(device.platform, getattr(device, 'device_kind', ''), None if cc is None else str(cc))
+
+  @property
+  def cuda_capability(self) -> float | None:
+    """The compute capability as a number; None off CUDA (ROCm's names are not numbers)."""
+    if self.platform != 'gpu' or self.compute_capability is None:
+      return None
+    try:
+      return float(self.compute_capability)
+    except ValueError:
+      return None
+
+  @property
+  def family(self) -> str:
+    """AUTO_ORDER's key: 'hopper' (compute capability 9.x), 'ampere' (8.x), else the platform
+    ('cpu', 'gpu' for other GPUs, 'tpu')."""
+    cc = self.cuda_capability
+    if cc is not None and 9.0 <= cc < 10.0:
+      return 'hopper'
+    if cc is not None and 8.0 <= cc < 9.0:
+      return 'ampere'
+    return self.platform
+
+  def describe(self) -> str:
+    """'cpu', or 'gpu (NVIDIA H100 80GB HBM3, compute capability 9.0)'."""
+    details = [self.kind] if self.kind and self.kind != self.platform else []
+    if self.compute_capability:
+      details.append(f'compute capability {self.compute_capability}')
+    return f'{self.platform} ({", ".join(details)})' if details else self.platform
+
+
+def unmet_constraints(
+  impl: str, *, head_dim: int, dtype, platform: str | None, compute_capability: str | None = None
+) -> list[str]:
+  """What stops `impl` from running this head_dim / dtype on this platform (None: not known yet;
+  compute_capability: CUDA's, for tokamax's choice of kernels)."""
   dtype = jnp.dtype(dtype).name
   problems = []
   if impl == 'pallas':
@@ -66,41 +155,135 @@ def unmet_constraints(impl: str, *, head_dim: int, dtype, platform: str | None) 
       problems.append(
         f'cuDNN fused attention needs head_dim a multiple of 8 and at most 128, got {head_dim}'
       )
+  elif impl == 'tokamax':
+    problems += _tokamax_unmet_constraints(head_dim, dtype, platform, compute_capability)
+  return problems
+
+
+def _tokamax_unmet_constraints(
+  head_dim: int, dtype: str, platform: str | None, compute_capability: str | None
+) -> list[str]:
+  if platform not in (None, 'gpu', 'cpu'):
+    return [
+      'tokamax attention is wired here for GPUs (its Mosaic or Triton kernels) and CPU (its XLA '
+      f'implementation); this process has {platform} devices'
+    ]
+  if platform == 'cpu':
+    return []  # tokamax's XLA implementation runs any head_dim and dtype
+  problems = []
+  if head_dim > 256:  # platform gpu, or not known yet
+    problems.append(
+      f"tokamax's GPU attention is tested up to head_dim 256 (its own tests), got {head_dim}"
+    )
+  cc = Device('gpu', compute_capability=compute_capability).cuda_capability
+  if platform == 'gpu' and compute_capability is not None and (cc is None or cc < 8.0):
+    problems.append(
+      "tokamax's GPU attention needs an NVIDIA GPU of compute capability >= 8.0 (its Triton "
+      f'kernels; Mosaic from 9.0), got {compute_capability}'
+    )
+  if cc is not None and cc >= 9.0 and dtype not in ('bfloat16', 'float16'):
+    problems.append(
+      "tokamax's Mosaic GPU attention (compute capability >= 9.0) multiplies bfloat16 or "
+      f'float16 only (float32 q, k, v would be rounded to bfloat16), got model.dtype {dtype}'
+    )
   return problems
 
 
 def check_config(cfg: ModelConfig) -> None:
   """Config-time check (no JAX backend is started here): raises unless fallback is allowed."""
-  resolve_impl(cfg, _platform_if_known(), quiet=True)
+  device = device_if_known()
+  if cfg.attention_impl == 'auto' and device is None:
+    return  # resolved when the model is traced; 'xla' runs whatever else cannot
+  resolve_impl(cfg, device, quiet=True)
 
 
-def resolve_impl(cfg: ModelConfig, platform: str | None, quiet: bool = False) -> str:
-  """The implementation that runs: cfg.attention_impl, or 'xla' with a warning if allowed."""
+def choose(cfg: ModelConfig, device: Device | str | None) -> tuple[str, str]:
+  """(the implementation that runs cfg on `device`, why): cfg.attention_impl, its 'auto'
+  resolved with AUTO_ORDER, or 'xla' with model.attention_fallback=True for a fused one that
+  cannot run here (without it, a ConfigError naming the constraints). device None: not known
+  yet (then 'auto' is taken for 'xla', the one that runs anywhere)."""
+  if isinstance(device, str):
+    device = Device(device)
   impl = cfg.attention_impl
-  if impl not in IMPLEMENTATIONS:
-    raise ConfigError(f'model.attention_impl must be one of {IMPLEMENTATIONS}, got {impl!r}')
-  problems = unmet_constraints(impl, head_dim=cfg.head_dim, dtype=cfg.dtype, platform=platform)
+  if impl not in CHOICES:
+    raise ConfigError(f'model.attention_impl must be one of {CHOICES}, got {impl!r}')
+  platform = None if device is None else device.platform
+  cc = None if device is None else device.compute_capability
+  constraints = functools.partial(
+    unmet_constraints,
+    head_dim=cfg.head_dim,
+    dtype=cfg.dtype,
+    platform=platform,
+    compute_capability=cc,
+  )
+  if impl == 'auto':
+    return _auto(cfg, device, constraints)
+  problems = constraints(impl)
   if impl == 'xla' or not problems:
-    return impl
+    return impl, 'model.attention_impl'
   message = f'model.attention_impl={impl!r} cannot run this model: {"; ".join(problems)}'
   if not cfg.attention_fallback:
     raise ConfigError(
-      f"{message}. Use model.attention_impl='xla', or set "
-      "model.attention_fallback=True to run 'xla' with a warning"
+      f"{message}. Use model.attention_impl='auto' (the fastest implementation that runs here) "
+      "or 'xla', or set model.attention_fallback=True to run 'xla' with a warning"
     )
-  if not quiet:
-    warnings.warn(
-      f"{message}; running model.attention_impl='xla' instead (model.attention_fallback=True)",
-      RuntimeWarning,
-      stacklevel=3,
-    )
-  return 'xla'
+  return (
+    'xla',
+    f"{message}; running model.attention_impl='xla' instead (model.attention_fallback=True)",
+  )
+
+
+def _auto(cfg: ModelConfig, device: Device | None, constraints) -> tuple[str, str]:
+  if cfg.attention_dropout > 0:
+    return 'xla', f'model.attention_dropout={cfg.attention_dropout}: only xla has attention dropout'
+  if device is None:
+    return 'xla', 'the device is not known yet'
+  family = device.family
+  order, measured = AUTO_ORDER.get(
+    family, (('xla',), f'no {family} measurement: set model.attention_impl to choose another')
+  )
+  skipped: list[str] = []
+  for candidate in order:
+    problems = constraints(candidate)
+    if not problems:
+      why = f"the first that runs this model of {family}'s {' > '.join(order)} ({measured})"
+      if skipped:
+        why += f'; skipped {"; ".join(skipped)}'
+      return candidate, why
+    skipped.append(f'{candidate} ({"; ".join(problems)})')
+  return 'xla', f'no implementation of {order} runs this model: {"; ".join(skipped)}'
+
+
+def resolve_impl(cfg: ModelConfig, device: Device | str | None, quiet: bool = False) -> str:
+  """The implementation that runs (`choose`), warning when model.attention_fallback chose it."""
+  impl, why = choose(cfg, device)
+  if not quiet and cfg.attention_impl not in ('auto', impl):
+    warnings.warn(why, RuntimeWarning, stacklevel=3)
+  return impl
+
+
+def resolved(cfg: ModelConfig, device: Device | None) -> str:
+  """cfg.attention_impl with 'auto' resolved for `device` (None, not known yet: 'xla', the one
+  that runs anywhere); a fixed implementation as it is, unchecked (what the planner and
+  `generate`'s memory bound count)."""
+  return choose(cfg, device)[0] if cfg.attention_impl == 'auto' else cfg.attention_impl
+
+
+def describe(cfg: ModelConfig, device: Device) -> str:
+  """The start-up log's line on attention: the implementation that runs on `device`, and why."""
+  impl, why = choose(cfg, device)
+  if cfg.attention_impl == 'auto':
+    return f"> attention: model.attention_impl='auto' runs {impl!r} on {device.describe()}: {why}"
+  if impl == cfg.attention_impl:
+    return f'> attention: model.attention_impl={impl!r} on {device.describe()}'
+  return f'> attention: {why}'
 
 
 def attention(q, k, v, *, cfg: ModelConfig, mesh: Mesh | None, alibi_slopes=None, dropout_rng=None):
   """Causal self-attention of [batch, seq, heads, head_dim] q, k, v with the configured kernel."""
-  platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-  impl = resolve_impl(cfg, platform)
+  device = Device.of(mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
+  platform = device.platform
+  impl = resolve_impl(cfg, device)
   if impl == 'xla':
     return attention_reference(
       q,
@@ -114,6 +297,8 @@ def attention(q, k, v, *, cfg: ModelConfig, mesh: Mesh | None, alibi_slopes=None
   kernel: Callable[..., Any]
   if impl == 'pallas':
     kernel = functools.partial(flash_attention, causal=True, interpret=platform == 'cpu')
+  elif impl == 'tokamax':
+    kernel = functools.partial(tokamax_attention, implementation=tokamax_implementation(device))
   else:
     kernel = cudnn_attention
   if mesh is None:
@@ -178,6 +363,82 @@ def cudnn_attention(q, k, v, *, alibi_slopes=None):
   return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True, implementation='cudnn')
 
 
+def tokamax_implementation(device: Device) -> str:
+  """The tokamax implementation `tokamax_attention` uses on `device`: 'mosaic' (its Mosaic GPU
+  kernels) from compute capability 9.0, 'triton' below, 'xla' on CPU."""
+  cc = device.cuda_capability
+  if device.platform == 'cpu':
+    return 'xla'
+  if cc is not None and cc >= 9.0:
+    return 'mosaic'
+  if cc is not None and cc >= 8.0:
+    return 'triton'
+  raise ConfigError(
+    f"model.attention_impl='tokamax' cannot run on {device.describe()}: tokamax's attention runs "
+    "on CPU and on NVIDIA GPUs of compute capability >= 8.0; use model.attention_impl='auto'"
+  )
+
+
+def alibi_key_bias(alibi_slopes, seq: int) -> jax.Array:
+  """ALiBi as a [1, heads, 1, seq] float32 bias: slope[h] * key position. ALiBi's
+  slope[h] * (key - query) minus this is -slope[h] * query, a constant of each score row, which
+  softmax cancels, so a bias broadcast over the queries (one row per head, never [seq, seq])
+  gives the same attention. float32 because slope * key reaches slope * (seq - 1) (about 1,950 at
+  seq 2048 for BLOOM-176B's first head), where bfloat16's spacing is 8: rounded to bfloat16 the
+  bias would move the scores near the diagonal by up to 4 (tests/kernels/test_tokamax_attention.py
+  shows the error). In float32 those scores are rounded by at most 6.1e-5 at seq 2048 (half
+  float32's spacing below 2,048), far less than bf16 q and k's own rounding."""
+  slopes = jnp.asarray(alibi_slopes, jnp.float32)
+  return (slopes[:, None] * jnp.arange(seq, dtype=jnp.float32)[None, :])[None, :, None, :]
+
+
+def tokamax_attention(q, k, v, *, alibi_slopes=None, implementation: str | None = None):
+  """Causal attention of [batch, seq, heads, head_dim] q, k, v through
+  `tokamax.dot_product_attention`, ALiBi as `alibi_key_bias` (float32 whatever q's dtype: every
+  tokamax implementation adds it to float32 scores, docs/kernels.md). implementation: tokamax's
+  ('mosaic', 'triton', 'xla'); None: `tokamax_implementation` of the default device. The bias
+  is a constant (stop_gradient); its kernels' score gradient is written in TOKAMAX_DS_DTYPE."""
+  import tokamax  # imported here: only this implementation needs it (and its import time)
+
+  _absl_flags_parsed()
+  if implementation is None:
+    implementation = tokamax_implementation(Device.of(jax.devices()[0]))
+  bias = None
+  if alibi_slopes is not None:
+    bias = jax.lax.stop_gradient(alibi_key_bias(alibi_slopes, k.shape[1]))
+  return tokamax.dot_product_attention(
+    q, k, v, bias=bias, is_causal=True, implementation=_tokamax_op(implementation)
+  )
+
+
+@functools.cache
+def _tokamax_op(implementation: str) -> Any:
+  """tokamax's op for `implementation` with its backward's ds in TOKAMAX_DS_DTYPE ('xla', whose
+  backward is XLA's autodiff, as it is)."""
+  if implementation == 'xla':
+    return 'xla'
+  from tokamax._src.ops.attention import api  # the registry dot_product_attention reads
+
+  name = {'mosaic': 'mosaic_gpu', 'triton': 'triton'}[implementation]
+  if name not in api.IMPLEMENTATIONS:
+    raise ConfigError(
+      f"tokamax's {implementation!r} attention did not import here; "
+      "model.attention_impl='pallas' runs the Triton flash kernels instead"
+    )
+  op = api.IMPLEMENTATIONS[name]
+  return op.replace(vjp=dataclasses.replace(op.vjp, dbias_intermediate_dtype=TOKAMAX_DS_DTYPE))
+
+
+def _absl_flags_parsed() -> None:
+  """tokamax reads its options from absl flags, and parses sys.argv for them when no one has:
+  every t5x_like command line (argparse) would be refused as unknown flags. Unless a program
+  parsed absl flags itself, they are marked parsed here, at their defaults."""
+  from absl import flags
+
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
 def _per_shard(kernel, q, k, v, alibi_slopes, mesh: Mesh):
   """Runs `kernel` on each (batch, heads) shard; heads are split contiguously, so are the slopes."""
   qkv_spec = partitioning.logical_to_mesh(('batch', 'length', 'act_heads', None), mesh)
@@ -199,8 +460,9 @@ def _per_shard(kernel, q, k, v, alibi_slopes, mesh: Mesh):
   )
 
 
-def _platform_if_known() -> str | None:
-  """The device platform without starting a backend (which would fix the CPU device count)."""
+def device_if_known() -> Device | None:
+  """This process's first device, without starting a backend (which would fix the CPU device
+  count): None while it is not known."""
   if partitioning.backends_started():
-    return jax.devices()[0].platform
-  return 'cpu' if partitioning.cpu_only() else None
+    return Device.of(jax.devices()[0])
+  return Device('cpu') if partitioning.cpu_only() else None

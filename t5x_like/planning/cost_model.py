@@ -5,10 +5,18 @@
 `cfg.mesh.num_devices` GPUs of kind `gpu` (a key of GPUS). The parts (docs/planner.md):
 
 * compute: the matmul and attention FLOPs of each pass a GPU runs per micro-batch (forward,
-  backward = 2 forwards, and the recomputed forward of remat_policy='full' or the 1F1B order) at
-  `efficiency(work)` of the bf16 peak, the one place the two fitted constants enter;
+  backward = 2 forwards, and what the backward recomputes: the forward under
+  remat_policy='full' or the 1F1B order, attention's under 'save_dots', the logits under the
+  chunked cross-entropy). On a GPU without measured kernel rates (and under Megatron-DeepSpeed)
+  at `efficiency(work)` of the bf16 peak, the A100 fit's two constants; on one with them
+  (Gpu.measured: H100, H200) t5x_like's matmuls at the measured GEMM rate less a fixed cost per
+  layer pass (MEASURED_HALF_WORK, fitted on the one measured step), attention at its
+  implementation's measured kernel rates (attention_impl 'auto' resolved as on the kind);
 * the attention scores' HBM traffic (bytes read and written per score element by the kernels
-  that materialise them), which grows with the head count;
+  that materialise them), which grows with the head count (in the measured rates where there
+  are some);
+* with measured rates, the memory-bound kernels (LayerNorms, GeLU, bias and residual adds, the
+  loss's fp32 logits, the gradients' accumulation) at HBM bandwidth (`memory_bound_bytes`);
 * the pipeline: (M R + P - 1) ticks of one stage's work per micro-batch (the bubble is the P - 1);
 * tensor-parallel collectives (two all-reduces, or all-gather + reduce-scatter under sequence
   parallelism, per layer and pass) at nccl-tests' measured bus bandwidths, not overlapped with
@@ -24,16 +32,19 @@
 * memory per GPU in t5x_like/planning/memory_report.py's categories, by the layout t5x_like's step
   uses (the ZeRO-split state, the gathered bf16 copy of the stage under ZeRO-1 or two gathered
   layers under ZeRO-3, fp32 gradients split over the group, kept stage inputs, the recomputed
-  layers' matmul outputs, one layer's backward).
+  layers' matmul outputs, what save_dots keeps, one layer's backward, a micro-batch's gradient
+  before it is accumulated).
 
 `framework='megatron-deepspeed'` estimates the same config as the chronicles measured it (seed
 004's tables): the head on the last stage only, Megatron's fused-softmax constraint and
 Megatron-DeepSpeed's memory layout (half-precision weights and gradients whole on every rank).
 
-Every hardware constant is in GPUS with its source; the two fitted constants are FITTED (fitted by
-benchmarks/fit_planner.py on one table of the chronicles, docs/planner.md). Nothing here starts
-a JAX backend: the Megatron FLOPs come from accounting.megatron_flops_per_iteration (the log line's
-formula), everything else is arithmetic on the config.
+Every hardware constant is in GPUS with its source (measured kernel rates in Gpu.measured); the
+fitted constants are FITTED (fitted by benchmarks/fit_planner.py on one table of the
+chronicles) and MEASURED_HALF_WORK (by the same script on the H100 step), docs/planner.md.
+Nothing here starts a JAX backend: the Megatron FLOPs come from
+accounting.megatron_flops_per_iteration (the log line's formula), everything else is arithmetic
+on the config.
 """
 
 from __future__ import annotations
@@ -55,6 +66,22 @@ FRAMEWORKS = ('t5x_like', 'megatron-deepspeed')
 
 
 @dataclasses.dataclass(frozen=True)
+class Measured:
+  """Kernel rates measured by this project's GPU suite (benchmarks/gpu_suite.py) on one GPU of a
+  kind. With them `estimate` prices t5x_like's step by what its kernels were measured to do:
+  the matmuls at the bf16 GEMM probe's rate, attention at its implementation's measured forward
+  and backward rates, the memory-bound kernels at HBM bandwidth (`memory_bound_bytes`)."""
+
+  matmul_tflops: float  # bf16 GEMM, 8192^3 random values (the suite's matmul probe)
+  # attention_impl -> ((seq, forward TFLOP/s, backward TFLOP/s), ...): causal attention with ALiBi,
+  # head_dim 128, counting benchmarks/attention.py's FLOPs (forward 2 b H s^2 d, half of the
+  # s^2 by causality; backward 2.5 x forward). Interpolated in log(seq) between the measured
+  # lengths, the nearest one outside them.
+  attention_tflops: dict[str, tuple[tuple[int, float, float], ...]]
+  sources: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Gpu:
   """One GPU kind and the node it comes in. Bandwidths in GB/s (1e9 bytes): nccl-tests' bus
   bandwidths (busbw) measured on such nodes at large payloads, not the data sheets' link speeds
@@ -67,7 +94,11 @@ class Gpu:
   nvlink_gb_s: float  # busbw of all-gather, reduce-scatter and point-to-point over NVLink
   network_gb_s: float  # the inter-node busbw of one node, all its NICs together
   gpus_per_node: int
+  compute_capability: str  # CUDA's, for what attention_impl='auto' runs (attention_impl_on)
   sources: str
+  # What this project measured on one GPU of the kind: t5x_like's own step is then estimated
+  # from these rates (`Measured`) instead of the A100 fit's efficiency curve. None: not measured.
+  measured: Measured | None = None
 
   def network_per_gpu_gb_s(self) -> float:
     """Each GPU's share of the node's network when all of them talk across nodes at once."""
@@ -81,6 +112,24 @@ class Gpu:
 # 16 GiB). The same shape is assumed for every kind and link (no A100 sweep was found).
 HALF_BANDWIDTH_BYTES = 25 * 2**20
 
+# One H100 80GB HBM3 (SXM, driver 580.159.04), jax/jaxlib 0.11.2 (CUDA 13), 2026-11-24: the GPU
+# suite's bf16 matmul probe and benchmarks/attention.py at 16 heads of 128, batch x seq = 16384
+# tokens (docs/benchmarks.md, "The GPU suite" and "Attention kernels").
+H100_MEASURED = Measured(
+  matmul_tflops=671.0,
+  attention_tflops={
+    'pallas': ((2048, 210.0, 230.0), (4096, 263.0, 262.0)),
+    'cudnn': ((2048, 155.0, 134.0), (4096, 177.0, 145.0)),
+    'xla': ((2048, 36.2, 58.5), (4096, 40.8, 59.9)),
+  },
+  sources='benchmarks/gpu_suite.py on one H100 80GB HBM3 SXM, jax 0.11.2, 2026-11-24 '
+  '(docs/benchmarks.md): bf16 matmul 8192^3 of random values 671 TFLOP/s (68% of the data '
+  "sheet's 989); benchmarks/attention.py, causal ALiBi attention, 16 heads of 128, forward and "
+  'backward TFLOP/s of pallas (Triton flash kernels, 128-row tiles), cudnn '
+  '(jax.nn.dot_product_attention with a materialised bias) and xla (attention_reference) at seq '
+  '2048 (batch 8) and 4096 (batch 4)',
+)
+
 GPUS = {
   'a100-80gb': Gpu(
     peak_bf16_tflops=accounting.BF16_PEAK_TFLOPS['A100'],
@@ -90,6 +139,7 @@ GPUS = {
     nvlink_gb_s=235.0,
     network_gb_s=135 / 8,
     gpus_per_node=8,
+    compute_capability='8.0',
     sources='NVIDIA A100 data sheet (SXM4 80GB: 312 TFLOPS bf16 dense, 80 GB HBM2e at 2,039 '
     'GB/s, NVLink 600 GB/s bidirectional); nccl-tests all_reduce_perf on an 8 x A100 node: 235 '
     'GB/s busbw, 80% of the 300 GB/s one-way NVLink (S. Bekman, stas00/ml-engineering, '
@@ -107,6 +157,7 @@ GPUS = {
     nvlink_gb_s=235.0,
     network_gb_s=200.0,
     gpus_per_node=8,
+    compute_capability='8.0',
     sources='NVIDIA A100 data sheet (SXM4 40GB: 312 TFLOPS bf16 dense, 40 GB HBM2 at 1,555 '
     'GB/s, NVLink 600 GB/s bidirectional); NVLink busbw as for a100-80gb (nccl-tests, 235 GB/s); '
     'NVIDIA DGX A100 data sheet (8 GPUs, 8 x 200 Gb/s HDR InfiniBand for compute): the network '
@@ -120,12 +171,14 @@ GPUS = {
     nvlink_gb_s=370.0,
     network_gb_s=8 * 47.0,
     gpus_per_node=8,
+    compute_capability='9.0',
     sources='NVIDIA H100 data sheet (SXM5: 989 TFLOPS bf16 dense, 80 GB HBM3 at 3.35 TB/s '
     '(81,559 MiB reported), NVLink 900 GB/s bidirectional); NCCL maintainers on nccl-tests '
     '(NVIDIA/nccl-tests#212): "On 8 GPUs, you should reach a peak busBw of ~480GB/s" for '
     'all_reduce (NVLink SHARP), and "an effective NVLink bandwidth of 370GB/s, which you can '
     'observe as BusBw when running non-allreduce operations"; NVIDIA/nccl-tests#290: "For NDR @ '
     '400Gbps you should see 46-48GB/s per NIC", x 8 ConnectX-7 NICs of the DGX H100 data sheet',
+    measured=H100_MEASURED,
   ),
   'h200': Gpu(
     peak_bf16_tflops=accounting.BF16_PEAK_TFLOPS['H200'],
@@ -135,17 +188,22 @@ GPUS = {
     nvlink_gb_s=370.0,
     network_gb_s=8 * 47.0,
     gpus_per_node=8,
+    compute_capability='9.0',
     sources='NVIDIA H200 data sheet (SXM: 989 TFLOPS bf16 dense, 141 GB HBM3e at 4.8 TB/s '
     '(143,771 MiB reported), NVLink 900 GB/s bidirectional); NVLink 4 busbw as for h100-80gb '
     '(8 x H200 all_reduce sweep: 482.3 GB/s at 16 GiB, stas00/ml-engineering network/benchmarks/'
     'results/all-reduce-8xH200.md); NDR network as for h100-80gb (NVIDIA/nccl-tests#290)',
+    # Not measured on an H200: the same GH100 compute at the same peak, so the H100's kernel rates
+    # stand in (its faster HBM speeds the memory-bound parts through hbm_gb_s only).
+    measured=H100_MEASURED,
   ),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Fitted:
-  """The model's only fitted constants (benchmarks/fit_planner.py, docs/planner.md).
+  """The efficiency curve's fitted constants (benchmarks/fit_planner.py, docs/planner.md), for
+  GPUs without measured kernel rates and Megatron-DeepSpeed's step.
 
   The matmul and attention kernels run at efficiency(work) = peak_fraction x work / (work +
   half_work) of the bf16 peak, work being one layer's forward FLOPs for one micro-batch on one
@@ -169,6 +227,46 @@ def efficiency(work: float, fitted: Fitted = FITTED) -> float:
   """The share of the bf16 peak kernels of `work` FLOPs (one layer, one micro-batch, one GPU)
   reach."""
   return fitted.peak_fraction * work / (work + fitted.half_work)
+
+
+# t5x_like's step on a GPU with measured kernel rates (Gpu.measured): its matmuls run at
+# matmul_tflops x work / (work + MEASURED_HALF_WORK), work being one layer's forward matmul FLOPs
+# for one micro-batch on one GPU, i.e. each forward-sized pass of a layer costs
+# MEASURED_HALF_WORK / matmul_tflops more than its FLOPs at the probe's rate (0.215 ms on an
+# H100, against the A100 fit's 3.5 ms of Megatron-DeepSpeed): what the counted kernels leave out
+# (gaps between XLA's kernels, GEMMs smaller than the 8192^3 probe). Fitted by
+# benchmarks/fit_planner.py on one measurement, the H100 BLOOM-1.3B step with pallas attention
+# (951 ms); the same step's cudnn and xla rows are held out (docs/planner.md).
+MEASURED_HALF_WORK = 1.44e11
+
+
+def attention_impl_on(cfg: Config, gpu: str | None = None, framework: str = 't5x_like') -> str:
+  """The attention implementation `cfg`'s step runs on GPUs of kind `gpu`: model.attention_impl,
+  'auto' resolved as t5x_like/model/attention.py resolves it on that kind's compute capability
+  (on an A100 when the kind is not given; 'pallas' on both today, 'xla' with attention dropout).
+  Megatron-DeepSpeed's attention materialises the scores as 'xla' does; every other
+  implementation ('pallas', 'cudnn', 'tokamax') keeps them on chip."""
+  if framework == 'megatron-deepspeed':
+    return 'xla'
+  from t5x_like.model import attention  # imports JAX, starts no backend
+
+  capability = GPUS[gpu].compute_capability if gpu in GPUS else '8.0'
+  return attention.resolved(cfg.model, attention.Device('gpu', compute_capability=capability))
+
+
+def measured_attention_tflops(measured: Measured, impl: str, seq: int) -> tuple[float, float]:
+  """(forward, backward) TFLOP/s of `impl`'s causal attention at sequence length `seq`, from
+  `measured` (log-linear between the measured lengths, the nearest outside them). An
+  implementation without a measurement ('tokamax') is taken at the Pallas kernels' rates."""
+  points = measured.attention_tflops.get(impl) or measured.attention_tflops['pallas']
+  points = tuple(sorted(points))
+  if seq <= points[0][0]:
+    return points[0][1], points[0][2]
+  for (s0, f0, b0), (s1, f1, b1) in zip(points, points[1:]):
+    if seq <= s1:
+      x = math.log(seq / s0) / math.log(s1 / s0)
+      return f0 + x * (f1 - f0), b0 + x * (b1 - b0)
+  return points[-1][1], points[-1][2]
 
 
 # The share of a GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION; 0.75 when it
@@ -299,7 +397,9 @@ def fused_softmax_available(cfg: Config) -> bool:
   )
 
 
-def score_traffic_bytes(cfg: Config, framework: str = 't5x_like') -> tuple[float, float]:
+def score_traffic_bytes(
+  cfg: Config, framework: str = 't5x_like', gpu: str | None = None
+) -> tuple[float, float]:
   """(forward, backward) HBM bytes per attention score element, per layer and micro-batch: the
   head-count effect. b x heads/TP x s x s scores per layer, so at a fixed hidden size this traffic
   grows with the number of heads while the FLOPs do not.
@@ -312,9 +412,10 @@ def score_traffic_bytes(cfg: Config, framework: str = 't5x_like') -> tuple[float
   Megatron's unfused path (fused_softmax_available False) casts to fp32 and runs scale, mask,
   softmax and the cast back as separate kernels: 33 more bytes forward and 35 backward. The
   same counts stand for t5x_like's attention_impl='xla' (materialised fp32 scores; XLA's GPU
-  fusions were not counted: no GPU HLO was read); 'pallas' and 'cudnn' keep the scores on chip."""
+  fusions were not counted: no GPU HLO was read); the others keep the scores on chip
+  (attention_impl_on: 'auto' as it resolves on `gpu`)."""
   m = cfg.model
-  if framework == 't5x_like' and m.attention_impl != 'xla':
+  if attention_impl_on(cfg, gpu, framework) != 'xla':
     return 0.0, 0.0
   dropout = m.attention_dropout > 0
   forward, backward = (13.0, 19.0) if dropout else (8.0, 14.0)
@@ -341,9 +442,12 @@ def zero_of(cfg: Config, framework: str = 't5x_like') -> Zero:
   return Zero(mesh.zero_stage, mesh.zero_group_size, mesh.data // mesh.zero_group_size)
 
 
-def memory_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, float]:
-  """Bytes per GPU by memory_report's categories, for t5x_like's step on a GPU (or, under
-  framework='megatron-deepspeed', for Megatron-DeepSpeed's as the chronicles ran it)."""
+def memory_bytes(
+  cfg: Config, framework: str = 't5x_like', gpu: str | None = None
+) -> dict[str, float]:
+  """Bytes per GPU by memory_report's categories, for t5x_like's step on a GPU of kind `gpu` (its
+  attention_impl='auto' resolved there: attention_impl_on), or, under
+  framework='megatron-deepspeed', for Megatron-DeepSpeed's as the chronicles ran it."""
   _check_framework(framework)
   if framework == 'megatron-deepspeed':
     return _megatron_memory_bytes(cfg)
@@ -358,11 +462,15 @@ def memory_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, float]:
   compute_bytes = 2 if m.dtype == 'bfloat16' else 4
   split_seq = t if m.sequence_parallel else 1
   activation = b * s * h * compute_bytes  # one micro-batch's hidden states, whole
-  scores = b * heads * s * s  # one layer's attention scores on this GPU
+  impl = attention_impl_on(cfg, gpu, framework)
+  # One layer's attention scores on this GPU, where the implementation materialises them ('xla');
+  # the fused kernels keep them on chip.
+  scores = b * heads * s * s if impl == 'xla' else 0
   # A layer's matmul outputs: QKV, the scores, the context, the attention and MLP projections
   # (before their reduction: whole), h -> 4h.
   dots = activation * (3 / t + 1 / t + 2 + m.ffn_size / h / t) + scores * compute_bytes
   slots = stage_slots(cfg)
+  chunked = m.cross_entropy_impl == 'chunked'
   out = dict.fromkeys(
     (
       'master weights (fp32 params)',
@@ -396,9 +504,16 @@ def memory_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, float]:
     # The backward of a tick (or a layer) recomputes its forward keeping the matmul outputs of
     # every layer but the one whose backward runs.
     out['recomputation workspace'] = (slots - 1 if p > 1 else 0) * dots
-  else:
-    keep = dots if m.remat_policy == 'save_dots' else dots + 3 * scores * compute_bytes
+  elif m.remat_policy == 'save_dots':
+    # jax.checkpoint_policies.dots_with_no_batch_dims_saveable keeps the outputs of the matmuls
+    # without batch dimensions: QKV, the attention's and the MLP's output projections (whole
+    # before their reduction) and h -> 4h; not the scores' and the context's (batched over
+    # micro-batch and heads) nor a fused kernel's output. The scan keeps each layer's input.
+    # XLA's CPU compile of bloom_1b3's step keeps exactly these four [24, 4, 2048, ...] stacks.
+    keep = activation * (3 / t + 2 + m.ffn_size / h / t) + activation / split_seq
     out['kept activations'] = m.num_layers * keep
+  else:
+    out['kept activations'] = m.num_layers * (dots + 3 * scores * compute_bytes)
   # fp32 gradients in the ZeRO layout, and the embedding's whole before its reduction; under
   # ZeRO-3 also one layer's whole gradient before its reduce-scatter. ZeRO-1's are counted split
   # as XLA's compile of tr11 keeps them (its 34.50 GiB peak has no room for the stage's whole
@@ -406,8 +521,27 @@ def memory_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, float]:
   # sharding (step.gathered_params): a GPU compile must confirm it.
   out['gradient accumulators'] = 4 * state / g + 4 * embedding
   # One layer's backward: its matmul outputs, and the softmax's f32 probabilities, their
-  # gradient and the dropout mask's.
+  # gradient and the dropout mask's ('xla'; 2.93 GiB of the 49.07 GiB the H100 measured for
+  # bloom_1b3's step against pallas's 46.14). cuDNN's ALiBi is a materialised [heads, s, s]
+  # bias and its gradient, which jax's cuDNN attention always returns; tokamax's backward writes
+  # the score gradient in bf16 whenever a bias is given (model/attention.py).
   out['backward workspace'] = dots + 3 * 4 * scores
+  alibi = m.architecture == 'bloom'
+  if impl == 'cudnn' and alibi:
+    out['backward workspace'] += 2 * compute_bytes * heads * s * s
+  if impl == 'tokamax' and alibi:
+    out['backward workspace'] += 2 * b * heads * s * s
+  if p == 1:
+    # Without a pipeline the backward of a micro-batch returns its gradient before it is added to
+    # the accumulator: the layers' stacked by the scan in the compute dtype and the token
+    # lookup's fp32 scatter-add, both split over the group like the accumulator, and under the
+    # chunked cross-entropy its vocabulary chunks' gradient, whole, stacked and concatenated in
+    # the compute dtype. Each is live at the peak of XLA's compiles of bloom_1b3's step (one
+    # device) and of a 7B on 8 (ZeRO-1; plan --breakdown).
+    out['backward workspace'] += compute_bytes * stage / g
+    out['gradient accumulators'] += 4 * embedding / g
+    if chunked:
+      out['backward workspace'] += 2 * compute_bytes * embedding
   if zero.stage == 3:
     out['gradient accumulators'] += 4 * layer
     # The split bf16 copy, two layers gathered whole (the one computing and the next, gathered
@@ -415,8 +549,8 @@ def memory_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, float]:
     out['weight copies'] = compute_bytes * (state / g + 2 * layer + embedding)
   else:
     # The bf16 copy of the stage and embedding gathered over data, and the embedding's fp32
-    # gather it is cast from.
-    out['weight copies'] = compute_bytes * state + 4 * embedding
+    # gather it is cast from (none on one rank: the copy is cast from the master).
+    out['weight copies'] = compute_bytes * state + (4 * embedding if g > 1 else 0)
   vocab = cfg.padded_vocab_size / t
   if m.cross_entropy_impl == 'dense':
     logits = 2 * 4 * b * s * vocab  # fp32 logits and their gradient
@@ -424,6 +558,66 @@ def memory_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, float]:
     logits = 2 * 4 * b * s * min(vocab, m.cross_entropy_chunk)
   out['other temporaries'] = logits
   return out
+
+
+# HBM bytes per logit of the loss's memory-bound kernels, per micro-batch: 'chunked' reads each
+# fp32 tile twice in the forward (the running max, then the exponentials' sum) and in the backward
+# reads it again (recomputed) and writes the bf16 gradient tile (4 + 2); 'dense' keeps the fp32
+# logits, reads them twice and writes and reads their fp32 gradient; 'fused' reads them twice and
+# writes the bf16 gradient in its one pass. The matmuls' own reads and writes are in their time.
+LOGITS_BYTES = {'chunked': 14.0, 'dense': 16.0, 'fused': 10.0}
+
+
+def memory_bound_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, float]:
+  """HBM bytes per GPU of the step's memory-bound kernels (with measured kernel rates only:
+  `estimate` runs them at HBM bandwidth): 'layers', the elementwise kernels of a micro-batch
+  through the stage's layers; 'logits', the loss's per micro-batch (LOGITS_BYTES); 'gradients',
+  adding a micro-batch's gradient to the fp32 accumulator; 'step', once per step.
+
+  Per layer, in units of one hidden-state tensor on this GPU (whole under tensor parallelism,
+  1/TP under sequence parallelism; the QKV and MLP activations 1/TP), each kernel reading its
+  inputs and writing its outputs once, the bias adds fused into the kernel that follows:
+  forward 10 (two LayerNorms 2 each, two bias-plus-residual adds 3 each) + 2 QKV + 2 MLP (bias
+  and GeLU); backward 12 (two LayerNorm backwards with the residual gradient 5 each, two bias
+  gradients 1 each) + 3 QKV (the q, k, v gradients joined, the bias gradient) + 3 MLP (GeLU's
+  backward); the recomputed forward of 'save_dots' 7 + 2 QKV + 2 MLP (LayerNorms, a residual
+  add, GeLU: everything but the saved matmuls), of 'full' (and 1F1B ticks) the whole forward.
+  The gradients, split over the ZeRO group as the compile of a 7B on 8 devices splits them: the
+  micro-batch's read in the compute dtype and the accumulator's fp32 read and write; the token
+  lookup's fp32 scatter-add zero-filled and read; under the chunked loss, whole, its label rows'
+  fp32 scatter-add likewise and its chunk gradients concatenated and read (3 x the compute
+  dtype).
+  The step: the bf16 weight copy cast from the master (4 + 2 bytes per param), clipping's norm
+  and the accumulator's zeroing (4 each)."""
+  m, mesh, b, s = cfg.model, cfg.mesh, cfg.train.micro_batch_size, cfg.train.seq_len
+  h, t, p = m.hidden_size, mesh.tensor, mesh.pipeline
+  compute_bytes = 2 if m.dtype == 'bfloat16' else 4
+  split_seq = t if m.sequence_parallel else 1
+  hidden = b * s * h * compute_bytes / split_seq
+  qkv = b * s * 3 * h * compute_bytes / t
+  mlp = b * s * m.ffn_size * compute_bytes / t
+  forward = 10 * hidden + 2 * qkv + 2 * mlp
+  backward = 12 * hidden + 3 * qkv + 3 * mlp
+  if m.remat_policy == 'full' or (p > 1 and cfg.pipeline.schedule == '1f1b'):
+    recomputed = forward
+  elif m.remat_policy == 'save_dots':
+    recomputed = 7 * hidden + 2 * qkv + 2 * mlp
+  else:
+    recomputed = 0.0
+  vocab = cfg.padded_vocab_size / t
+  if embedding_split_over_pipeline(cfg, framework):
+    vocab /= p
+  g = zero_of(cfg, framework).group
+  stage, embedding = local_params(cfg, framework)
+  gradients = (compute_bytes + 8) * stage / g + (8 + 8) * embedding / g
+  if m.cross_entropy_impl == 'chunked':
+    gradients += (8 + 3 * compute_bytes) * embedding
+  return {
+    'layers': stage_slots(cfg) * (forward + recomputed + backward),
+    'logits': b * s * vocab * LOGITS_BYTES[m.cross_entropy_impl],
+    'gradients': gradients,
+    'step': 14 * (stage + embedding) / g,
+  }
 
 
 def _megatron_memory_bytes(cfg: Config) -> dict[str, float]:
@@ -489,7 +683,7 @@ def _bus_gb_s(spec: Gpu, kind: str, size: float, ranks_per_node: int, spans_node
   return bus * size / (size + HALF_BANDWIDTH_BYTES)
 
 
-def _collective_s(
+def collective_s(
   spec: Gpu, kind: str, size: float, ranks: int, ranks_per_node: int, spans_nodes: bool
 ) -> float:
   """Seconds of one ring collective (nccl-tests' model: busbw x time = the ring bytes)."""
@@ -516,11 +710,14 @@ def estimate(
   fitted: Fitted = FITTED,
   nodes_of: int | None = None,
   framework: str = 't5x_like',
+  measured_half_work: float = MEASURED_HALF_WORK,
 ) -> dict:
   """The cost of one iteration of `cfg`'s step (at its full global batch) on its mesh of GPUs
   of kind `gpu` (`nodes_of` GPUs per node; None: the kind's): times in seconds, bytes per GPU per
   iteration. `cfg` is a validated config (Config.validate, schedule.check). `framework`:
-  FRAMEWORKS, t5x_like's step or Megatron-DeepSpeed's as the chronicles measured it."""
+  FRAMEWORKS, t5x_like's step or Megatron-DeepSpeed's as the chronicles measured it.
+  `fitted` prices the kernels on a GPU without measured rates (Gpu.measured) or under
+  Megatron-DeepSpeed, `measured_half_work` t5x_like's matmuls on one with them."""
   _check_framework(framework)
   spec = gpu_spec(gpu, nodes_of)
   check_topology(cfg, spec)
@@ -532,8 +729,16 @@ def estimate(
   micro = cfg.num_microbatches
   slots = stage_slots(cfg)
   compute_bytes = 2 if m.dtype == 'bfloat16' else 4
+  # What the backward recomputes: each layer's whole forward under remat_policy='full' and in the
+  # 1F1B pipeline's ticks; attention's forward under 'save_dots' too (its matmuls have batch
+  # dimensions and a fused kernel is no matmul: dots_with_no_batch_dims_saveable keeps neither);
+  # the logits under the chunked cross-entropy (its backward recomputes each vocabulary chunk).
   recompute = m.remat_policy == 'full' or (p > 1 and cfg.pipeline.schedule == '1f1b')
+  recompute_attention = recompute or (not megatron and m.remat_policy == 'save_dots')
+  recompute_head = not megatron and m.cross_entropy_impl == 'chunked'
   split_head = embedding_split_over_pipeline(cfg, framework)
+  impl = attention_impl_on(cfg, gpu, framework)
+  measured = None if megatron else spec.measured
 
   # FLOPs of one micro-batch's forward through one stage on one GPU.
   matmul = slots * (2 * b * s * (4 * h * h + 2 * h * m.ffn_size)) / t
@@ -543,16 +748,48 @@ def estimate(
   head = 2 * b * s * h * cfg.padded_vocab_size / t
   if split_head:
     head /= p
+  recomputed = (
+    (matmul if recompute else 0.0)
+    + (attention if recompute_attention else 0.0)
+    + (head if recompute_head else 0.0)
+  )
   layer_work = (matmul + attention) / slots
-  flops_per_second = spec.peak_bf16_tflops * 1e12 * efficiency(layer_work, fitted)
-  tick_matmul = 3 * (matmul + head) / flops_per_second
-  tick_attention = 3 * attention / flops_per_second
-  tick_recompute = (matmul + attention) / flops_per_second if recompute else 0.0
-
-  # The attention scores' HBM traffic per layer: forward (twice with recomputation) and backward.
-  scores = b * (m.num_heads // t) * s * s
-  forward_bytes, backward_bytes = score_traffic_bytes(cfg, framework)
-  score_bytes_tick = slots * scores * ((2 if recompute else 1) * forward_bytes + backward_bytes)
+  tick_memory = memory_bytes_tick = 0.0
+  if measured is None:
+    # The fitted efficiency curve (A100 rows of the chronicles) for every kernel.
+    compute_efficiency = efficiency(layer_work, fitted)
+    flops_per_second = spec.peak_bf16_tflops * 1e12 * compute_efficiency
+    tick_matmul = 3 * (matmul + head) / flops_per_second
+    tick_attention = 3 * attention / flops_per_second
+    tick_recompute = recomputed / flops_per_second
+    # The attention scores' HBM traffic per layer: forward (twice when it is recomputed) and
+    # backward.
+    scores = b * (m.num_heads // t) * s * s
+    forward_bytes, backward_bytes = score_traffic_bytes(cfg, framework, gpu)
+    score_bytes_tick = (
+      slots * scores * ((2 if recompute_attention else 1) * forward_bytes + backward_bytes)
+    )
+  else:
+    # Measured rates: the matmuls at the GEMM probe's rate less each layer pass's fixed cost
+    # (MEASURED_HALF_WORK), attention at its implementation's measured kernel rates (the
+    # materialised scores' traffic of 'xla' included), the memory-bound kernels at HBM bandwidth.
+    gemm_work = matmul / slots
+    compute_efficiency = (
+      measured.matmul_tflops / spec.peak_bf16_tflops * gemm_work / (gemm_work + measured_half_work)
+    )
+    flops_per_second = spec.peak_bf16_tflops * 1e12 * compute_efficiency
+    forward_tflops, backward_tflops = measured_attention_tflops(measured, impl, s)
+    causal = attention / 2  # the kernels skip the masked half (benchmarks/attention.py's count)
+    attention_forward = causal / (forward_tflops * 1e12)
+    tick_matmul = 3 * (matmul + head) / flops_per_second
+    tick_attention = attention_forward + 2.5 * causal / (backward_tflops * 1e12)
+    tick_recompute = ((matmul if recompute else 0.0) + (head if recompute_head else 0.0)) / (
+      flops_per_second
+    ) + (attention_forward if recompute_attention else 0.0)
+    score_bytes_tick = 0.0
+    traffic = memory_bound_bytes(cfg, framework)
+    memory_bytes_tick = traffic['layers'] + traffic['logits']
+    tick_memory = memory_bytes_tick / (spec.hbm_gb_s * 1e9)
   tick_scores = score_bytes_tick / (spec.hbm_gb_s * 1e9)
 
   # Tensor parallelism: per layer and pass, two all-reduces of one micro-batch's hidden states,
@@ -561,11 +798,11 @@ def estimate(
   passes = 3 if recompute else 2
   hidden_bytes = b * s * h * compute_bytes
   if m.sequence_parallel and not megatron:
-    tp_one = _collective_s(spec, 'all-gather', hidden_bytes, t, t, False) + _collective_s(
+    tp_one = collective_s(spec, 'all-gather', hidden_bytes, t, t, False) + collective_s(
       spec, 'reduce-scatter', hidden_bytes, t, t, False
     )
   else:
-    tp_one = _collective_s(spec, 'all-reduce', hidden_bytes, t, t, False)
+    tp_one = collective_s(spec, 'all-reduce', hidden_bytes, t, t, False)
   tick_tp = slots * passes * 2 * tp_one
   tp_bytes_tick = slots * passes * 2 * _ring_bytes('all-reduce', hidden_bytes, t)
 
@@ -586,7 +823,7 @@ def estimate(
   per_node, spans = _zero_group_geometry(cfg, spec, g)
 
   def group_s(kind: str, size: float) -> float:
-    return _collective_s(spec, kind, size, g, per_node, spans)
+    return collective_s(spec, kind, size, g, per_node, spans)
 
   # ZeRO-3: per micro-batch (a stage's tick), each layer's bf16 weights all-gathered for the
   # forward and again for the backward (recomputation), its fp32 gradient reduce-scattered; the
@@ -610,7 +847,14 @@ def estimate(
   groups = micro // cfg.pipeline.microbatch_group if cfg.pipeline.microbatch_group else 1
   bubble_ticks = groups * (p - 1) / r
   stage_tick = (
-    tick_matmul + tick_attention + tick_recompute + tick_scores + tick_tp + tick_pp + tick_zero3
+    tick_matmul
+    + tick_attention
+    + tick_recompute
+    + tick_scores
+    + tick_memory
+    + tick_tp
+    + tick_pp
+    + tick_zero3
   )
 
   # ZeRO-1: the fp32 gradients reduce-scattered over the group, the bf16 weights all-gathered
@@ -634,7 +878,7 @@ def estimate(
     apart = g * p * t
     replica_spans = n > node
     replica_per_node = max(1, min(copies, node // apart)) if replica_spans else copies
-    replica_s = _collective_s(spec, 'all-reduce', shard, copies, replica_per_node, replica_spans)
+    replica_s = collective_s(spec, 'all-reduce', shard, copies, replica_per_node, replica_spans)
     replica_bytes = _ring_bytes('all-reduce', shard, copies)
 
   # The embedding held whole by every stage: its gradient summed over the stages.
@@ -642,11 +886,17 @@ def estimate(
   # Adam reads the fp32 params, both moments and the gradient and writes the first three and
   # the bf16 copy, on its 1/G shard.
   optimizer_bytes = state / g * (4 * 4 + 3 * 4 + compute_bytes)
+  # Measured rates: the memory-bound kernels outside the ticks (the micro-batches' gradients
+  # added to the accumulator, the step's weight cast, clipping and zeroing).
+  memory_bytes_step = micro * memory_bytes_tick
+  if measured is not None:
+    memory_bytes_step += micro * traffic['gradients'] + traffic['step']
 
   parts = {
     'matmul_s': micro * tick_matmul,
     'attention_s': micro * tick_attention,
     'attention_scores_s': micro * tick_scores,
+    'memory_bound_s': memory_bytes_step / (spec.hbm_gb_s * 1e9),
     'recompute_s': micro * tick_recompute,
     'tensor_parallel_s': micro * tick_tp,
     'pipeline_transfer_s': micro * tick_pp,
@@ -658,7 +908,7 @@ def estimate(
     'optimizer_s': optimizer_bytes / (spec.hbm_gb_s * 1e9),
   }
   step = sum(parts.values())
-  memory = memory_bytes(cfg, framework)
+  memory = memory_bytes(cfg, framework, gpu)
   memory_gib = sum(memory.values()) / GIB
   # A PyTorch process may use the whole device; JAX takes its fraction.
   fraction = 1.0 if megatron else jax_memory_fraction()
@@ -670,6 +920,7 @@ def estimate(
     'mesh': [dp, p, t],
     'zero_stage': zero.stage,
     'zero_group': g,
+    'attention_impl': impl,
     'micro_batch_size': b,
     'num_microbatches': micro,
     'estimated_step_s': step,
@@ -679,12 +930,13 @@ def estimate(
     'hbm_gib': spec.hbm_gib,
     'usable_gib': usable_gib,
     **parts,
-    'compute_efficiency': efficiency(layer_work, fitted),
+    'compute_efficiency': compute_efficiency,
     'bubble_fraction': bubble_ticks / (micro + bubble_ticks),
     'matmul_flops_per_gpu': micro * 3 * (matmul + head),
     'attention_flops_per_gpu': micro * 3 * attention,
-    'recompute_flops_per_gpu': micro * (matmul + attention) if recompute else 0.0,
+    'recompute_flops_per_gpu': micro * recomputed,
     'attention_score_bytes_per_gpu': micro * score_bytes_tick,
+    'memory_bound_bytes_per_gpu': memory_bytes_step,
     'tensor_parallel_bytes_per_gpu': micro * tp_bytes_tick,
     'pipeline_transfer_bytes_per_gpu': micro * pp_bytes_tick,
     'zero3_bytes_per_gpu': micro * zero3_bytes_tick,
@@ -696,7 +948,7 @@ def estimate(
   if zero.stage == 3:
     # The bound if XLA hid every ZeRO-3 gather and reduce-scatter behind the compute: what an
     # overlap found in the GPU HLO would be worth at most.
-    tick_compute = tick_matmul + tick_attention + tick_recompute + tick_scores
+    tick_compute = tick_matmul + tick_attention + tick_recompute + tick_scores + tick_memory
     hidden = (micro + bubble_ticks) * min(tick_zero3, tick_compute)
     report['estimated_step_s_if_zero3_overlapped'] = step - hidden
   if not report['fits']:
@@ -758,6 +1010,7 @@ TIME_PARTS = (
   'matmul_s',
   'attention_s',
   'attention_scores_s',
+  'memory_bound_s',
   'recompute_s',
   'tensor_parallel_s',
   'pipeline_transfer_s',

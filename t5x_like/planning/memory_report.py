@@ -75,6 +75,28 @@ class DumpError(RuntimeError):
   """XLA's dump did not hold a buffer assignment this module can read."""
 
 
+def _expect(found: bool, path: str, what: str, text: str) -> None:
+  """Raises a DumpError naming `what` was not found in the dump file `path` (and how the file
+  begins), so that a changed dump format is one clear error instead of a silently wrong figure."""
+  if found:
+    return
+  import jax
+
+  head = ' | '.join(line.rstrip() for line in text.splitlines()[:4])[:400]
+  raise DumpError(
+    f'{os.path.basename(path)}: {what} not found (jax {jax.__version__}: its XLA dump no longer '
+    f'matches what t5x_like/planning/memory_report.py parses); the file begins: {head!r}'
+  )
+
+
+def _parsed(parse, path: str, text: str):
+  """parse(text), a line it cannot read being a DumpError that names the file."""
+  try:
+    return parse(text)
+  except (ValueError, IndexError, KeyError) as e:
+    _expect(False, path, f'a line {parse.__name__} can read ({type(e).__name__}: {e})', text)
+
+
 def compile_with_buffer_dump(lowered):
   """(compiled, dump directory) for `lowered` compiled with XLA's dump on; the caller removes
   the directory (a `tempfile.TemporaryDirectory`'s name is returned with the object)."""
@@ -464,22 +486,66 @@ def breakdown(
   stage inputs on one device (kept: how many), None without a pipeline; `data`: the mesh's data
   size."""
   files = _module_files(dump_dir)
+  # Each part of the dump is checked as it is read: a format this module no longer matches is a
+  # DumpError naming the part, never categories computed from half-read files.
   with open(files['assignment']) as f:
-    allocations = parse_assignment(f.read())
+    text = f.read()
+  allocations = _parsed(parse_assignment, files['assignment'], text)
+  _expect(bool(allocations), files['assignment'], "'allocation N: size S, ...' lines", text)
+  _expect(
+    any(a.values for a in allocations.values()),
+    files['assignment'],
+    "' value: <id name @position> (size=S,offset=O): shape' lines",
+    text,
+  )
   with open(files['values']) as f:
-    defined = parse_values(f.read())
+    text = f.read()
+  defined = _parsed(parse_values, files['values'], text)
+  _expect(
+    bool(defined), files['values'], "'<id name @position>' / ' from instruction:' pairs", text
+  )
   with open(files['live']) as f:
-    ranges, peak_at, at_peak, sequence = parse_live_ranges(f.read())
+    text = f.read()
+  ranges, peak_at, at_peak, sequence = _parsed(parse_live_ranges, files['live'], text)
+  _expect(bool(sequence), files['live'], "the '  InstructionSequence:' section", text)
+  _expect(
+    bool(ranges), files['live'], "the '  BufferLiveRange:' section ('name{}:start-end')", text
+  )
+  _expect(peak_at >= 0 and bool(at_peak), files['live'], "'  Live ranges at N (peak):'", text)
   hlo_path = files['assignment'][: -len(_ASSIGNMENT)] + '.txt'
-  hlo = Hlo({}, {}, {})
-  if os.path.exists(hlo_path):
-    with open(hlo_path) as f:
-      hlo = parse_hlo(f.read())
+  _expect(os.path.exists(hlo_path), hlo_path, 'the optimized module (file)', '')
+  with open(hlo_path) as f:
+    text = f.read()
+  hlo = _parsed(parse_hlo, hlo_path, text)
+  _expect(bool(hlo.instructions), hlo_path, "instructions ('%name = shape opcode(...)')", text)
   for allocation in allocations.values():
     for v in allocation.values:
       v.opcode, v.op_name, rhs = defined.get(v.id, ('', '', ''))
       v.converts_from_bf16 = v.dtype == 'f32' and hlo.holds_bf16_values(v.name.split('{')[0])
       v.start, v.end = ranges.get(v.name, (-1, -1))
+  # The files must name the same values: most temporaries defined and with a live range.
+  temp_values = [v for a in allocations.values() if a.kind == 'temp' for v in a.values]
+  if temp_values:
+    unranged = [v.name for v in temp_values if v.start < 0]
+    undefined = [v.name for v in temp_values if v.id not in defined]
+    _expect(
+      len(unranged) <= len(temp_values) // 2,
+      files['live'],
+      f'live ranges of the temporaries {unranged[:3]} (of {len(unranged)}/{len(temp_values)})',
+      '',
+    )
+    _expect(
+      len(undefined) <= len(temp_values) // 2,
+      files['values'],
+      f'the definitions of {undefined[:3]} (of {len(undefined)}/{len(temp_values)})',
+      '',
+    )
+  _expect(
+    sum(name in hlo.op_names for name in sequence) > 0,
+    hlo_path,
+    "op names (metadata={op_name=...}) of the schedule's instructions",
+    '',
+  )
   temps = [a for a in allocations.values() if a.kind == 'temp']
   if len(temps) != 1 or temps[0].size != memory.temp_size_in_bytes:
     raise DumpError(

@@ -35,7 +35,7 @@ def check_config(cfg: Config) -> Config:
   cfg.check_ranges()
   partitioning.check_mesh_size(cfg.mesh.num_devices)
   cfg.validate()
-  if cfg.model.attention_impl != 'xla':
+  if cfg.model.attention_impl != 'xla':  # 'auto' included: checked where the device is known
     attention.check_config(cfg.model)
   schedule.check(cfg)
   sources.check_config(cfg.data, cfg.eval)
@@ -43,11 +43,17 @@ def check_config(cfg: Config) -> Config:
 
 
 def report_lines(
-  cfg: Config, layout, software: dict, device_count: int, platform: str
+  cfg: Config,
+  layout,
+  software: dict,
+  device_count: int,
+  platform: str,
+  device: attention.Device | None = None,
 ) -> list[str]:
-  """The lines the log opens with, before the restore: model and mesh, software, ZeRO layout,
-  the pipeline's stages, the curriculum and the programs the ramp-up and curriculum compile.
-  `layout` is the run's train_state.Layout."""
+  """The lines the log opens with, before the restore: model and mesh, software, the attention
+  implementation that runs on `device` (default: a `platform` device of no known kind) and why,
+  ZeRO layout, the pipeline's stages, the curriculum and the programs the ramp-up and curriculum
+  compile. `layout` is the run's train_state.Layout."""
   num_params = cfg.model.num_params(cfg.mesh.tensor)
   lines = [
     f'> t5x_like: {cfg.model.architecture} with {num_params / 1e6:.2f}M params '
@@ -56,6 +62,7 @@ def report_lines(
     f'devices); {cfg.num_microbatches} micro-batch(es) of '
     f'{cfg.train.micro_batch_size} per data rank',
     f'> software: {provenance.describe(software)}',
+    attention.describe(cfg.model, device or attention.Device(platform)),
     describe_zero(layout),
   ]
   return lines
@@ -64,8 +71,10 @@ def report_lines(
 def start_report(cfg: Config, layout, software: dict) -> list[str]:
   """report_lines on this process's devices, then the parameter table: the trainer's log opens
   with them."""
-  platform = jax.devices()[0].platform
-  report = report_lines(cfg, layout, software, jax.device_count(), platform)
+  device = jax.devices()[0]
+  report = report_lines(
+    cfg, layout, software, jax.device_count(), device.platform, attention.Device.of(device)
+  )
   return report + parameter_table(layout.logical.params)
 
 

@@ -1,14 +1,19 @@
 """benchmarks/gpu_suite.py on CPU (--smoke): every stage runs and reports what it measured; no
-timing is asserted. On a GPU the same script runs the kernel tests compiled (docs/tests.md)."""
+timing is asserted. On a GPU the same script runs the kernel tests compiled (docs/tests.md). The
+profile's categories are checked on hand-written traces: a GPU's (kernels on stream tracks) and
+a CPU's (thunks on host threads, a while loop enclosing its body)."""
 
 import json
 import os
 import sys
 
+import pytest
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
-import gpu_suite  # noqa: E402  (a script, not a package module)
+import attention as attention_benchmark  # noqa: E402  (scripts, not package modules)
+import gpu_suite  # noqa: E402
+import profile_trace  # noqa: E402
 
 
 def test_smoke_run_reports_every_stage(tmp_path, capsys):
@@ -17,23 +22,320 @@ def test_smoke_run_reports_every_stage(tmp_path, capsys):
   report = json.loads(out.read_text())
   stages = report['stages']
   assert report['ok'] and report['platform'] == 'cpu'
-  assert set(stages) == {'step', 'plan', 'matmul', 'attention'}  # no kernel tests in smoke
+  # No kernel tests in smoke; every other stage, each timed.
+  assert set(stages) == {'plan', 'matmul', 'attention', 'step', 'loss', 'shard176b'}
+  assert set(report['stage_timing']) == set(stages)
+
+  # Attention: every implementation at the smoke length; the tokamax rows run tokamax's XLA
+  # implementation on CPU and say so; the no-bias row is checked without ALiBi.
+  rows = {r['impl']: r for r in stages['attention']['results']}
+  assert list(rows) == gpu_suite.ATTENTION_IMPLS.split(',')
+  assert set(rows) <= set(attention_benchmark.IMPLEMENTATIONS)
+  assert 'needs a GPU' in rows['cudnn']['skipped']
+  for impl in ('pallas', 'xla', 'tokamax', 'tokamax-nobias', 'tokamax-cudnn'):
+    assert rows[impl]['correct'], rows[impl]
+    assert rows[impl]['fwd_tflops'] > 0 and rows[impl]['fwd_bwd_pct_peak'] > 0
+  assert "implementation='xla' on cpu" in rows['tokamax-cudnn']['note']
+  assert "tokamax implementation='xla'" in rows['tokamax']['note']
+  assert (
+    rows['tokamax-nobias']['alibi'] is False and 'target only' in rows['tokamax-nobias']['note']
+  )
+
+  # The step per implementation, each checked against xla's first loss; auto resolves to xla on
+  # CPU and is not measured twice; every measured step has its profile.
   steps = stages['step']['results']
-  # Each implementation in its own process, the first loss checked against xla's.
+  assert set(steps) == set(gpu_suite.STEP_IMPLS)
   assert steps['pallas']['first_loss_vs_xla'] <= 2e-2
+  assert steps['tokamax']['first_loss_vs_xla'] <= 2e-2
   assert steps['xla']['mfu'] > 0 and steps['xla']['xla_peak_bytes'] > 0
   assert steps['xla']['measured_peak_bytes'] is None  # CPU has no allocator statistics
   assert 'needs a GPU' in steps['cudnn']['skipped']
-  assert stages['plan']['peak_gib'] > 0
-  assert stages['plan']['estimate']['gpu'] == 'h100-80gb'  # the cost model's stand-in on CPU
-  assert stages['plan']['estimate']['memory_gib'] > 0
+  assert steps['auto'] == {**steps['auto'], 'resolved_to': 'xla', 'same_as': 'xla'}
+  for impl in ('xla', 'pallas', 'tokamax'):
+    profile = steps[impl]['profile']
+    assert profile['events_from'] == 'host' and profile['events'] > 0
+    assert set(profile['ms_per_step']) == {*profile_trace.CATEGORIES, profile_trace.IDLE}
+    for category in ('matmul', 'attention', 'norm/gelu/elementwise', 'loss', 'optimizer'):
+      assert profile['ms_per_step'][category] > 0, (impl, category, profile)
+    assert profile['recognised_by']['source'] > profile['recognised_by'].get('nothing', 0)
+
+  # The loss variants with the fastest attention: the config's own from the step stage.
+  loss = stages['loss']
+  assert list(loss['results']) == ['dense', 'chunked', 'fused']
+  assert loss['attention'] in ('xla', 'pallas', 'tokamax')
+  assert loss['results']['chunked']['from'] == 'the step stage'
+  for variant in ('dense', 'fused'):
+    assert loss['results'][variant]['cross_entropy_impl'] == variant
+    assert loss['results'][variant]['first_loss_vs_first'] <= 2e-2
+
+  # BLOOM-176B's shard: three FLOP counts and the planner's all-reduces for two GPU kinds.
+  shard = stages['shard176b']['results']
+  assert set(shard) == {'xla', 'tokamax'}
+  for result in shard.values():
+    assert result['finite'] and set(result['tflops']) == {'tr11', 'model', 'executed'}
+    assert result['tflops']['tr11'] == pytest.approx(4 / 3 * result['tflops']['model'])
+    assert set(result['tp_allreduce']) == {'h100-80gb', 'a100-80gb'}
+
+  # plan: XLA's CPU figure and its GPU estimate (0.10.2's dump parses), the cost model's.
+  plan = stages['plan']
+  assert plan['peak_gib'] > 0 and plan['gpu_estimate_peak_gib'] is not None
+  assert plan['breakdown_error'] is None
+  assert plan['estimate']['gpu'] == 'h100-80gb'  # the cost model's stand-in on CPU
+  assert plan['estimate']['memory_gib'] > 0
   assert stages['matmul']['measured_tflops'] > 0
-  rows = stages['attention']['results']
-  assert {r['impl'] for r in rows if r.get('correct')} == {'pallas', 'xla'}
-  assert 'step pallas:' in capsys.readouterr().out  # the summary
+
+  text = capsys.readouterr().out  # the summary
+  for line in ('step pallas:', 'step profile', 'loss fused', '176B shard tokamax', 'cost model'):
+    assert line in text
 
 
 def test_without_a_gpu_the_full_suite_refuses(tmp_path, capsys):
   assert gpu_suite.main(['--json', str(tmp_path / 'suite.json')]) == 2
   assert 'no GPU here' in capsys.readouterr().err
   assert not (tmp_path / 'suite.json').exists()
+
+
+def test_only_runs_the_stages_named_and_the_budget_skips_what_does_not_fit(tmp_path, capsys):
+  args = gpu_suite.parse_args(['--json', 'x', '--only', 'loss,step'])
+  assert args.stages == ['step', 'loss']  # in the suite's order
+  with pytest.raises(SystemExit):
+    gpu_suite.parse_args(['--json', 'x', '--only', 'steps'])
+  out = tmp_path / 'suite.json'
+  assert gpu_suite.main(['--smoke', '--json', str(out), '--only', 'matmul', '--budget_s', '1']) == 0
+  report = json.loads(out.read_text())  # not run is not a failure: the report says incomplete
+  assert 'out of the time budget' in report['stages']['matmul']['skipped']
+  assert report['incomplete'] == ['matmul']
+  assert 'matmul: skipped' in capsys.readouterr().out
+
+
+# --- the profile's categories on hand-written traces -----------------------------------------
+
+HLO = """HloModule jit_step, is_scheduled=true
+
+FileNames
+1 "/repo/kernels/flash_attention.py"
+2 "/repo/t5x_like/model/transformer.py"
+3 "/repo/kernels/cross_entropy.py"
+4 "/venv/optax/_src/transform.py"
+5 "/repo/t5x_like/training/step.py"
+
+FunctionNames
+1 "flash_attention"
+2 "attention_qkv"
+3 "layer_norm"
+4 "vocab_parallel_cross_entropy"
+5 "scale_by_adam"
+6 "accumulate_grads"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=10 end_line=10 column=1 end_column=2}
+2 {file_name_id=2 function_name_id=2 line=20 end_line=20 column=1 end_column=2}
+3 {file_name_id=2 function_name_id=3 line=30 end_line=30 column=1 end_column=2}
+4 {file_name_id=3 function_name_id=4 line=40 end_line=40 column=1 end_column=2}
+5 {file_name_id=4 function_name_id=5 line=50 end_line=50 column=1 end_column=2}
+6 {file_name_id=5 function_name_id=6 line=60 end_line=60 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=2}
+3 {file_location_id=3 parent_frame_id=3}
+4 {file_location_id=4 parent_frame_id=4}
+5 {file_location_id=5 parent_frame_id=5}
+6 {file_location_id=6 parent_frame_id=6}
+
+%fused_norm (p0.norm: f32[8,16]) -> bf16[8,16] {
+  %p0.norm = f32[8,16]{1,0} parameter(0)
+  %m.norm = f32[8,16]{1,0} multiply(%p0.norm, %p0.norm)
+  ROOT %c.norm = bf16[8,16]{1,0} convert(%m.norm)
+}
+
+%fused_loss (p0.loss: f32[8,16]) -> f32[8] {
+  %p0.loss = f32[8,16]{1,0} parameter(0)
+  %e.loss = f32[8,16]{1,0} exponential(%p0.loss)
+  ROOT %r.loss = f32[8]{0} reduce(%e.loss, %p0.loss), dimensions={1}, to_apply=%add
+}
+
+%fused_copy (p0.copy: bf16[8,16]) -> bf16[16,8] {
+  %p0.copy = bf16[8,16]{1,0} parameter(0)
+  ROOT %t.copy = bf16[16,8]{1,0} transpose(%p0.copy), dimensions={1,0}
+}
+
+%fused_adam (p0.adam: f32[16]) -> f32[16] {
+  %p0.adam = f32[16]{0} parameter(0)
+  %s.adam = f32[16]{0} sqrt(%p0.adam)
+  ROOT %d.adam = f32[16]{0} divide(%p0.adam, %s.adam)
+}
+
+%fused_dus (p0.dus: bf16[4,8], p1.dus: bf16[1,8], p2.dus: s32[]) -> bf16[4,8] {
+  %p0.dus = bf16[4,8]{1,0} parameter(0)
+  %p1.dus = bf16[1,8]{1,0} parameter(1)
+  %p2.dus = s32[] parameter(2)
+  %z.dus = s32[] constant(0)
+  %i.dus = s32[] subtract(%p2.dus, %z.dus)
+  ROOT %u.dus = bf16[4,8]{1,0} dynamic-update-slice(%p0.dus, %p1.dus, %i.dus, %z.dus)
+}
+
+%body (b.body: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %b.body = (s32[], f32[8,16]) parameter(0)
+  %x.body = f32[8,16]{1,0} get-tuple-element(%b.body), index=1
+  %custom-call.1 = bf16[8,16]{1,0} custom-call(%x.body), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/while/body/jvp(Transformer)/layers/attn/pallas_call" stack_frame_id=1}
+  %custom-call.2 = bf16[8,16]{1,0} custom-call(%x.body, %x.body), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step)/while/body/jvp(Transformer)/layers/attn/bse,encd->bsncd/dot_general" stack_frame_id=2}
+  %loop_norm_fusion = bf16[8,16]{1,0} fusion(%x.body), kind=kLoop, calls=%fused_norm, metadata={op_name="jit(step)/while/body/jvp(Transformer)/layers/ln1/mul" stack_frame_id=3}
+  %loss_fusion = f32[8]{0} fusion(%x.body), kind=kInput, calls=%fused_loss, metadata={op_name="jit(step)/while/body/jvp()/reduce_sum" stack_frame_id=4}
+  %transpose_fusion = bf16[16,8]{1,0} fusion(%custom-call.1), kind=kLoop, calls=%fused_copy
+  %all-reduce.3 = f32[8,16]{1,0} all-reduce(%x.body), replica_groups={}, to_apply=%add
+  ROOT %t.body = (s32[], f32[8,16]) tuple(%b.body, %x.body)
+}
+
+ENTRY %main (a: f32[16], x: f32[8,16], w: bf16[4,8], u: bf16[1,8], i: s32[]) -> f32[16] {
+  %a = f32[16]{0} parameter(0)
+  %x = f32[8,16]{1,0} parameter(1)
+  %w = bf16[4,8]{1,0} parameter(2)
+  %u = bf16[1,8]{1,0} parameter(3)
+  %i = s32[] parameter(4)
+  %while.1 = (s32[], f32[8,16]) while(%x), condition=%cond, body=%body, metadata={op_name="jit(step)/while" stack_frame_id=6}
+  %dynamic-update-slice_fusion = bf16[4,8]{1,0} fusion(%w, %u, %i), kind=kLoop, calls=%fused_dus, metadata={op_name="jit(step)/while/body/transpose(jvp(Transformer))" stack_frame_id=6}
+  ROOT %adam_fusion = f32[16]{0} fusion(%a), kind=kLoop, calls=%fused_adam, metadata={op_name="jit(step)/mul" stack_frame_id=5}
+}
+"""  # noqa: E501 (HLO's lines are long)
+
+# (kernel name, hlo_op, duration in us, expected category)
+KERNELS = (
+  ('flash_attention_forward', 'custom-call.1', 40.0, 'attention'),
+  ('sm90_xmma_gemm_bf16bf16_bf16f32', 'custom-call.2', 100.0, 'matmul'),
+  ('loop_norm_fusion', 'loop_norm_fusion', 10.0, 'norm/gelu/elementwise'),
+  ('loss_fusion', 'loss_fusion', 5.0, 'loss'),
+  ('transpose_fusion', 'transpose_fusion', 4.0, 'copy/transpose'),
+  ('ncclDevKernel_AllReduce_Sum_f32_RING_LL', 'all-reduce.3', 8.0, 'collective'),
+  ('adam_fusion', 'adam_fusion', 3.0, 'optimizer'),
+  ('dynamic_update_slice_fusion', 'dynamic-update-slice_fusion', 2.0, 'copy/transpose'),
+  ('mystery_kernel', 'not_in_the_module', 1.0, 'other'),
+)
+
+
+def gpu_trace(steps: int = 2) -> tuple[dict, float]:
+  """Two steps of KERNELS on a GPU's stream track, 10 us apart; returns (trace, step us)."""
+  events = [
+    {'ph': 'M', 'pid': 1, 'name': 'process_name', 'args': {'name': '/host:CPU'}},
+    {'ph': 'M', 'pid': 7, 'name': 'process_name', 'args': {'name': '/device:GPU:0'}},
+    {'ph': 'M', 'pid': 7, 'tid': 13, 'name': 'thread_name', 'args': {'name': 'Stream #13(Kernel)'}},
+    {'ph': 'M', 'pid': 7, 'tid': 99, 'name': 'thread_name', 'args': {'name': 'CUPTI overhead'}},
+    # Host events are not device time, whatever they carry.
+    {'ph': 'X', 'pid': 1, 'tid': 5, 'ts': 0, 'dur': 1e6, 'name': 'ExecuteOnStream',
+     'args': {'hlo_op': 'custom-call.2', 'hlo_module': 'jit_step'}},
+    {'ph': 'X', 'pid': 7, 'tid': 99, 'ts': 0, 'dur': 1e6, 'name': 'overhead', 'args': {}},
+  ]  # fmt: skip
+  ts = 0.0
+  for _ in range(steps):
+    for kernel, op, dur, _category in KERNELS:
+      events.append(
+        {
+          'ph': 'X',
+          'pid': 7,
+          'tid': 13,
+          'ts': ts,
+          'dur': dur,
+          'name': kernel,
+          'args': {'hlo_op': op, 'hlo_module': 'jit_step', 'correlation_id': '1'},
+        }
+      )
+      ts += dur + 10.0
+  # Another module's kernel (e.g. the learning rate's) is not the step's.
+  events.append(
+    {'ph': 'X', 'pid': 7, 'tid': 13, 'ts': ts, 'dur': 50.0, 'name': 'convert',
+     'args': {'hlo_op': 'custom-call.2', 'hlo_module': 'jit_convert_element_type'}}
+  )  # fmt: skip
+  return {'traceEvents': events}, ts / steps
+
+
+def test_the_gpu_trace_is_split_by_category():
+  trace, step_us = gpu_trace()
+  profile = profile_trace.summarise(trace, HLO, steps=2, step_s=step_us / 1e6)
+  assert profile['events_from'] == 'device' and profile['module'] == 'jit_step'
+  assert profile['events'] == 2 * len(KERNELS)
+  expected = dict.fromkeys(profile_trace.CATEGORIES, 0.0)
+  for _kernel, _op, dur, category in KERNELS:
+    expected[category] += dur / 1e3
+  for category, ms in expected.items():
+    assert profile['ms_per_step'][category] == pytest.approx(ms), category
+  busy = sum(dur for _k, _o, dur, _c in KERNELS) / 1e3
+  assert profile['ms_per_step'][profile_trace.IDLE] == pytest.approx(step_us / 1e3 - busy)
+  assert sum(profile['pct_of_step'].values()) == pytest.approx(100.0)
+  assert profile['top_ops']['matmul'][0][0] == 'custom-call.2'
+  assert 'matmul' in profile_trace.table(profile)
+
+
+def test_without_source_frames_the_op_names_decide():
+  """An HLO text without the StackFrames tables (another XLA's printer): the Flax module path in
+  the op names still says attention, LayerNorm and loss; a projection's einsum is a matmul."""
+  hlo = HLO.replace('stack_frame_id=', 'frame=')
+  module, ops = profile_trace.parse_hlo(hlo)
+  assert module == 'jit_step' and all(op.source is None for op in ops.values())
+  expected = {
+    'custom-call.1': 'attention',  # under layers/attn, and a Triton kernel named flash_attention
+    'custom-call.2': 'matmul',  # layers/attn's QKV projection einsum: no q-by-k product
+    'loop_norm_fusion': 'norm/gelu/elementwise',  # layers/ln1
+    'loss_fusion': 'loss',  # the loss function's jvp()
+    'adam_fusion': 'optimizer',  # outside the differentiated function and the loop
+    'all-reduce.3': 'collective',
+  }
+  kernels = {op: kernel for kernel, op, _d, _c in KERNELS}
+  for name, category in expected.items():
+    assert profile_trace.categorise(kernels[name], {}, ops[name])[0] == category, name
+  # No HLO at all: the kernel names alone.
+  assert profile_trace.categorise('ampere_bf16_s16816gemm', {}, None)[0] == 'matmul'
+  assert profile_trace.categorise('cudnn_sdpa_flash_fprop', {}, None)[0] == 'attention'
+  assert profile_trace.categorise('MemcpyD2D', {}, None)[0] == 'copy/transpose'
+  assert profile_trace.categorise('ncclKernel_AllGather', {}, None)[0] == 'collective'
+
+
+def test_the_cpu_trace_counts_thunks_not_the_loops_around_them():
+  """XLA:CPU: thunk events on host threads; a while's event encloses its body's (on other
+  threads) and is left out, as are events naming no hlo_op."""
+  ev = lambda tid, ts, dur, name, op: {
+    'ph': 'X', 'pid': 1, 'tid': tid, 'ts': ts, 'dur': dur, 'name': name,
+    'args': {'hlo_op': op, 'hlo_module': 'jit_step'} if op else {},
+  }  # fmt: skip
+  trace = {
+    'traceEvents': [
+      {'ph': 'M', 'pid': 1, 'name': 'process_name', 'args': {'name': '/host:CPU'}},
+      ev(1, 0, 100, 'while.1', 'while.1'),
+      ev(2, 5, 30, 'custom-call.2', 'custom-call.2'),
+      ev(3, 10, 20, 'custom-call.1', 'custom-call.1'),  # concurrently, on another thread
+      ev(2, 40, 10, 'loss_fusion', 'loss_fusion'),
+      ev(2, 50, 1, 'end: loss_fusion', None),
+      ev(2, 90, 10, 'adam_fusion', 'adam_fusion'),
+    ]
+  }
+  profile = profile_trace.summarise(trace, HLO, steps=1, step_s=None)
+  assert profile['events_from'] == 'host' and profile['events'] == 4
+  ms = profile['ms_per_step']
+  got = [ms[c] for c in ('matmul', 'attention', 'loss', 'optimizer')]
+  assert got == pytest.approx([0.03, 0.02, 0.01, 0.01])
+  assert profile['step_ms'] == pytest.approx(0.095)  # the span of the counted events, 5-100
+  # Busy 5-35 (the two threads overlap), 40-50 and 90-100: 50 us of the 95.
+  assert ms[profile_trace.IDLE] == pytest.approx(0.045)
+
+
+def test_a_real_cpu_profile_reads_the_same_from_its_json_and_its_xspace(tmp_path):
+  """jax.profiler's two files of one trace: the Chrome-trace JSON and the XSpace protobuf (the
+  fallback, read by jax's ProfileData) give the same events and split."""
+  import glob
+
+  import jax
+  import jax.numpy as jnp
+
+  step = jax.jit(lambda x, w: jnp.tanh(x @ w).sum())
+  x = jnp.ones((64, 64))
+  compiled = step.lower(x, x).compile()
+  compiled(x, x).block_until_ready()
+  profile = profile_trace.profile_steps(
+    lambda i: compiled(x, x).block_until_ready(), 2, compiled.as_text(), str(tmp_path)
+  )
+  assert profile['events_from'] == 'host' and profile['events'] >= 2
+  (xspace,) = glob.glob(f'{tmp_path}/plugins/profile/*/*.xplane.pb')
+  again = profile_trace.summarise(
+    profile_trace.load_trace(xspace), compiled.as_text(), 2, profile['step_ms'] / 1e3
+  )
+  assert again['events'] == profile['events']
+  assert again['ms_per_step'] == pytest.approx(profile['ms_per_step'], abs=1e-3)

@@ -30,12 +30,24 @@ def loss_and_grads(cfg: ModelConfig, tokens, params=None):
   return params, *fn(params)
 
 
-def test_pallas_attention_gives_the_xla_loss_and_gradients():
-  """No mesh; seq 20 is not a multiple of the kernel's 32-row tiles (the tail is masked)."""
-  base = dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=200, init_std=0.02)
+NO_MESH_MODEL = dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=200, init_std=0.02)
+
+
+@functools.cache
+def no_mesh_xla_run():
+  """(tokens, params, loss, grads) of the xla model: what the fused ones must reproduce."""
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 21), 0, 200)
-  params, xla_loss, xla_grads = loss_and_grads(ModelConfig(**base), tokens)
-  _, loss, grads = loss_and_grads(ModelConfig(**base, attention_impl='pallas'), tokens, params)
+  return tokens, *loss_and_grads(ModelConfig(**NO_MESH_MODEL, attention_impl='xla'), tokens)
+
+
+@pytest.mark.parametrize('impl', ['pallas', 'tokamax'])
+def test_fused_attention_gives_the_xla_loss_and_gradients(impl):
+  """No mesh; seq 20 is not a multiple of the Pallas kernel's 32-row tiles (the tail is
+  masked)."""
+  if impl == 'tokamax' and jax.default_backend() == 'gpu':
+    pytest.skip("tokamax's Hopper kernels run bf16 only: test_tokamax_attention.py's bf16 model")
+  tokens, params, xla_loss, xla_grads = no_mesh_xla_run()
+  _, loss, grads = loss_and_grads(ModelConfig(**NO_MESH_MODEL, attention_impl=impl), tokens, params)
   np.testing.assert_allclose(loss, xla_loss, rtol=1e-6)
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads, xla_grads
@@ -74,6 +86,8 @@ def tiny_reference_run():
       {'attention_impl': 'pallas', 'cross_entropy_impl': 'chunked', 'cross_entropy_chunk': 1024},
       id='pallas-attention-chunked-ce',
     ),
+    # tokamax's XLA implementation on CPU, per (data, tensor) shard with its heads' slopes.
+    pytest.param({'attention_impl': 'tokamax'}, id='tokamax-attention'),
     # 16 tokens per chunk: each data shard's 32 tokens take two chunks.
     pytest.param({'cross_entropy_impl': 'fused', 'cross_entropy_chunk': 16}, id='fused-ce'),
   ],
@@ -192,7 +206,9 @@ def test_fused_attention_has_no_dropout():
 
 
 def test_unknown_implementations_are_rejected():
-  with pytest.raises(ConfigError, match="attention_impl must be 'xla', 'pallas' or 'cudnn'"):
+  with pytest.raises(
+    ConfigError, match="attention_impl must be 'auto', 'xla', 'pallas', 'cudnn' or 'tokamax'"
+  ):
     startup.check_config(small_config(model=dict(attention_impl='triton')))
   with pytest.raises(ConfigError, match="cross_entropy_impl must be 'dense', 'chunked' or 'fused'"):
     startup.check_config(small_config(model=dict(cross_entropy_impl='sparse')))
