@@ -35,6 +35,7 @@ from typing import Literal
 
 import numpy as np
 
+from t5x_like.cli.checkpoint_arguments import add_checkpoint_arguments
 from t5x_like.config import Config, ConfigError
 
 # --cross_entropy's choices (model.cross_entropy_impl values).
@@ -230,11 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  parser.add_argument(
-    '--checkpoint',
-    required=True,
-    help="a run's WORKDIR/checkpoints (latest step) or one step directory",
-  )
+  add_checkpoint_arguments(parser)
   parser.add_argument(
     '--data',
     dest='data_path',
@@ -266,13 +263,6 @@ def main(argv: list[str] | None = None) -> int:
     help='with a dataset: at most this many samples, from the first (0: all)',
   )
   parser.add_argument(
-    '--dtype',
-    default=None,
-    choices=['float32', 'bfloat16'],
-    help="compute dtype (default: the checkpoint config's)",
-  )
-  parser.add_argument('--step', type=int, default=None)
-  parser.add_argument(
     '--batch_size', type=int, default=8, help='rows per batch; a multiple of --mesh.data'
   )
   parser.add_argument(
@@ -281,14 +271,6 @@ def main(argv: list[str] | None = None) -> int:
     type=int,
     default=1,
     help='data-parallel devices: each batch is split over them (default 1)',
-  )
-  parser.add_argument(
-    '--mesh.tensor',
-    dest='mesh_tensor',
-    type=int,
-    default=1,
-    help='tensor-parallel devices: heads, FFN and vocabulary split over them, '
-    'as in training (default 1)',
   )
   parser.add_argument(
     '--cross_entropy',

@@ -30,6 +30,7 @@ import argparse
 import os
 import sys
 
+from t5x_like.cli.checkpoint_arguments import add_checkpoint_arguments, add_tokenizer_arguments
 from t5x_like.config import ConfigError
 
 
@@ -126,12 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  parser.add_argument(
-    '--checkpoint',
-    required=True,
-    help="a run's WORKDIR/checkpoints (latest step) or one step directory",
+  add_checkpoint_arguments(
+    parser,
+    dtype_help="compute dtype (default: the checkpoint config's); the logits are fp32 either way",
   )
-  parser.add_argument('--step', type=int, default=None)
   parser.add_argument(
     '--tasks', required=True, help='task, group or tag names (or YAML files), comma-separated'
   )
@@ -152,25 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     default=None,
     help="the longest input in tokens (default: the checkpoint's train.seq_len)",
   )
-  parser.add_argument(
-    '--dtype',
-    default=None,
-    choices=['float32', 'bfloat16'],
-    help="compute dtype (default: the checkpoint config's); the logits are fp32 either way",
-  )
-  which = parser.add_mutually_exclusive_group()
-  which.add_argument('--tokenizer_model', help='a SentencePiece .model (default: the shipped one)')
-  which.add_argument(
-    '--tokenizer_json',
-    help='a Hugging Face tokenizer.json, or the directory a tokenizer was saved to',
-  )
-  parser.add_argument(
-    '--mesh.tensor',
-    dest='mesh_tensor',
-    type=int,
-    default=1,
-    help='tensor-parallel devices: heads, FFN and vocabulary split over them (default 1)',
-  )
+  add_tokenizer_arguments(parser)
   parser.add_argument('--output_path', default=None, help='where the results JSON goes')
   parser.add_argument(
     '--log_samples',
