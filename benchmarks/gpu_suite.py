@@ -252,16 +252,26 @@ def step_throughput_tolerance() -> float:
 # --- the stages -----------------------------------------------------------------------------
 
 
-def start_plan(smoke: bool, workdir: str, limit_s: float) -> tuple[threading.Thread, dict]:
+def start_plan(
+  smoke: bool, workdir: str, limit_s: float, json_path: str
+) -> tuple[threading.Thread, dict]:
   """`plan --json` of the suite's step in the background (CPU only); its result lands in the
-  returned dict when the thread ends."""
+  returned dict when the thread ends. The text files of plan's XLA dump (buffer assignment,
+  values, live ranges, the module) are kept as plan_xla_dump.tar.gz beside the suite's JSON
+  (`json_path`, in $OUT on a device machine), so that a GPU session brings back the dump its jax
+  wrote."""
   result: dict = {}
   command = [sys.executable, '-m', 't5x_like.plan', '--config', CONFIG, '--json']
   command += config_flags(step_config_overrides(smoke))
+  archive = os.path.join(os.path.dirname(os.path.abspath(json_path)), 'plan_xla_dump.tar.gz')
+  # written by t5x_like/planning/memory_report.py
+  env = {'JAX_PLATFORMS': 'cpu', 'T5X_LIKE_KEEP_XLA_DUMP': archive}
 
   def work() -> None:
-    run = run_child(command, limit_s, env={'JAX_PLATFORMS': 'cpu'}, echo=False)
+    run = run_child(command, limit_s, env=env, echo=False)
     result['wall_s'] = run['wall_s']
+    if archive and os.path.exists(archive):
+      result['xla_dump'] = archive
     if run['code'] != 0:
       result.update(failed=failure(run, limit_s), ok=False)
       return
@@ -595,7 +605,7 @@ def run_suite(args: argparse.Namespace) -> int:
     plan_result: dict = {}
     plan_started = time.perf_counter()
     if 'plan' in args.stages:
-      plan_thread, plan_result = start_plan(args.smoke, workdir, limit('plan'))
+      plan_thread, plan_result = start_plan(args.smoke, workdir, limit('plan'), args.json)
     for stage in args.stages:
       if stage == 'plan':
         continue
@@ -779,23 +789,15 @@ def summary(report: dict) -> str:
   for variant, r in loss.get('results', {}).items():
     lines.append(step_line(f'loss {variant} ({loss["attention"]} attention)', r, loss['attention']))
   shard = stages.get('shard176b', {})
+  if shard.get('results'):
+    import shard_176b  # (BENCHMARKS is on sys.path: summary's caller put it there)
+
+    lines.append('176B shard (1 of 4 TP ranks of tr11, full recompute; tr11: 150 per A100, 48%):')
   for impl, r in shard.get('results', {}).items():
     if 'tflops' not in r:
       lines.append(f'176B shard {impl}: FAILED {str(r.get("failed"))[-300:]}')
       continue
-    t, pct = r['tflops'], r['pct_of_peak']
-    line = (
-      f'176B shard {impl} (1 of 4 TP ranks, {r["layers"]} layers, full recompute): '
-      f'{r["layer_ms"]:.2f} ms/layer, tr11 count {t["tr11"]:.4g} TFLOP/s ({pct["tr11"]:.1f}% '
-      f'of peak; tr11: 150 per A100, 48% of 312), model {t["model"]:.4g}, executed '
-      f'{t["executed"]:.4g}'
-    )
-    for gpu, e in r.get('tp_allreduce', {}).items():
-      line += (
-        f'; + planner all-reduces on {gpu} ({6 * e["seconds_each"] * 1e3:.2f} ms/layer): '
-        f'{e["tr11_tflops_with_allreduces"]:.4g}'
-      )
-    lines.append(line)
+    lines.append('176B shard ' + shard_176b.describe(r).lstrip())
   if shard.get('failed'):
     lines.append(f'176B shard stage: {shard["failed"][-300:]}')
   plan = stages.get('plan', {})

@@ -139,6 +139,8 @@ def test_memory_breakdown_names_the_dump_part_it_cannot_read():
   part not found, never categories from half-read files (a GPU estimate silently equal to the CPU
   peak, or None without a reason)."""
   import glob
+  import os
+  import tarfile
 
   import jax
   import jax.numpy as jnp
@@ -172,5 +174,100 @@ def test_memory_breakdown_names_the_dump_part_it_cannot_read():
       with pytest.raises(memory_report.DumpError) as error:
         memory_report.breakdown(dump.name, memory)
       assert named in str(error.value) and suffix.lstrip('-') in str(error.value), error.value
+      assert 'the dump holds' in str(error.value), error.value  # its files, for the next reader
       with open(path, 'w') as fh:
         fh.write(text)
+    # A file XLA no longer writes (dump.cc writes the values and live ranges under an option):
+    # the error names it, the option and the files there are.
+    (path,) = glob.glob(f'{dump.name}/*-live-range.txt')
+    os.rename(path, path + '.away')
+    with pytest.raises(memory_report.DumpError) as error:
+      memory_report.breakdown(dump.name, memory)
+    assert 'lacks' in str(error.value) and 'xla_dump_buffer_assignment_analysis' in str(error.value)
+    assert '-live-range.txt.away' in str(error.value), error.value
+    os.rename(path + '.away', path)
+    # T5X_LIKE_KEEP_XLA_DUMP keeps the dump's text files (the GPU suite's plan stage sets it).
+    archive = f'{dump.name}.kept.tar.gz'
+    os.environ['T5X_LIKE_KEEP_XLA_DUMP'] = archive
+    try:
+      assert memory_report.breakdown(dump.name, memory) == found
+    finally:
+      del os.environ['T5X_LIKE_KEEP_XLA_DUMP']
+    with tarfile.open(archive) as tar:
+      names = tar.getnames()
+    os.remove(archive)
+    assert 'FILES.txt' in names and any(n.endswith('-live-range.txt') for n in names), names
+    assert not any(n.endswith(('.ll', '.o')) for n in names), names
+
+
+def _compact_gte(text):
+  """An optimized module's text as XLA prints it since openxla/xla 0b695bff (2026-07-13, "Set
+  compact GTE printing on by default when dumping modules to text"; jaxlib 0.11.0 and later):
+  HloComputation::Print skips each get-tuple-element but a root, and HloInstruction prints an
+  operand that is one as its latest non-GTE ancestor and '#index' per level ('%p0#0#1')."""
+  import re
+
+  gte = re.compile(r'^\s*(ROOT )?%(\S+) = \S+ get-tuple-element\(%([\w.\-]+)\), index=(\d+)')
+  parents = {m[2]: (m[3], m[4]) for m in map(gte.match, text.splitlines()) if m}
+
+  def operand(m):
+    name, path = m.group(1), ''
+    while name in parents:
+      name, index = parents[name]
+      path = f'#{index}{path}'
+    return f'%{name}{path}'
+
+  lines = []
+  for line in text.splitlines():
+    m = gte.match(line)
+    if m and not m[1]:
+      continue
+    # Operands are every %name but the instruction's own (before ' = ') and calls=/body=... ones.
+    head, sep, rest = line.partition(' = ')
+    rest = re.sub(r'(?<![=])%([\w.\-]+)', operand, rest)
+    lines.append(head + sep + rest)
+  return '\n'.join(lines) + '\n'
+
+
+def test_memory_breakdown_reads_both_forms_of_the_module_text(tmp_path):
+  """jaxlib 0.10.2's module text and the compact-GTE form that XLA prints by default since jaxlib
+  0.11.0 give one breakdown: an f32 convert of a loop-carried bf16 tuple element (on CPU, with
+  XLA's fusion off so that the convert stays an instruction) is a bf16 value widened either way,
+  whether its operand is printed '%get-tuple-element.9' or '%arg_tuple.1#1'."""
+  import glob
+  import shutil
+
+  import jax
+  import jax.numpy as jnp
+
+  from t5x_like.planning import memory_report
+
+  def f(x, w):
+    def body(i, carry):
+      xb, acc = carry
+      y = xb.astype(jnp.float32)
+      return (y * 2).astype(jnp.bfloat16), acc + y @ w
+
+    return jax.lax.fori_loop(0, 3, body, (x.astype(jnp.bfloat16), jnp.zeros((64, 64))))
+
+  lowered = jax.jit(f).lower(jnp.ones((64, 64)), jnp.ones((64, 64)))
+  options = {'xla_disable_hlo_passes': 'fusion,fusion-wrapper'}
+  compiled, dump = memory_report.compile_with_buffer_dump(lowered, options)
+  memory = compiled.memory_analysis()
+  with dump:
+    old = memory_report.breakdown(dump.name, memory)
+    compact = str(tmp_path / 'compact')
+    shutil.copytree(dump.name, compact)
+  (module,) = glob.glob(f'{compact}/*after_optimizations.txt')
+  with open(module) as fh:
+    text = fh.read()
+  assert ' convert(%get-tuple-element.' in text  # the case this test is about
+  with open(module, 'w') as fh:
+    fh.write(_compact_gte(text))
+  with open(module) as fh:
+    new_text = fh.read()
+  assert 'get-tuple-element' not in new_text and ' convert(%arg_tuple' in new_text
+  new = memory_report.breakdown(compact, memory)
+  assert new == old
+  assert old['cpu_overstatement_bytes'] == 64 * 64 * 4 // 2
+  assert any(t['widened_from_bf16'] for t in old['largest_temporaries'])

@@ -24,6 +24,15 @@ categories add up to XLA's figure of arguments + outputs + temporaries - aliased
 The CPU backend has no bf16 data movement: buffers that a GPU keeps in bf16 are f32 here. Their
 values are f32 buffers whose defining op converts from bf16 (or a fusion whose body does), and
 half of their bytes at the peak is what the CPU compile overstates.
+
+The dump's form across XLA versions (openxla/xla, read from jaxlib 0.10.2's XLA 5a9e73cb of
+2026-06-14 to the XLA of 2026-08-22; jaxlib 0.11.2's was not available): for a CPU compile the
+three files' text and names are unchanged; what changed are dump defaults, so the compile asks for
+each option it relies on (`_DUMP_OPTIONS`), and the module text is read in both forms of its
+get-tuple-element operands (XLA 0b695bff, 2026-07-13, in jaxlib 0.11.0 and later, prints
+`%while.3#1` for a get-tuple-element of a tuple by default). A dump that still does not parse is a
+DumpError naming the file, the part not found, how the file begins, which files the dump holds and
+XLA's non-default debug options; `T5X_LIKE_KEEP_XLA_DUMP=FILE.tar.gz` keeps the dump's text files.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ import dataclasses
 import glob
 import os
 import re
+import sys
+import tarfile
 import tempfile
 
 # The files of one module's dump; the step is the module with the largest buffer assignment.
@@ -75,17 +86,48 @@ class DumpError(RuntimeError):
   """XLA's dump did not hold a buffer assignment this module can read."""
 
 
-def _expect(found: bool, path: str, what: str, text: str) -> None:
-  """Raises a DumpError naming `what` was not found in the dump file `path` (and how the file
-  begins), so that a changed dump format is one clear error instead of a silently wrong figure."""
-  if found:
-    return
+def _versions() -> str:
   import jax
 
-  head = ' | '.join(line.rstrip() for line in text.splitlines()[:4])[:400]
+  try:
+    import jaxlib.version
+
+    return f'jax {jax.__version__}, jaxlib {jaxlib.version.__version__}'
+  except ImportError:
+    return f'jax {jax.__version__}'
+
+
+def _dump_context(dump_dir: str) -> str:
+  """What the next reader of a DumpError needs without the (temporary) dump: the files the dump
+  holds (LLVM IR and object files counted, not named) and the debug options XLA reports as
+  non-default (its `*.debug_options` file)."""
+  paths = sorted(
+    p for p in glob.glob(os.path.join(dump_dir, '**', '*'), recursive=True) if os.path.isfile(p)
+  )
+  named = [p for p in paths if not p.endswith(('.ll', '.o'))]
+  files = ', '.join(f'{os.path.relpath(p, dump_dir)} ({os.path.getsize(p)} B)' for p in named[:16])
+  more = len(named) - 16
+  text = f'the dump holds {len(paths)} files, {len(paths) - len(named)} of them .ll/.o: {files}'
+  text += f', and {more} more' if more > 0 else ''
+  options = [p for p in named if p.endswith('.debug_options')]
+  if options:
+    with open(options[0]) as f:
+      lines = [line.strip() for line in f if line.strip()]
+    text += "; XLA's non-default debug options: " + ' | '.join(lines)[:600]
+  return text
+
+
+def _expect(found: bool, path: str, what: str, text: str) -> None:
+  """Raises a DumpError naming `what` was not found in the dump file `path` (and how the file
+  begins, and what the dump holds), so that a changed dump format is one clear error instead of
+  a silently wrong figure."""
+  if found:
+    return
+  head = ' | '.join(line.rstrip() for line in text.splitlines()[:6])[:600]
   raise DumpError(
-    f'{os.path.basename(path)}: {what} not found (jax {jax.__version__}: its XLA dump no longer '
-    f'matches what t5x_like/planning/memory_report.py parses); the file begins: {head!r}'
+    f'{os.path.basename(path)}: {what} not found ({_versions()}: its XLA dump no longer '
+    f'matches what t5x_like/planning/memory_report.py parses); the file begins: {head!r}; '
+    f'{_dump_context(os.path.dirname(path))}'
   )
 
 
@@ -97,14 +139,37 @@ def _parsed(parse, path: str, text: str):
     _expect(False, path, f'a line {parse.__name__} can read ({type(e).__name__}: {e})', text)
 
 
-def compile_with_buffer_dump(lowered):
-  """(compiled, dump directory) for `lowered` compiled with XLA's dump on; the caller removes
-  the directory (a `tempfile.TemporaryDirectory`'s name is returned with the object)."""
+# The dump options this module relies on, each asked for rather than left to XLA's default
+# (DebugOptions fields in openxla/xla's xla/xla.proto; xla/service/dump.cc writes the files).
+_DUMP_OPTIONS = {
+  'xla_dump_hlo_as_text': True,
+  # -buffer-assignment-values.txt and -live-range.txt are written only under this option (field
+  # 466; true by default from jaxlib 0.10.2's XLA to the XLA of 2026-08-22 at least).
+  'xla_dump_buffer_assignment_analysis': True,
+  # One flat directory; true puts the files under <dump>/<module>/<host>_<pid>/ (field 502).
+  'xla_dump_hlo_to_subfolder': False,
+  # Every get-tuple-element printed, with its metadata: XLA 0b695bff (2026-07-13) made compact
+  # GTEs ('%while.3#1', no GTE line) the default. jaxlib 0.10.2's XLA predates the option (field
+  # 495) and refuses it; it prints the same form by itself.
+  'xla_dump_compact_gte': False,
+}
+
+
+def compile_with_buffer_dump(lowered, options: dict | None = None):
+  """(compiled, dump directory) for `lowered` compiled with XLA's dump on (and `options`, more
+  compiler options); the caller removes the directory (a `tempfile.TemporaryDirectory`'s name is
+  returned with the object). An option this XLA does not know is dropped."""
   tmp = tempfile.TemporaryDirectory(prefix='t5x_like_plan_dump_')
-  compiled = lowered.compile(
-    compiler_options={'xla_dump_to': tmp.name, 'xla_dump_hlo_as_text': True}
-  )
-  return compiled, tmp
+  compiler_options = {'xla_dump_to': tmp.name, **_DUMP_OPTIONS, **(options or {})}
+  while True:
+    try:
+      return lowered.compile(compiler_options=compiler_options), tmp
+    except Exception as e:  # jax's JaxRuntimeError: INVALID_ARGUMENT, before any compiling
+      unknown = [k for k in _DUMP_OPTIONS if k in compiler_options and f"'{k}'" in str(e)]
+      if 'No such compile option' not in str(e) or not unknown:
+        tmp.cleanup()
+        raise
+      del compiler_options[unknown[0]]
 
 
 @dataclasses.dataclass
@@ -141,19 +206,43 @@ class Allocation:
 
 
 def _module_files(dump_dir: str) -> dict[str, str]:
-  candidates = glob.glob(os.path.join(dump_dir, f'*{_ASSIGNMENT}'))
+  # In the dump's directory or below it (xla_dump_hlo_to_subfolder's layout).
+  candidates = glob.glob(os.path.join(dump_dir, '**', f'*{_ASSIGNMENT}'), recursive=True)
   if not candidates:
     raise DumpError(
-      f'no *{_ASSIGNMENT} in {dump_dir}: the compile wrote no XLA dump (a '
-      'persistent compilation cache hit compiles nothing)'
+      f'no *{_ASSIGNMENT} in {dump_dir} ({_versions()}): the compile wrote no buffer '
+      'assignment (a persistent compilation cache hit compiles nothing); '
+      f'{_dump_context(dump_dir)}'
     )
   assignment = max(candidates, key=os.path.getsize)
   stem = assignment[: -len(_ASSIGNMENT)]
   files = {'assignment': assignment, 'values': stem + _VALUES, 'live': stem + _LIVE}
   for path in files.values():
     if not os.path.exists(path):
-      raise DumpError(f'XLA dump lacks {os.path.basename(path)}')
+      raise DumpError(
+        f'XLA dump lacks {os.path.basename(path)} ({_versions()}; XLA writes it under '
+        f'xla_dump_buffer_assignment_analysis, asked for: {_DUMP_OPTIONS}); '
+        f'{_dump_context(dump_dir)}'
+      )
   return files
+
+
+def keep_dump(dump_dir: str, archive: str) -> None:
+  """Writes the dump's text files (not its LLVM IR or object files) and a list of all its files
+  into the .tar.gz `archive`, for reading the dump after its directory is gone."""
+  paths = sorted(
+    p for p in glob.glob(os.path.join(dump_dir, '**', '*'), recursive=True) if os.path.isfile(p)
+  )
+  os.makedirs(os.path.dirname(os.path.abspath(archive)), exist_ok=True)
+  listing = os.path.join(dump_dir, 'FILES.txt')
+  with open(listing, 'w') as f:
+    f.writelines(f'{os.path.getsize(p):>12} {os.path.relpath(p, dump_dir)}\n' for p in paths)
+  with tarfile.open(archive, 'w:gz') as tar:
+    tar.add(listing, arcname='FILES.txt')
+    for p in paths:
+      if not p.endswith(('.ll', '.o')) and os.path.getsize(p) < 256 * 2**20:
+        tar.add(p, arcname=os.path.relpath(p, dump_dir))
+  os.remove(listing)
 
 
 _ALLOCATION = re.compile(r'^allocation (\d+): size (\d+), (.*)$')
@@ -173,7 +262,10 @@ def parse_assignment(text: str) -> dict[int, Allocation]:
   for line in text.splitlines():
     m = _ALLOCATION.match(line)
     if m:
-      rest = m.group(3)
+      # BufferAllocation::ToString's attributes after the size, in its order: color, page (only
+      # when not 0 / -1), parameter, output shape, constant, thread-local, maybe-live-out,
+      # preallocated-temp; the kind is the first of parameter, output, constant, temp.
+      rest = re.sub(r'^(?:color \d+, )?(?:page \d+, )?', '', m.group(3))
       if rest.startswith('parameter'):
         kind, parameter = 'parameter', int(rest.split()[1].rstrip(','))
       else:
@@ -333,10 +425,43 @@ class Hlo:
     return False
 
 
+# An operand: a name, or (compact GTEs, openxla/xla 0b695bff) a tuple's name and an index per
+# level, 'while.3#1' or 'param.2#0#4', for the get-tuple-element the text no longer prints.
+_OPERAND = re.compile(r'%([\w.\-]+(?:#\d+)*)')
+_TUPLE_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%(\S+) = \(')
+
+
+def _balanced(text: str, start: int) -> str:
+  """The parenthesised text that opens at text[start]."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += text[i] == '('
+    depth -= text[i] == ')'
+    if depth == 0:
+      return text[start : i + 1]
+  raise ValueError(f'unbalanced parentheses in {text[start : start + 80]!r}')
+
+
+def _tuple_elements(shape: str) -> list[str]:
+  """The top-level element shapes of a tuple shape '(s32[], bf16[4,8]{1,0}, (f32[2]{0}))'."""
+  inner = re.sub(r'/\*[^*]*\*/', '', shape)[1:-1]
+  elements, depth, start = [], 0, 0
+  for i, ch in enumerate(inner):
+    depth += ch in '([{'
+    depth -= ch in ')]}'
+    if ch == ',' and depth == 0:
+      elements.append(inner[start:i].strip())
+      start = i + 1
+  if inner.strip():
+    elements.append(inner[start:].strip())
+  return elements
+
+
 def parse_hlo(text: str) -> Hlo:
   instructions: dict[str, tuple[str, str, list[str], str]] = {}
   roots: dict[str, str] = {}
   op_names: dict[str, str] = {}
+  tuples: dict[str, str] = {}  # tuple-shaped instruction -> its shape
   computation: str | None = None
   for line in text.splitlines():
     header = re.match(r'^(?:ENTRY )?%(\S+) \((.*)\) -> .*\{$', line)
@@ -345,12 +470,15 @@ def parse_hlo(text: str) -> Hlo:
       for param, dtype in re.findall(r'([\w.\-]+): (\w+)\[', header.group(2)):
         instructions[param] = (dtype, 'parameter', [], '')
       continue
+    t = _TUPLE_INSTRUCTION.match(line)
+    if t:
+      tuples[t.group(1)] = _balanced(line, t.end() - 1)
     m = _INSTRUCTION.match(line)
     if not m:
       continue
     name, dtype, opcode, rest = m.group(2), m.group(3).split('[')[0], m.group(4), m.group(5)
     operand_text = rest.split(')', 1)[0]
-    operands = re.findall(r'%([\w.\-]+)', operand_text)
+    operands = _OPERAND.findall(operand_text)
     calls = re.search(r'calls=%([\w.\-]+)', rest)
     instructions[name] = (dtype, opcode, operands, calls.group(1) if calls else '')
     op_name = re.search(r'op_name="([^"]*)"', rest)
@@ -358,6 +486,18 @@ def parse_hlo(text: str) -> Hlo:
       op_names[name] = op_name.group(1)
     if m.group(1) and computation:
       roots[computation] = name
+  # Each compact operand stands for the get-tuple-element the old form printed: an instruction
+  # of its element's dtype.
+  for operands in [entry[2] for entry in instructions.values()]:
+    for operand in operands:
+      name, *indices = operand.split('#')
+      if indices and operand not in instructions and name in tuples:
+        shape = tuples[name]
+        for i in indices:
+          elements = _tuple_elements(shape) if shape.startswith('(') else []
+          shape = elements[int(i)] if int(i) < len(elements) else ''
+        dtype = 'tuple' if shape.startswith('(') else shape.split('[')[0]
+        instructions[operand] = (dtype, 'get-tuple-element', [name], '')
   return Hlo(instructions, roots, op_names)
 
 
@@ -484,7 +624,14 @@ def breakdown(
   """The step's memory by category (bytes), from the XLA dump in `dump_dir` and its
   `compiled.memory_analysis()`. `stage_input`: (kept, rows, seq, hidden) of a pipeline's kept
   stage inputs on one device (kept: how many), None without a pipeline; `data`: the mesh's data
-  size."""
+  size. With T5X_LIKE_KEEP_XLA_DUMP set, the dump's text files are first kept there (a .tar.gz,
+  `keep_dump`), readable or not."""
+  archive = os.environ.get('T5X_LIKE_KEEP_XLA_DUMP')
+  if archive:
+    try:
+      keep_dump(dump_dir, archive)
+    except OSError as e:
+      print(f'memory_report: the XLA dump was not kept in {archive}: {e}', file=sys.stderr)
   files = _module_files(dump_dir)
   # Each part of the dump is checked as it is read: a format this module no longer matches is a
   # DumpError naming the part, never categories computed from half-read files.
