@@ -6,6 +6,7 @@ import collections
 import os
 import re
 
+import jax
 import numpy as np
 import pytest
 from conftest import assert_same_training, config_with, run_steps, small_config
@@ -69,14 +70,20 @@ def test_hybrid_zero1_trains_as_one_device(single_device_run):
 LAYERS = 3
 
 
-def compiled_step_text(zero_stage: int, zero_group: int = 0) -> str:
-  """The train step of a 3-layer model on 8 data ranks, compiled (its HLO text)."""
+def compiled_step(zero_stage: int, zero_group: int = 0, microbatches: int = 1):
+  """(layout, HLO text) of the train step of a 3-layer model on 8 data ranks, compiled."""
   cfg = small_config(
     model=dict(num_layers=LAYERS),
+    train=dict(global_batch_size=8 * microbatches),
     mesh=dict(data=8, zero_stage=zero_stage, zero_group=zero_group),
   ).validate()
   layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
-  return step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile().as_text()
+  return layout, step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile().as_text()
+
+
+def compiled_step_text(zero_stage: int, zero_group: int = 0) -> str:
+  """The train step of a 3-layer model on 8 data ranks, compiled (its HLO text)."""
+  return compiled_step(zero_stage, zero_group)[1]
 
 
 def collectives_by_place(hlo: str, op: str) -> dict[str, list[str]]:
@@ -139,33 +146,129 @@ def test_zero3_never_keeps_a_gathered_layer_for_the_backward_pass(zero1_and_zero
   assert f'f32[{LAYERS},8,8,3,8]' in zero3  # the kernel split over the 8 data ranks
 
 
-def group_size(instruction: str) -> int:
-  """Devices in each replica group of a collective of the HLO text, from its iota form
-  (replica_groups=mesh['axis_0'=1,'axis_1'=2,...] ... {'axis_1'}: the product of the named axes'
-  sizes) or its list form ({{0,1},{2,3}})."""
-  listed = re.search(r'replica_groups=\{\{([\d,]+)\}', instruction)
+def device_groups(instruction: str) -> list[list[int]]:
+  """The device ids of each replica group of a collective of the HLO text, from any of its
+  forms: listed ({{0,2},{1,3}}), iota ([4,2]<=[8], [2,4]<=[4,2]T(1,0)) or over named mesh axes
+  (mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'})."""
+  groups = instruction.split('replica_groups=')[1]
+  listed = re.match(r'\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}', groups)
   if listed:
-    return len(listed.group(1).split(','))
-  sizes = dict(re.findall(r"'(axis_\d+)'=(\d+)", instruction.split('replica_groups=')[1]))
-  over = re.search(r"\{('axis_\d+'(?:,'axis_\d+')*)\}", instruction.split('replica_groups=')[1])
-  assert over, instruction
-  size = 1
-  for axis in re.findall(r"'(axis_\d+)'", over.group(1)):
-    size *= int(sizes[axis])
-  return size
+    return [[int(d) for d in g.split(',') if d] for g in re.findall(r'\{([\d,]*)\}', listed[1])]
+
+  def iota(dims: str, perm: str | None) -> np.ndarray:
+    shape = [int(n) for n in dims.split(',')]
+    ids = np.arange(np.prod(shape)).reshape(shape)
+    return ids.transpose([int(i) for i in perm.split(',')]) if perm else ids
+
+  tiled = re.match(r'\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', groups)
+  if tiled:
+    return iota(tiled[3], tiled[4]).reshape(int(tiled[1]), int(tiled[2])).tolist()
+  named = re.match(
+    r'mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}', groups
+  )
+  assert named, instruction
+  axes = [(name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", named[1])]
+  names, sizes = [a for a, _ in axes], [n for _, n in axes]
+  ids = iota(named[2], named[3]) if named[2] else np.arange(np.prod(sizes))
+  over = [names.index(a) for a in re.findall(r"'(\w+)'", named[4])]
+  rest = [i for i in range(len(names)) if i not in over]
+  per_group = int(np.prod([sizes[i] for i in over]))
+  return ids.reshape(sizes).transpose(rest + over).reshape(-1, per_group).tolist()
 
 
-def test_hybrid_groups_gather_inside_a_group(zero1_and_zero3_steps):
+def group_size(instruction: str) -> int:
+  """Devices in each replica group of a collective of the HLO text (`device_groups`)."""
+  sizes = {len(group) for group in device_groups(instruction)}
+  assert len(sizes) == 1, instruction
+  return sizes.pop()
+
+
+# Hybrid sharding's compiled steps: groups of 2 on 8 data ranks (4 copies), 4 micro-batches.
+HYBRID_MICROBATCHES = 4
+
+
+@pytest.fixture(scope='module')
+def hybrid_steps():
+  """{ZeRO stage: (layout, HLO text)} of the hybrid train steps."""
+  return {stage: compiled_step(stage, 2, HYBRID_MICROBATCHES) for stage in (1, 3)}
+
+
+def test_hybrid_groups_gather_inside_a_group(zero1_and_zero3_steps, hybrid_steps):
   """mesh.zero_group=2 on 8 data ranks: each layer gather runs over 2 devices (one group), not
-  over all 8 as without groups."""
+  over all 8 as without groups. (Inside hybrid sharding's per-copy micro-batch loop XLA gathers
+  a layer's slice without its unit layer dim: every gather of that step is counted.)"""
   one_layer_gathers = lambda hlo: [
     line for line in hlo.splitlines() if re.search(r'= f32\[1,\S+ all-gather\(', line)
   ]
-  grouped = one_layer_gathers(compiled_step_text(3, zero_group=2))
+  grouped = [line for line in hybrid_steps[3][1].splitlines() if ' all-gather(' in line]
   ungrouped = one_layer_gathers(zero1_and_zero3_steps[1])
-  assert grouped and ungrouped
+  assert len(grouped) > 2 * 12 and ungrouped  # the forward and backward scans' 12 layer params
   assert {group_size(line) for line in grouped} == {2}
   assert {group_size(line) for line in ungrouped} == {8}
+
+
+def loop_computations(hlo: str) -> set[str]:
+  """The computations of the HLO text that run inside a while loop: the loops' bodies and
+  conditions and everything they call."""
+  calls: dict[str, set[str]] = collections.defaultdict(set)
+  computation = None
+  for line in hlo.splitlines():
+    header = re.match(r'^(?:ENTRY )?%([\w.-]+) .*\{$', line)
+    if header:
+      computation = header.group(1)
+    elif computation:
+      calls[computation].update(re.findall(r'%([\w.-]+)', line.split('metadata=')[0]))
+  inside, todo = set(), re.findall(r'(?:body|condition)=%([\w.-]+)', hlo)
+  while todo:
+    name = todo.pop()
+    if name not in inside:
+      inside.add(name)
+      todo += [c for c in calls.get(name, ()) if c in calls]
+  return inside
+
+
+def cross_copy_collectives(hlo: str, layout) -> dict[str, list[str]]:
+  """The result shapes of the collectives whose groups span copies of the state (devices of
+  more than one `replica` index), by whether they run inside a while loop ('loop') or not."""
+  copy_of = {
+    device.id: copy for copy, devices in enumerate(layout.mesh.devices) for device in devices.flat
+  }
+  inside = loop_computations(hlo)
+  places: dict[str, list[str]] = collections.defaultdict(list)
+  computation = None
+  for line in hlo.splitlines():
+    header = re.match(r'^(?:ENTRY )?%([\w.-]+) .*\{$', line)
+    if header:
+      computation = header.group(1)
+      continue
+    found = re.search(
+      r'= (.+?) (?:all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)'
+      r'(?:-start)?\(',
+      line,
+    )
+    if found and 'replica_groups=' in line:
+      if any(len({copy_of[d] for d in group}) > 1 for group in device_groups(line)):
+        places['loop' if computation in inside else 'outside'].append(found.group(1))
+  return places
+
+
+@pytest.mark.parametrize('zero_stage', [1, 3])
+def test_hybrid_reduces_across_copies_once_a_step(hybrid_steps, zero_stage):
+  """mesh.zero_group: the micro-batch loop reduces each gradient within a group only (each copy
+  accumulates its own); after the loop one all-reduce over the copies sums each accumulator
+  shard of the gradient tree exactly once (beside the step's loss and the copies' target counts,
+  scalars and [micro-batches] vectors), not once per micro-batch."""
+  layout, hlo = hybrid_steps[zero_stage]
+  places = cross_copy_collectives(hlo, layout)
+  assert places['loop'] == []
+  found = collections.Counter(
+    shape for result in places['outside'] for shape in re.findall(r'[a-z]\d+\[[\d,]*\]', result)
+  )
+  shard = lambda p: f'f32[{",".join(map(str, p.sharding.shard_shape(p.shape)))}]'
+  expected = collections.Counter(shard(p) for p in jax.tree.leaves(layout.logical.params))
+  assert {shape: found[shape] for shape in expected} == expected
+  elements = lambda shape: int(np.prod([int(n) for n in re.findall(r'\d+', shape.split('[')[1])]))
+  assert all(elements(shape) <= HYBRID_MICROBATCHES for shape in found - expected), found
 
 
 # ----------------------------------------------------------------------------- config, log

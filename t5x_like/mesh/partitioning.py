@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5x_like.config import MeshConfig
@@ -73,13 +73,32 @@ def logical_to_mesh(names: Sequence[str | None], mesh: Mesh | AbstractMesh | Non
     if name is not None and name not in _RULES:
       raise KeyError(f'logical axis {name!r} has no rule in partitioning.LOGICAL_AXIS_RULES')
     axes = _RULES.get(name) if name else None
-    if mesh is not None and isinstance(axes, tuple):
-      axes = tuple(a for a in axes if a in mesh.shape) or None
-      axes = axes[0] if axes is not None and len(axes) == 1 else axes
-    elif mesh is not None and axes is not None and axes not in mesh.shape:
-      axes = None
+    if mesh is not None and axes is not None:
+      kept = tuple(
+        a for a in (axes if isinstance(axes, tuple) else (axes,)) if splits_here(mesh, a)
+      )
+      axes = None if not kept else kept[0] if len(kept) == 1 else kept
     mesh_axes.append(axes)
   return P(*mesh_axes)
+
+
+def splits_here(mesh: Mesh | AbstractMesh, axis: str) -> bool:
+  """Whether `axis` can split an array on `mesh`: it is one of the mesh's axes and not a manual
+  one (inside a shard_map over it, as the per-copy micro-batch loop of hybrid sharding,
+  `per_copy_mesh`, each device holds its own values along it)."""
+  return axis in mesh.shape and dict(zip(mesh.axis_names, mesh.axis_types))[axis] != AxisType.Manual
+
+
+def per_copy_mesh(mesh: Mesh) -> Mesh:
+  """`mesh` as seen inside a shard_map over `replica` (hybrid sharding's copies, the
+  per-copy micro-batch loop of training/step.py): the same devices with `replica` manual, so
+  that the model's constraints and shard_maps (which take their axes from `logical_to_mesh` and
+  `spec_for`, dropping it) split over the other axes only."""
+  types = tuple(
+    AxisType.Manual if name == 'replica' else kind
+    for name, kind in zip(mesh.axis_names, mesh.axis_types)
+  )
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=types)
 
 
 def batch_axes(mesh: Mesh | AbstractMesh) -> str | tuple[str, ...]:
@@ -100,8 +119,9 @@ def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh | AbstractMesh) -> P:
   fitted = []
   for axes, size in zip(tuple(spec) + (None,) * (len(shape) - len(spec)), shape):
     axes = axes if isinstance(axes, tuple) or axes is None else (axes,)
-    # Size-1 axes split nothing; `replica` is absent from a mesh without hybrid sharding.
-    axes = tuple(a for a in axes or () if mesh.shape.get(a, 1) > 1)
+    # Size-1 axes split nothing; `replica` is absent from a mesh without hybrid sharding, and
+    # manual inside the per-copy micro-batch loop (`per_copy_mesh`).
+    axes = tuple(a for a in axes or () if splits_here(mesh, a) and mesh.shape[a] > 1)
     while axes and size % _axis_size(mesh, axes):
       axes = axes[:-1]
     fitted.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
@@ -384,6 +404,37 @@ def _gather_backward(gathered, split, _, cotangent):
 gather_for_use.defvjp(_gather_forward, _gather_backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gradient_in(x, sharding: NamedSharding):
+  """`x` itself; its gradient constrained to `sharding`."""
+  del sharding
+  return x
+
+
+def _gradient_in_forward(x, sharding):
+  return x, None
+
+
+def _gradient_in_backward(sharding, _, cotangent):
+  return (jax.lax.with_sharding_constraint(cotangent, sharding),)
+
+
+gradient_in.defvjp(_gradient_in_forward, _gradient_in_backward)
+
+
+def lookup_table(table, mesh: Mesh):
+  """The [vocab, embed] token table about to be looked up (its gradient a scatter-add): inside
+  the per-copy micro-batch loop of hybrid sharding (`per_copy_mesh`), where the rules split the
+  table (over `tensor`), with its gradient summed over the batch in the table's own layout before
+  the ZeRO split; `table` itself elsewhere. Under a manual `replica` XLA's partitioner aborts
+  (spmd_partitioner_util.cc, ExpandDeviceGroupsWithIota) on that scatter-add when its result is
+  wanted split over `data` and `tensor` (the ZeRO layout) straight away."""
+  spec = spec_for(('vocab', 'embed'), table.shape, mesh)
+  if AxisType.Manual not in mesh.axis_types or all(axes is None for axes in spec):
+    return table
+  return gradient_in(table, NamedSharding(mesh, spec))
+
+
 class WeightGathers:
   """ZeRO-3's per-use gathers of a model's params: for every param its rule sharding (without
   the `data` split) and its ZeRO sharding, those of the stacked `layers` for one layer (without
@@ -401,9 +452,13 @@ class WeightGathers:
       to_sharding({k: v for k, v in tree.items() if k != 'layers'}, False),
       to_sharding(tree['layers'], True),
     )
-    self.mesh = mesh
+    self.mesh, self.specs = mesh, (gathered_specs, split_specs)
     (self.top_gathered, self.layer_gathered) = split_out(gathered_specs)
     (self.top_split, self.layer_split) = split_out(split_specs)
+
+  def on(self, mesh: Mesh) -> WeightGathers:
+    """The same gathers on `mesh` (the same devices and axes, e.g. `per_copy_mesh`'s)."""
+    return WeightGathers(mesh, *self.specs)
 
   def top(self, tree: dict) -> dict:
     """Params outside the layer stack (a dict of some of the model's top-level entries),

@@ -362,7 +362,10 @@ def embed_tokens(params, tokens, cfg: ModelConfig, ctx: Context, positions=None)
   local lookup + all-reduce), then BLOOM's embedding LayerNorm, or GPT-2's positions (after the
   LayerNorm of model.stable_embedding). `positions` [B, S]: each token's (decoding); default
   0..S-1 on every row."""
-  x = jnp.take(params['word_embeddings'].astype(ctx.dtype), tokens, axis=0)
+  table = params['word_embeddings'].astype(ctx.dtype)
+  if ctx.mesh is not None:
+    table = partitioning.lookup_table(table, ctx.mesh)
+  x = jnp.take(table, tokens, axis=0)
   if has_embed_ln(cfg):
     x = apply_norm(cfg, ctx, params['embed_ln'], ctx.constrain(x, ctx.residual_names))
   if cfg.architecture == 'gpt2' and positions is None:

@@ -3,7 +3,9 @@ shardings and donated state, compiled ahead of time by the trainer and by `plan`
 
 Per iteration: the global batch is split into `num_microbatches` micro-batches of
 `micro_batch_size x data` rows; gradients are accumulated over them in fp32 in the ZeRO
-(data-split) layout, clipped at a global norm (the pre-clip norm is logged), and AdamW updates the
+(data-split) layout (under hybrid sharding each copy accumulates its own and the copies' sums are
+added once, after the micro-batches: `per_copy_loss_and_grads`), clipped at a global norm (the
+pre-clip norm is logged), and AdamW updates the
 fp32 master params with a learning rate the host computes from the consumed samples (or tokens).
 An iteration whose loss or gradient norm is not finite leaves params and Adam state, including
 its step count, unchanged.
@@ -131,15 +133,90 @@ def microbatched_loss_and_grads(cfg: Config, layout: StateLayout, params, batch,
   if cfg.train.rampup_microbatch_multiple > 0:
     num_real = losses.real_microbatches(batch).sum()
     num_micro = num_real.astype(jnp.float32)
-  loss_sum, grads = accumulate_grads(
-    loss_and_grads,
-    params,
-    batch,
-    shardings=layout.shardings.params,
-    num_real=num_real,
-    unroll=cfg.model.scan_unroll,
-  )
+  if reduces_across_copies_once(cfg, layout):
+    loss_sum, grads = per_copy_loss_and_grads(cfg, layout, compute_params, batch, num_real)
+  else:
+    loss_sum, grads = accumulate_grads(
+      loss_and_grads,
+      params,
+      batch,
+      shardings=layout.shardings.params,
+      num_real=num_real,
+      unroll=cfg.model.scan_unroll,
+    )
   return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grads)
+
+
+def reduces_across_copies_once(cfg: Config, layout: StateLayout) -> bool:
+  """Hybrid sharding (mesh.zero_group): whether the step accumulates each copy's gradients
+  apart and reduces them across the copies once, after the micro-batch loop
+  (`per_copy_loss_and_grads`). Not with a pipeline (its schedule reduces each micro-batch
+  group's gradients over all data ranks) nor with dropout (a copy would draw its own masks, not
+  the slice of the one-device run's that it draws now)."""
+  return (
+    layout.mesh.shape.get('replica', 1) > 1 and cfg.mesh.pipeline == 1 and not _has_dropout(cfg)
+  )
+
+
+def copy_shares(batch, copies: int):
+  """[M, copies]: each copy's share of each micro-batch's real targets (the copies hold
+  consecutive blocks of the rows); a copy's mean loss weighted by its share sums, over the copies,
+  to the micro-batch's mean (0 where it has no target, as `losses.weighted_mean`)."""
+  weights = losses.split_tokens(batch)[2]
+  counts = weights.reshape(batch.shape[0], copies, -1).sum(axis=2)
+  return counts / jnp.maximum(counts.sum(axis=1, keepdims=True), 1.0)
+
+
+def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, batch, num_real):
+  """Hybrid sharding without a pipeline: (sum of the micro-batches' mean losses, fp32 sum of
+  their gradients, in the ZeRO layout) as `accumulate_grads`, with the gradient reduced across
+  the copies once a step instead of once a micro-batch. The micro-batch loop runs in a
+  shard_map over `replica`: each copy runs the model on its own rows (split over its group's
+  `data` ranks as before), adds each micro-batch's gradient, reduce-scattered within the group
+  only, to its own accumulator (the same ZeRO shard per device as without the shard_map), and
+  after the loop one all-reduce over `replica` sums the copies' accumulators (as torch FSDP's
+  HYBRID_SHARD under no_sync, DeepSpeed's hpZ). Each copy's loss is weighted by its share of the
+  micro-batch's targets (`copy_shares`), so the sums are the one-device run's."""
+  mesh = layout.mesh
+  inner = partitioning.per_copy_mesh(mesh)
+  model = layout.model.clone(
+    mesh=inner, gathers=None if layout.model.gathers is None else layout.model.gathers.on(inner)
+  )
+  shardings = jax.tree.map(lambda s: NamedSharding(inner, s.spec), layout.shardings.params)
+  shares = copy_shares(batch, mesh.shape['replica'])
+  num_real = jnp.int32(batch.shape[0]) if num_real is None else num_real
+  fori = cfg.train.rampup_microbatch_multiple > 0
+
+  def run(params, batch, shares, num_real):
+    def loss_and_grads(tokens_and_share, index):
+      del index  # no dropout (reduces_across_copies_once)
+      tokens, share = tokens_and_share
+      loss_fn = lambda p: share[0] * losses.mean_loss(model, p, tokens)
+      return jax.value_and_grad(loss_fn)(params)
+
+    loss, grads = accumulate_grads(
+      loss_and_grads,
+      params,
+      (batch, shares),
+      shardings=shardings,
+      num_real=num_real if fori else None,
+      unroll=cfg.model.scan_unroll,
+    )
+    return jax.lax.psum((loss, grads), 'replica')  # once a step
+
+  copies = P(None, 'replica')
+  # check_vma=False: inside, the params are each device's own values and their gradient is the
+  # copy's own. (With the varying-axes check the gradient with respect to params that are the
+  # same on every copy is summed over `replica` at once, each micro-batch; and the losses'
+  # nested shard_maps fail to lower.) The outputs are psums, the same on every copy.
+  return jax.shard_map(
+    run,
+    mesh=mesh,
+    in_specs=(P(), copies, copies, P()),
+    out_specs=P(),
+    axis_names={'replica'},
+    check_vma=False,
+  )(compute_params, batch, shares, num_real)
 
 
 def pipelined_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rng):
