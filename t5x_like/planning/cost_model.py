@@ -870,16 +870,22 @@ def estimate(
     dp_bytes = scatters * _ring_bytes('reduce-scatter', 4 * state, g) + _ring_bytes(
       'all-gather', compute_bytes * state, g
     )
-  # Hybrid sharding: each rank's 1/G fp32 gradient shard all-reduced across the R copies once per
-  # step (ranks G x pipeline x tensor devices apart).
+  # Hybrid sharding: each rank's 1/G fp32 gradient shard all-reduced across the R copies (ranks
+  # G x pipeline x tensor devices apart): once per step without a pipeline or dropout
+  # (step.per_copy_loss_and_grads), else with each micro-batch's gradient (each group's, with a
+  # pipeline).
   replica_s = replica_bytes = 0.0
   if copies > 1:
     shard = 4 * state / g
     apart = g * p * t
     replica_spans = n > node
     replica_per_node = max(1, min(copies, node // apart)) if replica_spans else copies
-    replica_s = collective_s(spec, 'all-reduce', shard, copies, replica_per_node, replica_spans)
-    replica_bytes = _ring_bytes('all-reduce', shard, copies)
+    dropout = m.hidden_dropout > 0 or m.attention_dropout > 0
+    reduces = groups if p > 1 else (micro if dropout else 1)
+    replica_s = reduces * collective_s(
+      spec, 'all-reduce', shard, copies, replica_per_node, replica_spans
+    )
+    replica_bytes = reduces * _ring_bytes('all-reduce', shard, copies)
 
   # The embedding held whole by every stage: its gradient summed over the stages.
   embedding_bytes = _ring_bytes('all-reduce', 4 * embedding, p) if p > 1 and not split_head else 0.0
