@@ -65,6 +65,19 @@ def test_hybrid_zero1_trains_as_one_device(single_device_run):
   assert_same_training(run_steps(cfg, num_steps=3), single_device_run, cfg)
 
 
+def test_hybrid_per_copy_loop_runs_the_fused_attention_kernels_as_one_device():
+  """The Pallas kernels (interpret mode) inside the per-copy micro-batch loop of hybrid ZeRO-3
+  on a tensor-parallel mesh: their shard_map nested in the one over `replica` trains as one
+  device does (4 heads of 16: the kernels' smallest tile)."""
+  model = dict(num_heads=4)
+  reference = run_steps(small_config(model=model), num_steps=3)
+  cfg = small_config(
+    model=dict(model, attention_impl='pallas'),
+    mesh=dict(data=4, tensor=2, zero_stage=3, zero_group=2),
+  ).validate()
+  assert_same_training(run_steps(cfg, num_steps=3), reference, cfg)
+
+
 # ------------------------------------------------------------------------- the compiled step
 
 LAYERS = 3
