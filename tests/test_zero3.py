@@ -99,17 +99,23 @@ def compiled_step_text(zero_stage: int, zero_group: int = 0) -> str:
   return compiled_step(zero_stage, zero_group)[1]
 
 
-def collectives_by_place(hlo: str, op: str) -> dict[str, list[str]]:
-  """The result shapes of every `op` (all-gather, ...) of the HLO text, by whether the
-  computation it is in is a while loop's body ('loop') or not ('outside')."""
-  bodies = set(re.findall(r'body=%([\w.-]+)', hlo))
-  places: dict[str, list[str]] = collections.defaultdict(list)
+def instructions(hlo: str):
+  """(computation name, instruction line) of every instruction of the HLO text."""
   computation = None
   for line in hlo.splitlines():
     header = re.match(r'^(?:ENTRY )?%([\w.-]+) .*\{$', line)
     if header:
       computation = header.group(1)
-      continue
+    elif computation:
+      yield computation, line
+
+
+def collectives_by_place(hlo: str, op: str) -> dict[str, list[str]]:
+  """The result shapes of every `op` (all-gather, ...) of the HLO text, by whether the
+  computation it is in is a while loop's body ('loop') or not ('outside')."""
+  bodies = set(re.findall(r'body=%([\w.-]+)', hlo))
+  places: dict[str, list[str]] = collections.defaultdict(list)
+  for computation, line in instructions(hlo):
     found = re.search(rf'= (\S+) {op}\(', line)
     if found:
       places['loop' if computation in bodies else 'outside'].append(found.group(1))
@@ -224,13 +230,8 @@ def loop_computations(hlo: str) -> set[str]:
   """The computations of the HLO text that run inside a while loop: the loops' bodies and
   conditions and everything they call."""
   calls: dict[str, set[str]] = collections.defaultdict(set)
-  computation = None
-  for line in hlo.splitlines():
-    header = re.match(r'^(?:ENTRY )?%([\w.-]+) .*\{$', line)
-    if header:
-      computation = header.group(1)
-    elif computation:
-      calls[computation].update(re.findall(r'%([\w.-]+)', line.split('metadata=')[0]))
+  for computation, line in instructions(hlo):
+    calls[computation].update(re.findall(r'%([\w.-]+)', line.split('metadata=')[0]))
   inside, todo = set(), re.findall(r'(?:body|condition)=%([\w.-]+)', hlo)
   while todo:
     name = todo.pop()
@@ -248,12 +249,7 @@ def cross_copy_collectives(hlo: str, layout) -> dict[str, list[str]]:
   }
   inside = loop_computations(hlo)
   places: dict[str, list[str]] = collections.defaultdict(list)
-  computation = None
-  for line in hlo.splitlines():
-    header = re.match(r'^(?:ENTRY )?%([\w.-]+) .*\{$', line)
-    if header:
-      computation = header.group(1)
-      continue
+  for computation, line in instructions(hlo):
     found = re.search(
       r'= (.+?) (?:all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)'
       r'(?:-start)?\(',
