@@ -477,6 +477,12 @@ futures = [loop.create_future(), loop.create_future()]
 futures[0].set_exception(ValueError(
   'OUT_OF_RANGE: Error reading "x" in OCDBT database at local file "/ckpt/4/params/"'))
 futures[1].set_exception(ValueError('an unrelated future error'))
+# Orbax's wrapping of a failed read, raised from TensorStore's (asyncio.gather's future).
+wrapped = Exception('Encountered error while reading array index: (slice(0, 1, 1),)')
+wrapped.__cause__ = ValueError(
+  'OUT_OF_RANGE: Error reading "y" in OCDBT database at local file "/ckpt/4/params/"')
+futures.append(loop.create_future())
+futures[2].set_exception(wrapped)
 del futures
 loop.close()
 gc.collect()  # the pending read is finalised: GeneratorExit -> Exception
@@ -497,7 +503,8 @@ def test_the_echoes_of_a_failed_save_or_restore_are_not_printed(silenced):
   a callback that finds Orbax's event loop closed (TensorStore calls it with no Python frame to
   raise into), an Orbax read coroutine finalised mid-read, which turns the GeneratorExit into
   its own error (and asyncio's report of its task destroyed while pending); and asyncio's report
-  of an Orbax write task, or of a future TensorStore failed, whose error nobody retrieved. Once
+  of an Orbax write task, or of a future TensorStore failed (or Orbax's error raised from
+  TensorStore's), whose error nobody retrieved. Once
   a save or restore has begun (checkpoints.silence_orbax_aftermath) those are counted, not
   printed; any other unraisable error or unretrieved task error still is. In a process of its
   own: pytest swaps the unraisable hook around each test."""
@@ -518,7 +525,7 @@ def test_the_echoes_of_a_failed_save_or_restore_are_not_printed(silenced):
   assert ('RESOURCE_EXHAUSTED' in r.stderr) != silenced, r.stderr
   assert ('Task was destroyed but it is pending' in r.stderr) != silenced, r.stderr
   if silenced:
-    assert r.stdout.split() == ['5']
+    assert r.stdout.split() == ['6']
 
 
 def test_a_truncated_tensor_file_is_one_message(four_steps, tmp_path):

@@ -540,9 +540,15 @@ class _OrbaxAftermath:
 
   @staticmethod
   def is_tensorstore_error(error: BaseException | None) -> bool:
-    """An error TensorStore raised reading or writing a checkpoint's OCDBT database."""
-    text = str(error or '')
-    return 'OCDBT database' in text or 'tensorstore' in type(error).__module__.lower()
+    """An error TensorStore raised reading or writing a checkpoint's OCDBT database, or one
+    raised from it (Orbax's 'Encountered error while reading array index' wraps the read's)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+      seen.add(id(error))
+      if 'OCDBT database' in str(error) or 'tensorstore' in type(error).__module__.lower():
+        return True
+      error = error.__cause__ or error.__context__
+    return False
 
 
 _AFTERMATH: list[_OrbaxAftermath] = []  # installed once per process, by the first save or restore
