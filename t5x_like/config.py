@@ -65,10 +65,11 @@ class ModelConfig:
   # 'xla': plain JAX (the reference); 'pallas': the fused flash-attention kernels of
   # t5x_like.kernels (Triton on GPU, interpret mode on CPU); 'cudnn': jax.nn.dot_product_attention
   # on cuDNN (GPU only, materialised ALiBi bias); 'tokamax': tokamax.dot_product_attention (Mosaic
-  # GPU kernels from compute capability 9.0, Triton below, XLA on CPU). The fused ones have no
+  # GPU kernels from compute capability 9.0, Triton below, XLA on CPU); 'mosaic': our Mosaic GPU
+  # kernels for Hopper (compute capability 9.0; interpret mode on CPU). The fused ones have no
   # attention dropout. 'auto': the fastest of them that runs the model on the device it runs on
   # (model/attention.py's AUTO_ORDER; 'xla' on CPU, and wherever attention_dropout > 0).
-  attention_impl: Literal['auto', 'xla', 'pallas', 'cudnn', 'tokamax'] = 'auto'
+  attention_impl: Literal['auto', 'xla', 'pallas', 'cudnn', 'tokamax', 'mosaic'] = 'auto'
   # False: a fused attention_impl that cannot run this shape/dtype/platform is an error naming the
   # constraint (Megatron's --abort-on-unmet-fused-kernel-constraints). True: warn and run 'xla'.
   attention_fallback: bool = False

@@ -8,6 +8,9 @@
   kernels on compute capability >= 9.0 (Hopper, Blackwell), its Triton kernels on other CUDA GPUs
   (>= 8.0), its XLA implementation on CPU (so the wrapper is tested there). ALiBi is a broadcast
   [1, heads, 1, seq] float32 bias `slope * key_position` (`alibi_key_bias`).
+* 'mosaic': ours for Hopper (`t5x_like.kernels.mosaic_attention`): Mosaic GPU kernels with TMA,
+  wgmma and warp specialisation, ALiBi added in the kernel a key tile at a time; compute
+  capability >= 9.0, Mosaic GPU's interpret mode on CPU.
 * 'auto' (the default): resolved per device when the model is traced (and at start-up, for the
   log) to the first implementation of the device's row of `AUTO_ORDER` that can run the model: the
   fastest measured there. `choose` returns the choice and the reason the log gives.
@@ -44,13 +47,15 @@ from jax.sharding import PartitionSpec as P
 from t5x_like.errors import ConfigError
 from t5x_like.kernels.flash_attention import flash_attention
 from t5x_like.kernels.flash_attention import unmet_constraints as flash_unmet_constraints
+from t5x_like.kernels.mosaic_attention import mosaic_attention
+from t5x_like.kernels.mosaic_attention import unmet_constraints as mosaic_unmet_constraints
 from t5x_like.kernels.reference import attention_reference
 from t5x_like.mesh import partitioning
 
 if TYPE_CHECKING:  # annotations only (they are strings here)
   from t5x_like.config import ModelConfig
 
-IMPLEMENTATIONS = ('xla', 'pallas', 'cudnn', 'tokamax')
+IMPLEMENTATIONS = ('xla', 'pallas', 'cudnn', 'tokamax', 'mosaic')
 # What model.attention_impl may be: the implementations, or 'auto' (config.py's Literal says the
 # same; tests/kernels/test_tokamax_attention.py checks that they agree).
 CHOICES = ('auto', *IMPLEMENTATIONS)
@@ -62,11 +67,12 @@ CHOICES = ('auto', *IMPLEMENTATIONS)
 # per implementation), its numbers recorded in docs/benchmarks.md; change a row only with a
 # measurement there. A family not listed runs 'xla'.
 AUTO_ORDER: dict[str, tuple[tuple[str, ...], str]] = {
-  # tokamax (Mosaic sm90) is not measured on a GPU yet: a candidate after the measured two.
+  # mosaic (ours) and tokamax (Mosaic sm90) are not measured on a GPU yet: candidates after the
+  # measured two.
   'hopper': (
-    ('pallas', 'cudnn', 'tokamax', 'xla'),
+    ('pallas', 'cudnn', 'mosaic', 'tokamax', 'xla'),
     'H100, seq 4096, head_dim 128, causal + ALiBi: pallas 263 / 262 TFLOP/s forward / backward, '
-    'cudnn 177 / 145 (docs/benchmarks.md, 2026-11-24); tokamax not measured yet',
+    'cudnn 177 / 145 (docs/benchmarks.md, 2026-11-24); mosaic and tokamax not measured yet',
   ),
   'ampere': (
     ('pallas', 'xla'),
@@ -157,6 +163,20 @@ def unmet_constraints(
       )
   elif impl == 'tokamax':
     problems += _tokamax_unmet_constraints(head_dim, dtype, platform, compute_capability)
+  elif impl == 'mosaic':
+    problems += mosaic_unmet_constraints(head_dim=head_dim, dtype=dtype)
+    cc = Device('gpu', compute_capability=compute_capability).cuda_capability
+    if platform not in (None, 'gpu', 'cpu'):
+      problems.append(
+        f'the Mosaic GPU kernels run on NVIDIA GPUs (or in interpret mode on CPU); this process '
+        f'has {platform} devices'
+      )
+    elif platform == 'gpu' and compute_capability is not None and (cc is None or cc // 1 != 9):
+      problems.append(
+        'the Mosaic GPU attention kernels use Hopper instructions (wgmma): they need compute '
+        f"capability 9.x, got {compute_capability}; model.attention_impl='auto' picks one that "
+        'runs here'
+      )
   return problems
 
 
@@ -219,6 +239,11 @@ def choose(cfg: ModelConfig, device: Device | str | None) -> tuple[str, str]:
   if impl == 'auto':
     return _auto(cfg, device, constraints)
   problems = constraints(impl)
+  if impl == 'mosaic' and platform == 'cpu' and cfg.remat_policy != 'none':
+    problems.append(
+      f"on CPU the Mosaic GPU kernels run in interpret mode, whose callbacks JAX's "
+      f"rematerialisation cannot replay: model.remat_policy={cfg.remat_policy!r} needs 'none' there"
+    )
   if impl == 'xla' or not problems:
     return impl, 'model.attention_impl'
   message = f'model.attention_impl={impl!r} cannot run this model: {"; ".join(problems)}'
@@ -299,6 +324,14 @@ def attention(q, k, v, *, cfg: ModelConfig, mesh: Mesh | None, alibi_slopes=None
     kernel = functools.partial(flash_attention, causal=True, interpret=platform == 'cpu')
   elif impl == 'tokamax':
     kernel = functools.partial(tokamax_attention, implementation=tokamax_implementation(device))
+  elif impl == 'mosaic':
+    if platform == 'cpu' and mesh is not None and mesh.devices.size > 1:
+      raise ConfigError(
+        "model.attention_impl='mosaic' runs on CPU in Mosaic GPU's interpret mode, which "
+        f'simulates one GPU at a time: it cannot run per shard of a {mesh.devices.size}-device '
+        "mesh. Use 'auto' or 'xla' (or 'pallas') with a mesh on CPU"
+      )
+    kernel = functools.partial(mosaic_attention, interpret=platform == 'cpu')
   else:
     kernel = cudnn_attention
   if mesh is None:

@@ -245,7 +245,7 @@ def attention_impl_on(cfg: Config, gpu: str | None = None, framework: str = 't5x
   'auto' resolved as t5x_like/model/attention.py resolves it on that kind's compute capability
   (on an A100 when the kind is not given; 'pallas' on both today, 'xla' with attention dropout).
   Megatron-DeepSpeed's attention materialises the scores as 'xla' does; every other
-  implementation ('pallas', 'cudnn', 'tokamax') keeps them on chip."""
+  implementation ('pallas', 'cudnn', 'tokamax', 'mosaic') keeps them on chip."""
   if framework == 'megatron-deepspeed':
     return 'xla'
   from t5x_like.model import attention  # imports JAX, starts no backend
@@ -257,7 +257,8 @@ def attention_impl_on(cfg: Config, gpu: str | None = None, framework: str = 't5x
 def measured_attention_tflops(measured: Measured, impl: str, seq: int) -> tuple[float, float]:
   """(forward, backward) TFLOP/s of `impl`'s causal attention at sequence length `seq`, from
   `measured` (log-linear between the measured lengths, the nearest outside them). An
-  implementation without a measurement ('tokamax') is taken at the Pallas kernels' rates."""
+  implementation without a measurement ('tokamax', 'mosaic') is taken at the Pallas kernels'
+  rates."""
   points = measured.attention_tflops.get(impl) or measured.attention_tflops['pallas']
   points = tuple(sorted(points))
   if seq <= points[0][0]:

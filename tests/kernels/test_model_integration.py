@@ -226,7 +226,8 @@ def test_fused_attention_has_no_dropout():
 
 def test_unknown_implementations_are_rejected():
   with pytest.raises(
-    ConfigError, match="attention_impl must be 'auto', 'xla', 'pallas', 'cudnn' or 'tokamax'"
+    ConfigError,
+    match="attention_impl must be 'auto', 'xla', 'pallas', 'cudnn', 'tokamax' or 'mosaic'",
   ):
     startup.check_config(small_config(model=dict(attention_impl='triton')))
   with pytest.raises(ConfigError, match="cross_entropy_impl must be 'dense', 'chunked' or 'fused'"):

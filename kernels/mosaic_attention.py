@@ -1,0 +1,684 @@
+"""Causal flash attention with in-kernel ALiBi for Hopper, forward and backward, in Mosaic GPU.
+
+    from t5x_like.kernels import mosaic_attention
+    out = mosaic_attention(q, k, v, alibi_slopes=slopes)
+
+The kernels are written for sm90 with `jax.experimental.pallas.mosaic_gpu`: TMA copies into
+swizzled shared memory, `wgmma` with float32 accumulators in registers, and warp specialisation
+(FlashAttention-3's plan): each program has `compute_wgs` warpgroups of math and one warpgroup that
+only issues copies into a ring of `stages` buffers, so loads overlap the matmuls.
+
+* q, k, v: [batch, seq, heads, head_dim], bfloat16 or float16; head_dim 64 or 128
+  (`unmet_constraints` lists what does not fit). Any seq: it is padded up to a multiple of every
+  tile span (`MosaicBlocks.multiple`); causal, so real queries never see the padded keys, and the
+  padded rows' zero output gradient gives them no gradient either.
+* ALiBi: the bias slope[h] * (key - query) differs from slope[h] * key by a constant per query,
+  which softmax cancels, so the kernels add a [block_kv] float32 row of slope[h] * key per key
+  tile (copied with the keys) instead of a [seq, seq] tensor. In float32 (bfloat16 would not do:
+  model/attention.py's `alibi_key_bias`) the row, slope * key * log2(e), stays below 16,384 at
+  seq 8192 and rounds by at most 4.9e-4 (half float32's spacing there): 0.03% of a probability.
+  The log-sum-exp the forward saves is of those shifted scores; the backward adds the same rows,
+  so its probabilities are the forward's.
+* Causal: key tiles above the diagonal are never loaded, and only tiles that cross it are masked.
+* Backward (`jax.custom_vjp`): the forward saves the output and the log-sum-exp. One kernel
+  computes dK and dV (a program per key tile, looping over the query tiles from the diagonal),
+  one dQ (a program per query tile, looping over the key tiles up to it); no atomics.
+* `interpret=True` runs the same kernel bodies on the CPU in Mosaic GPU's interpret mode (a
+  simulation of shared memory, TMA copies, barriers and warpgroups): the tests check the tiling,
+  the causal ranges, the ALiBi rows, the online softmax and the copy pipeline there against
+  `attention_reference`. jax 0.10's interpreter runs neither `wgmma` with a transposed or
+  register operand nor register layouts, so in that mode `mma` and `mma_accumulate` are XLA dots
+  of the same tiles and `in_layout`, `iota` and `load_vector` drop the layouts: the only code
+  that differs from the GPU's. The GPU's own path is checked by lowering it for CUDA
+  (tests/kernels/test_mosaic_attention.py) and run against the reference in the GPU suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# 256 would need 320 KiB of shared memory for the forward's tiles; Hopper has 227.
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = ('bfloat16', 'float16')
+LOG2E = math.log2(math.e)
+# 128-byte swizzle over 64-element (128-byte) rows of 16-bit values: the layout wgmma reads
+# without bank conflicts.
+_TILING = plgpu.TilingTransform((8, 64))
+_SWIZZLE = plgpu.SwizzleTransform(128)
+
+
+class MosaicAttentionConstraintError(ValueError):
+  """An input the Mosaic GPU attention kernels do not support; the message names the rule."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBlocks:
+  """Tile sizes (multiples of 64, wgmma's warpgroup M) and pipeline depth.
+
+  Forward: a program owns compute_wgs * block_q queries (block_q per math warpgroup) and streams
+  key/value tiles of block_kv. dK/dV: a program owns compute_wgs * block_kv_dkv keys and streams
+  query tiles of block_q_dkv. dQ: a program owns compute_wgs * block_q_dq queries and streams key
+  tiles of block_kv_dq. stages: buffers in each ring (at least 2, so a copy overlaps the math).
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  block_q_dkv: int = 64
+  block_kv_dkv: int = 64
+  block_q_dq: int = 64
+  block_kv_dq: int = 64
+  compute_wgs: int = 2
+  stages: int = 2
+
+  @property
+  def multiple(self) -> int:
+    """The sequence is padded to a multiple of this: every kernel's tile span."""
+    spans = (
+      self.compute_wgs * self.block_q,
+      self.block_kv,
+      self.compute_wgs * self.block_kv_dkv,
+      self.block_q_dkv,
+      self.compute_wgs * self.block_q_dq,
+      self.block_kv_dq,
+    )
+    return functools.reduce(math.lcm, spans)
+
+  def problems(self) -> list[str]:
+    found = []
+    for name in ('block_q', 'block_kv', 'block_q_dkv', 'block_kv_dkv', 'block_q_dq', 'block_kv_dq'):
+      size = getattr(self, name)
+      if size % 64:
+        found.append(f'MosaicBlocks.{name}={size} must be a multiple of 64 (wgmma tiles)')
+    if self.stages < 2:
+      found.append(f'MosaicBlocks.stages={self.stages} must be at least 2')
+    if self.compute_wgs not in (1, 2):
+      found.append(f'MosaicBlocks.compute_wgs={self.compute_wgs} must be 1 or 2')
+    return found
+
+
+def unmet_constraints(*, head_dim: int, dtype, blocks: MosaicBlocks | None = None) -> list[str]:
+  """What stops the kernels from running these inputs ([] when they can)."""
+  found = []
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    found.append(f'head_dim must be one of {SUPPORTED_HEAD_DIMS} (wgmma tiles), got {head_dim}')
+  if jnp.dtype(dtype).name not in SUPPORTED_DTYPES:
+    found.append(
+      f'q, k and v must be bfloat16 or float16 (wgmma operands), got {jnp.dtype(dtype).name}'
+    )
+  return found + (blocks or MosaicBlocks()).problems()
+
+
+def mosaic_attention(
+  q,
+  k,
+  v,
+  *,
+  alibi_slopes=None,
+  sm_scale: float | None = None,
+  blocks: MosaicBlocks | None = None,
+  interpret: bool = False,
+):
+  """Causal softmax(q k^T * sm_scale + ALiBi) v for [batch, seq, heads, head_dim] q, k, v.
+
+  alibi_slopes: [heads] (None: no bias); sm_scale None means 1/sqrt(head_dim). Differentiable in
+  q, k and v; the slopes are constants.
+  """
+  if q.shape != k.shape or q.shape != v.shape or q.ndim != 4:
+    raise MosaicAttentionConstraintError(
+      f'q, k and v must share one [batch, seq, heads, head_dim] shape, got {q.shape}, '
+      f'{k.shape}, {v.shape}'
+    )
+  if not q.dtype == k.dtype == v.dtype:
+    raise MosaicAttentionConstraintError(
+      f'q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}'
+    )
+  blocks = blocks or MosaicBlocks()
+  _, seq, heads, head_dim = q.shape
+  problems = unmet_constraints(head_dim=head_dim, dtype=q.dtype, blocks=blocks)
+  if problems:
+    raise MosaicAttentionConstraintError('; '.join(problems))
+  scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+  padded = -(-seq // blocks.multiple) * blocks.multiple
+  if alibi_slopes is None:
+    key_bias = jnp.zeros((heads, padded), jnp.float32)
+  else:
+    slopes = jnp.asarray(alibi_slopes, jnp.float32)
+    key_bias = slopes[:, None] * jnp.arange(padded, dtype=jnp.float32)[None, :]
+  # Scores are exponentiated in base 2 (exp2 is one instruction): scale and bias carry log2(e).
+  key_bias = lax.stop_gradient(key_bias * LOG2E)
+  if padded != seq:
+    q, k, v = (jnp.pad(x, ((0, 0), (0, padded - seq), (0, 0), (0, 0))) for x in (q, k, v))
+  return _attention(q, k, v, key_bias, scale, blocks, interpret)[:, :seq]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, key_bias, scale, blocks, interpret):
+  return _forward(q, k, v, key_bias, scale, blocks, interpret)[0]
+
+
+def _attention_fwd(q, k, v, key_bias, scale, blocks, interpret):
+  out, lse = _forward(q, k, v, key_bias, scale, blocks, interpret)
+  return out, (q, k, v, key_bias, out, lse)
+
+
+def _attention_bwd(scale, blocks, interpret, residuals, d_out):
+  q, k, v, key_bias, out, lse = residuals
+  # delta[b, h, i] = sum_d out * d_out: the row term of softmax's gradient, [batch, heads, seq].
+  delta = jnp.einsum('bqhd,bqhd->bhq', out.astype(jnp.float32), d_out.astype(jnp.float32))
+  d_out = d_out.astype(q.dtype)
+  dq = _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks, interpret)
+  dk, dv = _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks, interpret)
+  return dq, dk, dv, jnp.zeros_like(key_bias)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _interpret_params(interpret: bool):
+  if not interpret:
+    return None
+  # Mosaic GPU's interpret mode; jax exports its parameters under no public name yet.
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+  return InterpretGPUParams()
+
+
+def _tile_smem(shape, dtype):
+  return plgpu.SMEM(shape, dtype, transforms=(_TILING, _SWIZZLE))
+
+
+def mma(a, b, interpret: bool, transpose_b: bool = False):
+  """A fresh float32 a @ b (a @ b^T with transpose_b) of [M, K] and [K, N] (or [N, K]) tiles in
+  shared memory, into registers."""
+  if interpret:
+    rhs = b[...].T if transpose_b else b[...]
+    return jnp.dot(a[...], rhs, preferred_element_type=jnp.float32)
+  if transpose_b:
+    b = plgpu.transpose_ref(b, (1, 0))
+
+  def run(acc_ref):
+    plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]
+
+  return pl.run_scoped(run, plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32))
+
+
+def mma_accumulate(acc, a, b, interpret: bool):
+  """acc + a @ b: a ([M, K]) in registers, b ([K, N]) in shared memory; the product accumulates
+  into acc's registers."""
+  if interpret:
+    return acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+
+  def run(acc_ref):
+    plgpu.wgmma(acc_ref, a, b)
+
+  return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+def load_vector(ref, layout, interpret: bool):
+  """A [n] float32 vector from shared memory in `layout` (interpret mode has no `plgpu.load`:
+  there a plain read)."""
+  if interpret:
+    return ref[...]
+  return plgpu.load(ref, (), layout=layout)
+
+
+def in_layout(value, layout, interpret: bool):
+  """value with its register layout fixed (interpret mode has no layouts: value itself)."""
+  return value if interpret else plgpu.layout_cast(value, layout)
+
+
+def iota(shape, dimension: int, interpret: bool):
+  """An int32 iota along `dimension` in wgmma's result layout."""
+  if interpret:
+    return lax.broadcasted_iota(jnp.int32, shape, dimension)
+  return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
+
+
+def causal_mask(shape, row_start, col_start, rows_are_queries: bool, interpret: bool):
+  """True where the query may see the key, for a tile whose rows start at row_start and columns
+  at col_start."""
+  rows = iota(shape, 0, interpret) + row_start
+  cols = iota(shape, 1, interpret) + col_start
+  return rows >= cols if rows_are_queries else cols >= rows
+
+
+def full_rows(value, size: int, interpret: bool):
+  """A per-row [size] float32 vector in the layout of wgmma's [size, N] results."""
+  return in_layout(jnp.full((size,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1), interpret)
+
+
+def zeros_tile(shape, interpret: bool):
+  return in_layout(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA, interpret)
+
+
+def _stream(step_count, stages, consumed, issue, start=0):
+  """The copy warpgroup's loop: for steps [start, start + step_count) it waits until the ring
+  slot's previous tile is consumed, then `issue(step, slot)` starts the next copies. At the end
+  it waits for the last tiles' release too, so it sees every phase of its barriers."""
+
+  def wait_consumed(i):
+    for barrier in consumed:
+      plgpu.barrier_wait(barrier.at[lax.rem(i, stages)])
+
+  @pl.loop(0, step_count)
+  def _(i):
+    pl.when(i >= stages)(lambda: wait_consumed(i - stages))
+    issue(start + i, lax.rem(i, stages))
+
+  pl.loop(jnp.maximum(step_count - stages, 0), step_count)(wait_consumed)
+
+
+def key_ring_types(stages: int, block_kv: int, head_dim: int, dtype, wgs: int):
+  """(shared memory, barriers) of a `KeyRing`: `stages` key tiles, ALiBi rows and value tiles, a
+  ready barrier per buffer and a free barrier per key and value slot (one arrival per math
+  warpgroup)."""
+  buffers = (
+    _tile_smem((stages, block_kv, head_dim), dtype),
+    plgpu.SMEM((stages, block_kv), jnp.float32),
+    _tile_smem((stages, block_kv, head_dim), dtype),
+  )
+  barriers = (
+    *(plgpu.Barrier(num_barriers=stages) for _ in range(3)),
+    *(plgpu.Barrier(num_arrivals=wgs, num_barriers=stages) for _ in range(2)),
+  )
+  return buffers, barriers
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRing:
+  """The forward's and dQ's ring of key tiles, their ALiBi rows and value tiles, filled by the
+  copy warpgroup (`fill`) from key tile 0 on, read by the math warpgroups."""
+
+  k: Any
+  bias: Any
+  v: Any
+  k_ready: Any
+  bias_ready: Any
+  v_ready: Any
+  k_free: Any
+  v_free: Any
+
+  @classmethod
+  def of(cls, buffers, barriers) -> KeyRing:
+    return cls(*buffers, *barriers)
+
+  def fill(self, k_ref, v_ref, bias_ref, b, h, block_kv: int, steps, stages: int) -> None:
+    """The copy warpgroup: key tiles [0, steps) of batch row b, head h."""
+    plgpu.set_max_registers(40, action='decrease')
+
+    def issue(step, slot):
+      keys = (b, pl.ds(step * block_kv, block_kv), h)
+      plgpu.copy_gmem_to_smem(k_ref.at[keys], self.k.at[slot], self.k_ready.at[slot])
+      row = bias_ref.at[h, pl.ds(step * block_kv, block_kv)]
+      plgpu.copy_gmem_to_smem(row, self.bias.at[slot], self.bias_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[keys], self.v.at[slot], self.v_ready.at[slot])
+
+    _stream(steps, stages, (self.k_free, self.v_free), issue)
+
+  def key_bias(self, slot, interpret: bool):
+    """The slot's ALiBi row as a column vector of wgmma's result layout, once it is there."""
+    plgpu.barrier_wait(self.bias_ready.at[slot])
+    return load_vector(self.bias.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret)
+
+  def release(self, slot) -> None:
+    """A tile only another warpgroup of the program needed: waited for (so every barrier phase
+    is seen), then freed."""
+    for ready in (self.k_ready, self.bias_ready, self.v_ready):
+      plgpu.barrier_wait(ready.at[slot])
+    plgpu.barrier_arrive(self.k_free.at[slot])
+    plgpu.barrier_arrive(self.v_free.at[slot])
+
+
+def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
+  batch, seq, heads, head_dim = q.shape
+  dtype = q.dtype
+  wgs, block_q, block_kv, stages = (
+    blocks.compute_wgs,
+    blocks.block_q,
+    blocks.block_kv,
+    blocks.stages,
+  )
+  span = wgs * block_q
+  qk_scale = scale * LOG2E
+
+  def body(q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, barriers):
+    (qo_smem, lse_smem, ring_buffers), (q_ready, schedule, ring_barriers) = scratch, barriers
+    ring = KeyRing.of(ring_buffers, ring_barriers)
+    b, h, tile = lax.axis_index('batch'), lax.axis_index('heads'), lax.axis_index('q_tile')
+    wg = lax.axis_index('wg')
+    # Key tiles this program needs: up to the diagonal of its last query.
+    program_steps = pl.cdiv((tile + 1) * span, block_kv)
+
+    def rendezvous():  # the math warpgroups take turns on the tensor cores (FA3's ping-pong)
+      if wgs > 1:
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    @pl.when(wg < wgs)
+    def _math():
+      plgpu.set_max_registers(232 if wgs > 1 else 240, action='increase')
+      q_start = tile * span + wg * block_q
+      q_tile_smem = qo_smem.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, block_q), h], q_tile_smem, q_ready.at[wg])
+      plgpu.barrier_wait(q_ready.at[wg])
+      steps = pl.cdiv(q_start + block_q, block_kv)  # the last one crosses the diagonal
+      unmasked_steps = lax.div(q_start, block_kv)
+
+      def kv_step(step, carry, masked: bool):
+        acc, row_max, row_sum = carry
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(ring.k_ready.at[slot])
+        scores = mma(q_tile_smem, ring.k.at[slot], interpret, transpose_b=True)
+        rendezvous()
+        bias = ring.key_bias(slot, interpret)
+        plgpu.barrier_arrive(ring.k_free.at[slot])
+        scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [1])
+        if masked:
+          visible = causal_mask(scores.shape, q_start, step * block_kv, True, interpret)
+          scores = jnp.where(visible, scores, -jnp.inf)
+        new_max = jnp.maximum(row_max, scores.max(axis=1))
+        correction = jnp.exp2(row_max - new_max)
+        probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))
+        row_sum = row_sum * correction + probs.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+        probs = probs.astype(dtype)
+        if wgs > 1:
+          plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(ring.v_ready.at[slot])
+        if wgs > 1:
+          plgpu.barrier_wait(schedule)
+        acc = mma_accumulate(acc, probs, ring.v.at[slot], interpret)
+        plgpu.barrier_arrive(ring.v_free.at[slot])
+        return acc, new_max, row_sum
+
+      def drain(step, _):  # key tiles another warpgroup needed: release them, keep the turns
+        ring.release(lax.rem(step, stages))
+        rendezvous()
+        rendezvous()
+
+      carry = (
+        zeros_tile((block_q, head_dim), interpret),
+        full_rows(-jnp.inf, block_q, interpret),
+        full_rows(0.0, block_q, interpret),
+      )
+      pl.when(wg == 1)(rendezvous)
+      carry = lax.fori_loop(0, unmasked_steps, functools.partial(kv_step, masked=False), carry)
+      carry = lax.fori_loop(unmasked_steps, steps, functools.partial(kv_step, masked=True), carry)
+      lax.fori_loop(steps, program_steps, drain, None)
+      pl.when(wg == 0)(rendezvous)
+      acc, row_max, row_sum = carry
+      out = acc / lax.broadcast_in_dim(row_sum, acc.shape, [0])
+      q_tile_smem[...] = out.astype(dtype)
+      lse_smem.at[wg][...] = row_max + jnp.log(row_sum) * LOG2E
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_tile_smem, out_ref.at[b, pl.ds(q_start, block_q), h])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_start, block_q)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _copies():
+      ring.fill(k_ref, v_ref, bias_ref, b, h, block_kv, program_steps, stages)
+
+  ring_buffers, ring_barriers = key_ring_types(stages, block_kv, head_dim, dtype, wgs)
+  scratch = (
+    _tile_smem((wgs, block_q, head_dim), dtype),
+    plgpu.SMEM((wgs, block_q), jnp.float32),
+    ring_buffers,
+  )
+  # The query tiles' copies, and the math warpgroups' turns on the tensor cores.
+  barriers = (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_arrivals=wgs), ring_barriers)
+  out_type = (
+    jax.ShapeDtypeStruct(q.shape, dtype),
+    jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32),
+  )
+  call = _kernel_call(
+    body, out_type, scratch, barriers, (heads, seq // span, batch), 'q_tile', wgs, interpret
+  )
+  out, lse = call(q, k, v, key_bias)
+  return out, lse
+
+
+def _kernel_call(body, out_type, scratch, barriers, grid, tile_name, wgs, interpret):
+  return plgpu.kernel(
+    body,
+    out_type=out_type,
+    scratch_types=(scratch, barriers),
+    grid=grid,
+    grid_names=('heads', tile_name, 'batch'),
+    num_threads=wgs + 1,
+    thread_name='wg',
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=_interpret_params(interpret),
+  )
+
+
+def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlocks, interpret):
+  """dQ: a program per compute_wgs * block_q_dq queries, streaming the key tiles up to them."""
+  batch, seq, heads, head_dim = q.shape
+  dtype = q.dtype
+  wgs, block_q, block_kv, stages = (
+    blocks.compute_wgs,
+    blocks.block_q_dq,
+    blocks.block_kv_dq,
+    blocks.stages,
+  )
+  span = wgs * block_q
+  qk_scale = scale * LOG2E
+
+  def body(q_ref, k_ref, v_ref, do_ref, bias_ref, lse_ref, delta_ref, dq_ref, scratch, barriers):
+    q_smem, do_smem, lse_smem, delta_smem, ring_buffers = scratch
+    own_ready, ring_barriers = barriers
+    ring = KeyRing.of(ring_buffers, ring_barriers)
+    b, h, tile = lax.axis_index('batch'), lax.axis_index('heads'), lax.axis_index('q_tile')
+    wg = lax.axis_index('wg')
+    program_steps = pl.cdiv((tile + 1) * span, block_kv)
+
+    @pl.when(wg < wgs)
+    def _math():
+      plgpu.set_max_registers(232 if wgs > 1 else 240, action='increase')
+      q_start = tile * span + wg * block_q
+      rows = (b, pl.ds(q_start, block_q), h)
+      vector = (b, h, pl.ds(q_start, block_q))
+      ready = own_ready.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], ready)
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], ready)
+      plgpu.copy_gmem_to_smem(lse_ref.at[vector], lse_smem.at[wg], ready)
+      plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem.at[wg], ready)
+      plgpu.barrier_wait(ready)
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      lse = load_vector(lse_smem.at[wg], row_layout, interpret)
+      delta = load_vector(delta_smem.at[wg], row_layout, interpret)
+      steps = pl.cdiv(q_start + block_q, block_kv)
+      unmasked_steps = lax.div(q_start, block_kv)
+
+      def kv_step(step, dq, masked: bool):
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(ring.k_ready.at[slot])
+        scores = mma(q_smem.at[wg], ring.k.at[slot], interpret, transpose_b=True)
+        bias = ring.key_bias(slot, interpret)
+        scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [1])
+        if masked:
+          visible = causal_mask(scores.shape, q_start, step * block_kv, True, interpret)
+          scores = jnp.where(visible, scores, -jnp.inf)
+        probs = jnp.exp2(scores - lax.broadcast_in_dim(lse, scores.shape, [0]))
+        plgpu.barrier_wait(ring.v_ready.at[slot])
+        d_probs = mma(do_smem.at[wg], ring.v.at[slot], interpret, transpose_b=True)
+        plgpu.barrier_arrive(ring.v_free.at[slot])
+        d_scores = probs * (d_probs - lax.broadcast_in_dim(delta, probs.shape, [0]))
+        dq = mma_accumulate(dq, d_scores.astype(dtype), ring.k.at[slot], interpret)
+        plgpu.barrier_arrive(ring.k_free.at[slot])
+        return dq
+
+      def drain(step, _):  # key tiles only the other warpgroup needed
+        ring.release(lax.rem(step, stages))
+
+      dq = zeros_tile((block_q, head_dim), interpret)
+      dq = lax.fori_loop(0, unmasked_steps, functools.partial(kv_step, masked=False), dq)
+      dq = lax.fori_loop(unmasked_steps, steps, functools.partial(kv_step, masked=True), dq)
+      lax.fori_loop(steps, program_steps, drain, None)
+      q_smem.at[wg][...] = (dq * scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _copies():
+      ring.fill(k_ref, v_ref, bias_ref, b, h, block_kv, program_steps, stages)
+
+  ring_buffers, ring_barriers = key_ring_types(stages, block_kv, head_dim, dtype, wgs)
+  scratch = (
+    _tile_smem((wgs, block_q, head_dim), dtype),
+    _tile_smem((wgs, block_q, head_dim), dtype),
+    plgpu.SMEM((wgs, block_q), jnp.float32),
+    plgpu.SMEM((wgs, block_q), jnp.float32),
+    ring_buffers,
+  )
+  # q, dO, lse and delta of a warpgroup arrive on one barrier.
+  barriers = (plgpu.Barrier(num_arrivals=4, num_barriers=wgs), ring_barriers)
+  call = _kernel_call(
+    body,
+    jax.ShapeDtypeStruct(q.shape, dtype),
+    scratch,
+    barriers,
+    (heads, seq // span, batch),
+    'q_tile',
+    wgs,
+    interpret,
+  )
+  return call(q, k, v, d_out, key_bias, lse, delta)
+
+
+def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlocks, interpret):
+  """dK and dV: a program per compute_wgs * block_kv_dkv keys, streaming the query tiles from
+  the first that sees them (the diagonal) to the end."""
+  batch, seq, heads, head_dim = q.shape
+  dtype = q.dtype
+  wgs, block_q, block_kv, stages = (
+    blocks.compute_wgs,
+    blocks.block_q_dkv,
+    blocks.block_kv_dkv,
+    blocks.stages,
+  )
+  span = wgs * block_kv
+  qk_scale = scale * LOG2E
+  q_tiles = seq // block_q
+
+  def body(
+    q_ref, k_ref, v_ref, do_ref, bias_ref, lse_ref, delta_ref, dk_ref, dv_ref, scratch, barriers
+  ):
+    k_smem, v_smem, bias_smem, q_smem, do_smem, lse_smem, delta_smem = scratch
+    own_ready, q_ready, lse_ready, do_ready, delta_ready, q_free, do_free = barriers
+    b, h, tile = lax.axis_index('batch'), lax.axis_index('heads'), lax.axis_index('kv_tile')
+    wg = lax.axis_index('wg')
+    first_step = lax.div(tile * span, block_q)  # the program's first query tile
+
+    @pl.when(wg < wgs)
+    def _math():
+      plgpu.set_max_registers(232 if wgs > 1 else 240, action='increase')
+      kv_start = tile * span + wg * block_kv
+      keys = (b, pl.ds(kv_start, block_kv), h)
+      ready = own_ready.at[wg]
+      plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[wg], ready)
+      plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[wg], ready)
+      plgpu.copy_gmem_to_smem(bias_ref.at[h, pl.ds(kv_start, block_kv)], bias_smem.at[wg], ready)
+      plgpu.barrier_wait(ready)
+      bias = load_vector(bias_smem.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret)
+      own_first = lax.div(kv_start, block_q)  # this warpgroup's diagonal query tile
+      unmasked_from = pl.cdiv(kv_start + block_kv, block_q)
+      column_layout = plgpu.Layout.WGMMA.reduce(0)
+
+      def q_step(step, carry, masked: bool):
+        dk, dv = carry
+        slot = lax.rem(step - first_step, stages)
+        plgpu.barrier_wait(q_ready.at[slot])
+        scores = mma(k_smem.at[wg], q_smem.at[slot], interpret, transpose_b=True)  # [keys, queries]
+        plgpu.barrier_wait(lse_ready.at[slot])
+        lse = load_vector(lse_smem.at[slot], column_layout, interpret)
+        scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [0])
+        if masked:
+          visible = causal_mask(scores.shape, kv_start, step * block_q, False, interpret)
+          scores = jnp.where(visible, scores, -jnp.inf)
+        probs = jnp.exp2(scores - lax.broadcast_in_dim(lse, scores.shape, [1]))
+        plgpu.barrier_wait(do_ready.at[slot])
+        dv = mma_accumulate(dv, probs.astype(dtype), do_smem.at[slot], interpret)
+        d_probs = mma(v_smem.at[wg], do_smem.at[slot], interpret, transpose_b=True)
+        plgpu.barrier_wait(delta_ready.at[slot])
+        delta = load_vector(delta_smem.at[slot], column_layout, interpret)
+        plgpu.barrier_arrive(do_free.at[slot])
+        d_scores = probs * (d_probs - lax.broadcast_in_dim(delta, probs.shape, [1]))
+        dk = mma_accumulate(dk, d_scores.astype(dtype), q_smem.at[slot], interpret)
+        plgpu.barrier_arrive(q_free.at[slot])
+        return dk, dv
+
+      def skip(step, _):  # query tiles before this warpgroup's diagonal: see none of its keys
+        slot = lax.rem(step - first_step, stages)
+        for ready_slots in (q_ready, lse_ready, do_ready, delta_ready):
+          plgpu.barrier_wait(ready_slots.at[slot])
+        plgpu.barrier_arrive(q_free.at[slot])
+        plgpu.barrier_arrive(do_free.at[slot])
+
+      lax.fori_loop(first_step, own_first, skip, None)
+      carry = (
+        zeros_tile((block_kv, head_dim), interpret),
+        zeros_tile((block_kv, head_dim), interpret),
+      )
+      carry = lax.fori_loop(own_first, unmasked_from, functools.partial(q_step, masked=True), carry)
+      dk, dv = lax.fori_loop(unmasked_from, q_tiles, functools.partial(q_step, masked=False), carry)
+      k_smem.at[wg][...] = (dk * scale).astype(dtype)
+      v_smem.at[wg][...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[keys])
+      plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[keys])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _copies():
+      plgpu.set_max_registers(40, action='decrease')
+
+      def issue(step, slot):
+        rows = (b, pl.ds(step * block_q, block_q), h)
+        vector = (b, h, pl.ds(step * block_q, block_q))
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[vector], lse_smem.at[slot], lse_ready.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem.at[slot], delta_ready.at[slot])
+
+      _stream(q_tiles - first_step, stages, (q_free, do_free), issue, start=first_step)
+
+  scratch = (
+    _tile_smem((wgs, block_kv, head_dim), dtype),
+    _tile_smem((wgs, block_kv, head_dim), dtype),
+    plgpu.SMEM((wgs, block_kv), jnp.float32),
+    _tile_smem((stages, block_q, head_dim), dtype),
+    _tile_smem((stages, block_q, head_dim), dtype),
+    plgpu.SMEM((stages, block_q), jnp.float32),
+    plgpu.SMEM((stages, block_q), jnp.float32),
+  )
+  barriers = (
+    plgpu.Barrier(num_arrivals=3, num_barriers=wgs),  # k, v and the bias row of a warpgroup
+    *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
+    plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+    plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+  )
+  kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
+  call = _kernel_call(
+    body,
+    (kv_type, kv_type),
+    scratch,
+    barriers,
+    (heads, seq // span, batch),
+    'kv_tile',
+    wgs,
+    interpret,
+  )
+  return call(q, k, v, d_out, key_bias, lse, delta)

@@ -1,0 +1,172 @@
+"""model.attention_impl='mosaic': the Mosaic GPU flash-attention kernels for Hopper.
+
+On CPU the kernels run in Mosaic GPU's interpret mode (shared memory, TMA copies, barriers and
+warpgroups simulated; the tile matmuls as XLA dots, kernels/mosaic_attention.py says why) and
+their GPU path is lowered for CUDA (not run); the GPU suite runs this file on a GPU, where the
+same cases compile and run the real kernels.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_flash_attention import TOLERANCE, inputs
+from test_model_integration import loss_and_grads
+from test_tokamax_attention import A100, H100, LARGE_SLOPE, check_against_reference
+
+from t5x_like.config import ConfigError, ModelConfig
+from t5x_like.kernels import MosaicAttentionConstraintError, MosaicBlocks, mosaic_attention
+from t5x_like.mesh import partitioning
+from t5x_like.model import attention as attention_lib
+from t5x_like.model.attention import Device
+from t5x_like.model.transformer import alibi_slopes
+
+INTERPRET = jax.default_backend() == 'cpu'
+# 64-row tiles everywhere: in both kernels' programs the two warpgroups need different numbers of
+# tiles (the forward's and dQ's first warpgroup stops a key tile early, dK/dV's second starts a
+# query tile late), so the drain and skip loops run.
+SMALL = MosaicBlocks(block_q=64, block_kv=64, block_kv_dkv=64, block_kv_dq=64)
+ONE_WARPGROUP = MosaicBlocks(compute_wgs=1, block_kv=64)
+B200 = Device('gpu', 'NVIDIA B200', '10.0')
+
+
+@pytest.mark.parametrize(
+  'seq, head_dim, dtype, alibi, blocks',
+  [
+    pytest.param(256, 64, 'bfloat16', True, SMALL, id='unequal-warpgroups'),
+    # 200 is padded to the default blocks' multiple, 128 (ALiBi's slopes are BLOOM's for 2
+    # heads; LARGE_SLOPE is BLOOM-176B's first).
+    pytest.param(200, 64, 'float16', True, None, id='default-blocks-tail'),
+    pytest.param(128, 128, 'bfloat16', False, ONE_WARPGROUP, id='one-warpgroup-d128-no-alibi'),
+  ],
+)
+def test_forward_and_gradients_match_the_reference(seq, head_dim, dtype, alibi, blocks):
+  q, k, v, do, _ = inputs(1, seq, 2, head_dim, jnp.dtype(dtype), segments=False)
+  slopes = np.array([LARGE_SLOPE, 0.5], np.float32) if alibi else None
+
+  def kernel(q, k, v):
+    return mosaic_attention(q, k, v, alibi_slopes=slopes, blocks=blocks, interpret=INTERPRET)
+
+  check_against_reference(kernel, q, k, v, do, slopes, TOLERANCE['bfloat16'])
+
+
+def test_the_kernels_fail_a_wrong_alibi_row():
+  """The check above sees ALiBi: with the slopes of the heads swapped, it fails."""
+  q, k, v, do, _ = inputs(1, 128, 2, 64, jnp.bfloat16, segments=False)
+  slopes = np.array([LARGE_SLOPE, 0.0625], np.float32)
+
+  def swapped(q, k, v):
+    return mosaic_attention(q, k, v, alibi_slopes=slopes[::-1], interpret=INTERPRET)
+
+  with pytest.raises(AssertionError, match='relative error'):
+    check_against_reference(swapped, q, k, v, do, slopes, TOLERANCE['bfloat16'])
+
+
+def test_a_cpu_mesh_is_refused_with_the_reason():
+  """Interpret mode simulates one GPU: per shard of a CPU mesh its kernels would run at once and
+  deadlock in the simulation, so the model says so instead (on GPUs the shards are the
+  `_per_shard` of every fused implementation, tested with tokamax and pallas)."""
+  # CPU devices named explicitly: the GPU suite runs this file with CPU devices beside the GPU.
+  cpus = np.array(jax.devices('cpu')[:4]).reshape(2, 1, 2)
+  mesh = jax.sharding.Mesh(cpus, partitioning.MESH_AXES)
+  x = jnp.zeros((2, 40, 4, 64), jnp.bfloat16)
+  cfg = ModelConfig(hidden_size=256, num_heads=4, dtype='bfloat16', attention_impl='mosaic')
+  with pytest.raises(ConfigError, match='cannot run per shard of a 4-device mesh'):
+    attention_lib.attention(x, x, x, cfg=cfg, mesh=mesh, alibi_slopes=alibi_slopes(4))
+
+
+def test_remat_with_interpret_mode_is_a_config_error():
+  cfg = ModelConfig(
+    hidden_size=256, num_heads=4, dtype='bfloat16', attention_impl='mosaic', remat_policy='full'
+  )
+  with pytest.raises(ConfigError, match="model.remat_policy='full' needs 'none' there"):
+    attention_lib.choose(cfg, 'cpu')
+  assert attention_lib.choose(cfg, H100)[0] == 'mosaic'
+
+
+def test_the_bf16_model_through_mosaic_matches_xla():
+  base = dict(
+    num_layers=1, hidden_size=128, num_heads=2, vocab_size=200, init_std=0.02, dtype='bfloat16'
+  )
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, 200)
+  params, xla_loss, xla_grads = loss_and_grads(ModelConfig(**base, attention_impl='xla'), tokens)
+  _, loss, grads = loss_and_grads(ModelConfig(**base, attention_impl='mosaic'), tokens, params)
+  np.testing.assert_allclose(loss, xla_loss, rtol=1e-2)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(xla_grads)):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.abs(got - want).max() <= 5e-2 * np.abs(want).max()
+
+
+# ------------------------------------------------------------ the GPU path, lowered for CUDA
+
+
+def test_the_gpu_kernels_lower_for_cuda_with_alibi_as_key_rows():
+  """Forward, dQ and dK/dV: three Mosaic GPU kernels (wgmma, TMA, the register layouts: none of
+  interpret mode's stand-ins). ALiBi reaches them as a float32 [heads, seq] row per key, the
+  forward saves a float32 [batch, heads, seq] log-sum-exp, and no [seq, seq] tensor exists."""
+  x = jax.ShapeDtypeStruct((1, 384, 2, 128), jnp.bfloat16)
+  slopes = np.array([LARGE_SLOPE, 0.5], np.float32)
+
+  def loss(q, k, v):
+    return mosaic_attention(q, k, v, alibi_slopes=slopes).astype(jnp.float32).sum()
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  text = grads.trace(x, x, x).lower(lowering_platforms=('cuda',)).as_text()
+  calls = re.findall(r'custom_call @(\S+)\((.*?)\).*: \((.*?)\) -> (.*)', text)
+  assert [target for target, *_ in calls] == ['mosaic_gpu_v2'] * 3, text[:2000]
+  qkv = 'tensor<1x384x2x128xbf16>'
+  forward, dq, dkv = (operands.split(', ') + [results] for _, _, operands, results in calls)
+  assert forward[:4] == [qkv, qkv, qkv, 'tensor<2x384xf32>']
+  assert forward[4] == f'({qkv}, tensor<1x2x384xf32>)'
+  assert dq[4:] == ['tensor<2x384xf32>', 'tensor<1x2x384xf32>', 'tensor<1x2x384xf32>', qkv]
+  assert dkv[-1] == f'({qkv}, {qkv})'
+  assert not re.search(r'tensor<[^>]*384x384', text)
+
+
+# ------------------------------------------------------------------------------ constraints
+
+
+@pytest.mark.parametrize(
+  'shape, dtype, blocks, rule',
+  [
+    pytest.param((1, 128, 2, 80), jnp.bfloat16, None, 'head_dim must be one of', id='head-dim'),
+    pytest.param((1, 128, 2, 64), jnp.float32, None, 'bfloat16 or float16', id='float32'),
+    pytest.param(
+      (1, 128, 2, 64), jnp.bfloat16, MosaicBlocks(block_kv=96), 'multiple of 64', id='block'
+    ),
+    pytest.param((1, 128, 2, 64), jnp.bfloat16, MosaicBlocks(stages=1), 'at least 2', id='stages'),
+  ],
+)
+def test_unsupported_inputs_name_the_rule_before_tracing(shape, dtype, blocks, rule):
+  x = jnp.zeros(shape, dtype)
+  with pytest.raises(MosaicAttentionConstraintError, match=rule):
+    mosaic_attention(x, x, x, blocks=blocks)
+
+
+@pytest.mark.parametrize(
+  'device, overrides, constraint',
+  [
+    pytest.param(A100, {}, 'compute capability 9.x, got 8.0', id='ampere'),
+    pytest.param(B200, {}, 'compute capability 9.x, got 10.0', id='blackwell'),
+    pytest.param(H100, {'dtype': 'float32'}, 'bfloat16 or float16', id='float32'),
+    pytest.param(H100, {'hidden_size': 2560, 'num_heads': 32}, 'head_dim', id='head-dim-80'),
+  ],
+)
+def test_mosaic_constraints_are_config_errors_naming_the_fix(device, overrides, constraint):
+  cfg = ModelConfig(
+    **{'hidden_size': 2048, 'num_heads': 16, 'dtype': 'bfloat16', **overrides},
+    attention_impl='mosaic',
+  )
+  with pytest.raises(ConfigError, match=re.escape(constraint)):
+    attention_lib.choose(cfg, device)
+  fallback = dataclasses.replace(cfg, attention_fallback=True)
+  assert attention_lib.choose(fallback, device)[0] == 'xla'
+
+
+def test_mosaic_runs_blooms_attention_on_hopper_and_in_interpret_mode_on_cpu():
+  cfg = ModelConfig(hidden_size=2048, num_heads=16, dtype='bfloat16', attention_impl='mosaic')
+  assert attention_lib.choose(cfg, H100)[0] == 'mosaic'
+  assert attention_lib.choose(cfg, 'cpu')[0] == 'mosaic'
