@@ -1,8 +1,8 @@
 """Attention kernels on one device: forward and forward+backward TFLOP/s, and their correctness.
 
-    python benchmarks/attention.py [--seqs 2048,4096,8192] [--impls pallas,tokamax,cudnn,xla]
+    python benchmarks/attention.py [--seqs 2048,4096,8192] [--impls pallas,mosaic,tokamax,cudnn,xla]
         [--json OUT]
-    python benchmarks/attention.py --smoke      # tiny shapes; runs on CPU (Pallas interpret mode)
+    python benchmarks/attention.py --smoke      # tiny shapes; runs on CPU (interpret modes)
 
 The workload is the one of the issue: causal self-attention with ALiBi (BLOOM's slopes), head_dim
 128, bf16 inputs, 16 heads, and batch x seq = 16384 tokens (FlashAttention-2's benchmark shape:
@@ -11,8 +11,9 @@ seq 2048 -> batch 8, seq 4096 -> batch 4). For each implementation and sequence 
 * correctness first: outputs and dQ/dK/dV of the first batch row (from the timed forward+backward
   program's first run) against the fp32 plain-JAX reference (`attention_reference` on the same
   bf16 inputs upcast, computed once per sequence length), as max |error| / max |reference|; this
-  is where the Triton lowering of the Pallas kernels is checked, since CPU tests only interpret
-  them;
+  is where the Triton lowering of the Pallas kernels and the GPU path of the Mosaic GPU kernels
+  (wgmma, register layouts: what interpret mode replaces) are checked, since CPU tests only
+  interpret them;
 * then time: `jax.jit` of the forward, and of the forward plus the vjp (dQ, dK, dV), after warm-up,
   the median of `--iters` runs, each ended by `block_until_ready`.
 
@@ -25,6 +26,13 @@ forward (five matmuls against two); so fwd+bwd = 3.5 x forward. The backward's o
 Implementations (`--impls`):
 
 * `pallas`: ours, `t5x_like.kernels.flash_attention` (Triton on GPU, interpret mode on CPU);
+* `mosaic`: ours for Hopper, `t5x_like.kernels.mosaic_attention` (Mosaic GPU: TMA, wgmma, warp
+  specialisation, ALiBi added in the kernel), the model's `model.attention_impl='mosaic'`; on a
+  GPU of compute capability below 9.0 reported as not runnable, with the reason. On CPU it runs in
+  Mosaic GPU's interpret mode (the row says so), which simulates every warpgroup, copy and
+  barrier: about 15 s for one forward+backward at the smoke shape, so there the row is checked
+  against the reference but not timed (`untimed` says why; no TFLOP/s), and lengths above
+  `MOSAIC_INTERPRET_MAX_SEQ` (256) are skipped;
 * `cudnn`: `jax.nn.dot_product_attention(implementation='cudnn')` with a materialised
   [1, H, S, S] ALiBi bias (`t5x_like.model.attention.cudnn_attention`);
 * `xla`: `attention_reference`;
@@ -43,7 +51,8 @@ On CPU the tokamax rows run tokamax's `implementation='xla'` (so their code runs
 so); `cudnn` and `pallas` on a platform that cannot run them are reported as skipped with the
 reason; a row that fails is reported with its error and the others still run. `--json` is
 rewritten after each row (a run cut short keeps its rows). `--blocks` and
-`--num_warps/--num_stages` override the Pallas tile sizes (tuning).
+`--num_warps/--num_stages` override the Pallas tile sizes (tuning; mosaic keeps its own
+`MosaicBlocks` defaults).
 """
 
 from __future__ import annotations
@@ -62,16 +71,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_like.kernels import BlockSizes, attention_reference, flash_attention
+from t5x_like.kernels import BlockSizes, attention_reference, flash_attention, mosaic_attention
 from t5x_like.model import attention as attention_lib
 from t5x_like.model.transformer import alibi_slopes
 from t5x_like.training import accounting
 
 TOLERANCE = 2.5e-2  # bf16 inputs against the fp32 reference (max error / max reference)
+MOSAIC_INTERPRET_MAX_SEQ = 256  # longer: Mosaic GPU's interpret mode takes minutes on CPU
 
 
 IMPLEMENTATIONS = (
   'pallas',
+  'mosaic',
   'tokamax',
   'tokamax-mosaic',
   'tokamax-nobias',
@@ -87,6 +98,8 @@ class Impl:
   reason: str | None = None  # why it cannot run here (skipped)
   note: str = ''  # what ran, where it is not what the name says
   alibi: bool = True  # False: checked against the causal reference without ALiBi
+  untimed: str | None = None  # why it is only checked, not timed (an interpreter's time)
+  max_seq: int | None = None  # the longest sequence it runs here (an interpreter's cost)
 
 
 def _tokamax(q, k, v, slopes, implementation: str):
@@ -113,6 +126,19 @@ def _absl_flags_parsed() -> None:
     flags.FLAGS.mark_as_parsed()
 
 
+def cuda_runtime() -> str:
+  """'CUDA runtime 12.9 (12090)', cudaRuntimeGetVersion's number too (jax's Hopper attention
+  example refuses causal masks from 12080 to below 12091 for a ptxas miscompilation), or ''."""
+  try:
+    from jax._src.lib import cuda_versions  # None without jax's CUDA plugin
+  except ImportError:
+    return ''
+  if cuda_versions is None:
+    return ''
+  version = cuda_versions.cuda_runtime_get_version()
+  return f'CUDA runtime {version // 1000}.{version % 1000 // 10} ({version})'
+
+
 def make_impl(name: str, platform: str, slopes, blocks: BlockSizes | None) -> Impl:
   """The attention function `name` stands for on `platform`, or why it cannot run here."""
   if name == 'xla':
@@ -125,6 +151,29 @@ def make_impl(name: str, platform: str, slopes, blocks: BlockSizes | None) -> Im
         q, k, v, alibi_slopes=slopes, causal=True, block_sizes=blocks, interpret=platform == 'cpu'
       ),
       note='interpret mode' if platform == 'cpu' else '',
+    )
+  if name == 'mosaic':
+    device = attention_lib.Device.of(jax.devices()[0])
+    # The model's rule for where the kernels run (its head_dim and dtype rules are the kernel's
+    # own errors, in the row).
+    problems = attention_lib.unmet_constraints(
+      'mosaic',
+      head_dim=128,
+      dtype='bfloat16',
+      platform=platform,
+      compute_capability=device.compute_capability,
+    )
+    if problems:
+      return Impl(None, '; '.join(problems))
+    on_cpu = platform == 'cpu'
+    return Impl(
+      lambda q, k, v: mosaic_attention(q, k, v, alibi_slopes=slopes, interpret=on_cpu),
+      note='Mosaic GPU interpret mode' if on_cpu else cuda_runtime(),
+      # The interpreter simulates every warpgroup, copy and barrier: about 6 s a forward and
+      # 15 s a forward+backward at the smoke shape (seq 64, padded to 128), a time that says
+      # nothing of the kernel; the cost grows with batch x heads x seq^2.
+      untimed='checked, not timed (an interpreter)' if on_cpu else None,
+      max_seq=MOSAIC_INTERPRET_MAX_SEQ if on_cpu else None,
     )
   if name == 'cudnn':
     if platform != 'gpu':
@@ -287,6 +336,8 @@ def run(args) -> dict:
       impl = make_impl(name, platform, slopes, blocks)
       if name in unsupported:  # refused at a shorter length: not tried again
         impl = Impl(None, f'not supported (at seq {unsupported[name]})', impl.note, impl.alibi)
+      elif impl.max_seq is not None and seq > impl.max_seq:
+        impl = Impl(None, f'too slow here beyond seq {impl.max_seq}', impl.note, impl.alibi)
       row: dict[str, Any] = {'impl': name, 'seq': seq, 'batch': batch}
       if impl.note:
         row['note'] = impl.note
@@ -306,8 +357,9 @@ def run(args) -> dict:
           references[impl.alibi] = reference_grads(q, k, v, do, slopes if impl.alibi else None)
         errors = errors_against(got, references[impl.alibi])
         del got
-        t_fwd = median_seconds(forward, (q, k, v), args.iters)
-        t_all = median_seconds(forward_backward, (q, k, v, do), args.iters)
+        if impl.untimed is None:
+          t_fwd = median_seconds(forward, (q, k, v), args.iters)
+          t_all = median_seconds(forward_backward, (q, k, v, do), args.iters)
       except Exception as e:  # noqa: BLE001 (report the failure of one impl, run the others)
         row['failed'] = f'{type(e).__name__}: {e}'.splitlines()[0][:300]
         if isinstance(e, NotImplementedError) or 'NotImplementedError' in repr(e):
@@ -315,6 +367,16 @@ def run(args) -> dict:
         print(f'{name:14} {seq:5} {batch:5}  FAILED: {row["failed"]}', flush=True)
         report['results'].append(row)
         save()
+        continue
+      row.update(errors=errors, correct=all(e <= TOLERANCE for e in errors.values()))
+      flag = '' if row['correct'] else f'  WRONG (> {TOLERANCE})'
+      error_text = '/'.join(f'{errors[n]:.1e}' for n in ('out', 'dq', 'dk', 'dv')) + flag
+      if impl.untimed is not None:
+        row['untimed'] = impl.untimed
+        report['results'].append(row)
+        save()
+        note = f'  [{impl.note}]' if impl.note else ''
+        print(f'{name:14} {seq:5} {batch:5}  {impl.untimed} | {error_text}{note}', flush=True)
         continue
       fwd_tflops = fwd_flops / t_fwd / 1e12
       all_tflops = 3.5 * fwd_flops / t_all / 1e12
@@ -329,12 +391,9 @@ def run(args) -> dict:
         fwd_pct_peak=100 * fwd_tflops / peak,
         fwd_bwd_pct_peak=100 * all_tflops / peak,
         bwd_pct_peak=None if bwd_tflops is None else 100 * bwd_tflops / peak,
-        errors=errors,
-        correct=all(e <= TOLERANCE for e in errors.values()),
       )
       report['results'].append(row)
       save()
-      flag = '' if row['correct'] else f'  WRONG (> {TOLERANCE})'
       bwd = (
         '     n/a         '
         if bwd_tflops is None
@@ -343,10 +402,7 @@ def run(args) -> dict:
       print(
         f'{name:14} {seq:5} {batch:5} | {t_fwd * 1e3:7.2f}  {fwd_tflops:8.3g} '
         f'({row["fwd_pct_peak"]:4.1f}%)      | {t_all * 1e3:9.2f}  {all_tflops:7.3g} | {bwd}'
-        '    | '
-        + '/'.join(f'{errors[n]:.1e}' for n in ('out', 'dq', 'dk', 'dv'))
-        + flag
-        + (f'  [{impl.note}]' if impl.note else ''),
+        '    | ' + error_text + (f'  [{impl.note}]' if impl.note else ''),
         flush=True,
       )
   return report

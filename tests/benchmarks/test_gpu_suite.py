@@ -29,7 +29,9 @@ def test_smoke_run_reports_every_stage(tmp_path, capsys):
   # Attention: every implementation at the smoke length; the tokamax rows run tokamax's XLA
   # implementation on CPU and say so; the no-bias row is checked without ALiBi.
   rows = {r['impl']: r for r in stages['attention']['results']}
-  assert list(rows) == gpu_suite.ATTENTION_IMPLS.split(',')
+  # mosaic's rows come from a second process after the others'.
+  assert list(rows) == [*gpu_suite.ATTENTION_IMPLS.split(','), gpu_suite.NEW_ATTENTION_IMPLS]
+  assert 'new_failed' not in stages['attention']
   assert set(rows) <= set(attention_benchmark.IMPLEMENTATIONS)
   assert 'needs a GPU' in rows['cudnn']['skipped']
   for impl in ('pallas', 'xla', 'tokamax', 'tokamax-nobias', 'tokamax-cudnn'):
@@ -40,6 +42,15 @@ def test_smoke_run_reports_every_stage(tmp_path, capsys):
   assert (
     rows['tokamax-nobias']['alibi'] is False and 'target only' in rows['tokamax-nobias']['note']
   )
+  # Our Mosaic GPU kernels, forward and backward, in interpret mode: checked against the fp32
+  # reference like every row, not timed (an interpreter's time says nothing of the kernel).
+  mosaic = rows['mosaic']
+  assert (
+    mosaic['correct'] and 'interpret mode' in mosaic['note'] and 'not timed' in mosaic['untimed']
+  )
+  assert set(mosaic['errors']) == {'out', 'dq', 'dk', 'dv'}
+  assert max(mosaic['errors'].values()) <= attention_benchmark.TOLERANCE
+  assert 'fwd_tflops' not in mosaic
 
   # The step per implementation, each checked against xla's first loss; auto resolves to xla on
   # CPU and is not measured twice; every measured step has its profile.
@@ -50,6 +61,7 @@ def test_smoke_run_reports_every_stage(tmp_path, capsys):
   assert steps['xla']['mfu'] > 0 and steps['xla']['xla_peak_bytes'] > 0
   assert steps['xla']['measured_peak_bytes'] is None  # CPU has no allocator statistics
   assert 'needs a GPU' in steps['cudnn']['skipped']
+  assert steps['mosaic'] == {'skipped': gpu_suite.SMOKE_SKIPS_STEP['mosaic']}  # interpret: slow
   assert steps['auto'] == {**steps['auto'], 'resolved_to': 'xla', 'same_as': 'xla'}
   for impl in ('xla', 'pallas', 'tokamax'):
     profile = steps[impl]['profile']
@@ -87,6 +99,8 @@ def test_smoke_run_reports_every_stage(tmp_path, capsys):
   text = capsys.readouterr().out  # the summary
   for line in ('step pallas:', 'step profile', 'loss fused', '176B shard tokamax', 'cost model'):
     assert line in text
+  assert 'attention mosaic seq 64: checked, not timed' in text
+  assert 'step mosaic: skipped: not run with --smoke' in text
 
 
 def test_without_a_gpu_the_full_suite_refuses(tmp_path, capsys):
@@ -106,6 +120,114 @@ def test_only_runs_the_stages_named_and_the_budget_skips_what_does_not_fit(tmp_p
   assert 'out of the time budget' in report['stages']['matmul']['skipped']
   assert report['incomplete'] == ['matmul']
   assert 'matmul: skipped' in capsys.readouterr().out
+
+
+def test_mosaic_is_not_runnable_below_hopper_nor_interpreted_at_long_lengths(monkeypatch):
+  """On a GPU of compute capability < 9.0 the mosaic row says why it cannot run (no kernel is
+  traced); on CPU, lengths above MOSAIC_INTERPRET_MAX_SEQ are skipped (interpret mode would take
+  minutes) while shorter ones run."""
+
+  class Ampere:
+    platform, device_kind, compute_capability = 'gpu', 'NVIDIA A100-SXM4-80GB', '8.0'
+
+  monkeypatch.setattr(attention_benchmark.jax, 'devices', lambda *a: [Ampere()])
+  impl = attention_benchmark.make_impl('mosaic', 'gpu', None, None)
+  assert impl.fn is None and 'compute capability 9.x, got 8.0' in impl.reason
+  monkeypatch.undo()
+  assert attention_benchmark.make_impl('mosaic', 'tpu', None, None).fn is None
+
+  long = attention_benchmark.MOSAIC_INTERPRET_MAX_SEQ + 64
+  args = attention_benchmark.parse_args(['--smoke', '--seqs', str(long), '--impls', 'mosaic'])
+  (row,) = attention_benchmark.run(args)['results']
+  assert row['seq'] == long and 'too slow here beyond seq' in row['skipped']
+  assert 'interpret mode' in row['note']
+
+
+@pytest.mark.parametrize(
+  ('failing', 'wrong', 'new_code', 'ok'),
+  [
+    ('mosaic', None, 1, True),
+    ('pallas', None, 1, False),
+    (None, 'mosaic', 1, False),
+    (None, None, None, True),  # mosaic's process ran out of time (a hung kernel)
+  ],
+)
+def test_the_attention_stage_fails_on_core_failures_and_any_wrong_row(
+  monkeypatch, tmp_path, failing, wrong, new_code, ok
+):
+  """mosaic has never run on a GPU: it runs in a process of its own after the others, and its
+  failure to run (or a hang, out of its time) is reported, not a suite failure (it is not in
+  CORE_ATTENTION); a core row's failure, or any row's wrong result, fails the stage."""
+  new = gpu_suite.NEW_ATTENTION_IMPLS.split(',')
+  rows = []
+  for impl in gpu_suite.ATTENTION_IMPLS.split(',') + new:
+    if impl == failing:
+      rows.append({'impl': impl, 'seq': 2048, 'failed': 'MosaicError: lowering failed'})
+    elif not (new_code is None and impl in new):
+      rows.append({'impl': impl, 'seq': 2048, 'correct': impl != wrong, 'errors': {'out': 0.0}})
+  limits = {}
+
+  def run_child(command, limit_s, **_):
+    name = os.path.basename(command[command.index('--json') + 1])
+    limits[name] = limit_s
+    code = new_code if name == 'attention_new.json' else 1
+    return {'code': code, 'wall_s': 1.0, 'tail': 'timed out', 'output': ''}
+
+  def read_json(path):
+    in_new = os.path.basename(path) == 'attention_new.json'
+    return {'results': [r for r in rows if (r['impl'] in new) == in_new]}
+
+  monkeypatch.setattr(gpu_suite, 'run_child', run_child)
+  monkeypatch.setattr(gpu_suite, 'read_json', read_json)
+  stage = gpu_suite.attention(False, str(tmp_path), 180)
+  assert limits == {'attention.json': 120, 'attention_new.json': gpu_suite.NEW_ATTENTION_LIMIT_S}
+  assert stage['ok'] is ok
+  text = '\n'.join(gpu_suite.attention_lines(stage))
+  if failing:
+    assert f'attention {failing} seq 2048: FAILED MosaicError: lowering failed' in text
+  if new_code is None:
+    assert 'attention mosaic: its process FAILED' in text
+  else:
+    assert 'new_failed' not in stage
+
+
+def test_the_step_stage_fails_on_core_failures_and_the_loss_stage_skips_a_wrong_loss(
+  monkeypatch, tmp_path
+):
+  """A step whose implementation fails to run fails the stage unless it is mosaic (not in
+  CORE_STEP); a first loss off xla's fails it whatever the implementation, and the loss stage's
+  'fastest attention' is never one whose first loss is off."""
+  loss = {'xla': 2.0, 'pallas': 2.0, 'tokamax': 2.0, 'mosaic': 2.0}
+  speed = {'xla': 1.5, 'pallas': 1.0, 'tokamax': 1.1, 'mosaic': 0.9}
+  failing: set[str] = set()
+
+  def step_child(specs, workdir, limit_s, extra):
+    (impl,) = specs
+    if impl in failing:
+      return {impl: {'failed': 'exit 1; output ends: lowering failed'}}
+    if impl == 'cudnn':
+      return {impl: {'skipped': 'cuDNN attention needs a GPU'}}
+    if impl == 'auto':
+      return {impl: {'resolved_to': 'pallas', 'same_as': 'pallas'}}
+    return {impl: {'losses': [loss[impl]], 'step_s_median': speed[impl]}}
+
+  monkeypatch.setattr(gpu_suite, 'step_child', step_child)
+  clock = gpu_suite.Clock(1000.0)
+  run = lambda: gpu_suite.steps(False, str(tmp_path), clock, gpu_suite.STEP_IMPLS)
+
+  failing.add('mosaic')
+  stage = run()
+  assert stage['ok'] and 'failed' in stage['results']['mosaic']
+  assert gpu_suite.fastest(stage['results']) == 'pallas'
+  failing.clear()
+  assert run()['ok'] and gpu_suite.fastest(run()['results']) == 'mosaic'
+  failing.add('pallas')
+  assert not run()['ok']
+  failing.clear()
+  loss['mosaic'] = 2.5  # 25% off xla's first loss
+  stage = run()
+  assert not stage['ok'] and stage['results']['mosaic']['first_loss_vs_xla'] > 0.2
+  assert gpu_suite.fastest(stage['results']) == 'pallas'
 
 
 # --- the profile's categories on hand-written traces -----------------------------------------
