@@ -51,8 +51,8 @@ On CPU the tokamax rows run tokamax's `implementation='xla'` (so their code runs
 so); `cudnn` and `pallas` on a platform that cannot run them are reported as skipped with the
 reason; a row that fails is reported with its error and the others still run. `--json` is
 rewritten after each row (a run cut short keeps its rows). `--blocks` and
-`--num_warps/--num_stages` override the Pallas tile sizes (tuning; mosaic keeps its own
-`MosaicBlocks` defaults).
+`--num_warps/--num_stages` override the Pallas tile sizes and `--mosaic_blocks` the Mosaic GPU
+kernels' `MosaicBlocks` (tuning: `attention_sweep.sh`, `mosaic_sweep.sh`).
 """
 
 from __future__ import annotations
@@ -71,7 +71,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5x_like.kernels import BlockSizes, attention_reference, flash_attention, mosaic_attention
+from t5x_like.kernels import (
+  BlockSizes,
+  MosaicBlocks,
+  attention_reference,
+  flash_attention,
+  mosaic_attention,
+)
 from t5x_like.model import attention as attention_lib
 from t5x_like.model.transformer import alibi_slopes
 from t5x_like.training import accounting
@@ -139,7 +145,13 @@ def cuda_runtime() -> str:
   return f'CUDA runtime {version // 1000}.{version % 1000 // 10} ({version})'
 
 
-def make_impl(name: str, platform: str, slopes, blocks: BlockSizes | None) -> Impl:
+def make_impl(
+  name: str,
+  platform: str,
+  slopes,
+  blocks: BlockSizes | None,
+  mosaic_blocks: MosaicBlocks | None = None,
+) -> Impl:
   """The attention function `name` stands for on `platform`, or why it cannot run here."""
   if name == 'xla':
     return Impl(lambda q, k, v: attention_reference(q, k, v, alibi_slopes=slopes, causal=True))
@@ -167,7 +179,9 @@ def make_impl(name: str, platform: str, slopes, blocks: BlockSizes | None) -> Im
       return Impl(None, '; '.join(problems))
     on_cpu = platform == 'cpu'
     return Impl(
-      lambda q, k, v: mosaic_attention(q, k, v, alibi_slopes=slopes, interpret=on_cpu),
+      lambda q, k, v: mosaic_attention(
+        q, k, v, alibi_slopes=slopes, blocks=mosaic_blocks, interpret=on_cpu
+      ),
       note='Mosaic GPU interpret mode' if on_cpu else cuda_runtime(),
       # The interpreter simulates every warpgroup, copy and barrier: about 6 s a forward and
       # 15 s a forward+backward at the smoke shape (seq 64, padded to 128), a time that says
@@ -271,6 +285,20 @@ def errors_against(got, want) -> dict[str, float]:
   }
 
 
+MOSAIC_BLOCK_FIELDS = tuple(field.name for field in dataclasses.fields(MosaicBlocks))
+
+
+def parse_mosaic_blocks(text: str) -> MosaicBlocks:
+  """--mosaic_blocks: MOSAIC_BLOCK_FIELDS' values in order, comma-separated."""
+  values = [int(v) for v in text.split(',')]
+  if len(values) != len(MOSAIC_BLOCK_FIELDS):
+    raise SystemExit(
+      f'--mosaic_blocks needs {len(MOSAIC_BLOCK_FIELDS)} integers '
+      f'({",".join(MOSAIC_BLOCK_FIELDS)}), got {text!r}'
+    )
+  return MosaicBlocks(**dict(zip(MOSAIC_BLOCK_FIELDS, values)))
+
+
 def run(args) -> dict:
   device = jax.devices()[0]
   platform = device.platform
@@ -294,6 +322,7 @@ def run(args) -> dict:
         **({'num_stages': args.num_stages} if args.num_stages else {}),
       }
     )
+  mosaic_blocks = parse_mosaic_blocks(args.mosaic_blocks) if args.mosaic_blocks else None
   report: dict[str, Any] = {
     'date': datetime.date.today().isoformat(),
     'device': f'{platform} {device.device_kind}',
@@ -309,6 +338,7 @@ def run(args) -> dict:
       'alibi': True,
     },
     'blocks': None if blocks is None else blocks.__dict__,
+    'mosaic_blocks': None if mosaic_blocks is None else mosaic_blocks.__dict__,
     'results': [],
   }
   print(
@@ -333,7 +363,7 @@ def run(args) -> dict:
     q, k, v, do = random_inputs(batch, seq, args.heads, args.head_dim, dtype)
     references: dict[bool, Any] = {}  # with / without ALiBi, computed when first needed
     for name in args.impls:
-      impl = make_impl(name, platform, slopes, blocks)
+      impl = make_impl(name, platform, slopes, blocks, mosaic_blocks)
       if name in unsupported:  # refused at a shorter length: not tried again
         impl = Impl(None, f'not supported (at seq {unsupported[name]})', impl.note, impl.alibi)
       elif impl.max_seq is not None and seq > impl.max_seq:
@@ -421,6 +451,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--iters', type=int, default=20)
   parser.add_argument(
     '--blocks', default='', help='block_q,block_k,block_q_dkv,block_k_dkv,block_q_dq,block_k_dq'
+  )
+  parser.add_argument(
+    '--mosaic_blocks',
+    default='',
+    help='mosaic tiles: ' + ','.join(MOSAIC_BLOCK_FIELDS) + ' (benchmarks/mosaic_sweep.sh)',
   )
   parser.add_argument('--num_warps', type=int, default=0)
   parser.add_argument('--num_stages', type=int, default=0)

@@ -278,6 +278,13 @@ def _stream(step_count, stages, consumed, issue, start=0):
   pl.loop(jnp.maximum(step_count - stages, 0), step_count)(wait_consumed)
 
 
+def heaviest_first(index, count: int):
+  """The query tile of the index-th program along a grid axis of `count`: the last first. Under
+  a causal mask a query tile's work grows with its position, and the GPU starts programs in
+  grid order, so the longest start first and the short ones fill the end of the launch."""
+  return count - 1 - index
+
+
 def key_ring_types(stages: int, block_kv: int, head_dim: int, dtype, wgs: int):
   """(shared memory, barriers) of a `KeyRing`: `stages` key tiles, ALiBi rows and value tiles, a
   ready barrier per buffer and a free barrier per key and value slot (one arrival per math
@@ -354,7 +361,8 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
   def body(q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, barriers):
     (qo_smem, lse_smem, ring_buffers), (q_ready, schedule, ring_barriers) = scratch, barriers
     ring = KeyRing.of(ring_buffers, ring_barriers)
-    b, h, tile = lax.axis_index('batch'), lax.axis_index('heads'), lax.axis_index('q_tile')
+    b, h = lax.axis_index('batch'), lax.axis_index('heads')
+    tile = heaviest_first(lax.axis_index('q_tile'), seq // span)
     wg = lax.axis_index('wg')
     # Key tiles this program needs: up to the diagonal of its last query.
     program_steps = pl.cdiv((tile + 1) * span, block_kv)
@@ -479,7 +487,8 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
     q_smem, do_smem, lse_smem, delta_smem, ring_buffers = scratch
     own_ready, ring_barriers = barriers
     ring = KeyRing.of(ring_buffers, ring_barriers)
-    b, h, tile = lax.axis_index('batch'), lax.axis_index('heads'), lax.axis_index('q_tile')
+    b, h = lax.axis_index('batch'), lax.axis_index('heads')
+    tile = heaviest_first(lax.axis_index('q_tile'), seq // span)
     wg = lax.axis_index('wg')
     program_steps = pl.cdiv((tile + 1) * span, block_kv)
 

@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import REPO
 
+from t5x_like.kernels import MosaicBlocks
+
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
 import attention as attention_benchmark  # noqa: E402  (scripts, not package modules)
 import gpu_suite  # noqa: E402
@@ -461,3 +463,31 @@ def test_a_real_cpu_profile_reads_the_same_from_its_json_and_its_xspace(tmp_path
   )
   assert again['events'] == profile['events']
   assert again['ms_per_step'] == pytest.approx(profile['ms_per_step'], abs=1e-3)
+
+
+def test_the_mosaic_sweep_candidates_are_valid_tiles_and_reach_the_kernel():
+  """Every candidate of benchmarks/mosaic_sweep.sh parses into MosaicBlocks without a problem
+  (a typo would cost GPU time), the defaults are among them, and --mosaic_blocks is what the
+  mosaic row runs with (here in interpret mode, one warpgroup of 64-row tiles)."""
+  with open(os.path.join(REPO, 'benchmarks', 'mosaic_sweep.sh')) as f:
+    text = f.read()
+  lines = text.split("<<'CANDIDATES'\n")[1].split('CANDIDATES')[0].split()
+  candidates = [attention_benchmark.parse_mosaic_blocks(line) for line in lines]
+  assert MosaicBlocks() in candidates and len(set(candidates)) == len(candidates)
+  for blocks in candidates:
+    assert blocks.problems() == [], blocks
+  with pytest.raises(SystemExit, match='--mosaic_blocks needs 8 integers'):
+    attention_benchmark.parse_mosaic_blocks('64,128')
+
+  one_warpgroup = '64,64,64,64,64,64,1,2'
+  args = attention_benchmark.parse_args(
+    ['--smoke', '--seqs', '64', '--impls', 'mosaic', '--mosaic_blocks', one_warpgroup]
+  )
+  report = attention_benchmark.run(args)
+  assert report['mosaic_blocks'] == {**MosaicBlocks().__dict__, 'block_kv': 64, 'compute_wgs': 1}
+  (row,) = report['results']
+  assert row['correct'], row
+  # Tiles the kernel refuses: the row's error is the kernel's, so the option reached it.
+  args.mosaic_blocks = '64,96,64,64,64,64,1,2'
+  (row,) = attention_benchmark.run(args)['results']
+  assert 'MosaicBlocks.block_kv=96 must be a multiple of 64' in row['failed'], row
