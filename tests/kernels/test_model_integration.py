@@ -31,6 +31,26 @@ def loss_and_grads(cfg: ModelConfig, tokens, params=None):
   return params, *fn(params)
 
 
+def check_bf16_model_against_xla(impl: str, hidden_size: int, num_heads: int) -> None:
+  """BLOOM's attention in bf16, one layer, no mesh: the loss and gradients with attention_impl
+  `impl` against the xla model's, at the cuDNN tolerances (bf16 rounding of both)."""
+  base = dict(
+    num_layers=1,
+    hidden_size=hidden_size,
+    num_heads=num_heads,
+    vocab_size=200,
+    init_std=0.02,
+    dtype='bfloat16',
+  )
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, 200)
+  params, xla_loss, xla_grads = loss_and_grads(ModelConfig(**base, attention_impl='xla'), tokens)
+  _, loss, grads = loss_and_grads(ModelConfig(**base, attention_impl=impl), tokens, params)
+  np.testing.assert_allclose(loss, xla_loss, rtol=1e-2)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(xla_grads)):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.abs(got - want).max() <= 5e-2 * np.abs(want).max()
+
+
 def refused_here(head_dim: int, dtype: str) -> bool:
   """Whether this device refuses tokamax for head_dim / dtype (on a GPU: its Mosaic kernels on
   Hopper multiply bf16 only); if so, checks the refusal is the ConfigError naming it."""

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_flash_attention import TOLERANCE, inputs
-from test_model_integration import loss_and_grads
+from test_model_integration import check_bf16_model_against_xla
 from test_tokamax_attention import A100, H100, LARGE_SLOPE, check_against_reference
 
 from t5x_like.config import ConfigError, ModelConfig
@@ -88,16 +88,7 @@ def test_remat_with_interpret_mode_is_a_config_error():
 
 
 def test_the_bf16_model_through_mosaic_matches_xla():
-  base = dict(
-    num_layers=1, hidden_size=128, num_heads=2, vocab_size=200, init_std=0.02, dtype='bfloat16'
-  )
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, 200)
-  params, xla_loss, xla_grads = loss_and_grads(ModelConfig(**base, attention_impl='xla'), tokens)
-  _, loss, grads = loss_and_grads(ModelConfig(**base, attention_impl='mosaic'), tokens, params)
-  np.testing.assert_allclose(loss, xla_loss, rtol=1e-2)
-  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(xla_grads)):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert np.abs(got - want).max() <= 5e-2 * np.abs(want).max()
+  check_bf16_model_against_xla('mosaic', hidden_size=128, num_heads=2)  # head_dim 64
 
 
 # ------------------------------------------------------------ the GPU path, lowered for CUDA

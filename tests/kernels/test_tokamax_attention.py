@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import small_config
 from test_flash_attention import TOLERANCE, assert_close, inputs
-from test_model_integration import loss_and_grads, refused_here
+from test_model_integration import check_bf16_model_against_xla, refused_here
 
 from t5x_like import config as config_lib
 from t5x_like.config import ConfigError, ModelConfig
@@ -120,16 +120,7 @@ def test_the_bf16_model_through_tokamax_matches_xla():
   """BLOOM's attention in bf16, no mesh: the loss and gradients through tokamax (its GPU kernels
   in the GPU suite, its XLA implementation on CPU) against the xla model's, at
   test_model_integration's cuDNN tolerances."""
-  base = dict(
-    num_layers=1, hidden_size=64, num_heads=4, vocab_size=200, init_std=0.02, dtype='bfloat16'
-  )
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, 200)
-  params, xla_loss, xla_grads = loss_and_grads(ModelConfig(**base, attention_impl='xla'), tokens)
-  _, loss, grads = loss_and_grads(ModelConfig(**base, attention_impl='tokamax'), tokens, params)
-  np.testing.assert_allclose(loss, xla_loss, rtol=1e-2)
-  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(xla_grads)):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert np.abs(got - want).max() <= 5e-2 * np.abs(want).max()
+  check_bf16_model_against_xla('tokamax', hidden_size=64, num_heads=4)
 
 
 # ---------------------------------------------------------- tokamax's GPU kernels, lowered here
