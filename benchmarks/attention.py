@@ -78,6 +78,7 @@ from t5x_like.kernels import (
   flash_attention,
   mosaic_attention,
 )
+from t5x_like.kernels.mosaic_attention import cuda_runtime_version
 from t5x_like.model import attention as attention_lib
 from t5x_like.model.transformer import alibi_slopes
 from t5x_like.training import accounting
@@ -133,15 +134,11 @@ def _absl_flags_parsed() -> None:
 
 
 def cuda_runtime() -> str:
-  """'CUDA runtime 12.9 (12090)', cudaRuntimeGetVersion's number too (jax's Hopper attention
-  example refuses causal masks from 12080 to below 12091 for a ptxas miscompilation), or ''."""
-  try:
-    from jax._src.lib import cuda_versions  # None without jax's CUDA plugin
-  except ImportError:
+  """'CUDA runtime 12.9 (12090)', cudaRuntimeGetVersion's number too (the Mosaic GPU kernels
+  refuse some: `kernels/mosaic_attention.PTXAS_MISCOMPILES_CAUSAL`), or ''."""
+  version = cuda_runtime_version()
+  if version is None:
     return ''
-  if cuda_versions is None:
-    return ''
-  version = cuda_versions.cuda_runtime_get_version()
   return f'CUDA runtime {version // 1000}.{version % 1000 // 10} ({version})'
 
 

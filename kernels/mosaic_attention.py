@@ -56,6 +56,22 @@ _TILING = plgpu.TilingTransform((8, 64))
 _SWIZZLE = plgpu.SwizzleTransform(128)
 
 
+# CUDA runtimes (cudaRuntimeGetVersion's numbers, 12080 for 12.8) whose ptxas miscompiles Mosaic
+# GPU's causal masks: jax's own Hopper attention example (jax/experimental/pallas/ops/gpu/
+# attention_mgpu.py) refuses causal masking from 12080 up to, not including, 12091.
+PTXAS_MISCOMPILES_CAUSAL = (12080, 12091)
+
+
+def cuda_runtime_version() -> int | None:
+  """cudaRuntimeGetVersion's number (12090 for 12.9) in this process, None without jax's CUDA
+  plugin (a CPU-only install)."""
+  try:
+    from jax._src.lib import cuda_versions  # jax exports it under no public name
+  except ImportError:
+    return None
+  return None if cuda_versions is None else int(cuda_versions.cuda_runtime_get_version())
+
+
 class MosaicAttentionConstraintError(ValueError):
   """An input the Mosaic GPU attention kernels do not support; the message names the rule."""
 
@@ -105,9 +121,19 @@ class MosaicBlocks:
     return found
 
 
-def unmet_constraints(*, head_dim: int, dtype, blocks: MosaicBlocks | None = None) -> list[str]:
-  """What stops the kernels from running these inputs ([] when they can)."""
+def unmet_constraints(
+  *, head_dim: int, dtype, blocks: MosaicBlocks | None = None, cuda_version: int | None = None
+) -> list[str]:
+  """What stops the kernels from running these inputs ([] when they can); cuda_version: the
+  CUDA runtime's (`cuda_runtime_version`) where the kernels are compiled for a GPU."""
   found = []
+  low, high = PTXAS_MISCOMPILES_CAUSAL
+  if cuda_version is not None and low <= cuda_version < high:
+    found.append(
+      f'CUDA runtime {cuda_version}: ptxas from CUDA 12.8 up to 12.9.0 miscompiles causal masks '
+      "in Mosaic GPU kernels (jax's Hopper attention refuses them too); use CUDA >= 12.9.1, or "
+      "model.attention_impl='pallas'"
+    )
   if head_dim not in SUPPORTED_HEAD_DIMS:
     found.append(f'head_dim must be one of {SUPPORTED_HEAD_DIMS} (wgmma tiles), got {head_dim}')
   if jnp.dtype(dtype).name not in SUPPORTED_DTYPES:
@@ -143,7 +169,10 @@ def mosaic_attention(
     )
   blocks = blocks or MosaicBlocks()
   _, seq, heads, head_dim = q.shape
-  problems = unmet_constraints(head_dim=head_dim, dtype=q.dtype, blocks=blocks)
+  cuda_version = None if interpret else cuda_runtime_version()
+  problems = unmet_constraints(
+    head_dim=head_dim, dtype=q.dtype, blocks=blocks, cuda_version=cuda_version
+  )
   if problems:
     raise MosaicAttentionConstraintError('; '.join(problems))
   scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)

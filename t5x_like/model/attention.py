@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from t5x_like.errors import ConfigError
 from t5x_like.kernels.flash_attention import flash_attention
 from t5x_like.kernels.flash_attention import unmet_constraints as flash_unmet_constraints
+from t5x_like.kernels.mosaic_attention import cuda_runtime_version as mosaic_cuda_runtime_version
 from t5x_like.kernels.mosaic_attention import mosaic_attention
 from t5x_like.kernels.mosaic_attention import unmet_constraints as mosaic_unmet_constraints
 from t5x_like.kernels.reference import attention_reference
@@ -164,7 +165,11 @@ def unmet_constraints(
   elif impl == 'tokamax':
     problems += _tokamax_unmet_constraints(head_dim, dtype, platform, compute_capability)
   elif impl == 'mosaic':
-    problems += mosaic_unmet_constraints(head_dim=head_dim, dtype=dtype)
+    problems += mosaic_unmet_constraints(
+      head_dim=head_dim,
+      dtype=dtype,
+      cuda_version=mosaic_cuda_runtime_version() if platform == 'gpu' else None,
+    )
     cc = Device('gpu', compute_capability=compute_capability).cuda_capability
     if platform not in (None, 'gpu', 'cpu'):
       problems.append(

@@ -19,6 +19,7 @@ from test_tokamax_attention import A100, H100, LARGE_SLOPE, check_against_refere
 
 from t5x_like.config import ConfigError, ModelConfig
 from t5x_like.kernels import MosaicAttentionConstraintError, MosaicBlocks, mosaic_attention
+from t5x_like.kernels.mosaic_attention import unmet_constraints
 from t5x_like.mesh import partitioning
 from t5x_like.model import attention as attention_lib
 from t5x_like.model.attention import Device
@@ -161,3 +162,22 @@ def test_mosaic_runs_blooms_attention_on_hopper_and_in_interpret_mode_on_cpu():
   cfg = ModelConfig(hidden_size=2048, num_heads=16, dtype='bfloat16', attention_impl='mosaic')
   assert attention_lib.choose(cfg, H100)[0] == 'mosaic'
   assert attention_lib.choose(cfg, 'cpu')[0] == 'mosaic'
+
+
+@pytest.mark.parametrize(
+  'version, refused', [(12060, False), (12080, True), (12090, True), (13000, False)]
+)
+def test_cuda_runtimes_whose_ptxas_miscompiles_causal_masks_are_refused(
+  monkeypatch, version, refused
+):
+  """jax's own Hopper attention refuses causal masks on CUDA 12.8 to 12.9.0 (a ptxas
+  miscompilation): so does 'mosaic', at config time on a GPU, naming the fix."""
+  problems = unmet_constraints(head_dim=128, dtype='bfloat16', cuda_version=version)
+  assert bool(problems) == refused
+  monkeypatch.setattr(attention_lib, 'mosaic_cuda_runtime_version', lambda: version)
+  cfg = ModelConfig(hidden_size=2048, num_heads=16, dtype='bfloat16', attention_impl='mosaic')
+  if refused:
+    with pytest.raises(ConfigError, match=r'ptxas .* use CUDA >= 12\.9\.1'):
+      attention_lib.choose(cfg, H100)
+  else:
+    assert attention_lib.choose(cfg, H100)[0] == 'mosaic'
