@@ -19,7 +19,7 @@ from test_tokamax_attention import A100, H100, LARGE_SLOPE, check_against_refere
 
 from t5x_like.config import ConfigError, ModelConfig
 from t5x_like.kernels import MosaicAttentionConstraintError, MosaicBlocks, mosaic_attention
-from t5x_like.kernels.mosaic_attention import unmet_constraints
+from t5x_like.kernels.mosaic_attention import heaviest_first, unmet_constraints
 from t5x_like.mesh import partitioning
 from t5x_like.model import attention as attention_lib
 from t5x_like.model.attention import Device
@@ -181,3 +181,8 @@ def test_cuda_runtimes_whose_ptxas_miscompiles_causal_masks_are_refused(
       attention_lib.choose(cfg, H100)
   else:
     assert attention_lib.choose(cfg, H100)[0] == 'mosaic'
+
+
+def test_query_tiles_run_longest_first():
+  """Under the causal mask the last query tile has the most keys: program 0 takes it."""
+  assert [heaviest_first(i, 4) for i in range(4)] == [3, 2, 1, 0]
