@@ -9,6 +9,8 @@
 * `mosaic_attention`: causal ALiBi flash attention for Hopper in Mosaic GPU (TMA, wgmma, warp
   specialisation), forward and backward; Mosaic GPU's interpret mode on CPU.
 * `triton_lowering`: lowers the Pallas kernels for CUDA on any machine and verifies the Triton IR.
+* `residuals`: the name under which the attention kernels mark their forward's output and
+  log-sum-exp, so that the model's remat_policy='save_dots' keeps them.
 * `attention_reference` (`reference.py`): the plain-JAX attention that the model's
   `attention_impl='xla'` path uses and that every kernel is tested against.
 """

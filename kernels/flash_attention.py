@@ -16,7 +16,8 @@ them against `attention_reference`.
 * segment_ids [batch, seq] (packed documents): a query sees only keys of its own segment.
 * Any sequence length: q/k/v are padded up to the block multiple, padded keys are masked out of
   the softmax (causal needs no mask: real queries never reach them), and the output is cut back.
-* Backward (`jax.custom_vjp`): the forward saves only the output and the log-sum-exp; one kernel
+* Backward (`jax.custom_vjp`): the forward saves only the output and the log-sum-exp (named
+  `residuals.ATTENTION_RESIDUALS`, so that remat_policy='save_dots' keeps them); one kernel
   recomputes the tiles for dK/dV (one program per key block, looping over query blocks) and one
   for dQ (one program per query block, looping over key blocks), so no atomics are needed.
 
@@ -36,6 +37,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from t5x_like.kernels.residuals import mark_residuals
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = ('float32', 'bfloat16', 'float16')
@@ -540,7 +543,7 @@ def _flash(q, k, v, slopes, segment_ids, static: _Static):
 
 
 def _flash_fwd(q, k, v, slopes, segment_ids, static: _Static):
-  out, lse = _forward(q, k, v, slopes, segment_ids, static)
+  out, lse = mark_residuals(*_forward(q, k, v, slopes, segment_ids, static))
   return out, (q, k, v, slopes, segment_ids, out, lse)
 
 

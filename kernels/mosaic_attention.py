@@ -20,7 +20,8 @@ only issues copies into a ring of `stages` buffers, so loads overlap the matmuls
   The log-sum-exp the forward saves is of those shifted scores; the backward adds the same rows,
   so its probabilities are the forward's.
 * Causal: key tiles above the diagonal are never loaded, and only tiles that cross it are masked.
-* Backward (`jax.custom_vjp`): the forward saves the output and the log-sum-exp. One kernel
+* Backward (`jax.custom_vjp`): the forward saves the output and the log-sum-exp (named
+  `residuals.ATTENTION_RESIDUALS`, so that remat_policy='save_dots' keeps them). One kernel
   computes dK and dV (a program per key tile, looping over the query tiles from the diagonal),
   one dQ (a program per query tile, looping over the key tiles up to it); no atomics.
 * `interpret=True` runs the same kernel bodies on the CPU in Mosaic GPU's interpret mode (a
@@ -45,6 +46,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from t5x_like.kernels.residuals import mark_residuals
 
 # 256 would need 320 KiB of shared memory for the forward's tiles; Hopper has 227.
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -195,7 +198,7 @@ def _attention(q, k, v, key_bias, scale, blocks, interpret):
 
 
 def _attention_fwd(q, k, v, key_bias, scale, blocks, interpret):
-  out, lse = _forward(q, k, v, key_bias, scale, blocks, interpret)
+  out, lse = mark_residuals(*_forward(q, k, v, key_bias, scale, blocks, interpret))
   return out, (q, k, v, key_bias, out, lse)
 
 

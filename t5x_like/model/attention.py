@@ -60,6 +60,11 @@ IMPLEMENTATIONS = ('xla', 'pallas', 'cudnn', 'tokamax', 'mosaic')
 # What model.attention_impl may be: the implementations, or 'auto' (config.py's Literal says the
 # same; tests/kernels/test_tokamax_attention.py checks that they agree).
 CHOICES = ('auto', *IMPLEMENTATIONS)
+# Ours, whose forward names its output and log-sum-exp (kernels/residuals.py): under
+# remat_policy='save_dots' their backward runs no second forward. The others' residuals are inside
+# a library's custom_vjp ('cudnn', 'tokamax') or are the scores themselves ('xla'): the backward
+# recomputes their forward.
+KEEPS_RESIDUALS_UNDER_SAVE_DOTS = ('pallas', 'mosaic')
 
 # model.attention_impl='auto': per device family (`Device.family`), the implementations fastest
 # first and the measurement that orders them; 'auto' runs the first one that can run the model

@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from t5x_like.config import ModelConfig
 from t5x_like.kernels.reference import attention_reference  # noqa: F401 (benchmarks use it)
+from t5x_like.kernels.residuals import ATTENTION_RESIDUALS
 from t5x_like.mesh import partitioning
 from t5x_like.model import attention as attention_lib
 
@@ -256,7 +257,13 @@ class Block(nn.Module):
 
 _REMAT_POLICIES = {
   'full': jax.checkpoint_policies.nothing_saveable,
-  'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  # The matmul outputs without batch dimensions (QKV, the output projections, the MLP's), and the
+  # fused attention kernels' output and log-sum-exp, without which their backward would run the
+  # forward kernel again (the xla path's scores and softmax are recomputed).
+  'save_dots': jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    jax.checkpoint_policies.save_only_these_names(ATTENTION_RESIDUALS),
+  ),
 }
 
 

@@ -254,6 +254,17 @@ def attention_impl_on(cfg: Config, gpu: str | None = None, framework: str = 't5x
   return attention.resolved(cfg.model, attention.Device('gpu', compute_capability=capability))
 
 
+def keeps_attention_residuals(impl: str, residuals_kept: bool | None = None) -> bool:
+  """Whether remat_policy='save_dots' keeps `impl`'s output and log-sum-exp, so that its
+  backward runs no second forward: `residuals_kept` where given (estimate's), else as this code
+  does (t5x_like/model/attention.py's KEEPS_RESIDUALS_UNDER_SAVE_DOTS)."""
+  if residuals_kept is not None:
+    return residuals_kept
+  from t5x_like.model import attention  # imports JAX, starts no backend
+
+  return impl in attention.KEEPS_RESIDUALS_UNDER_SAVE_DOTS
+
+
 def measured_attention_tflops(measured: Measured, impl: str, seq: int) -> tuple[float, float]:
   """(forward, backward) TFLOP/s of `impl`'s causal attention at sequence length `seq`, from
   `measured` (log-linear between the measured lengths, the nearest outside them). An
@@ -444,11 +455,16 @@ def zero_of(cfg: Config, framework: str = 't5x_like') -> Zero:
 
 
 def memory_bytes(
-  cfg: Config, framework: str = 't5x_like', gpu: str | None = None
+  cfg: Config,
+  framework: str = 't5x_like',
+  gpu: str | None = None,
+  residuals_kept: bool | None = None,
 ) -> dict[str, float]:
   """Bytes per GPU by memory_report's categories, for t5x_like's step on a GPU of kind `gpu` (its
   attention_impl='auto' resolved there: attention_impl_on), or, under
-  framework='megatron-deepspeed', for Megatron-DeepSpeed's as the chronicles ran it."""
+  framework='megatron-deepspeed', for Megatron-DeepSpeed's as the chronicles ran it.
+  `residuals_kept`: whether 'save_dots' keeps the attention kernel's output and log-sum-exp
+  (None: as this code does, keeps_attention_residuals; False: as a step measured before it did)."""
   _check_framework(framework)
   if framework == 'megatron-deepspeed':
     return _megatron_memory_bytes(cfg)
@@ -509,9 +525,12 @@ def memory_bytes(
     # jax.checkpoint_policies.dots_with_no_batch_dims_saveable keeps the outputs of the matmuls
     # without batch dimensions: QKV, the attention's and the MLP's output projections (whole
     # before their reduction) and h -> 4h; not the scores' and the context's (batched over
-    # micro-batch and heads) nor a fused kernel's output. The scan keeps each layer's input.
+    # micro-batch and heads). The scan keeps each layer's input.
     # XLA's CPU compile of bloom_1b3's step keeps exactly these four [24, 4, 2048, ...] stacks.
+    # Our fused kernels' output and float32 log-sum-exp are kept too, by name.
     keep = activation * (3 / t + 2 + m.ffn_size / h / t) + activation / split_seq
+    if keeps_attention_residuals(impl, residuals_kept):
+      keep += activation / t + b * heads * s * 4
     out['kept activations'] = m.num_layers * keep
   else:
     out['kept activations'] = m.num_layers * (dots + 3 * scores * compute_bytes)
@@ -712,13 +731,17 @@ def estimate(
   nodes_of: int | None = None,
   framework: str = 't5x_like',
   measured_half_work: float = MEASURED_HALF_WORK,
+  residuals_kept: bool | None = None,
 ) -> dict:
   """The cost of one iteration of `cfg`'s step (at its full global batch) on its mesh of GPUs
   of kind `gpu` (`nodes_of` GPUs per node; None: the kind's): times in seconds, bytes per GPU per
   iteration. `cfg` is a validated config (Config.validate, schedule.check). `framework`:
   FRAMEWORKS, t5x_like's step or Megatron-DeepSpeed's as the chronicles measured it.
   `fitted` prices the kernels on a GPU without measured rates (Gpu.measured) or under
-  Megatron-DeepSpeed, `measured_half_work` t5x_like's matmuls on one with them."""
+  Megatron-DeepSpeed, `measured_half_work` t5x_like's matmuls on one with them.
+  `residuals_kept`: whether remat_policy='save_dots' keeps the attention kernel's output and
+  log-sum-exp, sparing the backward its forward (None: as this code does for the implementation,
+  keeps_attention_residuals; False: as the steps measured before it did, fit_planner.H100_STEP)."""
   _check_framework(framework)
   spec = gpu_spec(gpu, nodes_of)
   check_topology(cfg, spec)
@@ -730,15 +753,21 @@ def estimate(
   micro = cfg.num_microbatches
   slots = stage_slots(cfg)
   compute_bytes = 2 if m.dtype == 'bfloat16' else 4
+  impl = attention_impl_on(cfg, gpu, framework)
   # What the backward recomputes: each layer's whole forward under remat_policy='full' and in the
-  # 1F1B pipeline's ticks; attention's forward under 'save_dots' too (its matmuls have batch
-  # dimensions and a fused kernel is no matmul: dots_with_no_batch_dims_saveable keeps neither);
-  # the logits under the chunked cross-entropy (its backward recomputes each vocabulary chunk).
+  # 1F1B pipeline's ticks; attention's forward under 'save_dots' too, unless the implementation
+  # is one of ours, whose output and log-sum-exp the policy keeps by name (its matmuls have batch
+  # dimensions and a library's kernel is no matmul: dots_with_no_batch_dims_saveable keeps
+  # neither); the logits under the chunked cross-entropy (its backward recomputes each vocabulary
+  # chunk).
   recompute = m.remat_policy == 'full' or (p > 1 and cfg.pipeline.schedule == '1f1b')
-  recompute_attention = recompute or (not megatron and m.remat_policy == 'save_dots')
+  recompute_attention = recompute or (
+    not megatron
+    and m.remat_policy == 'save_dots'
+    and not keeps_attention_residuals(impl, residuals_kept)
+  )
   recompute_head = not megatron and m.cross_entropy_impl == 'chunked'
   split_head = embedding_split_over_pipeline(cfg, framework)
-  impl = attention_impl_on(cfg, gpu, framework)
   measured = None if megatron else spec.measured
 
   # FLOPs of one micro-batch's forward through one stage on one GPU.
@@ -915,7 +944,7 @@ def estimate(
     'optimizer_s': optimizer_bytes / (spec.hbm_gb_s * 1e9),
   }
   step = sum(parts.values())
-  memory = memory_bytes(cfg, framework, gpu)
+  memory = memory_bytes(cfg, framework, gpu, residuals_kept)
   memory_gib = sum(memory.values()) / GIB
   # A PyTorch process may use the whole device; JAX takes its fraction.
   fraction = 1.0 if megatron else jax_memory_fraction()

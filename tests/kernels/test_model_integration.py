@@ -11,10 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO, run_steps, small_config
+from jax._src.lib.mlir import ir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5x_like.config import ConfigError, ModelConfig, load_config_file
+from t5x_like.kernels import flash_attention, mosaic_attention
+from t5x_like.kernels.triton_lowering import TRITON_CALL_TARGET, lower_for_cuda
 from t5x_like.mesh import partitioning
 from t5x_like.model import attention as attention_lib
 from t5x_like.model import losses
@@ -236,6 +239,58 @@ def test_cudnn_attention_runs_on_a_gpu_only():
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(xla_grads)):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.abs(got - want).max() <= 5e-2 * np.abs(want).max()
+
+
+def live_gpu_kernels(operation) -> list[str]:
+  """The Triton (by name) and Mosaic GPU kernels of a module lowered for CUDA whose results
+  something reads. A kernel nothing reads is dead code that XLA drops (neither custom call has
+  side effects): jax's rematerialisation leaves a pallas_call it no longer needs in place."""
+  found = []
+  for region in operation.regions:
+    for block in region.blocks:
+      for op in block.operations:
+        op = op.operation
+        if op.name == 'stablehlo.custom_call' and any(list(r.uses) for r in op.results):
+          target = ir.StringAttr(op.attributes['call_target_name']).value
+          if target == TRITON_CALL_TARGET:
+            config = ir.DictAttr(op.attributes['mhlo.backend_config'])
+            found.append(ir.StringAttr(config['name']).value)
+          elif target.startswith('mosaic_gpu'):
+            found.append(target)
+        found += live_gpu_kernels(op)
+  return found
+
+
+def kernels_lowered_for_cuda(impl: str, remat_policy: str) -> list[str]:
+  """The live GPU kernels of one layer's attention (a saved matmul in, the kernel, a matmul out)
+  under the model's `remat_policy`, its loss and gradients lowered for CUDA."""
+  kernel = mosaic_attention if impl == 'mosaic' else flash_attention
+  policy = model_lib.remat_policy(remat_policy)
+
+  def layer(w, x):
+    q = jnp.einsum('bshd,de->bshe', x, w).astype(jnp.bfloat16)
+    out = kernel(q, q, q, alibi_slopes=np.array([0.5, 0.25], np.float32))
+    return jnp.einsum('bshd,de->bshe', out.astype(jnp.float32), w).sum()
+
+  x = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.float32)
+  w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+  module = lower_for_cuda(jax.value_and_grad(jax.checkpoint(layer, policy=policy)), w, x)
+  return live_gpu_kernels(module.operation)
+
+
+def test_save_dots_keeps_our_kernels_residuals_so_the_backward_runs_no_second_forward():
+  """remat_policy='save_dots' keeps our kernels' output and log-sum-exp (named in their forward):
+  the step runs the forward kernel once, then the two backward kernels. Under 'full' the backward
+  runs the forward again, which this count sees."""
+  assert kernels_lowered_for_cuda('pallas', 'save_dots') == [
+    'flash_attention_forward',
+    'flash_attention_dkdv',
+    'flash_attention_dq',
+  ]
+  assert kernels_lowered_for_cuda('pallas', 'full').count('flash_attention_forward') == 2
+  # Forward, dQ, dK/dV; under 'full' the forward twice.
+  assert len(kernels_lowered_for_cuda('mosaic', 'save_dots')) == 3
+  assert len(kernels_lowered_for_cuda('mosaic', 'full')) == 4
 
 
 def test_fused_attention_has_no_dropout():
