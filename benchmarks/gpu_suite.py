@@ -57,7 +57,15 @@ the new stages has run on a GPU yet:
    share of 4 BLOOM-176B layers as tr11 split them (28 heads of 128, FFN 14336, micro-batch 2 x
    2048, full recomputation), pallas and tokamax: TFLOP/s per GPU by tr11's count beside its 150
    per A100, and with the planner's estimate of the all-reduces one GPU does not do.
-7. `tests` (limit 150 s, about 80 s; started only with 90 s of the budget left): `pytest
+7. `tune` (limit 75 s per variant, about 22 s each, not measured: about 90 s): the step with the
+   fastest attention (the step stage's row is the base; `--base_attention` names it when the
+   step stage is not in the same call, and the base is then measured too) under each of
+   TUNE_VARIANTS, 2 warm-up + 3 timed steps: `model.remat_policy='none'` (every activation kept,
+   nothing recomputed; it may not fit) and XLA GPU flags (cuBLASLt GEMMs with fused epilogues,
+   no Triton GEMM fusions, cuDNN LayerNorm). Each row gives its speed-up over the base and its
+   first loss against the base's; a variant that does not run is reported, a loss off the
+   base's fails the stage. With `--smoke`, remat-none and cublaslt only.
+8. `tests` (limit 150 s, about 80 s; started only with 90 s of the budget left): `pytest
    tests/kernels` on this device: the Pallas kernels compiled through Triton, cuDNN and tokamax
    attention against xla, the Mosaic GPU kernels (tests/kernels/test_mosaic_attention.py, the
    whole directory is collected), fp32 references at full precision (JAX_DEFAULT_MATMUL_PRECISION=
@@ -66,10 +74,11 @@ the new stages has run on a GPU yet:
 
 Estimated before mosaic: about 330 s to the end of stage 6, about 410 s with the tests (plan
 beside them). mosaic adds a step process (about 30 s if it costs what the others do; not
-measured) and 3 attention rows, so on an H100 the tests stage (started only with 90 s of the
-budget left) is likely the one left out: the budget skips the tests first (`--only tests` runs
-them alone); were the GPU slower still, shard176b and then the loss variants would get less time
-than their limits (one cut short is a failure). `--step_impls` trims the step stage. Only one
+measured) and 3 attention rows, so on an H100 the tune and tests stages are likely the ones the
+budget leaves out (the tests start only with 90 s of the budget left): a second call runs them,
+`--only tune,tests --base_attention IMPL` with the fastest attention of the first; were the GPU
+slower still, shard176b and then the loss variants would get less time than their limits (one
+cut short is a failure). `--step_impls` trims the step stage. Only one
 stage touches the GPU at a time (plan's process has no GPU), so each measured peak is its own
 process's. Exit status 1 if any stage failed (a test, a kernel's error above its tolerance, a loss
 that differs from xla's, a stage out of its time limit; not mosaic's failure to run).
@@ -92,9 +101,22 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, 'benchmarks')
 CONFIG = os.path.join(REPO, 'configs', 'bloom_1b3.py')
-STAGES = ('plan', 'matmul', 'attention', 'step', 'loss', 'shard176b', 'tests')
+STAGES = ('plan', 'matmul', 'attention', 'step', 'loss', 'shard176b', 'tune', 'tests')
 STEP_IMPLS = ('xla', 'pallas', 'cudnn', 'tokamax', 'mosaic', 'auto')
 LOSS_VARIANTS = ('dense', 'chunked', 'fused')
+# The `tune` stage: the step with the fastest attention under settings that may speed it up, each
+# in its own process: {name: (config overrides, XLA_FLAGS)}. No recomputation at all (does every
+# activation fit, and what does save_dots's recomputation of LayerNorm, GeLU and the bias adds
+# cost?), and XLA GPU flags: GEMMs through cuBLASLt (bias and GeLU epilogues fused into the
+# GEMM), no Triton GEMM fusions (cuBLAS for every matmul), LayerNorm as a cuDNN call.
+TUNE_VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
+  'remat-none': (('--config.model.remat_policy=none',), ''),
+  'cublaslt': ((), '--xla_gpu_enable_cublaslt=true'),
+  'no-triton-gemm': ((), '--xla_gpu_enable_triton_gemm=false'),
+  'cudnn-layer-norm': ((), '--xla_gpu_enable_cudnn_layer_norm=true'),
+}
+# --smoke runs one variant of each kind (the flag variants differ only in the flag's name).
+SMOKE_TUNE_VARIANTS = ('remat-none', 'cublaslt')
 ATTENTION_SEQS = '2048,4096,8192'
 # tokamax: the model's tokamax_attention (a direct tokamax call where this checkout has none).
 ATTENTION_IMPLS = 'pallas,tokamax,tokamax-nobias,cudnn,tokamax-cudnn,xla'
@@ -127,6 +149,7 @@ LIMITS = {
   'step': 90,  # each implementation
   'loss': 75,  # each variant
   'shard176b': 120,
+  'tune': 75,  # each variant
   'tests': 150,
 }
 SMOKE_LIMIT = 600
@@ -428,14 +451,21 @@ def attention_child(smoke: bool, workdir: str, name: str, impls: str, limit_s: f
   return report
 
 
-def step_child(specs: list[str], workdir: str, limit_s: float, extra: list[str]) -> dict:
-  """One step_throughput.py process for `specs` (IMPL or IMPL:LOSS); each one's result, or why
-  there is none."""
+def step_child(
+  specs: list[str],
+  workdir: str,
+  limit_s: float,
+  extra: list[str],
+  env: dict | None = None,
+  tag: str = 'step',
+) -> dict:
+  """One step_throughput.py process for `specs` (IMPL or IMPL:LOSS), with `env` added to its
+  environment; each one's result, or why there is none. `tag` names its JSON file."""
   name = '_'.join(specs).replace(':', '-')
-  out = os.path.join(workdir, f'step_{name}.json')
+  out = os.path.join(workdir, f'{tag}_{name}.json')
   command = [sys.executable, os.path.join(BENCHMARKS, 'step_throughput.py'), '--config', CONFIG]
   command += ['--attention', ','.join(specs), '--json', out, *extra]
-  run = run_child(command, limit_s)
+  run = run_child(command, limit_s, env=env)
   report = read_json(out) or {}
   results = {}
   for spec in specs:
@@ -531,6 +561,50 @@ def losses(smoke: bool, workdir: str, clock: Clock, step_results: dict, default_
   return {'attention': impl, 'results': results, 'ok': ok}
 
 
+def tune(smoke: bool, workdir: str, clock: Clock, step_results: dict, default_impl: str) -> dict:
+  """The step with the fastest attention under each of TUNE_VARIANTS, one process each, against
+  the step stage's row of that attention (the base; measured here when the step stage did not
+  run). A variant that does not run (a flag this XLA does not know, activations that do not
+  fit) is reported, not a failure; one whose first loss is off the base's fails the stage."""
+  impl = fastest(step_results) or default_impl
+  extra = (
+    ['--smoke', '--global_batch', '4', '--warmup', '1', '--steps', '1']
+    if smoke
+    else ['--global_batch', '16', '--warmup', '2', '--steps', '3']
+  )
+  results: dict = {}
+  base = step_results.get(impl, {})
+  todo: dict[str, tuple[tuple[str, ...], str]] = {}
+  if 'step_s_median' in base:
+    results['base'] = {**base, 'from': 'the step stage'}
+  else:
+    todo['base'] = ((), '')
+  names = SMOKE_TUNE_VARIANTS if smoke else tuple(TUNE_VARIANTS)
+  todo.update({name: TUNE_VARIANTS[name] for name in names})
+  for name, (overrides, flags) in todo.items():
+    limit = min(SMOKE_LIMIT if smoke else LIMITS['tune'], clock.left())
+    if limit < 10:
+      results[name] = {'failed': 'skipped: out of the time budget'}
+      continue
+    env = None
+    if flags:
+      env = {'XLA_FLAGS': ' '.join(f for f in (os.environ.get('XLA_FLAGS', ''), flags) if f)}
+    found = step_child([impl], workdir, limit, [*extra, *overrides], env=env, tag=f'tune_{name}')
+    results[name] = {**found[impl], 'overrides': list(overrides), 'xla_flags': flags}
+  ok = True
+  reference = results.get('base', {})
+  tolerance = step_throughput_tolerance()
+  for name, result in results.items():
+    if name == 'base' or not reference.get('losses') or not result.get('losses'):
+      continue
+    result['first_loss_vs_base'] = abs(result['losses'][0] - reference['losses'][0]) / abs(
+      reference['losses'][0]
+    )
+    ok &= result['first_loss_vs_base'] <= tolerance
+    result['speedup_vs_base'] = reference['step_s_median'] / result['step_s_median']
+  return {'attention': impl, 'results': results, 'ok': ok}
+
+
 def shard176b(smoke: bool, workdir: str, limit_s: float) -> dict:
   out = os.path.join(workdir, 'shard176b.json')
   command = [sys.executable, os.path.join(BENCHMARKS, 'shard_176b.py'), '--json', out]
@@ -588,6 +662,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     '--step_impls',
     default=','.join(STEP_IMPLS),
     help='the attention implementations of the step stage',
+  )
+  parser.add_argument(
+    '--base_attention',
+    default='pallas',
+    help='the attention of the loss and tune stages when the step stage does not run in the '
+    'same call (else the fastest it measured)',
   )
   parser.add_argument(
     '--budget_s',
@@ -655,7 +735,7 @@ def run_suite(args: argparse.Namespace) -> int:
     stages[stage] = result
     timing[stage] = {
       'wall_s': round(time.perf_counter() - started, 1),
-      'limit_s': None if stage in ('step', 'loss') else LIMITS[stage],
+      'limit_s': None if stage in ('step', 'loss', 'tune') else LIMITS[stage],
     }
     save()
 
@@ -684,10 +764,14 @@ def run_suite(args: argparse.Namespace) -> int:
         finish(stage, steps(args.smoke, workdir, clock, impls), started)
       elif stage == 'loss':
         step_results = stages.get('step', {}).get('results', {})
-        default = 'xla' if args.smoke else 'pallas'
+        default = 'xla' if args.smoke else args.base_attention
         finish(stage, losses(args.smoke, workdir, clock, step_results, default), started)
       elif stage == 'shard176b':
         finish(stage, shard176b(args.smoke, workdir, limit(stage)), started)
+      elif stage == 'tune':
+        step_results = stages.get('step', {}).get('results', {})
+        default = 'xla' if args.smoke else args.base_attention
+        finish(stage, tune(args.smoke, workdir, clock, step_results, default), started)
       elif stage == 'tests':
         finish(stage, kernel_tests(limit(stage)), started)
     device = next(
@@ -789,6 +873,8 @@ def step_line(label: str, r: dict, impl: str) -> str:
   vs = f', vs xla {r["first_loss_vs_xla"]:.1e}' if 'first_loss_vs_xla' in r else ''
   if 'first_loss_vs_first' in r:
     vs = f', vs the first variant {r["first_loss_vs_first"]:.1e}'
+  if 'first_loss_vs_base' in r:
+    vs = f', {r["speedup_vs_base"]:.3f}x the base, loss vs the base {r["first_loss_vs_base"]:.1e}'
   return (
     f'{label}: {r["step_s_median"] * 1e3:.0f} ms, {r["tokens_per_s"]:,.0f} tokens/s, '
     f'{r["model_tflops"]:.3g} TFLOP/s, MFU {100 * r["mfu"]:.1f}%, loss {r["losses"][0]:.4f}'
@@ -856,6 +942,11 @@ def summary(report: dict) -> str:
   loss = stages.get('loss', {})
   for variant, r in loss.get('results', {}).items():
     lines.append(step_line(f'loss {variant} ({loss["attention"]} attention)', r, loss['attention']))
+  tuned = stages.get('tune', {})
+  for variant, r in tuned.get('results', {}).items():
+    setting = ' '.join([*r.get('overrides', []), r.get('xla_flags', '')]).strip()
+    label = f'tune {variant} ({tuned["attention"]} attention{"; " + setting if setting else ""})'
+    lines.append(step_line(label, r, tuned['attention']))
   shard = stages.get('shard176b', {})
   if shard.get('results'):
     import shard_176b  # (BENCHMARKS is on sys.path: summary's caller put it there)

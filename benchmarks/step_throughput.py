@@ -101,6 +101,7 @@ def measure(cfg, steps: int, warmup: int = WARMUP, profile_steps: int = 0, save=
   result = {
     'attention_impl': cfg.model.attention_impl,
     'cross_entropy_impl': cfg.model.cross_entropy_impl,
+    'remat_policy': cfg.model.remat_policy,
     'compile_s': compile_s,
     'xla_peak_bytes': memory.temp_size_in_bytes
     + memory.argument_size_in_bytes

@@ -25,7 +25,7 @@ def test_smoke_run_reports_every_stage(tmp_path, capsys):
   stages = report['stages']
   assert report['ok'] and report['platform'] == 'cpu'
   # No kernel tests in smoke; every other stage, each timed.
-  assert set(stages) == {'plan', 'matmul', 'attention', 'step', 'loss', 'shard176b'}
+  assert set(stages) == {'plan', 'matmul', 'attention', 'step', 'loss', 'shard176b', 'tune'}
   assert set(report['stage_timing']) == set(stages)
 
   # Attention: every implementation at the smoke length; the tokamax rows run tokamax's XLA
@@ -82,6 +82,18 @@ def test_smoke_run_reports_every_stage(tmp_path, capsys):
     assert loss['results'][variant]['cross_entropy_impl'] == variant
     assert loss['results'][variant]['first_loss_vs_first'] <= 2e-2
 
+  # The tune variants with the same attention: the base from the step stage, then one variant
+  # of each kind (a config override, XLA flags), each against the base's speed and first loss.
+  tuned = stages['tune']
+  assert tuned['attention'] == loss['attention']
+  assert list(tuned['results']) == ['base', *gpu_suite.SMOKE_TUNE_VARIANTS]
+  assert tuned['results']['base']['from'] == 'the step stage'
+  none, lt = tuned['results']['remat-none'], tuned['results']['cublaslt']
+  assert none['remat_policy'] == 'none' and lt['remat_policy'] == 'save_dots'
+  assert lt['xla_flags'] == '--xla_gpu_enable_cublaslt=true' and not none['xla_flags']
+  for variant in (none, lt):
+    assert variant['first_loss_vs_base'] <= 2e-2 and variant['speedup_vs_base'] > 0
+
   # BLOOM-176B's shard: three FLOP counts and the planner's all-reduces for two GPU kinds.
   shard = stages['shard176b']['results']
   assert set(shard) == {'xla', 'tokamax'}
@@ -99,7 +111,7 @@ def test_smoke_run_reports_every_stage(tmp_path, capsys):
   assert stages['matmul']['measured_tflops'] > 0
 
   text = capsys.readouterr().out  # the summary
-  for line in ('step pallas:', 'step profile', 'loss fused', '176B shard tokamax', 'cost model'):
+  for line in ('step pallas:', 'step profile', 'loss fused', 'tune remat-none', '176B shard tok'):
     assert line in text
   assert 'attention mosaic seq 64: checked, not timed' in text
   assert 'step mosaic: skipped: not run with --smoke' in text
@@ -230,6 +242,41 @@ def test_the_step_stage_fails_on_core_failures_and_the_loss_stage_skips_a_wrong_
   stage = run()
   assert not stage['ok'] and stage['results']['mosaic']['first_loss_vs_xla'] > 0.2
   assert gpu_suite.fastest(stage['results']) == 'pallas'
+
+
+def test_a_tune_variant_that_does_not_run_is_reported_and_a_wrong_loss_fails(monkeypatch, tmp_path):
+  """The tune stage measures its base when the step stage did not run in the same call (the
+  attention --base_attention names), passes each variant's XLA flags in its environment, reports
+  a variant that does not run without failing, and fails on a first loss off the base's."""
+  calls = []
+  loss = {'base': 2.0, 'remat-none': 2.0, 'cublaslt': 2.0, 'no-triton-gemm': 2.0}
+
+  def step_child(specs, workdir, limit_s, extra, env=None, tag='step'):
+    name = tag.removeprefix('tune_')
+    calls.append((specs, name, (env or {}).get('XLA_FLAGS', ''), extra))
+    if name == 'cudnn-layer-norm':
+      return {specs[0]: {'failed': 'exit 1; output ends: Unknown flags in XLA_FLAGS'}}
+    return {specs[0]: {'losses': [loss[name]], 'step_s_median': 0.5 if name == 'base' else 0.4}}
+
+  monkeypatch.setattr(gpu_suite, 'step_child', step_child)
+  monkeypatch.setenv('XLA_FLAGS', '--xla_dump_to=somewhere')
+  stage = gpu_suite.tune(False, str(tmp_path), gpu_suite.Clock(1000.0), {}, 'mosaic')
+  assert stage['ok'] and stage['attention'] == 'mosaic'
+  assert [name for _, name, _, _ in calls] == ['base', *gpu_suite.TUNE_VARIANTS]
+  assert all(specs == ['mosaic'] for specs, *_ in calls)
+  flags = {name: flags for _, name, flags, _ in calls}
+  assert flags['base'] == flags['remat-none'] == ''  # the suite's environment, unchanged
+  assert flags['cublaslt'] == '--xla_dump_to=somewhere --xla_gpu_enable_cublaslt=true'
+  assert '--config.model.remat_policy=none' in calls[1][3]
+  assert stage['results']['remat-none']['speedup_vs_base'] == pytest.approx(1.25)
+  assert 'Unknown flags' in stage['results']['cudnn-layer-norm']['failed']
+  loss['cublaslt'] = 2.5
+  calls.clear()
+  step_rows = {'pallas': {'losses': [2.0], 'step_s_median': 0.5}}
+  stage = gpu_suite.tune(False, str(tmp_path), gpu_suite.Clock(1000.0), step_rows, 'mosaic')
+  assert not stage['ok'] and stage['results']['cublaslt']['first_loss_vs_base'] == 0.25
+  assert stage['attention'] == 'pallas' and stage['results']['base']['from'] == 'the step stage'
+  assert 'base' not in [name for _, name, _, _ in calls]
 
 
 # --- the profile's categories on hand-written traces -----------------------------------------
