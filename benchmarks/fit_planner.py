@@ -102,10 +102,12 @@ def chronicles_config(
   layers: int, hidden: int, heads: int, dp: int, tp: int, pp: int, mbs: int, gbs: int
 ) -> Config:
   """A chronicles row as t5x_like runs it: configs/bloom_176b.py (BLOOM's vocabulary, seq 2048,
-  bf16, full recomputation, 1F1B) at the row's shape and topology, without the ramp-up."""
+  bf16, full recomputation, 1F1B) at the row's shape and topology, without the ramp-up, with
+  pipeline.grad_sync='tick', as `plan` compiled these rows (docs/benchmarks.md)."""
   return load_config_file(
     os.path.join(REPO, 'configs', 'bloom_176b.py'),
     {
+      'pipeline.grad_sync': 'tick',
       'model.num_layers': layers,
       'model.hidden_size': hidden,
       'model.num_heads': heads,

@@ -4,7 +4,10 @@ Compiles `configs/bloom_176b.py`'s step with `python -m t5x_like.plan` on virtua
 for every row of seed 004's 02-25 table (NLAYERS 72, NHIDDEN 14336, NHEADS 64), plus tr11 itself
 and tr11 at MBS 4, and prints a markdown table beside Megatron-DeepSpeed's measured GB.
 
-  python benchmarks/plan_topologies.py [--only N ...]
+  python benchmarks/plan_topologies.py [--only N ...] [--grad_sync step|tick]
+
+--grad_sync: pipeline.grad_sync (default: the config's, 'step'): when the data ranks' gradients
+are summed (docs/pipeline.md); the table's earlier figures are 'tick'.
 """
 
 from __future__ import annotations
@@ -63,13 +66,15 @@ def row_overrides(dp, tp, pp, mbs, gbs) -> list[str]:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--only', type=int, nargs='*', help='row numbers of TABLE (0-based)')
+  parser.add_argument('--grad_sync', choices=('step', 'tick'), help='pipeline.grad_sync')
   args = parser.parse_args(argv)
+  sync = [f'--config.pipeline.grad_sync={args.grad_sync}'] if args.grad_sync else []
   print('| DP | TP | PP | MBS | GBS | Megatron-DeepSpeed (GB) | XLA peak (GiB) | GPU estimate |')
   print('|---:|---:|---:|---:|---:|---:|---:|---:|')
   for i, (dp, tp, pp, mbs, gbs, megatron) in enumerate(TABLE):
     if args.only is not None and i not in args.only:
       continue
-    r = plan(row_overrides(dp, tp, pp, mbs, gbs))
+    r = plan(row_overrides(dp, tp, pp, mbs, gbs) + sync)
     print(
       f'| {dp} | {tp} | {pp} | {mbs} | {gbs} | {megatron} | {r["peak_gib"]:.2f} | '
       f'{r["gpu_estimate_peak_gib"]:.2f} |',
@@ -84,7 +89,7 @@ def main(argv=None) -> None:
   ):
     if args.only is not None:
       break
-    r = plan(extra)
+    r = plan(extra + sync)
     print(
       f'{name}: XLA peak {r["peak_gib"]:.2f} GiB, GPU estimate '
       f'{r["gpu_estimate_peak_gib"]:.2f} GiB',

@@ -131,9 +131,12 @@ def get_config() -> ml_collections.ConfigDict:
   )
   c.eval = dict(interval=1000, iters=1)  # --eval-interval 1000 --eval-iters 1
   c.mesh = dict(data=8, pipeline=12, tensor=4)
-  # 1F1B: a stage keeps 23 micro-batches' inputs, not 139 (peak 34.50 vs 40.98 GiB per device,
-  # plan, CPU compile, 2026-11-24), at GPipe's bubble and, under 'full', GPipe's FLOPs.
-  c.pipeline = dict(repeats=1, microbatch_group=0, schedule='1f1b')
+  # 1F1B: a stage keeps 23 micro-batches' inputs, not 139 (peak 34.50 vs 40.98 GiB per device
+  # with grad_sync='tick', plan, CPU compile, 2026-11-24), at GPipe's bubble and, under 'full',
+  # GPipe's FLOPs. grad_sync='step': each data rank sums its own gradients, which cross the data
+  # ranks once an iteration, not at each of the 150 ticks (plan --estimate on tr11's cluster:
+  # 114 s an iteration against 2,231), for 61.12 GiB per device instead of 34.50 (2026-11-26).
+  c.pipeline = dict(repeats=1, microbatch_group=0, schedule='1f1b', grad_sync='step')
   c.checkpoint = dict(
     save_interval=100,
     max_to_keep=3,

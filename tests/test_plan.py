@@ -23,12 +23,13 @@ def test_bloom_176b_lowers_and_compiles_on_384_virtual_devices():
   embedding = 250880 * h * 12 / (4 * 8)
   assert abs(report['argument_gib'] - (layers + embedding) / 2**30) < 0.01
   assert report['replicated_over_data'] == []  # data 8 divides a dim of every tensor
-  # XLA's peak per device: 34.50 GiB in this compile, with the 1F1B order and the stages reading
-  # a gathered bf16 copy of their weights (40.98 in the GPipe order; 49.60 while the stages read
-  # a gathered fp32 copy; 63.96 without sequence parallelism; 145.7 GiB while the last stage's
-  # outputs were stacked over all 139 ticks, docs/benchmarks.md), below Megatron-DeepSpeed's
-  # 59 GB and the 45 GiB goal. The bound is that figure plus 5%.
-  assert report['peak_gib'] < 36.3, report
+  # XLA's peak per device: 61.12 GiB in this compile, each data rank adding its own fp32
+  # gradient up (pipeline.grad_sync='step'; 34.50 with 'tick', which all-reduces it at each of
+  # the 150 ticks; docs/benchmarks.md), with the 1F1B order and the stages reading a gathered
+  # bf16 copy of their weights. Megatron-DeepSpeed's BF16 optimizer, which accumulates the same
+  # fp32 gradients, measured 65-67 GB for a 195B on this topology. The bound is that figure plus
+  # 5%.
+  assert report['peak_gib'] < 64.2, report
 
 
 def test_zero1_splits_the_state_over_a_data_that_divides_no_dim():

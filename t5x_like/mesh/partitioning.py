@@ -89,13 +89,14 @@ def splits_here(mesh: Mesh | AbstractMesh, axis: str) -> bool:
   return axis in mesh.shape and dict(zip(mesh.axis_names, mesh.axis_types))[axis] != AxisType.Manual
 
 
-def per_copy_mesh(mesh: Mesh) -> Mesh:
-  """`mesh` as seen inside a shard_map over `replica` (hybrid sharding's copies, the
-  per-copy micro-batch loop of training/step.py): the same devices with `replica` manual, so
-  that the model's constraints and shard_maps (which take their axes from `logical_to_mesh` and
-  `spec_for`, dropping it) split over the other axes only."""
+def per_copy_mesh(mesh: Mesh, axes: Sequence[str] = ('replica',)) -> Mesh:
+  """`mesh` as seen inside a shard_map over `axes`: hybrid sharding's copies (`replica`, the
+  per-copy micro-batch loop of training/step.py) or a pipeline's data ranks (`batch_axes`, its
+  per-rank schedule): the same devices with `axes` manual, so that the model's constraints and
+  shard_maps (which take their axes from `logical_to_mesh` and `spec_for`, dropping them) split
+  over the other axes only."""
   types = tuple(
-    AxisType.Manual if name == 'replica' else kind
+    AxisType.Manual if name in axes else kind
     for name, kind in zip(mesh.axis_names, mesh.axis_types)
   )
   return Mesh(mesh.devices, mesh.axis_names, axis_types=types)

@@ -36,7 +36,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from t5x_like.config import ModelConfig
 from t5x_like.kernels.reference import attention_reference  # noqa: F401 (benchmarks use it)
@@ -77,12 +77,18 @@ class Context:
     # The residual stream [batch, length, embed] between the tensor-parallel matmuls (and the
     # LayerNorms and dropout on it): split along the sequence under model.sequence_parallel.
     self.residual_names = ('batch', 'length_sp' if cfg.sequence_parallel else 'length', 'act_embed')
+    # Inside a shard_map (manual axes) the constraints name the abstract mesh: vmap's
+    # spmd_axis_name (the pipeline's stages) cannot batch a constraint on the concrete one there.
+    self.constraint_mesh: Mesh | AbstractMesh | None = mesh
+    if mesh is not None and AxisType.Manual in mesh.axis_types:
+      self.constraint_mesh = mesh.abstract_mesh
 
   def constrain(self, x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     if self.mesh is None:
       return x
     spec = partitioning.spec_for(names, x.shape, self.mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+    assert self.constraint_mesh is not None
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.constraint_mesh, spec))
 
   def gather_top(self, params: dict) -> dict:
     """Top-level params (embedding, norms) about to be used: gathered under ZeRO-3."""

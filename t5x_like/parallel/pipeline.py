@@ -282,6 +282,11 @@ class Schedule:
   copy, possibly `as_bits` (default: cast here). The stages compute from the copy and every use
   sends its gradient to `params` in fp32 (`compute_copy`), so gradients accumulate over
   micro-batches in fp32 while only the compute copy is gathered.
+
+  `loss_axes`: inside a shard_map over the mesh axes that split the batch's rows (each data
+  rank's own schedule, training/step.py's `per_rank_pipeline`), those axes: each micro-batch's
+  loss is then this rank's rows' sum over the targets of all the ranks' rows, so that the
+  ranks' losses and gradients sum to the whole batch's.
   """
 
   def __init__(
@@ -295,10 +300,12 @@ class Schedule:
     ctx: model_lib.Context,
     deterministic: bool,
     compute_params=None,
+    loss_axes: tuple[str, ...] = (),
   ):
     P, R, chunk = placement.stages, placement.repeats, placement.chunk
     self.cfg, self.placement, self.ctx, self.batch, self.rng = cfg, placement, ctx, batch, rng
     self.deterministic = deterministic
+    self.loss_axes = loss_axes
     self.num_microbatches = batch.shape[0]
     self.activation_shape = (batch.shape[1], batch.shape[2] - 1, cfg.model.hidden_size)
     self.dtype = ctx.dtype
@@ -382,6 +389,9 @@ class Schedule:
     else:
       logits = model_lib.output_logits(head_params, x, cfg.model, ctx)
       token_losses = model_lib.cross_entropy(logits, labels)
+    if self.loss_axes:  # one scalar all-reduce per micro-batch: the targets of all its rows
+      count = jax.lax.psum(weights.sum(), self.loss_axes)
+      return (token_losses * weights).sum() / jnp.maximum(count, 1.0)
     return losses.weighted_mean(token_losses, weights)
 
   def loss_denominator(self):
@@ -408,6 +418,7 @@ def loss_and_grads(
   deterministic: bool = True,
   compute_params=None,
   loss_scale=None,
+  loss_axes: tuple[str, ...] = (),
 ):
   """The pipelined model's mean loss of batch [M, rows, S + 1] (`pipeline_loss`) and its fp32
   gradient w.r.t. `params`, in the schedule of `pipeline.schedule`: 'gpipe' differentiates
@@ -415,13 +426,14 @@ def loss_and_grads(
 
   loss_scale (a traced scalar, not differentiated): the loss and gradients of
   `loss_scale x pipeline_loss`, for the step's groups of micro-batches (pipeline.microbatch_group,
-  'gpipe' only)."""
+  'gpipe' only). loss_axes: see `Schedule`."""
   kwargs = dict(
     cfg=cfg,
     placement=placement,
     ctx=ctx,
     deterministic=deterministic,
     compute_params=compute_params,
+    loss_axes=loss_axes,
   )
   if cfg.pipeline.schedule == '1f1b':
     if loss_scale is not None:
@@ -442,6 +454,7 @@ def pipeline_loss(
   ctx: model_lib.Context,
   deterministic: bool = True,
   compute_params=None,
+  loss_axes: tuple[str, ...] = (),
 ):
   """Mean next-token loss of batch [M, rows, S + 1] through the pipelined model (the GPipe
   order: all forwards, then the scan's transpose runs all backwards): the mean of the
@@ -457,6 +470,7 @@ def pipeline_loss(
     ctx=ctx,
     deterministic=deterministic,
     compute_params=compute_params,
+    loss_axes=loss_axes,
   )
   P, R = placement.stages, placement.repeats
   M = sched.num_microbatches
@@ -557,6 +571,7 @@ def one_f_one_b_loss_and_grads(
   ctx: model_lib.Context,
   deterministic: bool = True,
   compute_params=None,
+  loss_axes: tuple[str, ...] = (),
 ):
   """`pipeline_loss` and its gradient w.r.t. `params` in the 1F1B order (pipeline.schedule =
   '1f1b', one repeat): a micro-batch's backward pass starts as soon as it has left the last
@@ -578,6 +593,7 @@ def one_f_one_b_loss_and_grads(
     ctx=ctx,
     deterministic=deterministic,
     compute_params=compute_params,
+    loss_axes=loss_axes,
   )
   P, M = placement.stages, sched.num_microbatches
   slots = 2 * P - 1  # a stage keeps micro-batches t - (2P - 2) + s .. t - s: at most 2P - 1

@@ -24,14 +24,17 @@
 * pipeline transfers: each tick sends an activation forward and a gradient back, 1/TP of it per
   GPU (Megatron's scatter-gather; sequence parallelism splits it the same way);
 * ZeRO over a group of G data ranks (mesh.zero_stage, mesh.zero_group): ZeRO-1's gradient
-  reduce-scatter and weight all-gather, or ZeRO-3's per-layer gathers and reduce-scatters in
+  reduce-scatter (with a pipeline once a step under pipeline.grad_sync 'step', an all-reduce
+  at every tick under 'tick') and weight all-gather, or ZeRO-3's per-layer gathers and
+  reduce-scatters in
   every micro-batch, over NVLink when the group fits in a node and the network otherwise; with
   hybrid sharding (G < data) an all-reduce of the 1/G gradient shards across the data / G
   copies; and the embedding's gradient summed over the stages that each hold a whole copy;
 * the optimizer: Adam reads and writes its shard of the state at HBM bandwidth;
 * memory per GPU in t5x_like/planning/memory_report.py's categories, by the layout t5x_like's step
   uses (the ZeRO-split state, the gathered bf16 copy of the stage under ZeRO-1 or two gathered
-  layers under ZeRO-3, fp32 gradients split over the group, kept stage inputs, the recomputed
+  layers under ZeRO-3, fp32 gradients split over the group or, with a pipeline under 'step',
+  whole on every data rank, kept stage inputs, the recomputed
   layers' matmul outputs, what save_dots keeps, one layer's backward, a micro-batch's gradient
   before it is accumulated).
 
@@ -252,6 +255,13 @@ def attention_impl_on(cfg: Config, gpu: str | None = None, framework: str = 't5x
 
   capability = GPUS[gpu].compute_capability if gpu in GPUS else '8.0'
   return attention.resolved(cfg.model, attention.Device('gpu', compute_capability=capability))
+
+
+def per_rank_pipeline(cfg: Config, framework: str = 't5x_like') -> bool:
+  """Whether t5x_like's pipeline runs each data rank's own schedule, its fp32 gradient whole
+  on every rank and reduced once a step (training/step.py's `per_rank_pipeline`)."""
+  mesh = cfg.mesh
+  return framework == 't5x_like' and mesh.pipeline > 1 and mesh.data > 1 and cfg.grad_sync == 'step'
 
 
 def keeps_attention_residuals(impl: str, residuals_kept: bool | None = None) -> bool:
@@ -540,6 +550,10 @@ def memory_bytes(
   # fp32 gradient, 13.8 GiB; docs/benchmarks.md), though the pipeline asks for them in the rule
   # sharding (step.gathered_params): a GPU compile must confirm it.
   out['gradient accumulators'] = 4 * state / g + 4 * embedding
+  if per_rank_pipeline(cfg, framework):
+    # Each data rank adds its own micro-batches' fp32 gradients up, the stage's whole (XLA's
+    # compile of tr11: 61.12 GiB peak, 34.50 with grad_sync='tick').
+    out['gradient accumulators'] = 4 * state + 4 * embedding
   # One layer's backward: its matmul outputs, and the softmax's f32 probabilities, their
   # gradient and the dropout mask's ('xla'; 2.93 GiB of the 49.07 GiB the H100 measured for
   # bloom_1b3's step against pallas's 46.14). cuDNN's ALiBi is a materialised [heads, s, s]
@@ -889,21 +903,25 @@ def estimate(
 
   # ZeRO-1: the fp32 gradients reduce-scattered over the group, the bf16 weights all-gathered
   # once per step. t5x_like without a pipeline reduce-scatters each micro-batch's gradient into
-  # the split accumulator (step.add_grads); a pipeline returns its schedule's (each group's)
-  # gradients at once.
+  # the split accumulator (step.add_grads); a pipeline under grad_sync='step' (and
+  # Megatron-DeepSpeed) once a step, under grad_sync='tick' it all-reduces each tick's gradient
+  # (what XLA's partitioner makes of one schedule over all data ranks).
   dp_s = dp_bytes = 0.0
   if zero.stage == 1 and g > 1:
-    scatters = micro if (p == 1 and not megatron) else groups
-    dp_s = scatters * group_s('reduce-scatter', 4 * state) + group_s(
-      'all-gather', compute_bytes * state
-    )
-    dp_bytes = scatters * _ring_bytes('reduce-scatter', 4 * state, g) + _ring_bytes(
+    kind, reductions = 'reduce-scatter', 1
+    if p == 1 and not megatron:
+      reductions = micro
+    elif not megatron and cfg.grad_sync == 'tick':
+      kind, reductions = 'all-reduce', groups * ((micro // groups) * r + p - 1)
+    dp_s = reductions * group_s(kind, 4 * state) + group_s('all-gather', compute_bytes * state)
+    dp_bytes = reductions * _ring_bytes(kind, 4 * state, g) + _ring_bytes(
       'all-gather', compute_bytes * state, g
     )
   # Hybrid sharding: each rank's 1/G fp32 gradient shard all-reduced across the R copies (ranks
   # G x pipeline x tensor devices apart): once per step without a pipeline or dropout
-  # (step.per_copy_loss_and_grads), else with each micro-batch's gradient (each group's, with a
-  # pipeline).
+  # (step.per_copy_loss_and_grads) and with a pipeline under grad_sync='step'
+  # (step.per_rank_pipeline), else with each micro-batch's gradient (each tick's, with a
+  # pipeline under grad_sync='tick').
   replica_s = replica_bytes = 0.0
   if copies > 1:
     shard = 4 * state / g
@@ -911,7 +929,11 @@ def estimate(
     replica_spans = n > node
     replica_per_node = max(1, min(copies, node // apart)) if replica_spans else copies
     dropout = m.hidden_dropout > 0 or m.attention_dropout > 0
-    reduces = groups if p > 1 else (micro if dropout else 1)
+    if p > 1:
+      ticks = groups * ((micro // groups) * r + p - 1)
+      reduces = 1 if per_rank_pipeline(cfg, framework) else ticks
+    else:
+      reduces = micro if dropout else 1
     replica_s = reduces * collective_s(
       spec, 'all-reduce', shard, copies, replica_per_node, replica_spans
     )
@@ -1131,6 +1153,8 @@ def search(cfg: Config, gpus: int, gpu: str, nodes_of: int | None = None) -> lis
                 'zero_group': zero_group,
               },
               train={'micro_batch_size': micro},
+              # ZeRO-3 gathers inside one schedule over all the data ranks.
+              pipeline={'grad_sync': 'tick' if zero_stage == 3 else cfg.pipeline.grad_sync},
             ).validate()
             schedule.check(candidate)
           except ConfigError:

@@ -14,6 +14,8 @@ its step count, unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -222,20 +224,114 @@ def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, ba
 def pipelined_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rng):
   """Pipeline: one schedule over all micro-batches (`pipeline.loss_and_grads`, GPipe or 1F1B as
   pipeline.schedule says), or, with pipeline.microbatch_group = G, one per group of G
-  micro-batches, one group after another, accumulated as `accumulate_grads` does."""
-  zero_shardings = layout.shardings.params
+  micro-batches, one group after another, accumulated as `accumulate_grads` does. Under ZeRO-1
+  with data parallelism each data rank runs its own schedule and the gradients cross the data
+  ranks once a step (`per_rank_pipeline`)."""
+  compute = compute_bits_of(params, layout, jnp.dtype(cfg.model.dtype))
+  gathered = gathered_params(params, layout)  # once per step, not per group
+  if per_rank_pipeline(cfg, layout):
+    axes = partitioning.batch_axes(layout.mesh)
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    inner = partitioning.per_copy_mesh(layout.mesh, axes)
+    shardings = jax.tree.map(lambda s: NamedSharding(inner, s.spec), layout.step_compute_shardings)
+
+    def run(gathered, compute, batch, rng):
+      # Dropout: each rank draws its own masks for its own rows (the shapes are the rank's).
+      rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+      loss, grads = schedules_loss_and_grads(
+        cfg, layout, inner, gathered, compute, batch, rng, shardings, axes
+      )
+      # Each rank's own sum, stacked over the ranks: summed once a step, below.
+      return jax.lax.psum(loss, axes), jax.tree.map(lambda g: g[None], grads)
+
+    # check_vma=False: inside, the params are each rank's own values and their gradient is the
+    # rank's own (with the varying-axes check it would be summed over the data ranks at once,
+    # each tick, as without the shard_map).
+    loss, stacked = jax.shard_map(
+      run,
+      mesh=layout.mesh,
+      in_specs=(P(), P(), P(None, axes), P()),
+      out_specs=(P(), P(axes)),
+      axis_names=set(axes),
+      check_vma=False,
+    )(gathered, compute, batch, rng)
+    grads = jax.tree.map(
+      functools.partial(sum_over_ranks, layout.mesh, axes),
+      stacked,
+      layout.step_compute_shardings,
+      layout.shardings.params,
+    )
+  else:
+    loss, grads = schedules_loss_and_grads(
+      cfg, layout, layout.mesh, gathered, compute, batch, rng, layout.shardings.params, ()
+    )
+  return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings.params)
+
+
+def sum_over_ranks(
+  mesh, axes: tuple[str, ...], stacked, compute: NamedSharding, zero: NamedSharding
+):
+  """The sum of `stacked` [ranks, ...] (each data rank's gradient, in the `compute` layout
+  otherwise) in the `zero` layout: reduce-scattered over `data` into the dim that ZeRO splits
+  over it, each device reducing its own pipeline and tensor block (summed over hybrid
+  sharding's copies first)."""
+  spec = tuple(compute.spec) + (None,) * (stacked.ndim - 1 - len(compute.spec))
+  axes_of = lambda entry: entry if isinstance(entry, tuple) else (entry,) if entry else ()
+  dim = next((d for d, a in enumerate(zero.spec) if 'data' in axes_of(a)), None)
+  out = list(spec)
+  if dim is not None:
+    within = axes_of(spec[dim])
+    block = stacked.shape[1 + dim] // math.prod(mesh.shape[a] for a in within)
+    if block % mesh.shape['data']:
+      dim = None  # a split that pads (partitioning.zero_split): summed whole, then cut
+    else:
+      out[dim] = (*within, 'data')  # `data` splits each device's block: the minor axis
+
+  def reduce(block):
+    block = block[0]
+    if 'replica' in axes:
+      block = jax.lax.psum(block, 'replica')
+    if dim is None:
+      return jax.lax.psum(block, 'data')
+    return jax.lax.psum_scatter(block, 'data', scatter_dimension=dim, tiled=True)
+
+  summed = jax.shard_map(
+    reduce, mesh=mesh, in_specs=P(axes, *spec), out_specs=P(*out), check_vma=False
+  )(stacked)
+  return jax.lax.with_sharding_constraint(summed, zero)
+
+
+def per_rank_pipeline(cfg: Config, layout: StateLayout) -> bool:
+  """pipeline.grad_sync 'step' (ZeRO-1) with more than one data rank: whether each data rank
+  runs the schedule on its own rows (a shard_map over the batch axes), adds its micro-batches' fp32
+  gradients up on its own, and the ranks' gradients are summed once, after the schedule
+  (Megatron-DeepSpeed's fp32 gradient accumulation, reduced once an iteration). The data ranks
+  then hold the stage's whole fp32 gradient, where XLA's partitioner of the whole schedule
+  all-reduced each tick's gradient over them (BLOOM-176B: 150 ticks a step). With dropout each
+  rank draws its own masks for its rows (independent draws, not the slices of the one-device
+  run's masks: without dropout the run is the one-device run's). Not under ZeRO-3 (each layer's
+  weights are gathered over `data` where they are used)."""
+  rows = layout.mesh.shape.get('data', 1) * layout.mesh.shape.get('replica', 1)
+  return rows > 1 and cfg.grad_sync == 'step'
+
+
+def schedules_loss_and_grads(
+  cfg: Config, layout: StateLayout, mesh, gathered, compute, batch, rng, shardings, loss_axes
+):
+  """The pipeline's (loss, fp32 gradients) of `batch` on `mesh` (the step's, or inside
+  `per_rank_pipeline`'s shard_map its copy with the batch axes manual): one schedule, or one per
+  group of micro-batches accumulated in `shardings`."""
   kwargs = dict(
     cfg=cfg,
     placement=layout.placement,
-    ctx=model_lib.Context(cfg.model, layout.mesh),
+    ctx=model_lib.Context(cfg.model, mesh),
     deterministic=not _has_dropout(cfg),
-    compute_params=compute_bits_of(params, layout, jnp.dtype(cfg.model.dtype)),
+    compute_params=compute,
+    loss_axes=loss_axes,
   )
-  gathered = gathered_params(params, layout)  # once per step, not per group
   group, num_micro = cfg.pipeline.microbatch_group, batch.shape[0]
   if not group or group >= num_micro:
-    loss, grads = pipeline.loss_and_grads(gathered, batch, rng, **kwargs)
-    return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, zero_shardings)
+    return pipeline.loss_and_grads(gathered, batch, rng, **kwargs)
   groups = batch.reshape((num_micro // group, group) + batch.shape[1:])
   # pipeline_loss is a group's mean over its real micro-batches (all G without the ramp-up's
   # padding); weighted by its share of the step's, the groups add up to the step's mean.
@@ -257,9 +353,9 @@ def pipelined_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rn
 
   return accumulate_grads(
     loss_and_grads,
-    params,
+    gathered,
     (groups, weights),
-    shardings=zero_shardings,
+    shardings=shardings,
     num_real=num_real,
     unroll=cfg.model.scan_unroll,
   )
