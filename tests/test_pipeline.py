@@ -319,6 +319,22 @@ def test_grad_sync_step_with_dropout_draws_each_ranks_own_masks():
   assert abs(step_losses[0] / tick_losses[0] - 1) < 0.05
 
 
+@pytest.mark.parametrize(
+  'zero_stage, sync, says',
+  [
+    (1, 'auto', "summed once a step (pipeline.grad_sync 'step'"),
+    (1, 'tick', "all-reduced at every tick (pipeline.grad_sync 'tick')"),
+    (3, 'auto', "all-reduced at every tick (pipeline.grad_sync 'tick')"),
+  ],
+)
+def test_the_start_up_log_says_when_the_data_ranks_gradients_are_summed(zero_stage, sync, says):
+  cfg = small_config(
+    mesh=dict(data=2, pipeline=2, zero_stage=zero_stage), pipeline=dict(grad_sync=sync)
+  ).validate()
+  layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
+  assert says in startup.describe_pipeline(cfg, layout)
+
+
 def test_grad_sync_step_under_zero3_is_a_config_error():
   with pytest.raises(ConfigError, match=r"pipeline.grad_sync='step' needs mesh.zero_stage=1"):
     small_config(

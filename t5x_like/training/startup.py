@@ -136,9 +136,17 @@ def describe_pipeline(cfg: Config, layout) -> str:
     if cfg.pipeline.schedule == '1f1b'
     else per_schedule * plan.repeats + plan.stages - 1
   )
+  sync = ''
+  if cfg.mesh.data > 1:
+    sync = (
+      "; the data ranks' gradients summed once a step (pipeline.grad_sync 'step', each rank's "
+      'whole fp32 gradient kept)'
+      if cfg.grad_sync == 'step'
+      else "; the data ranks' gradients all-reduced at every tick (pipeline.grad_sync 'tick')"
+    )
   return (
     f'> pipeline: {plan.describe()}; {cfg.pipeline.schedule} order, each stage keeps '
-    f"{kept} micro-batches' inputs; parameters per stage (M): "
+    f"{kept} micro-batches' inputs{sync}; parameters per stage (M): "
     f'{[round(x, 2) for x in sizes]} (embedding spread over stages: '
     f'{cfg.padded_vocab_size % (cfg.mesh.tensor * plan.stages) == 0})'
   )
