@@ -56,11 +56,11 @@ def small_config(**sections) -> Config:
   )
 
 
-def run_steps(cfg, num_steps=4, padding_microbatches=0):
+def run_steps(cfg, num_steps=4, padding_microbatches=0, tokens=None):
   """Losses, grad norms and final params of the real jitted train step, `num_steps` times on one
-  repeated random batch; what every parallel or kernel path is compared on.
-  `padding_microbatches`: that many micro-batches of padding only after the batch's (what
-  train.rampup_microbatch_multiple adds)."""
+  repeated random batch (or `tokens`, [global batch, seq + 1]); what every parallel or kernel
+  path is compared on. `padding_microbatches`: that many micro-batches of padding only after
+  the batch's (what train.rampup_microbatch_multiple adds)."""
   import jax.numpy as jnp
   import numpy as np
 
@@ -75,10 +75,11 @@ def run_steps(cfg, num_steps=4, padding_microbatches=0):
   step = step_lib.jit_train_step(cfg, layout)
   state = layout.init(cfg.train.seed)
   rows = cfg.train.micro_batch_size * m.data
-  tokens = np.random.default_rng(0).integers(
-    0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1)
-  )
-  tokens = tokens.astype(np.int32)
+  if tokens is None:
+    tokens = np.random.default_rng(0).integers(
+      0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1)
+    )
+  tokens = np.asarray(tokens).astype(np.int32)
   batch = tokens.reshape(cfg.num_microbatches, rows, -1)
   padding = np.full((padding_microbatches,) + batch.shape[1:], -1, np.int32)  # losses.PAD_ID
   batch = jax.device_put(np.concatenate([batch, padding]), step_lib.batch_sharding(layout))

@@ -85,11 +85,11 @@ def logical_to_mesh(names: Sequence[str | None], mesh: Mesh | AbstractMesh | Non
 def splits_here(mesh: Mesh | AbstractMesh, axis: str) -> bool:
   """Whether `axis` can split an array on `mesh`: it is one of the mesh's axes and not a manual
   one (inside a shard_map over it, as the per-copy micro-batch loop of hybrid sharding,
-  `per_copy_mesh`, each device holds its own values along it)."""
+  `manual_mesh`, each device holds its own values along it)."""
   return axis in mesh.shape and dict(zip(mesh.axis_names, mesh.axis_types))[axis] != AxisType.Manual
 
 
-def per_copy_mesh(mesh: Mesh, axes: Sequence[str] = ('replica',)) -> Mesh:
+def manual_mesh(mesh: Mesh, axes: Sequence[str]) -> Mesh:
   """`mesh` as seen inside a shard_map over `axes`: hybrid sharding's copies (`replica`, the
   per-copy micro-batch loop of training/step.py) or a pipeline's data ranks (`batch_axes`, its
   per-rank schedule): the same devices with `axes` manual, so that the model's constraints and
@@ -121,7 +121,7 @@ def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh | AbstractMesh) -> P:
   for axes, size in zip(tuple(spec) + (None,) * (len(shape) - len(spec)), shape):
     axes = axes if isinstance(axes, tuple) or axes is None else (axes,)
     # Size-1 axes split nothing; `replica` is absent from a mesh without hybrid sharding, and
-    # manual inside the per-copy micro-batch loop (`per_copy_mesh`).
+    # manual inside the per-copy micro-batch loop (`manual_mesh`).
     axes = tuple(a for a in axes or () if splits_here(mesh, a) and mesh.shape[a] > 1)
     while axes and size % _axis_size(mesh, axes):
       axes = axes[:-1]
@@ -425,7 +425,7 @@ gradient_in.defvjp(_gradient_in_forward, _gradient_in_backward)
 
 def lookup_table(table, mesh: Mesh):
   """The [vocab, embed] token table about to be looked up (its gradient a scatter-add): inside
-  the per-copy micro-batch loop of hybrid sharding (`per_copy_mesh`), where the rules split the
+  the per-copy micro-batch loop of hybrid sharding (`manual_mesh`), where the rules split the
   table (over `tensor`), with its gradient summed over the batch in the table's own layout before
   the ZeRO split; `table` itself elsewhere. Under a manual `replica` XLA's partitioner aborts
   (spmd_partitioner_util.cc, ExpandDeviceGroupsWithIota) on that scatter-add when its result is
@@ -458,7 +458,7 @@ class WeightGathers:
     (self.top_split, self.layer_split) = split_out(split_specs)
 
   def on(self, mesh: Mesh) -> WeightGathers:
-    """The same gathers on `mesh` (the same devices and axes, e.g. `per_copy_mesh`'s)."""
+    """The same gathers on `mesh` (the same devices and axes, e.g. `manual_mesh`'s)."""
     return WeightGathers(mesh, *self.specs)
 
   def top(self, tree: dict) -> dict:

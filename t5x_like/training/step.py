@@ -180,7 +180,7 @@ def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, ba
   HYBRID_SHARD under no_sync, DeepSpeed's hpZ). Each copy's loss is weighted by its share of the
   micro-batch's targets (`copy_shares`), so the sums are the one-device run's."""
   mesh = layout.mesh
-  inner = partitioning.per_copy_mesh(mesh)
+  inner = partitioning.manual_mesh(mesh, ('replica',))
   model = layout.model.clone(
     mesh=inner, gathers=None if layout.model.gathers is None else layout.model.gathers.on(inner)
   )
@@ -232,7 +232,7 @@ def pipelined_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rn
   if per_rank_pipeline(cfg, layout):
     axes = partitioning.batch_axes(layout.mesh)
     axes = axes if isinstance(axes, tuple) else (axes,)
-    inner = partitioning.per_copy_mesh(layout.mesh, axes)
+    inner = partitioning.manual_mesh(layout.mesh, axes)
     shardings = jax.tree.map(lambda s: NamedSharding(inner, s.spec), layout.step_compute_shardings)
 
     def run(gathered, compute, batch, rng):
