@@ -132,6 +132,26 @@ def test_remat_policies_give_the_same_loss_and_gradients(policy):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g1, g2)
 
 
+def test_embedding_gradient_adds_a_frequent_tokens_rows_in_fp32():
+  # One token in all 4,096 positions of a micro-batch (2 x 2048, tr11's): in bf16, jnp.take's
+  # scatter-add stops growing once its sum's spacing passes twice a row's cotangent.
+  cfg, _, params, _, _ = build(dtype='bfloat16')
+  tokens = jnp.full((2, 2048), 7, jnp.int32)
+  # Not constant along the features, which the embedding LayerNorm's backward would zero.
+  scale = (1.0 + jnp.arange(4096.0) * 1e-3).reshape(2, 2048, 1) * jnp.linspace(-1.0, 2.0, 48)
+
+  def row_gradient(dtype):
+    ctx = model_lib.Context(ModelConfig(**{**cfg.__dict__, 'dtype': dtype}), None)
+
+    def loss(table):
+      x = model_lib.embed_tokens(dict(params, word_embeddings=table), tokens, cfg, ctx)
+      return (x.astype(jnp.float32) * scale).sum()
+
+    return jax.grad(loss)(params['word_embeddings'])[7]
+
+  np.testing.assert_allclose(row_gradient('bfloat16'), row_gradient('float32'), rtol=2e-2, atol=1)
+
+
 def test_dropout_is_active_only_when_training():
   cfg, m, params, _, tokens = build(hidden_dropout=0.1, attention_dropout=0.1)
   eval_a = m.apply({'params': params}, tokens)
