@@ -726,6 +726,23 @@ def test_search_ranks_zero_stages_and_groups_with_the_mesh_and_says_why_each_los
   assert best70['mesh'][1] > 1 and best70['zero_stage'] == 1, best70
 
 
+def test_search_ranks_tick_where_a_pipeline_summing_once_a_step_does_not_fit():
+  """BLOOM-176B on 384 A100s under grad_sync 'auto': the ZeRO-1 pipelines whose 'step' (each
+  data rank's whole fp32 gradient) does not fit come again with 'tick', and those fit; no other
+  row is repeated. A config that names 'step' is ranked as it is."""
+  cfg = load_config_file(os.path.join(REPO, 'configs', 'bloom_176b.py'))
+  found = cost_model.search(cfg.replace(pipeline={'grad_sync': 'auto'}), 384, 'a100-80gb')
+  key = lambda r: (*r['mesh'], r['micro_batch_size'], r['zero_group'])
+  once = {key(r): r for r in found if r['zero_stage'] == 1 and r['grad_sync'] == 'step'}
+  again = [r for r in found if r['zero_stage'] == 1 and r['grad_sync'] == 'tick']
+  assert {key(r) for r in again} == {k for k, r in once.items() if not r['fits']} != set()
+  assert all(r['fits'] for r in again)
+  assert {r['grad_sync'] for r in found if r['zero_stage'] == 3} == {'tick'}
+  named = cost_model.search(cfg, 384, 'a100-80gb')
+  assert not any(r['zero_stage'] == 1 and r['grad_sync'] == 'tick' for r in named)
+  assert len(named) == len(found) - len(again)
+
+
 def test_cli_search_prints_the_zero_layout_and_why_each_loses(capsys):
   args = [
     '--config',
@@ -745,8 +762,9 @@ def test_cli_search_prints_the_zero_layout_and_why_each_loses(capsys):
   ]
   assert plan.main(args) == 0
   lines = capsys.readouterr().out.splitlines()
-  assert lines[1].split()[:8] == ['rank', 'DP', 'PP', 'TP', 'ZeRO', 'G', 'MBS', 's/it']
-  assert lines[2].split()[:6] == ['1', '64', '1', '1', '3', '64'] and lines[2].endswith('yes')
+  assert lines[1].split()[:9] == ['rank', 'DP', 'PP', 'TP', 'ZeRO', 'G', 'MBS', 'sync', 's/it']
+  assert lines[2].split()[:8] == ['1', '64', '1', '1', '3', '64', '8', '-']
+  assert lines[2].endswith('yes')
   assert all('vs rank 1:' in line for line in lines[3:5]), lines
 
 

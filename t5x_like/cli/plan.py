@@ -261,6 +261,7 @@ def run_search(cfg: Config, args) -> int:
             'zero_group': zero_group,
           },
           train={'micro_batch_size': r['micro_batch_size']},
+          pipeline={'grad_sync': r['grad_sync'] or cfg.pipeline.grad_sync},
         )
       )
       compiled = plan(candidate)
@@ -276,9 +277,11 @@ def run_search(cfg: Config, args) -> int:
   )
   aot = '  XLA peak' if args.aot else ''
   # ZeRO: the stage (1, 3) and the data ranks G that split one copy of the state (hybrid
-  # sharding when G < DP).
+  # sharding when G < DP); sync: when a pipeline's data ranks sum their gradients
+  # (pipeline.grad_sync), '-' without a pipeline.
   print(
-    f'{"rank":>4} {"DP":>4} {"PP":>3} {"TP":>3} {"ZeRO":>4} {"G":>4} {"MBS":>3} {"s/it":>7} '
+    f'{"rank":>4} {"DP":>4} {"PP":>3} {"TP":>3} {"ZeRO":>4} {"G":>4} {"MBS":>3} {"sync":>4} '
+    f'{"s/it":>7} '
     f'{"TFLOP/s":>7} {"bubble":>6} {"GiB":>6}{aot}  fits; behind rank 1 by'
   )
   for i, r in enumerate(top, 1):
@@ -289,7 +292,7 @@ def run_search(cfg: Config, args) -> int:
       verdict += '; ' + r['why_behind']
     print(
       f'{i:>4} {data:>4} {pipeline:>3} {tensor:>3} {r["zero_stage"]:>4} {r["zero_group"]:>4} '
-      f'{r["micro_batch_size"]:>3} {r["estimated_step_s"]:7.1f} '
+      f'{r["micro_batch_size"]:>3} {r["grad_sync"] or "-":>4} {r["estimated_step_s"]:7.1f} '
       f'{r["estimated_tflops_per_gpu"]:7.1f} {r["bubble_fraction"]:6.1%} '
       f'{r["estimated_memory_gib"]:6.1f}{aot_peak}  {verdict}'
     )

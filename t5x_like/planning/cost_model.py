@@ -978,6 +978,8 @@ def estimate(
     'mesh': [dp, p, t],
     'zero_stage': zero.stage,
     'zero_group': g,
+    # When a pipeline's data ranks sum their gradients (None without a pipeline).
+    'grad_sync': cfg.grad_sync if p > 1 else None,
     'attention_impl': impl,
     'micro_batch_size': b,
     'num_microbatches': micro,
@@ -1094,6 +1096,17 @@ def why_behind(best: dict, other: dict, parts: int = 2) -> str:
   return text
 
 
+def also_ranks_tick(cfg: Config) -> bool:
+  """Whether --search also ranks `cfg` under pipeline.grad_sync='tick' when it does not fit:
+  a ZeRO-1 pipeline over several data ranks that 'auto' resolved to 'step' (each rank holds the
+  stage's whole fp32 gradient), which 'tick' trades for an all-reduce at every tick. A config
+  that names 'step' is ranked as it is."""
+  mesh = cfg.mesh
+  return (
+    cfg.pipeline.grad_sync == 'auto' and cfg.grad_sync == 'step' and mesh.pipeline > 1 < mesh.data
+  )
+
+
 def search(cfg: Config, gpus: int, gpu: str, nodes_of: int | None = None) -> list[dict]:
   """Every valid (data, pipeline, tensor, micro-batch, ZeRO stage, ZeRO group) for `gpus` GPUs
   of kind `gpu` at `cfg`'s model, sequence and global batch (and ramp-up), each with its
@@ -1104,8 +1117,9 @@ def search(cfg: Config, gpus: int, gpu: str, nodes_of: int | None = None) -> lis
   Valid: tensor divides the heads, hidden and FFN sizes and the node; the layers go over the
   stages with at most one padding slot each; the global batch and every ramp-up batch divide by
   micro-batch x data, into at least as many micro-batches as stages (Config.validate and
-  schedule.check decide, as for a run). ZeRO: zero_choices. More GPUs than `max_gpus` is a
-  ConfigError."""
+  schedule.check decide, as for a run). ZeRO: zero_choices. A ZeRO-1 pipeline that does not fit
+  with grad_sync 'step' is ranked with 'tick' too (also_ranks_tick). More GPUs than `max_gpus`
+  is a ConfigError."""
   from t5x_like.training import schedule
 
   spec = gpu_spec(gpu, nodes_of)
@@ -1159,7 +1173,11 @@ def search(cfg: Config, gpus: int, gpu: str, nodes_of: int | None = None) -> lis
             schedule.check(candidate)
           except ConfigError:
             continue  # a divisibility the loops above do not check (FFN, vocabulary, groups)
-          results.append(estimate(candidate, gpu, nodes_of=nodes_of))
+          found = estimate(candidate, gpu, nodes_of=nodes_of)
+          results.append(found)
+          if not found['fits'] and also_ranks_tick(candidate):
+            ticked = candidate.replace(pipeline={'grad_sync': 'tick'})
+            results.append(estimate(ticked, gpu, nodes_of=nodes_of))
   results.sort(key=lambda r: (not r['fits'], r['estimated_step_s']))
   for r in results[1:]:
     r['why_behind'] = why_behind(results[0], r)
