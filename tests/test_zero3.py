@@ -280,6 +280,32 @@ def test_hybrid_reduces_across_copies_once_a_step(hybrid_steps, zero_stage):
   assert all(elements(shape) <= HYBRID_MICROBATCHES for shape in found - expected), found
 
 
+@pytest.mark.parametrize('dropout', [0.0, 0.1])
+def test_hybrid_copies_with_dropout_draw_their_own_masks(dropout):
+  """Two copies (data 4 in groups of 2) given the same rows: with the masks drawn from one key
+  they would train exactly as one copy (data 2) on those rows, the same local shapes and keys.
+  Each copy folds its index into the key, so with dropout their masks, and the first loss,
+  differ from the one copy's; without dropout the two runs are the same. Either way the copies
+  sum their gradients once a step (`per_copy_loss_and_grads`)."""
+  model = dict(hidden_dropout=dropout, attention_dropout=dropout)
+  rows = np.random.default_rng(0).integers(0, 1000, (4, 17))  # 2 micro-batches of 2 rows
+  one = small_config(model=model, train=dict(global_batch_size=4), mesh=dict(data=2))
+  two = small_config(
+    model=model, train=dict(global_batch_size=8), mesh=dict(data=4, zero_group=2)
+  ).validate()
+  assert step_lib.reduces_across_copies_once(two, make_layout(two, partitioning.mesh_of(two.mesh)))
+  one_copy = run_steps(one, num_steps=1, tokens=rows)[0]
+  # Each micro-batch's 4 rows: copy 0 takes the first 2, copy 1 the last 2.
+  both = run_steps(
+    two, num_steps=1, tokens=np.concatenate([rows[:2], rows[:2], rows[2:], rows[2:]])
+  )[0]
+  if dropout:
+    assert abs(both[0] / one_copy[0] - 1) > 1e-4, (both, one_copy)
+    assert abs(both[0] / one_copy[0] - 1) < 0.05
+  else:
+    np.testing.assert_allclose(both, one_copy, rtol=2e-6)
+
+
 # ----------------------------------------------------------------------------- config, log
 
 

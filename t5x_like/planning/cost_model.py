@@ -918,22 +918,20 @@ def estimate(
       'all-gather', compute_bytes * state, g
     )
   # Hybrid sharding: each rank's 1/G fp32 gradient shard all-reduced across the R copies (ranks
-  # G x pipeline x tensor devices apart): once per step without a pipeline or dropout
+  # G x pipeline x tensor devices apart): once per step without a pipeline
   # (step.per_copy_loss_and_grads) and with a pipeline under grad_sync='step'
-  # (step.per_rank_pipeline), else with each micro-batch's gradient (each tick's, with a
-  # pipeline under grad_sync='tick').
+  # (step.per_rank_pipeline), else with each tick's gradient (grad_sync='tick').
   replica_s = replica_bytes = 0.0
   if copies > 1:
     shard = 4 * state / g
     apart = g * p * t
     replica_spans = n > node
     replica_per_node = max(1, min(copies, node // apart)) if replica_spans else copies
-    dropout = m.hidden_dropout > 0 or m.attention_dropout > 0
     if p > 1:
       ticks = groups * ((micro // groups) * r + p - 1)
       reduces = 1 if per_rank_pipeline(cfg, framework) else ticks
     else:
-      reduces = micro if dropout else 1
+      reduces = 1
     replica_s = reduces * collective_s(
       spec, 'all-reduce', shard, copies, replica_per_node, replica_spans
     )

@@ -136,7 +136,7 @@ def microbatched_loss_and_grads(cfg: Config, layout: StateLayout, params, batch,
     num_real = losses.real_microbatches(batch).sum()
     num_micro = num_real.astype(jnp.float32)
   if reduces_across_copies_once(cfg, layout):
-    loss_sum, grads = per_copy_loss_and_grads(cfg, layout, compute_params, batch, num_real)
+    loss_sum, grads = per_copy_loss_and_grads(cfg, layout, compute_params, batch, num_real, rng)
   else:
     loss_sum, grads = accumulate_grads(
       loss_and_grads,
@@ -152,12 +152,9 @@ def microbatched_loss_and_grads(cfg: Config, layout: StateLayout, params, batch,
 def reduces_across_copies_once(cfg: Config, layout: StateLayout) -> bool:
   """Hybrid sharding (mesh.zero_group): whether the step accumulates each copy's gradients
   apart and reduces them across the copies once, after the micro-batch loop
-  (`per_copy_loss_and_grads`). Not with a pipeline (its schedule reduces each micro-batch
-  group's gradients over all data ranks) nor with dropout (a copy would draw its own masks, not
-  the slice of the one-device run's that it draws now)."""
-  return (
-    layout.mesh.shape.get('replica', 1) > 1 and cfg.mesh.pipeline == 1 and not _has_dropout(cfg)
-  )
+  (`per_copy_loss_and_grads`). Not with a pipeline (`per_rank_pipeline` does it there, under
+  grad_sync 'step')."""
+  return layout.mesh.shape.get('replica', 1) > 1 and cfg.mesh.pipeline == 1
 
 
 def copy_shares(batch, copies: int):
@@ -169,7 +166,7 @@ def copy_shares(batch, copies: int):
   return counts / jnp.maximum(counts.sum(axis=1, keepdims=True), 1.0)
 
 
-def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, batch, num_real):
+def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, batch, num_real, rng):
   """Hybrid sharding without a pipeline: (sum of the micro-batches' mean losses, fp32 sum of
   their gradients, in the ZeRO layout) as `accumulate_grads`, with the gradient reduced across
   the copies once a step instead of once a micro-batch. The micro-batch loop runs in a
@@ -178,7 +175,9 @@ def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, ba
   only, to its own accumulator (the same ZeRO shard per device as without the shard_map), and
   after the loop one all-reduce over `replica` sums the copies' accumulators (as torch FSDP's
   HYBRID_SHARD under no_sync, DeepSpeed's hpZ). Each copy's loss is weighted by its share of the
-  micro-batch's targets (`copy_shares`), so the sums are the one-device run's."""
+  micro-batch's targets (`copy_shares`), so the sums are the one-device run's. With dropout each
+  copy draws its own masks for its rows (independent draws, not the slices of the one-device
+  run's masks: without dropout the run is the one-device run's)."""
   mesh = layout.mesh
   inner = partitioning.manual_mesh(mesh, ('replica',))
   model = layout.model.clone(
@@ -188,12 +187,23 @@ def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, ba
   shares = copy_shares(batch, mesh.shape['replica'])
   num_real = jnp.int32(batch.shape[0]) if num_real is None else num_real
   fori = cfg.train.rampup_microbatch_multiple > 0
+  deterministic = not _has_dropout(cfg)
 
-  def run(params, batch, shares, num_real):
+  def run(params, batch, shares, num_real, rng):
+    rng = jax.random.fold_in(rng, jax.lax.axis_index('replica'))
+
     def loss_and_grads(tokens_and_share, index):
-      del index  # no dropout (reduces_across_copies_once)
       tokens, share = tokens_and_share
-      loss_fn = lambda p: share[0] * losses.mean_loss(model, p, tokens)
+      loss_fn = lambda p: (
+        share[0]
+        * losses.mean_loss(
+          model,
+          p,
+          tokens,
+          deterministic=deterministic,
+          rngs={'dropout': jax.random.fold_in(rng, index)},
+        )
+      )
       return jax.value_and_grad(loss_fn)(params)
 
     loss, grads = accumulate_grads(
@@ -214,11 +224,11 @@ def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, ba
   return jax.shard_map(
     run,
     mesh=mesh,
-    in_specs=(P(), copies, copies, P()),
+    in_specs=(P(), copies, copies, P(), P()),
     out_specs=P(),
     axis_names={'replica'},
     check_vma=False,
-  )(compute_params, batch, shares, num_real)
+  )(compute_params, batch, shares, num_real, rng)
 
 
 def pipelined_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rng):
