@@ -23,13 +23,13 @@ def test_bloom_176b_lowers_and_compiles_on_384_virtual_devices():
   embedding = 250880 * h * 12 / (4 * 8)
   assert abs(report['argument_gib'] - (layers + embedding) / 2**30) < 0.01
   assert report['replicated_over_data'] == []  # data 8 divides a dim of every tensor
-  # XLA's peak per device: 61.12 GiB in this compile, each data rank adding its own fp32
-  # gradient up (pipeline.grad_sync='step'; 34.50 with 'tick', which all-reduces it at each of
+  # XLA's peak per device: 58.45 GiB in this compile, each data rank adding its own fp32
+  # gradient up (pipeline.grad_sync='step'; 31.36 with 'tick', which all-reduces it at each of
   # the 150 ticks; docs/benchmarks.md), with the 1F1B order and the stages reading a gathered
   # bf16 copy of their weights. Megatron-DeepSpeed's BF16 optimizer, which accumulates the same
   # fp32 gradients, measured 65-67 GB for a 195B on this topology. The bound is that figure plus
   # 5%.
-  assert report['peak_gib'] < 64.2, report
+  assert report['peak_gib'] < 61.4, report
 
 
 def test_zero1_splits_the_state_over_a_data_that_divides_no_dim():

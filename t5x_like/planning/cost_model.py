@@ -546,13 +546,13 @@ def memory_bytes(
     out['kept activations'] = m.num_layers * (dots + 3 * scores * compute_bytes)
   # fp32 gradients in the ZeRO layout, and the embedding's whole before its reduction; under
   # ZeRO-3 also one layer's whole gradient before its reduce-scatter. ZeRO-1's are counted split
-  # as XLA's compile of tr11 keeps them (its 34.50 GiB peak has no room for the stage's whole
+  # as XLA's compile of tr11 keeps them (its 31.36 GiB peak has no room for the stage's whole
   # fp32 gradient, 13.8 GiB; docs/benchmarks.md), though the pipeline asks for them in the rule
   # sharding (step.gathered_params): a GPU compile must confirm it.
   out['gradient accumulators'] = 4 * state / g + 4 * embedding
   if per_rank_pipeline(cfg, framework):
     # Each data rank adds its own micro-batches' fp32 gradients up, the stage's whole (XLA's
-    # compile of tr11: 61.12 GiB peak, 34.50 with grad_sync='tick').
+    # compile of tr11: 58.45 GiB peak, 31.36 with grad_sync='tick').
     out['gradient accumulators'] = 4 * state + 4 * embedding
   # One layer's backward: its matmul outputs, and the softmax's f32 probabilities, their
   # gradient and the dropout mask's ('xla'; 2.93 GiB of the 49.07 GiB the H100 measured for
