@@ -190,6 +190,7 @@ def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, ba
   deterministic = not _has_dropout(cfg)
 
   def run(params, batch, shares, num_real, rng):
+    # Dropout: each copy draws its own masks for its own rows (the shapes are the copy's).
     rng = jax.random.fold_in(rng, jax.lax.axis_index('replica'))
 
     def loss_and_grads(tokens_and_share, index):
