@@ -293,6 +293,13 @@ def measured_attention_tflops(measured: Measured, impl: str, seq: int) -> tuple[
 
 # The share of a GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION; 0.75 when it
 # is unset: JAX's documentation, "GPU memory allocation"): the budget a run fits in, not the HBM.
+# Under pipeline.grad_sync='step', the share of a tick's whole-stage fp32 weight gradient that XLA
+# keeps live beside the rank's whole accumulator at its peak: fitted to its CPU compiles of tr11
+# and the chronicles' eight topologies (docs/benchmarks.md, 2026-11-26), which the model then
+# meets within -1% to +8%. Without the term it was 12-25% under them; with the whole gradient,
+# 4-15% over.
+STEP_TICK_GRADIENT_LIVE = 0.75
+
 DEFAULT_JAX_MEMORY_FRACTION = 0.75
 
 # The CUDA context and kernels a PyTorch process holds on an A100 before allocating anything (seed
@@ -565,6 +572,10 @@ def memory_bytes(
     out['backward workspace'] += 2 * compute_bytes * heads * s * s
   if impl == 'tokamax' and alibi:
     out['backward workspace'] += 2 * b * heads * s * s
+  if per_rank_pipeline(cfg, framework):
+    # A tick's backward returns the stage's whole fp32 weight gradient before it is added to the
+    # rank's whole accumulator; XLA keeps part of it beside the rest (STEP_TICK_GRADIENT_LIVE).
+    out['backward workspace'] += STEP_TICK_GRADIENT_LIVE * 4 * stage
   if p == 1:
     # Without a pipeline the backward of a micro-batch returns its gradient before it is added to
     # the accumulator: the layers' stacked by the scan in the compute dtype and the token
