@@ -120,30 +120,18 @@ MIN_SPEARMAN = 0.7
 # Seed 004's first NHEADS comparison (02-23/24, NHIDDEN 14336, NLAYERS 72, DP8 TP8 PP6 MBS4):
 # (NHEADS, sec/it). Only the attention scores' traffic tells the head counts apart.
 HEADS_0223 = [(16, 121.03), (32, 124.01), (64, 120.18), (112, 138.72), (128, 124.89), (256, 132.85)]
-# XLA's peak per device from `plan` for the same configs (docs/benchmarks.md, 2026-11-24):
-# the 02-25 rows as bloom_176b.py overrides, tr11, tr11 at MBS 4, and tr8_104b.
+# XLA's peak per device from `plan` for the same configs, the 02-25 rows as bloom_176b.py
+# overrides: (row, under pipeline.grad_sync 'tick', under 'step'), GiB (docs/benchmarks.md,
+# 2026-11-26, `python benchmarks/plan_topologies.py --grad_sync tick`, then `step`).
 PLAN_PEAK_GIB = [
-  ((8, 4, 12, 2, 2048), 28.69),
-  ((8, 8, 6, 4, 2048), 26.21),
-  ((4, 8, 12, 4, 2048), 23.58),
-  ((16, 4, 6, 2, 2048), 41.92),
-  ((8, 2, 24, 1, 2048), 39.21),
-  ((16, 2, 12, 2, 2048), 48.70),
-  ((12, 8, 4, 4, 2016), 31.62),
-  ((24, 8, 2, 2, 2016), 54.10),
-]
-
-# The same under pipeline.grad_sync='step' (each data rank's whole fp32 gradient; 2026-11-26,
-# `python benchmarks/plan_topologies.py --grad_sync step`).
-PLAN_STEP_PEAK_GIB = [
-  ((8, 4, 12, 2, 2048), 55.57),
-  ((8, 8, 6, 4, 2048), 51.60),
-  ((4, 8, 12, 4, 2048), 34.98),
-  ((16, 4, 6, 2, 2048), 89.40),
-  ((8, 2, 24, 1, 2048), 65.40),
-  ((16, 2, 12, 2, 2048), 104.05),
-  ((12, 8, 4, 4, 2016), 66.70),
-  ((24, 8, 2, 2, 2016), 115.81),
+  ((8, 4, 12, 2, 2048), 28.69, 55.57),
+  ((8, 8, 6, 4, 2048), 26.21, 51.60),
+  ((4, 8, 12, 4, 2048), 23.58, 34.98),
+  ((16, 4, 6, 2, 2048), 41.92, 89.40),
+  ((8, 2, 24, 1, 2048), 39.21, 65.40),
+  ((16, 2, 12, 2, 2048), 48.70, 104.05),
+  ((12, 8, 4, 4, 2016), 31.62, 66.70),
+  ((24, 8, 2, 2, 2016), 54.10, 115.81),
 ]
 
 
@@ -356,7 +344,7 @@ def test_memory_is_consistent_with_plans_xla_figures():
   the 1F1B backward became one pullback of the vmapped stages, 2026-11-26: XLA then held 5.5 GiB
   less on DP8 TP8 PP6 MBS4, which the model, at +21%, does not know.)"""
   cases = [
-    (fit_planner.chronicles_config(72, 14336, 64, *row), xla, 0.22) for row, xla in PLAN_PEAK_GIB
+    (fit_planner.chronicles_config(72, 14336, 64, *row), xla, 0.22) for row, xla, _ in PLAN_PEAK_GIB
   ]
   # The figures of tr11 were compiled with grad_sync='tick' (its 'step', 58.45 GiB: the next
   # test).
@@ -382,7 +370,7 @@ def test_memory_under_grad_sync_step_is_consistent_with_plans_xla_figures():
   step = {'pipeline': {'grad_sync': 'step'}}
   cases = [
     (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**step), xla)
-    for row, xla in PLAN_STEP_PEAK_GIB
+    for row, _, xla in PLAN_PEAK_GIB
   ]
   tr11 = load_config_file(os.path.join(REPO, 'configs', 'bloom_176b.py'))
   assert tr11.grad_sync == 'step'
