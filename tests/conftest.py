@@ -114,6 +114,19 @@ def assert_same_training(run, reference, cfg, loose=False):
   )
 
 
+def assert_draws_its_own_dropout_masks(losses, reference, dropout: float):
+  """`losses`, of ranks or copies given the same rows as one rank (or copy) given them once
+  (`reference`): with dropout each draws its own masks, so the first loss differs from the
+  reference's, by a dropout's share at most; without dropout the runs are the same."""
+  import numpy as np
+
+  if dropout:
+    assert abs(losses[0] / reference[0] - 1) > 1e-4, (losses, reference)
+    assert abs(losses[0] / reference[0] - 1) < 0.05
+  else:
+    np.testing.assert_allclose(losses, reference, rtol=2e-6)
+
+
 def free_port() -> int:
   """A TCP port nobody listens on now: the coordinator of a multi-process test."""
   import socket

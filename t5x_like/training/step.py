@@ -113,6 +113,24 @@ def accumulate_grads(
   return loss, grads
 
 
+def microbatch_loss_and_grads(model, params, tokens, rng, index, *, deterministic, scale=None):
+  """The mean loss of the micro-batch `tokens` (times `scale`, where given) and its gradient
+  with respect to `params`, the dropout masks drawn from `rng` folded with the micro-batch's
+  `index`. 'dense', 'chunked' or 'fused' cross-entropy (model.cross_entropy_impl, losses.py)."""
+
+  def loss_fn(p):
+    loss = losses.mean_loss(
+      model,
+      p,
+      tokens,
+      deterministic=deterministic,
+      rngs={'dropout': jax.random.fold_in(rng, index)},
+    )
+    return loss if scale is None else scale * loss
+
+  return jax.value_and_grad(loss_fn)(params)
+
+
 def microbatched_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rng):
   """No pipeline: the mean loss and gradients of the micro-batches, run one after another from
   one compute-dtype copy of the params, their gradients accumulated in fp32 in the ZeRO layout."""
@@ -120,15 +138,9 @@ def microbatched_loss_and_grads(cfg: Config, layout: StateLayout, params, batch,
   deterministic = not _has_dropout(cfg)
 
   def loss_and_grads(tokens, index):
-    # 'dense', 'chunked' or 'fused' cross-entropy (model.cross_entropy_impl), see losses.py.
-    loss_fn = lambda p: losses.mean_loss(
-      layout.model,
-      p,
-      tokens,
-      deterministic=deterministic,
-      rngs={'dropout': jax.random.fold_in(rng, index)},
+    return microbatch_loss_and_grads(
+      layout.model, compute_params, tokens, rng, index, deterministic=deterministic
     )
-    return jax.value_and_grad(loss_fn)(compute_params)
 
   num_real = None
   num_micro = batch.shape[0]
@@ -195,17 +207,9 @@ def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, ba
 
     def loss_and_grads(tokens_and_share, index):
       tokens, share = tokens_and_share
-      loss_fn = lambda p: (
-        share[0]
-        * losses.mean_loss(
-          model,
-          p,
-          tokens,
-          deterministic=deterministic,
-          rngs={'dropout': jax.random.fold_in(rng, index)},
-        )
+      return microbatch_loss_and_grads(
+        model, params, tokens, rng, index, deterministic=deterministic, scale=share[0]
       )
-      return jax.value_and_grad(loss_fn)(params)
 
     loss, grads = accumulate_grads(
       loss_and_grads,
