@@ -304,6 +304,22 @@ def test_hybrid_reduces_across_copies_once_a_step(hybrid_steps, zero_stage, stag
   assert all(elements(shape) <= HYBRID_MICROBATCHES for shape in found - expected), found
 
 
+def test_hybrid_pipeline_compiles_without_a_full_rematerialization(capfd):
+  """Hybrid ZeRO-1 with a pipeline under 'tick' (each copy's own schedule): XLA's partitioner
+  moves no value through a replicated copy. One schedule over all the copies made it replicate
+  an activation of the embedding's backward and split it again ('Involuntary full
+  rematerialization' on stderr, three times)."""
+  cfg = small_config(
+    model=dict(num_layers=4, remat_policy='full'),
+    train=dict(global_batch_size=8),
+    mesh=dict(data=4, pipeline=2, zero_group=2),
+    pipeline=dict(grad_sync='tick'),
+  ).validate()
+  layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
+  step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile()
+  assert 'Involuntary full rematerialization' not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize('dropout', [0.0, 0.1])
 def test_hybrid_copies_with_dropout_draw_their_own_masks(dropout):
   """Two copies (data 4 in groups of 2) given the same rows: with the masks drawn from one key
