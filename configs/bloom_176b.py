@@ -135,7 +135,7 @@ def get_config() -> ml_collections.ConfigDict:
   # with grad_sync='tick', plan, CPU compile, 2026-11-24), at GPipe's bubble and, under 'full',
   # GPipe's FLOPs. grad_sync='step': each data rank sums its own gradients, which cross the data
   # ranks once an iteration, not at each of the 150 ticks (plan --estimate on tr11's cluster:
-  # 114 s an iteration against 2,231), for 61.12 GiB per device instead of 34.50 (2026-11-26).
+  # 114 s an iteration against 2,231), for 58.45 GiB per device instead of 31.36 (2026-11-26).
   c.pipeline = dict(repeats=1, microbatch_group=0, schedule='1f1b', grad_sync='step')
   c.checkpoint = dict(
     save_interval=100,

@@ -315,7 +315,7 @@ class PipelineConfig:
   # gradient accumulation), and the ranks' sums are reduce-scattered once a step. 'tick': one
   # schedule over all ranks, each tick's gradient all-reduced over the data ranks (XLA's
   # partitioning of it), into an accumulator split over them. For tr11 on its cluster: an
-  # estimated 114 s an iteration against 2,231, for 61.1 GiB per GPU against 34.5. ZeRO-3
+  # estimated 114 s an iteration against 2,231, for 58.5 GiB per GPU against 31.4. ZeRO-3
   # gathers each layer over `data` where it is used, inside one schedule: 'tick' only. 'auto':
   # 'step' under ZeRO-1, 'tick' under ZeRO-3 (`Config.grad_sync`).
   grad_sync: Literal['auto', 'step', 'tick'] = 'auto'
