@@ -449,8 +449,9 @@ def tokamax_attention(q, k, v, *, alibi_slopes=None, implementation: str | None 
   bias = None
   if alibi_slopes is not None:
     bias = jax.lax.stop_gradient(alibi_key_bias(alibi_slopes, k.shape[1]))
+  # A one-op sequence: tokamax from 0.0.13 on takes an op object only inside a sequence.
   return tokamax.dot_product_attention(
-    q, k, v, bias=bias, is_causal=True, implementation=_tokamax_op(implementation)
+    q, k, v, bias=bias, is_causal=True, implementation=(_tokamax_op(implementation),)
   )
 
 
