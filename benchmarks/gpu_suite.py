@@ -11,77 +11,65 @@ stage the budget leaves no time for is reported as not run, `incomplete` in OUT)
 rewritten after every stage, so a run cut short keeps every finished stage. The summary at the
 end puts the figures side by side.
 
-Stages, in the order they run, with their time limits and the GPU wall time each should take on
-an H100. The estimates come from the 2026-11-24 run (240 s for tests/kernels + 3 step processes
-+ attention at 2 lengths x 3 implementations + plan + matmul; a step process took about 30 s
-there: about 16 s of start, CUDA init, compile and init, then 12 steps of 1.0-1.5 s); none of
-the new stages has run on a GPU yet:
+Stages, in the order they run, with their time limits and their wall time on an H100 (measured
+2026-11-27, where the stage ran with the implementations it runs now; estimated where it did not):
 
 0. The start: JAX's backend asked in a child process (CUDA init), about 8 s.
-1. `plan` (in the background from the start, CPU only: JAX_PLATFORMS=cpu, limit 300 s, about
-   60 s beside the others): `python -m t5x_like.plan --json` of the BLOOM-1.3B step on one
-   virtual CPU device: XLA's figure and its GPU estimate (`--breakdown`'s buffer analysis, or the
-   error naming the part of XLA's dump it could not read), and at the end `plan --estimate`
-   (the cost model, 2 s) for this GPU kind and the fastest attention measured.
-2. `matmul` (limit 60 s, about 10 s): the measured bf16 matmul rate (8192^3; the data-sheet peak).
-3. `attention` (limit 180 s; about 90 s for the 6 implementations before mosaic x 3 lengths, 2
-   compiles each; mosaic's time not measured yet): `benchmarks/attention.py` at head_dim 128, 16
-   heads, causal ALiBi, bf16, seq 2048, 4096 and 8192 (16384 tokens per call): pallas, mosaic
-   (ours, `t5x_like.kernels.mosaic_attention`: Mosaic GPU for Hopper, ALiBi in the kernel; a row
-   saying why it cannot run below compute capability 9.0), tokamax (the model's
-   `tokamax_attention`: Mosaic GPU, ALiBi as a float32 [1, H, 1, S] bias), tokamax-nobias (Mosaic
-   without ALiBi: a target only), cudnn, tokamax-cudnn (tokamax's cuDNN path with the same bias,
-   if it takes it), xla; each checked against the fp32 reference, then forward, backward and
-   forward+backward TFLOP/s and % of peak (10 timed runs). mosaic runs in a second process after
-   the others, with NEW_ATTENTION_LIMIT_S (60 s) of the stage's limit, so a kernel that hangs on
-   its first GPU run costs its own rows only. It has never run on a GPU, so it is not in
-   CORE_ATTENTION: its failure to run is in its rows and the table without failing the
-   suite; a wrong result fails it, as any row's does. With `--smoke` (CPU) mosaic runs in Mosaic
-   GPU's interpret mode, checked against the reference but not timed (about 15 s).
-4. `step` (limit 90 s per implementation; about 30 s each, auto about 8 s: about 130 s before
-   mosaic, whose process is not measured yet): the BLOOM-1.3B train step (configs/bloom_1b3.py,
-   global batch 16 = 4 micro-batches of 4 x 2048) per attention implementation, xla, pallas,
-   cudnn, tokamax, mosaic and auto, each in its own process (`step_throughput.py`, 2 warm-up + 5
-   timed steps): MFU, tokens/s, the first loss against xla's, XLA's compiled memory and the
-   allocator's measured peak; then 2 steps under `jax.profiler`, the device time by category
-   (matmul, attention, LayerNorm/GeLU/elementwise, loss, optimizer, copies/transposes,
-   collectives, other, device idle; `profile_trace.py`). `auto` resolving to an implementation
-   already measured (pallas on Hopper) is reported as that one, not run again. mosaic is not in
-   CORE_STEP: its failure to run does not fail the suite, a first loss off xla's does. With
-   `--smoke` mosaic's step is not run (its row says why: on CPU the whole model would run in
-   interpret mode, about a minute a step).
-5. `loss` (limit 75 s per variant, about 22 s each: 45 s): the step with the fastest attention
-   (of those whose first loss agrees with xla's) and model.cross_entropy_impl 'dense' and
-   'fused' (2 warm-up + 3 timed steps; 'chunked', the config's, is the step stage's row).
-6. `shard176b` (limit 120 s, about 45 s): `benchmarks/shard_176b.py`, one tensor-parallel rank's
+1. `plan` (in the background from the start, CPU only: JAX_PLATFORMS=cpu, limit 300 s, 7 s):
+   `python -m t5x_like.plan --json` of the BLOOM-1.3B step on one virtual CPU device: XLA's
+   figure and its GPU estimate (`--breakdown`'s buffer analysis, or the error naming the part of
+   XLA's dump it could not read; the dump is kept in OUT's folder as plan_xla_dump.tar.gz), and
+   at the end `plan --estimate` (the cost model) for this GPU kind and the fastest attention.
+2. `matmul` (limit 60 s, 7 s): the measured bf16 matmul rate (8192^3; the data-sheet peak).
+3. `attention` (limit 180 s; about 85 s, estimated from the 164 s that 7 implementations took):
+   `benchmarks/attention.py` at head_dim 128, 16 heads, causal ALiBi, bf16, seq 2048, 4096 and
+   8192 (16384 tokens per call): pallas, tokamax (the model's `tokamax_attention`: Mosaic GPU,
+   ALiBi as a float32 [1, H, 1, S] bias), tokamax-nobias (Mosaic without ALiBi: a target only),
+   cudnn; then mosaic (ours, `t5x_like.kernels.mosaic_attention`: Mosaic GPU for Hopper, ALiBi
+   in the kernel; a row saying why it cannot run below compute capability 9.0) in a second
+   process with NEW_ATTENTION_LIMIT_S (60 s) of the stage's limit, so that a hang costs its own
+   rows only. Each is checked against the fp32 reference, then forward, backward and
+   forward+backward TFLOP/s and % of peak (10 timed runs). With `--smoke` (CPU) mosaic runs in
+   Mosaic GPU's interpret mode, checked against the reference but not timed (about 15 s).
+4. `step` (limit 90 s per implementation; 28-38 s each, auto 3 s: about 135 s): the BLOOM-1.3B
+   train step (configs/bloom_1b3.py, global batch 16 = 4 micro-batches of 4 x 2048) per
+   attention implementation, xla, pallas, tokamax, mosaic and auto, each in its own process
+   (`step_throughput.py`, 2 warm-up + 5 timed steps): MFU, tokens/s, the first loss against
+   xla's, XLA's compiled memory and the allocator's measured peak; then 2 steps under
+   `jax.profiler`, the device time by category (matmul, attention, LayerNorm/GeLU/elementwise,
+   loss, optimizer, copies/transposes, collectives, other, device idle; `profile_trace.py`);
+   mosaic's trace and optimized HLO are kept in OUT's folder (KEEP_PROFILE_OF). `auto`
+   resolving to an implementation already measured is reported as that one, not run again.
+   With `--smoke` mosaic's step is not run (its row says why: on CPU the whole model would run
+   in interpret mode, about a minute a step).
+5. `loss` (limit 75 s per variant, about 30 s): the step with the fastest attention (of those
+   whose first loss agrees with xla's) and model.cross_entropy_impl 'fused' (2 warm-up + 3
+   timed steps; 'chunked', the config's, is the step stage's row).
+6. `shard176b` (limit 120 s, 40 s): `benchmarks/shard_176b.py`, one tensor-parallel rank's
    share of 4 BLOOM-176B layers as tr11 split them (28 heads of 128, FFN 14336, micro-batch 2 x
    2048, full recomputation), pallas and tokamax: TFLOP/s per GPU by tr11's count beside its 150
    per A100, and with the planner's estimate of the all-reduces one GPU does not do.
-7. `tune` (limit 75 s per variant, about 22 s each, not measured: about 90 s): the step with the
-   fastest attention (the step stage's row is the base; `--base_attention` names it when the
-   step stage is not in the same call, and the base is then measured too) under each of
-   TUNE_VARIANTS, 2 warm-up + 3 timed steps: `model.remat_policy='none'` (every activation kept,
-   nothing recomputed; it may not fit) and XLA GPU flags (cuBLASLt GEMMs with fused epilogues,
-   no Triton GEMM fusions, cuDNN LayerNorm). Each row gives its speed-up over the base and its
-   first loss against the base's; a variant that does not run is reported, a loss off the
-   base's fails the stage. With `--smoke`, remat-none and cublaslt only.
-8. `tests` (limit 150 s, about 80 s; started only with 90 s of the budget left): `pytest
-   tests/kernels` on this device: the Pallas kernels compiled through Triton, cuDNN and tokamax
-   attention against xla, the Mosaic GPU kernels (tests/kernels/test_mosaic_attention.py, the
-   whole directory is collected), fp32 references at full precision (JAX_DEFAULT_MATMUL_PRECISION=
-   highest). The tests that build a multi-device mesh need the CPU suite's 8 virtual devices and
-   are left to it. Not run with `--smoke` (CI runs them in interpret mode) or `--no-tests`.
+7. `tests` (limit 150 s, about 110 s: 30 tests took 108 s; started only with 90 s of the budget
+   left): `pytest tests/kernels -k GPU_TESTS` on this device, the tests that run a kernel: the
+   Pallas kernels compiled through Triton, cuDNN and tokamax attention against xla, the Mosaic GPU
+   kernels, the cross-entropy kernels, each model through them against xla; fp32 references at
+   full precision (JAX_DEFAULT_MATMUL_PRECISION=highest). The rest of tests/kernels (lowering
+   checks, constraints, configs) runs in the CPU suite. Not run with `--smoke` (CI runs them in
+   interpret mode) or `--no-tests`.
+8. `tune` (limit 75 s per variant, about 25 s each): the step with the fastest attention (the
+   step stage's row is the base; `--base_attention` names it when the step stage is not in the
+   same call, and the base is then measured too) under each of TUNE_VARIANTS, 2 warm-up + 3
+   timed steps. Each row gives its speed-up over the base and its first loss against the base's;
+   a variant that does not run (an XLA flag this XLA lacks, activations that do not fit) is
+   reported, a loss off the base's fails the stage.
 
-Estimated before mosaic: about 330 s to the end of stage 6, about 410 s with the tests (plan
-beside them). mosaic adds a step process (about 30 s if it costs what the others do; not
-measured) and 3 attention rows, so on an H100 the tune and tests stages are likely the ones the
-budget leaves out (the tests start only with 90 s of the budget left): a second call runs them,
-`--only tune,tests --base_attention IMPL` with the fastest attention of the first; were the GPU
-slower still, shard176b and then the loss variants would get less time than their limits (one
-cut short is a failure). `--step_impls` trims the step stage. Only one
-stage touches the GPU at a time (plan's process has no GPU), so each measured peak is its own
-process's. Exit status 1 if any stage failed (a test, a kernel's error above its tolerance, a loss
-that differs from xla's, a stage out of its time limit; not mosaic's failure to run).
+About 410 s to the end of the tests (plan beside them), so under the default budget `tune` is
+the stage left out: a second call runs it, `--only tune --base_attention IMPL` with the fastest
+attention of the first. Were the GPU slower, the tests (which start only with 90 s left) and then
+shard176b would go first. `--step_impls` trims the step stage. Only one stage touches the GPU at
+a time (plan's process has no GPU), so each measured peak is its own process's. Exit status 1 if
+any stage failed (a test, a kernel's error above its tolerance or its failure to run, a loss that
+differs from xla's, a stage out of its time limit).
 """
 
 from __future__ import annotations
@@ -91,6 +79,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,38 +90,48 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, 'benchmarks')
 CONFIG = os.path.join(REPO, 'configs', 'bloom_1b3.py')
-STAGES = ('plan', 'matmul', 'attention', 'step', 'loss', 'shard176b', 'tune', 'tests')
-STEP_IMPLS = ('xla', 'pallas', 'cudnn', 'tokamax', 'mosaic', 'auto')
-LOSS_VARIANTS = ('dense', 'chunked', 'fused')
+STAGES = ('plan', 'matmul', 'attention', 'step', 'loss', 'shard176b', 'tests', 'tune')
+# Not cudnn (2026-11-27: its attention at 15% of the peak, its step the slowest fused one); its
+# attention rows stay, and `--step_impls` runs it.
+STEP_IMPLS = ('xla', 'pallas', 'tokamax', 'mosaic', 'auto')
+# Not 'dense' (2026-11-27: 4% slower than 'chunked' and 11 GiB more).
+LOSS_VARIANTS = ('chunked', 'fused')
 # The `tune` stage: the step with the fastest attention under settings that may speed it up, each
-# in its own process: {name: (config overrides, XLA_FLAGS)}. No recomputation at all (does every
-# activation fit, and what does save_dots's recomputation of LayerNorm, GeLU and the bias adds
-# cost?), and XLA GPU flags: GEMMs through cuBLASLt (bias and GeLU epilogues fused into the
-# GEMM), no Triton GEMM fusions (cuBLAS for every matmul), LayerNorm as a cuDNN call.
+# in its own process: {name: (config overrides, XLA_FLAGS)}. Half the micro-batches (8 sequences
+# each instead of 4): half the per-micro-batch weight casts and gradient additions, twice the
+# activations; with the fused cross-entropy too. (Settled on 2026-11-27, docs/benchmarks.md:
+# remat_policy='none' does not fit, cuBLASLt changes nothing, no Triton GEMMs is 5% slower,
+# cuDNN LayerNorm crashes jaxlib 0.11.2's XLA.)
 TUNE_VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
-  'remat-none': (('--config.model.remat_policy=none',), ''),
-  'cublaslt': ((), '--xla_gpu_enable_cublaslt=true'),
-  'no-triton-gemm': ((), '--xla_gpu_enable_triton_gemm=false'),
-  'cudnn-layer-norm': ((), '--xla_gpu_enable_cudnn_layer_norm=true'),
+  'mbs8': (('--config.train.micro_batch_size=8',), ''),
+  'fused-mbs8': (
+    ('--config.train.micro_batch_size=8', '--config.model.cross_entropy_impl=fused'),
+    '',
+  ),
 }
-# --smoke runs one variant of each kind (the flag variants differ only in the flag's name).
-SMOKE_TUNE_VARIANTS = ('remat-none', 'cublaslt')
+# --smoke (global batch 4 in micro-batches of 2): the same variants at its scale.
+SMOKE_TUNE_VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
+  'mbs8': (('--config.train.micro_batch_size=4',), ''),
+  'fused-mbs8': (
+    ('--config.train.micro_batch_size=4', '--config.model.cross_entropy_impl=fused'),
+    '',
+  ),
+}
 ATTENTION_SEQS = '2048,4096,8192'
 # tokamax: the model's tokamax_attention (a direct tokamax call where this checkout has none).
-ATTENTION_IMPLS = 'pallas,tokamax,tokamax-nobias,cudnn,tokamax-cudnn,xla'
+# Not xla (5% of the peak, the slowest to time) nor tokamax-cudnn (below cudnn's own), since
+# 2026-11-27: `benchmarks/attention.py --impls` runs them.
+ATTENTION_IMPLS = 'pallas,tokamax,tokamax-nobias,cudnn'
 # Ours (t5x_like.kernels.mosaic_attention, Mosaic GPU for Hopper), in a second process of its own
-# time limit after the others: a kernel that has never run on a GPU may hang it, and would then
-# cost its own rows only.
+# time limit after the others: should a new jax or driver make it hang, it costs its own rows.
 NEW_ATTENTION_IMPLS = 'mosaic'
 NEW_ATTENTION_LIMIT_S = 60.0
-BUDGET_S = 420.0  # under a timeout of 480 s: the plan thread's join, the cost model, the summary
-# Attention rows whose failure fails the suite; the direct tokamax calls are comparisons. Not
-# mosaic yet: it has never run on a GPU, so a failure to run (its row's error, in the table and
-# the JSON) does not fail the suite; a wrong result (above the tolerance) does, as for any row.
-CORE_ATTENTION = ('pallas', 'tokamax', 'cudnn', 'xla')
-# Step implementations whose failure to run fails the suite (a first loss off xla's always does):
-# not mosaic, for the same reason.
-CORE_STEP = ('xla', 'pallas', 'cudnn', 'tokamax', 'auto')
+BUDGET_S = 440.0  # under a timeout of 480 s: the plan thread's join, the cost model, the summary
+# Attention rows whose failure to run fails the suite (a wrong result always does); the direct
+# tokamax calls are comparisons.
+CORE_ATTENTION = ('pallas', 'tokamax', 'cudnn', 'mosaic')
+# Step implementations whose failure to run fails the suite (a first loss off xla's always does).
+CORE_STEP = ('xla', 'pallas', 'cudnn', 'tokamax', 'mosaic', 'auto')
 # Not run with --smoke (CPU), each with the reason its row gives.
 SMOKE_SKIPS_STEP = {
   # Measured 2026-11-26 on a 2-core CPU: one step of the smoke model took 61 s with
@@ -157,10 +156,19 @@ TESTS_NEED_S = 90  # the tests stage starts only with this much of the budget le
 STEP_ARGS = ['--global_batch', '16', '--warmup', '2', '--steps', '5', '--profile_steps', '2']
 SMOKE_STEP_ARGS = ['--smoke', '--global_batch', '4', '--warmup', '1', '--steps', '2']
 SMOKE_STEP_ARGS += ['--profile_steps', '1']
-# tests/kernels' cases that need 8 devices (multi-device meshes): the CPU suite runs them.
+# tests/kernels' cases that run a kernel on the device (pytest -k): against the fp32 reference or
+# xla, the models through each kernel, what only a GPU decides (cuDNN, Hopper, long sequences).
+GPU_TESTS = (
+  'match_the_reference or matches_xla or match_dense or gives_the_xla_loss or fp32_loss '
+  'or runs_on_a_gpu_only or on_hopper or wrong_alibi_row or bf16_tolerance or breaks_the_tolerance'
+)
+# Of those, the cases that need 8 devices (multi-device meshes): the CPU suite runs them.
 MULTI_DEVICE_TESTS = (
   'not tiny_config and not chunked_cross_entropy_removes and not shard_map and not every_shard'
 )
+# The step implementation whose profile (trace and optimized HLO) is kept beside OUT (--smoke:
+# every profiled one, all in one process).
+KEEP_PROFILE_OF = 'mosaic'
 
 
 _RUNNING: set[int] = set()  # process groups of the children running now
@@ -428,7 +436,7 @@ def attention(smoke: bool, workdir: str, limit_s: float) -> dict:
   report['wall_s'] += new['wall_s']
   if 'failed' in new:  # out of time or crashed: its rows say so, the suite goes on
     report['new_failed'] = new['failed']
-  report['ok'] = report['ok'] and not any(r.get('correct') is False for r in new['results'])
+  report['ok'] = report['ok'] and new['ok']
   return report
 
 
@@ -480,8 +488,11 @@ def step_child(
   return results
 
 
-def steps(smoke: bool, workdir: str, clock: Clock, impls: tuple[str, ...]) -> dict:
-  """The step per attention implementation, one process each (--smoke: one for all)."""
+def steps(
+  smoke: bool, workdir: str, clock: Clock, impls: tuple[str, ...], keep_dir: str = ''
+) -> dict:
+  """The step per attention implementation, one process each (--smoke: one for all).
+  keep_dir: where KEEP_PROFILE_OF's profile is kept (step_throughput.py --keep_profile)."""
   results: dict = {}
   if smoke:
     results.update(
@@ -498,6 +509,8 @@ def steps(smoke: bool, workdir: str, clock: Clock, impls: tuple[str, ...]) -> di
     measured = [i for i, r in results.items() if 'step_s_median' in r]
     if 'auto' in group and measured:
       extra += ['--reuse_if_auto_is', ','.join(measured)]
+    if keep_dir and (smoke or group == [KEEP_PROFILE_OF]):
+      extra += ['--keep_profile', keep_dir]
     results.update(step_child(group, workdir, limit, extra))
   device = next((r['device'] for r in results.values() if r.get('device')), None)
   ok = True
@@ -579,8 +592,7 @@ def tune(smoke: bool, workdir: str, clock: Clock, step_results: dict, default_im
     results['base'] = {**base, 'from': 'the step stage'}
   else:
     todo['base'] = ((), '')
-  names = SMOKE_TUNE_VARIANTS if smoke else tuple(TUNE_VARIANTS)
-  todo.update({name: TUNE_VARIANTS[name] for name in names})
+  todo.update(SMOKE_TUNE_VARIANTS if smoke else TUNE_VARIANTS)
   for name, (overrides, flags) in todo.items():
     limit = min(SMOKE_LIMIT if smoke else LIMITS['tune'], clock.left())
     if limit < 10:
@@ -623,16 +635,18 @@ def shard176b(smoke: bool, workdir: str, limit_s: float) -> dict:
 
 def kernel_tests(limit_s: float) -> dict:
   # -n 0: one process (setup.cfg's two xdist workers would each take the GPU's memory).
-  command = [sys.executable, '-m', 'pytest', 'tests/kernels', '-q', '-n', '0']
+  command = [sys.executable, '-m', 'pytest', 'tests/kernels', '-v', '--tb=short', '-n', '0']
   command += ['-p', 'no:cacheprovider']
-  command += ['-k', MULTI_DEVICE_TESTS]
+  command += ['-k', f'({GPU_TESTS}) and ({MULTI_DEVICE_TESTS})']
   run = run_child(
     command, limit_s, env={'JAX_DEFAULT_MATMUL_PRECISION': 'highest', 'JAX_PLATFORMS': 'cuda,cpu'}
   )
   summary = [line for line in run['tail'].splitlines() if ' passed' in line or ' failed' in line]
+  outcomes = re.findall(r'^(tests/\S+) (PASSED|FAILED|ERROR)', run['output'], re.MULTILINE)
   result = {
     'exit_code': run['code'],
     'summary': summary[-1] if summary else run['tail'][-500:],
+    'outcomes': {test: outcome for test, outcome in outcomes},
     'ok': run['code'] == 0,
     'wall_s': run['wall_s'],
   }
@@ -761,7 +775,8 @@ def run_suite(args: argparse.Namespace) -> int:
         finish(stage, attention(args.smoke, workdir, limit(stage)), started)
       elif stage == 'step':
         impls = tuple(s for s in args.step_impls.split(',') if s)
-        finish(stage, steps(args.smoke, workdir, clock, impls), started)
+        keep_dir = os.path.dirname(os.path.abspath(args.json))
+        finish(stage, steps(args.smoke, workdir, clock, impls, keep_dir), started)
       elif stage == 'loss':
         step_results = stages.get('step', {}).get('results', {})
         default = 'xla' if args.smoke else args.base_attention

@@ -53,6 +53,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterable
 
@@ -497,8 +498,11 @@ def summarise(trace: dict, hlo_text: str, steps: int, step_s: float | None) -> d
   totals = dict.fromkeys(CATEGORIES, 0.0)
   how_counts: dict[str, int] = {}
   top: dict[str, dict[str, float]] = {c: {} for c in CATEGORIES}
+  unmatched: dict[str, dict] = {}  # kernel name -> an example of its event's arguments
   for e in events:
     op = ops.get(str(e.args.get('hlo_op', '')))
+    if op is None and len(unmatched) < 8:
+      unmatched.setdefault(e.name, {k: str(v)[:120] for k, v in e.args.items()})
     category, how = categorise(e.name, e.args, op)
     totals[category] += e.dur
     how_counts[how] = how_counts.get(how, 0) + 1
@@ -521,6 +525,8 @@ def summarise(trace: dict, hlo_text: str, steps: int, step_s: float | None) -> d
       IDLE: 100 * max(0.0, wall_ms - busy_ms) / wall_ms,
     },
     'recognised_by': how_counts,
+    # Events whose `hlo_op` names no instruction of the module: a few, with their arguments.
+    'unmatched_examples': unmatched,
     'top_ops': {
       c: [
         [name, us / 1e3 / steps] for name, us in sorted(top[c].items(), key=lambda kv: -kv[1])[:3]
@@ -531,9 +537,17 @@ def summarise(trace: dict, hlo_text: str, steps: int, step_s: float | None) -> d
   }
 
 
-def profile_steps(run_step: Callable[[int], None], steps: int, hlo_text: str, log_dir: str) -> dict:
+def profile_steps(
+  run_step: Callable[[int], None],
+  steps: int,
+  hlo_text: str,
+  log_dir: str,
+  keep_as: str = '',
+) -> dict:
   """Runs `run_step(i)` (which must block until the step is done) `steps` times under the
-  profiler and summarises the trace."""
+  profiler and summarises the trace. `keep_as`: a path prefix under which the trace
+  (`PREFIX.trace.json.gz`, or `.xplane.pb`) and the optimized HLO (`PREFIX.hlo.txt.gz`) are kept,
+  to categorise them again elsewhere."""
   import jax
 
   options = None
@@ -550,7 +564,13 @@ def profile_steps(run_step: Callable[[int], None], steps: int, hlo_text: str, lo
     wall = time.perf_counter() - start
   finally:
     jax.profiler.stop_trace()
-  return summarise(load_trace(find_trace(log_dir)), hlo_text, steps, wall / steps)
+  trace_path = find_trace(log_dir)
+  if keep_as:
+    suffix = '.xplane.pb' if trace_path.endswith('.xplane.pb') else '.trace.json.gz'
+    shutil.copyfile(trace_path, keep_as + suffix)
+    with gzip.open(keep_as + '.hlo.txt.gz', 'wt') as f:
+      f.write(hlo_text)
+  return summarise(load_trace(trace_path), hlo_text, steps, wall / steps)
 
 
 def table(profile: dict) -> str:

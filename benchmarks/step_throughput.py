@@ -22,10 +22,12 @@ category (matmuls, attention, LayerNorm/GeLU/elementwise, loss, optimizer, copie
 `benchmarks/profile_trace.py`). An implementation the config does not accept, or one that fails
 to compile or run, is reported as failed with its error and the others still run; `--json` is
 rewritten after each implementation (and before its profile), so a crash keeps what was measured.
-`--attention` takes implementations, each optionally with a cross-entropy implementation,
-`IMPL[:LOSS]` (e.g. `pallas:fused`: model.cross_entropy_impl='fused'); results are keyed by these
-names. `auto` resolving to an implementation measured in this run, or named by
-`--reuse_if_auto_is a,b` (measured by another run), is reported as that one, not measured again.
+`--keep_profile DIR` keeps each profile's trace and optimized HLO there (to categorise them again
+elsewhere: `profile_trace.summarise`). `--attention` takes implementations, each optionally with
+a cross-entropy implementation, `IMPL[:LOSS]` (e.g. `pallas:fused`:
+model.cross_entropy_impl='fused'); results are keyed by these names. `auto` resolving to an
+implementation measured in this run, or named by `--reuse_if_auto_is a,b` (measured by another
+run), is reported as that one, not measured again.
 """
 
 from __future__ import annotations
@@ -68,9 +70,12 @@ SMOKE = {
 }
 
 
-def measure(cfg, steps: int, warmup: int = WARMUP, profile_steps: int = 0, save=None) -> dict:
+def measure(
+  cfg, steps: int, warmup: int = WARMUP, profile_steps: int = 0, save=None, keep_profile: str = ''
+) -> dict:
   """One implementation's step: compile, `warmup` + `steps` steps, then `profile_steps` under the
-  profiler. `save(result)` is called with the result before the profile (a crash there keeps it)."""
+  profiler. `save(result)` is called with the result before the profile (a crash there keeps it).
+  keep_profile: a path prefix for the profile's trace and optimized HLO (profile_trace.py)."""
   mesh = partitioning.make_mesh(1, 1, 1)
   layout = make_layout(cfg, mesh)
   start = time.perf_counter()
@@ -134,7 +139,7 @@ def measure(cfg, steps: int, warmup: int = WARMUP, profile_steps: int = 0, save=
     try:
       with tempfile.TemporaryDirectory(prefix='step_profile_') as log_dir:
         result['profile'] = profile_trace.profile_steps(
-          one_step, profile_steps, compiled.as_text(), log_dir
+          one_step, profile_steps, compiled.as_text(), log_dir, keep_as=keep_profile
         )
     except Exception as e:  # noqa: BLE001 (the step's figures stand without the profile)
       result['profile_failed'] = f'{type(e).__name__}: {e}'[:1000]
@@ -187,6 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     '--reuse_if_auto_is',
     default='',
     help="implementations measured elsewhere: 'auto' resolving to one of them is not re-measured",
+  )
+  parser.add_argument(
+    '--keep_profile',
+    default='',
+    help="keep each profile's trace and optimized HLO in this folder, as "
+    'profile_IMPL.trace.json.gz and profile_IMPL.hlo.txt.gz',
   )
   parser.add_argument('--smoke', action='store_true', help='a 2-layer model (runs on CPU)')
   parser.add_argument('--json', default='')
@@ -261,6 +272,11 @@ def main(argv: list[str] | None = None) -> None:
         args.warmup,
         args.profile_steps,
         save=lambda r: save(spec, {**r, 'resolved_to': runs}),
+        keep_profile=(
+          os.path.join(args.keep_profile, f'profile_{spec.replace(":", "-")}')
+          if args.keep_profile
+          else ''
+        ),
       )
     except Exception as e:  # noqa: BLE001 (one implementation's failure; the others still run)
       traceback.print_exc()

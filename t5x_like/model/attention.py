@@ -73,16 +73,16 @@ KEEPS_RESIDUALS_UNDER_SAVE_DOTS = ('pallas', 'mosaic')
 # per implementation), its numbers recorded in docs/benchmarks.md; change a row only with a
 # measurement there. A family not listed runs 'xla'.
 AUTO_ORDER: dict[str, tuple[tuple[str, ...], str]] = {
-  # mosaic (ours) and tokamax (Mosaic sm90) are not measured on a GPU yet: candidates after the
-  # measured two.
   'hopper': (
-    ('pallas', 'cudnn', 'mosaic', 'tokamax', 'xla'),
-    'H100, seq 4096, head_dim 128, causal + ALiBi: pallas 263 / 262 TFLOP/s forward / backward, '
-    'cudnn 177 / 145 (docs/benchmarks.md, 2026-11-24); mosaic and tokamax not measured yet',
+    ('mosaic', 'pallas', 'tokamax', 'cudnn', 'xla'),
+    'H100, BLOOM-1.3B step (docs/benchmarks.md, 2026-11-27): mosaic 937 ms, pallas 943, '
+    'tokamax 955, cudnn 1009, xla 1544; attention fwd+bwd at seq 4096, head_dim 128, causal + '
+    'ALiBi: mosaic 315 TFLOP/s, tokamax 281, pallas 257, cudnn 149',
   ),
   'ampere': (
     ('pallas', 'xla'),
-    "the Triton flash kernels (Pallas), the Hopper measurement's fastest; none on Ampere yet",
+    'the Triton flash kernels (Pallas), on an H100 the fastest after mosaic, which needs Hopper; '
+    'none measured on Ampere yet',
   ),
   'cpu': (
     ('xla',),

@@ -213,17 +213,18 @@ def model(**overrides) -> ModelConfig:
 @pytest.mark.parametrize(
   'device, cfg, want',
   [
-    pytest.param(H100, model(), 'pallas', id='h100'),
-    pytest.param(H200, model(), 'pallas', id='h200'),
+    pytest.param(H100, model(), 'mosaic', id='h100'),
+    pytest.param(H200, model(), 'mosaic', id='h200'),
     pytest.param(A100, model(), 'pallas', id='a100'),
     pytest.param(CPU, model(), 'xla', id='cpu'),
     pytest.param(Device('tpu', 'TPU v5 lite'), model(), 'xla', id='tpu-not-measured'),
     pytest.param(Device('gpu', 'NVIDIA B200', '10.0'), model(), 'xla', id='b200-not-measured'),
-    # head_dim 80 (BLOOM-3B): no Pallas tiles; cuDNN's on Hopper, none on Ampere.
-    pytest.param(H100, model(hidden_size=2560, num_heads=32), 'cudnn', id='h100-head-dim-80'),
+    # head_dim 80 (BLOOM-3B): no Mosaic or Pallas tiles; tokamax's on Hopper, none on Ampere.
+    pytest.param(H100, model(hidden_size=2560, num_heads=32), 'tokamax', id='h100-head-dim-80'),
     pytest.param(A100, model(hidden_size=2560, num_heads=32), 'xla', id='a100-head-dim-80'),
+    # head_dim 256: beyond Mosaic's wgmma tiles (64, 128); Pallas has them.
     pytest.param(H100, model(num_heads=8), 'pallas', id='h100-head-dim-256'),
-    # head_dim 192: no Pallas tiles, beyond cuDNN's 128; tokamax, the next candidate, runs it.
+    # head_dim 192: no Mosaic or Pallas tiles; tokamax, the next candidate, runs it.
     pytest.param(H100, model(hidden_size=1920, num_heads=10), 'tokamax', id='h100-head-dim-192'),
     pytest.param(
       H100, model(hidden_size=1920, num_heads=10, dtype='float32'), 'xla', id='h100-192-fp32'
@@ -259,7 +260,7 @@ def test_the_auto_table():
   for family, (order, measured) in AUTO_ORDER.items():
     assert order[-1] == 'xla' and set(order) <= set(attention_lib.IMPLEMENTATIONS), family
     assert measured, family
-  assert AUTO_ORDER['hopper'][0][:2] == ('pallas', 'cudnn')  # docs/benchmarks.md, H100
+  assert AUTO_ORDER['hopper'][0][:2] == ('mosaic', 'pallas')  # docs/benchmarks.md, H100
   assert AUTO_ORDER['cpu'][0] == ('xla',)
   assert config_lib.allowed_values('model.attention_impl') == attention_lib.CHOICES
   assert ModelConfig().attention_impl == 'auto'
@@ -281,7 +282,10 @@ def test_auto_runs_xla_on_cpu_and_the_log_says_why():
   )[2]
   assert hopper.startswith(
     "> attention: model.attention_impl='auto' runs 'pallas' on gpu (NVIDIA H100 80GB HBM3, "
-    "compute capability 9.0): the first that runs this model of hopper's pallas > cudnn > "
+    "compute capability 9.0): the first that runs this model of hopper's mosaic > pallas > "
+  )
+  assert hopper.endswith(
+    '; skipped mosaic (head_dim must be one of (64, 128) (wgmma tiles), got 16)'
   )
   fixed = startup.report_lines(
     cfg.replace(model={'attention_impl': 'tokamax'}), layout, {}, 1, 'cpu'
