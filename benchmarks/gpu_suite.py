@@ -941,6 +941,8 @@ def summary(report: dict) -> str:
       lines.append(f'{name}: skipped: {stage["skipped"]}')
   if 'tests' in stages and 'summary' in stages['tests']:
     lines.append(f'tests/kernels: {stages["tests"]["summary"]}')
+    outcomes = stages['tests'].get('outcomes', {})
+    lines += [f'  {outcome} {test}' for test, outcome in outcomes.items() if outcome != 'PASSED']
   matmul = stages.get('matmul', {})
   if 'measured_tflops' in matmul:
     lines.append(

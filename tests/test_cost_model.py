@@ -892,7 +892,7 @@ def test_h100_estimate_of_the_loss_variants():
   counted as the chunked loss's tiles), and its time (-2.1%). The dense loss's memory is within
   reach too (+1.2%); its time is not (-12.2%: the model's open error, docs/benchmarks.md)."""
   estimates = {}
-  for impl, (ms, peak_bytes) in H100_BLOOM_1B3_LOSSES.items():
+  for impl, (_ms, peak_bytes) in H100_BLOOM_1B3_LOSSES.items():
     cfg = _bloom_1b3_step('mosaic').replace(model={'cross_entropy_impl': impl})
     estimates[impl] = r = cost_model.estimate(cfg, 'h100-80gb')
     assert abs(r['estimated_memory_gib'] * 2**30 / peak_bytes - 1) < H100_MEMORY_ERROR, (impl, r)

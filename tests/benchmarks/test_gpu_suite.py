@@ -293,6 +293,35 @@ def test_a_tune_variant_that_does_not_run_is_reported_and_a_wrong_loss_fails(mon
   assert 'base' not in [name for _, name, _, _ in calls]
 
 
+def test_the_tests_stage_runs_the_kernel_tests_and_names_each_outcome(monkeypatch):
+  """On the GPU: the tests of tests/kernels that run a kernel (GPU_TESTS, less the multi-device
+  ones), verbose, at full fp32 precision; every test's outcome in the report, the ones that did
+  not pass in the summary."""
+  seen = {}
+  output = (
+    'tests/kernels/test_flash_attention.py::test_forward_and_gradients_match_the_reference[a] '
+    'PASSED [ 50%]\n'
+    'tests/kernels/test_mosaic_attention.py::test_the_kernels_fail_a_wrong_alibi_row FAILED '
+    '[100%]\n1 failed, 1 passed in 9.0s\n'
+  )
+
+  def run_child(command, limit_s, env=None, **_):
+    seen.update(command=command, env=env)
+    return {'code': 1, 'wall_s': 9.0, 'tail': output, 'output': output}
+
+  monkeypatch.setattr(gpu_suite, 'run_child', run_child)
+  stage = gpu_suite.kernel_tests(150)
+  selection = seen['command'][seen['command'].index('-k') + 1]
+  assert gpu_suite.GPU_TESTS in selection and gpu_suite.MULTI_DEVICE_TESTS in selection
+  assert '-v' in seen['command'] and seen['env']['JAX_DEFAULT_MATMUL_PRECISION'] == 'highest'
+  assert not stage['ok'] and stage['summary'] == '1 failed, 1 passed in 9.0s'
+  assert list(stage['outcomes'].values()) == ['PASSED', 'FAILED']
+  report = {'date': 'd', 'device': 'gpu', 'platform': 'gpu', 'jax': 'j', 'wall_s': 9, 'ok': False}
+  text = gpu_suite.summary({**report, 'stages': {'tests': stage}})
+  assert 'FAILED tests/kernels/test_mosaic_attention.py::test_the_kernels_fail_a_wrong' in text
+  assert 'PASSED' not in text
+
+
 # --- the profile's categories on hand-written traces -----------------------------------------
 
 HLO = """HloModule jit_step, is_scheduled=true
