@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Mosaic GPU flash-attention tiles on one Hopper GPU: benchmarks/attention.py once per candidate
 # (block_q,block_kv,block_q_dkv,block_kv_dkv,block_q_dq,block_kv_dq,compute_wgs,stages: the
-# fields of t5x_like.kernels.MosaicBlocks) at seq 4096 x batch 4, 16 heads of 128, bf16
-# (docs/benchmarks.md). About 20 s a candidate; one that does not fit shared memory or registers
-# prints its error and the next runs.
+# fields of t5x_like.kernels.MosaicBlocks) at seq 2048 x batch 8 and 4096 x batch 4, 16 heads of
+# 128, bf16 (docs/benchmarks.md: the default tiles' weakest lengths). About 30 s a candidate; one
+# that does not fit shared memory or registers prints its error and the next runs.
 #
 #   benchmarks/mosaic_sweep.sh LOGFILE
 set -u
@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1
 : >"$log"
 while read -r blocks; do
   echo "== mosaic_blocks $blocks" | tee -a "$log"
-  timeout 60 python3 benchmarks/attention.py --seqs 4096 --impls mosaic --iters 10 \
+  timeout 60 python3 benchmarks/attention.py --seqs 2048,4096 --impls mosaic --iters 10 \
     --mosaic_blocks "$blocks" 2>&1 | grep -E '^mosaic|failed|Error' | tee -a "$log"
 done <<'CANDIDATES'
 64,128,64,64,64,64,2,2
