@@ -919,7 +919,8 @@ def profile_lines(results: dict) -> list[str]:
     )
     for impl, p in profiled.items():
       lines.append(
-        f'  {impl}: {p["events"]} {p["events_from"]} events, recognised by '
+        f'  {impl}: {p["events"]} {p["events_from"]} events '
+        f'({p.get("matched_events", "?")} naming an instruction), recognised by '
         + ', '.join(f'{k} {v}' for k, v in sorted(p['recognised_by'].items()))
       )
   for impl, r in results.items():

@@ -499,11 +499,16 @@ def summarise(trace: dict, hlo_text: str, steps: int, step_s: float | None) -> d
   how_counts: dict[str, int] = {}
   top: dict[str, dict[str, float]] = {c: {} for c in CATEGORIES}
   unmatched: dict[str, dict] = {}  # kernel name -> an example of its event's arguments
+  bare: dict[str, str] = {}  # instructions matched but without a source or an op name
+  matched = 0
   for e in events:
     op = ops.get(str(e.args.get('hlo_op', '')))
+    matched += op is not None
     if op is None and len(unmatched) < 8:
       unmatched.setdefault(e.name, {k: str(v)[:120] for k, v in e.args.items()})
     category, how = categorise(e.name, e.args, op)
+    if how == 'nothing' and op is not None and len(bare) < 8:
+      bare.setdefault(op.name, op.opcode)
     totals[category] += e.dur
     how_counts[how] = how_counts.get(how, 0) + 1
     label = op.name if op is not None else e.name
@@ -525,8 +530,11 @@ def summarise(trace: dict, hlo_text: str, steps: int, step_s: float | None) -> d
       IDLE: 100 * max(0.0, wall_ms - busy_ms) / wall_ms,
     },
     'recognised_by': how_counts,
-    # Events whose `hlo_op` names no instruction of the module: a few, with their arguments.
+    # How many events name an instruction of the module (`hlo_op`); a few that do not, with
+    # their arguments; a few instructions matched that carry neither a source nor an op name.
+    'matched_events': matched,
     'unmatched_examples': unmatched,
+    'bare_examples': bare,
     'top_ops': {
       c: [
         [name, us / 1e3 / steps] for name, us in sorted(top[c].items(), key=lambda kv: -kv[1])[:3]

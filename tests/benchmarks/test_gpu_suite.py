@@ -6,6 +6,7 @@ a CPU's (thunks on host threads, a while loop enclosing its body)."""
 import gzip
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -477,6 +478,20 @@ def test_the_gpu_trace_is_split_by_category():
   assert sum(profile['pct_of_step'].values()) == pytest.approx(100.0)
   assert profile['top_ops']['matmul'][0][0] == 'custom-call.2'
   assert 'matmul' in profile_trace.table(profile)
+  # What could not be matched is named, for the next reader of a GPU run.
+  assert profile['matched_events'] == 2 * (len(KERNELS) - 1)
+  assert profile['unmatched_examples'] == {
+    'mystery_kernel': {
+      'hlo_op': 'not_in_the_module',
+      'hlo_module': 'jit_step',
+      'correlation_id': '1',
+    }
+  }
+  assert profile['bare_examples'] == {'transpose_fusion': 'fusion'}  # no metadata above
+  # An HLO printed without metadata: its instructions match, and are named as bare.
+  bare = profile_trace.summarise(trace, re.sub(r', metadata=\{[^}]*\}', '', HLO), 2, None)
+  assert bare['matched_events'] == profile['matched_events']
+  assert bare['bare_examples']['loop_norm_fusion'] == 'fusion'
 
 
 def test_without_source_frames_the_op_names_decide():
