@@ -56,7 +56,7 @@ Stages, in the order they run, with their time limits and their wall time on an 
    full precision (JAX_DEFAULT_MATMUL_PRECISION=highest). The rest of tests/kernels (lowering
    checks, constraints, configs) runs in the CPU suite. Not run with `--smoke` (CI runs them in
    interpret mode) or `--no-tests`.
-8. `tune` (limit 75 s per variant, about 25 s each): the step with the fastest attention (the
+8. `tune` (limit 75 s per variant, about 25 s each, 75 s): the step with the fastest attention (the
    step stage's row is the base; `--base_attention` names it when the step stage is not in the
    same call, and the base is then measured too) under each of TUNE_VARIANTS, 2 warm-up + 3
    timed steps. Each row gives its speed-up over the base and its first loss against the base's;
@@ -97,9 +97,10 @@ STEP_IMPLS = ('xla', 'pallas', 'tokamax', 'mosaic', 'auto')
 # Not 'dense' (2026-11-27: 4% slower than 'chunked' and 11 GiB more).
 LOSS_VARIANTS = ('chunked', 'fused')
 # The `tune` stage: the step with the fastest attention under settings that may speed it up, each
-# in its own process: {name: (config overrides, XLA_FLAGS)}. Half the micro-batches (8 sequences
-# each instead of 4): half the per-micro-batch weight casts and gradient additions, twice the
-# activations; with the fused cross-entropy too. (Settled on 2026-11-27, docs/benchmarks.md:
+# in its own process: {name: (config overrides, XLA_FLAGS)}. Fewer micro-batches (8 or all 16
+# sequences each instead of 4): fewer per-micro-batch weight casts and gradient additions, more
+# activations (the cost model: chunked 855 ms and 54.5 GiB in micro-batches of 8; fused 786 ms and
+# 61.7 GiB, and 758 ms and 78.8 GiB in one micro-batch, which may not fit). (Settled on 2026-11-27:
 # remat_policy='none' does not fit, cuBLASLt changes nothing, no Triton GEMMs is 5% slower,
 # cuDNN LayerNorm crashes jaxlib 0.11.2's XLA.)
 TUNE_VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -108,8 +109,12 @@ TUNE_VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
     ('--config.train.micro_batch_size=8', '--config.model.cross_entropy_impl=fused'),
     '',
   ),
+  'fused-mbs16': (
+    ('--config.train.micro_batch_size=16', '--config.model.cross_entropy_impl=fused'),
+    '',
+  ),
 }
-# --smoke (global batch 4 in micro-batches of 2): the same variants at its scale.
+# --smoke (global batch 4 in micro-batches of 2): the two kinds of variant at its scale.
 SMOKE_TUNE_VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
   'mbs8': (('--config.train.micro_batch_size=4',), ''),
   'fused-mbs8': (
