@@ -46,6 +46,23 @@ def test_sequence_parallel_run_matches_single_device(
   )
 
 
+def test_the_pipeline_backward_reads_the_stage_buffer_without_a_gather():
+  """The entering micro-batch's cotangent is read from the [P, rows, S, E] stage buffer by a
+  dynamic slice. As the transpose of `.at[0].set` it was a gather, on which jaxlib 0.11.2's SPMD
+  partitioner aborts (ExpandDeviceGroupsWithIota) with the sequence split over `tensor` and a
+  per-rank pipeline: the 2x2x2 run above, on that jax. Checked on the lowered step's gathers."""
+  cfg = small_config(
+    model=dict(MODEL, sequence_parallel=True), mesh=dict(data=2, pipeline=2, tensor=2)
+  ).validate()
+  layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
+  text = step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).as_text()
+  operands = re.findall(r'"stablehlo\.gather"\([^)]*\).*?: \(tensor<([^>]*)>', text)
+  assert operands  # the layers' weights are still read by gathers under the stages' vmap
+  p, s, e = cfg.mesh.pipeline, cfg.train.seq_len, cfg.model.hidden_size
+  buffers = [o for o in operands if re.fullmatch(rf'{p}x\d+x{s}x{e}x\w+', o)]
+  assert not buffers, buffers
+
+
 def test_sequence_parallel_dropout_draws_the_masks_of_the_unsplit_run():
   """Dropout on sequence-split activations must draw the same masks as on whole ones (Megatron
   needs an RNG tracker for this; JAX's partitionable threefry gives it by construction)."""

@@ -528,7 +528,14 @@ def pipeline_loss(
     zeros = jnp.zeros(sched.activation_shape, sched.dtype)
     later = jax.lax.dynamic_index_in_dim(waiting, m_in, 0, False) if R > 1 else zeros
     entering = jnp.where(t < M, embed(m_in), later)
-    inputs = ctx.constrain(buffer.at[0].set(entering), buffer_names)
+    # Stage 0's slot replaced by a select, not `.at[0].set`: the scatter's transpose is a gather,
+    # on which jaxlib 0.11.2's SPMD partitioner aborts when the buffer is split along the sequence
+    # and a manual data axis (sequence parallelism with a per-rank pipeline;
+    # spmd_partitioner_util.cc, ExpandDeviceGroupsWithIota). The select's transpose is a masked
+    # sum over the stages, what the gather was partitioned into (a dynamic update's transpose, a
+    # dynamic slice, would all-gather the buffer over `pipeline`).
+    first = (jnp.arange(P) == 0).reshape((P,) + (1,) * entering.ndim)
+    inputs = ctx.constrain(jnp.where(first, entering[None], buffer), buffer_names)
     outputs, loss = stage_tick(
       sched.layers,
       sched.head_params,
