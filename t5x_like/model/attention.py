@@ -449,7 +449,7 @@ def tokamax_attention(q, k, v, *, alibi_slopes=None, implementation: str | None 
   bias = None
   if alibi_slopes is not None:
     bias = jax.lax.stop_gradient(alibi_key_bias(alibi_slopes, k.shape[1]))
-  # A one-op sequence: tokamax from 0.0.13 on takes an op object only inside a sequence.
+  # A one-op sequence: tokamax 0.0.15 and 0.0.17 (the GPU suite's) take an op object only there.
   return tokamax.dot_product_attention(
     q, k, v, bias=bias, is_causal=True, implementation=(_tokamax_op(implementation),)
   )

@@ -532,8 +532,8 @@ def pipeline_loss(
     # on which jaxlib 0.11.2's SPMD partitioner aborts when the buffer is split along the sequence
     # and a manual data axis (sequence parallelism with a per-rank pipeline;
     # spmd_partitioner_util.cc, ExpandDeviceGroupsWithIota). The select's transpose is a masked
-    # sum over the stages, what the gather was partitioned into (a dynamic update's transpose, a
-    # dynamic slice, would all-gather the buffer over `pipeline`).
+    # sum over the stages; a dynamic update's, a dynamic slice, made XLA all-gather the buffer
+    # over `pipeline` (tests/test_sequence_parallel.py).
     first = (jnp.arange(P) == 0).reshape((P,) + (1,) * entering.ndim)
     inputs = ctx.constrain(jnp.where(first, entering[None], buffer), buffer_names)
     outputs, loss = stage_tick(
