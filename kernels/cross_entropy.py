@@ -42,67 +42,70 @@ def _chunk_logits(hidden, embedding_chunk, chunk_index, chunk: int, valid_rows):
   return jnp.where(rows[None, :] < valid_rows, logits, _MASK_VALUE)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def chunked_logsumexp(hidden, embedding, valid_rows, chunk: int):
-  """log sum_v exp(hidden . embedding[v]) over rows v < valid_rows, in fp32: [N].
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def chunked_logsumexp(hidden, embedding, local_labels, valid_rows, chunk: int):
+  """(log sum_v exp(hidden . embedding[v]) over rows v < valid_rows, the label's logit
+  hidden . embedding[local_labels]), fp32 [N] each; the label's logit is 0 for a label that is
+  not a row of `embedding` (another vocabulary shard's, or negative).
 
-  hidden [N, E], embedding [V, E] with chunk dividing V; valid_rows an int32 scalar (traced is
-  fine). Only one [N, chunk] fp32 tile of logits is live at a time.
+  hidden [N, E], embedding [V, E] with chunk dividing V, local_labels [N]; valid_rows an int32
+  scalar (traced is fine). Only one [N, chunk] fp32 tile of logits is live at a time. The
+  label's logit is a gather of its embedding row in the forward pass, and its gradient joins
+  the softmax's in the backward pass's tiles (a select there): no embedding-sized scatter.
   """
-  return _logsumexp_forward(hidden, embedding, valid_rows, chunk)
+  return _logsumexp_fwd(hidden, embedding, local_labels, valid_rows, chunk)[0]
 
 
-def _logsumexp_forward(hidden, embedding, valid_rows, chunk: int):
+def _logsumexp_fwd(hidden, embedding, local_labels, valid_rows, chunk: int):
   num_rows, width = embedding.shape
   chunks = embedding.reshape(num_rows // chunk, chunk, width)
-
-  def combine(running_max, running_sum, logits):
-    new_max = jnp.maximum(running_max, logits.max(-1))
-    new_sum = running_sum * jnp.exp(running_max - new_max) + jnp.exp(logits - new_max[:, None]).sum(
-      -1
-    )
-    return new_max, new_sum
 
   def visit(carry, xs):
-    embedding_chunk, index = xs
-    return combine(*carry, _chunk_logits(hidden, embedding_chunk, index, chunk, valid_rows)), None
+    running_max, running_sum = carry
+    logits = _chunk_logits(hidden, *xs, chunk, valid_rows)
+    new_max = jnp.maximum(running_max, logits.max(-1))
+    new_sum = running_sum * jnp.exp(running_max - new_max)
+    return (new_max, new_sum + jnp.exp(logits - new_max[:, None]).sum(-1)), None
 
-  # The carry starts from the first chunk rather than from constants, so inside a shard_map it
-  # has the inputs' varying-axes type without naming any mesh axis here.
-  first = _chunk_logits(hidden, chunks[0], 0, chunk, valid_rows)
-  init = (first.max(-1), jnp.exp(first - first.max(-1)[:, None]).sum(-1))
-  (top, total), _ = jax.lax.scan(visit, init, (chunks[1:], jnp.arange(1, num_rows // chunk)))
-  return top + jnp.log(total)
+  # *_like of the inputs: inside a shard_map the carries get their varying-axes types.
+  token = hidden[:, 0].astype(jnp.float32)
+  init = (jnp.full_like(token, -jnp.inf), jnp.zeros_like(token))
+  (top, total), _ = jax.lax.scan(visit, init, (chunks, jnp.arange(num_rows // chunk)))
+  lse = top + jnp.log(total)
+  here = (local_labels >= 0) & (local_labels < valid_rows)
+  rows = jnp.take(embedding, jnp.clip(local_labels, 0, num_rows - 1), axis=0)
+  label_logit = jnp.einsum('ne,ne->n', hidden, rows, preferred_element_type=jnp.float32)
+  label_logit = jnp.where(here, label_logit, 0.0)
+  return (lse, label_logit), (hidden, embedding, local_labels, valid_rows, lse)
 
 
-def _logsumexp_fwd(hidden, embedding, valid_rows, chunk: int):
-  lse = _logsumexp_forward(hidden, embedding, valid_rows, chunk)
-  return lse, (hidden, embedding, valid_rows, lse)
-
-
-def _logsumexp_bwd(chunk: int, residuals, grad):
-  """d lse_n / d logit_nv = softmax_nv: recompute each tile, never the whole [N, V]."""
-  hidden, embedding, valid_rows, lse = residuals
+def _logsumexp_bwd(chunk: int, residuals, cotangents):
+  """d lse_n / d logit_nv = softmax_nv and d label_logit_n / d logit_nv = one_hot_nv: each tile
+  recomputed, never the whole [N, V]."""
+  hidden, embedding, local_labels, valid_rows, lse = residuals
+  d_lse, d_label_logit = cotangents
   num_rows, width = embedding.shape
   chunks = embedding.reshape(num_rows // chunk, chunk, width)
 
-  def tile(embedding_chunk, index):
+  def visit(d_hidden, xs):
+    embedding_chunk, index = xs
     logits = _chunk_logits(hidden, embedding_chunk, index, chunk, valid_rows)
-    d_logits = (jnp.exp(logits - lse[:, None]) * grad[:, None]).astype(hidden.dtype)
-    d_hidden = jnp.einsum(
+    rows = index * chunk + jnp.arange(chunk)
+    d_logits = jnp.exp(logits - lse[:, None]) * d_lse[:, None]
+    d_logits = d_logits + jnp.where(
+      rows[None, :] == local_labels[:, None], d_label_logit[:, None], 0.0
+    )
+    d_logits = d_logits.astype(hidden.dtype)
+    d_hidden = d_hidden + jnp.einsum(
       'nc,ce->ne', d_logits, embedding_chunk, preferred_element_type=jnp.float32
     )
     d_chunk = jnp.einsum('nc,ne->ce', d_logits, hidden, preferred_element_type=jnp.float32)
     return d_hidden, d_chunk.astype(embedding.dtype)
 
-  def visit(d_hidden, xs):
-    d_hidden_tile, d_chunk = tile(*xs)
-    return d_hidden + d_hidden_tile, d_chunk
-
-  d_hidden, d_first = tile(chunks[0], 0)
-  d_hidden, d_rest = jax.lax.scan(visit, d_hidden, (chunks[1:], jnp.arange(1, num_rows // chunk)))
-  d_embedding = jnp.concatenate([d_first, d_rest.reshape(-1, width)])
-  return d_hidden.astype(hidden.dtype), d_embedding, None
+  d_hidden, d_chunks = jax.lax.scan(
+    visit, jnp.zeros_like(hidden, jnp.float32), (chunks, jnp.arange(num_rows // chunk))
+  )
+  return d_hidden.astype(hidden.dtype), d_chunks.reshape(num_rows, width), None, None
 
 
 chunked_logsumexp.defvjp(_logsumexp_fwd, _logsumexp_bwd)
@@ -150,16 +153,9 @@ def vocab_parallel_cross_entropy(
   hidden, embedding, labels, offset, valid_rows = _local_problem(
     hidden, embedding, labels, vocab_size, axis_name, token_axis_names
   )
-  local_rows = embedding.shape[0]
-  local_lse = chunked_logsumexp(hidden, embedding, valid_rows, pick_chunk(local_rows, chunk_size))
-
-  # The label's logit from its own embedding row: a gather, not a [tokens, vocab] one-hot.
-  local_label = labels - offset
-  here = (local_label >= 0) & (local_label < valid_rows)
-  rows = jnp.take(embedding, jnp.clip(local_label, 0, local_rows - 1), axis=0)
-  label_logit = jnp.einsum('ne,ne->n', hidden, rows, preferred_element_type=jnp.float32)
-  label_logit = jnp.where(here, label_logit, 0.0)
-
+  local_lse, label_logit = chunked_logsumexp(
+    hidden, embedding, labels - offset, valid_rows, pick_chunk(embedding.shape[0], chunk_size)
+  )
   if axis_name is None:
     lse = local_lse
   else:

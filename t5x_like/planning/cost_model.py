@@ -636,7 +636,8 @@ def memory_bound_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, fl
   micro-batch's read in the compute dtype and the accumulator's fp32 read and write; the token
   lookup's fp32 scatter-add zero-filled and read; under the chunked loss, whole, its label rows'
   fp32 scatter-add likewise and its chunk gradients concatenated and read (3 x the compute
-  dtype).
+  dtype): the loss of the H100 step this model is fitted on. The chunked loss now makes neither
+  (kernels/cross_entropy.py); the term goes when a GPU step measures that (docs/planner.md).
   The step: the bf16 weight copy cast from the master (4 + 2 bytes per param), clipping's norm
   and the accumulator's zeroing (4 each)."""
   m, mesh, b, s = cfg.model, cfg.mesh, cfg.train.micro_batch_size, cfg.train.seq_len

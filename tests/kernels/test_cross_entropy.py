@@ -64,6 +64,17 @@ def test_values_and_gradients_match_dense(chunk):
   assert float(jnp.abs(grads[1][VOCAB:]).max()) == 0.0
 
 
+def test_label_logits_gradient_is_no_embedding_sized_scatter():
+  """The label's logit is a gather of its embedding row, whose gradient (autodiff's transpose)
+  would scatter-add into a zeroed [vocab, width] buffer (2 GB in fp32 for BLOOM's 250,880 x
+  2048); the backward pass adds it to the softmax's gradient in each logit tile instead."""
+  hidden, embedding, labels = problem(jnp.bfloat16)
+  loss = lambda h, e: vocab_parallel_cross_entropy(
+    h, e, labels, vocab_size=VOCAB, chunk_size=128
+  ).mean()
+  assert 'scatter' not in jax.jit(jax.grad(loss, (0, 1))).lower(hidden, embedding).as_text()
+
+
 def test_bfloat16_inputs_keep_an_fp32_loss():
   hidden, embedding, labels = problem(jnp.bfloat16)
   got = vocab_parallel_cross_entropy(hidden, embedding, labels, vocab_size=VOCAB, chunk_size=128)
