@@ -176,6 +176,7 @@ def fused_cross_entropy_mean(
   *,
   vocab_size: int,
   weights=None,
+  shares=None,
   token_chunk: int = 4096,
   axis_name: str | None = None,
   token_axis_names: tuple[str, ...] = (),
@@ -188,27 +189,31 @@ def fused_cross_entropy_mean(
   backward pass only scales two stored gradients by the incoming cotangent. That is three
   matmuls over the vocabulary instead of the four of a recomputing backward, and no [tokens, V]
   residual and no transposed copy of one. Memory: one [chunk, V_local] fp32 tile plus a
-  d_embedding of the embedding's size, held from the forward to the backward pass, which is
-  why this loss refuses the pipeline (one per micro-batch in flight; config.py).
+  d_embedding of the embedding's size, held from the forward to the backward pass: a pipeline
+  runs it only where each micro-batch's backward follows its forward at once (1F1B; config.py).
 
   Arguments as `vocab_parallel_cross_entropy`, and `weights` (labels' shape, 0 or 1; default all
   1): the mean is sum(weights x loss) / sum(weights), the form of a loss mask (0: padding that
   is not a target). Under a token-splitting shard_map (token_axis_names), sum(weights) counts
   every shard's tokens and each shard returns its own share of the sum: add the shards' values.
+  Or `shares` (labels' shape, fp32) instead of weights: the result is sum(shares x loss), for a
+  caller whose mean counts tokens this call does not see (a pipeline's data ranks).
   """
-  if weights is None:
-    weights = jnp.ones(labels.shape, jnp.float32)
-  weights = weights.reshape(-1).astype(jnp.float32)
-  count = weights.sum()
-  if token_axis_names:
-    count = jax.lax.psum(count, tuple(token_axis_names))
+  if shares is None:
+    if weights is None:
+      weights = jnp.ones(labels.shape, jnp.float32)
+    weights = weights.reshape(-1).astype(jnp.float32)
+    count = weights.sum()
+    if token_axis_names:
+      count = jax.lax.psum(count, tuple(token_axis_names))
+    # A batch of padding only (count 0) has loss and gradient 0.
+    shares = weights / jnp.maximum(count, 1.0)
   hidden, embedding, labels, offset, valid_rows = _local_problem(
     hidden, embedding, labels, vocab_size, axis_name, token_axis_names
   )
   chunk = pick_chunk(hidden.shape[0], token_chunk)
-  # Each token's share of the mean; a batch of padding only (count 0) has loss and gradient 0.
-  scale = weights / jnp.maximum(count, 1.0)
-  return _fused_mean(hidden, embedding, labels - offset, valid_rows, scale, chunk, axis_name)
+  shares = shares.reshape(-1).astype(jnp.float32)
+  return _fused_mean(hidden, embedding, labels - offset, valid_rows, shares, chunk, axis_name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))

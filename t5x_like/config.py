@@ -76,7 +76,7 @@ class ModelConfig:
   # 'dense': full fp32 logits then the loss. 'chunked': the loss from the final hidden states and
   # the tied embedding, cross_entropy_chunk vocabulary rows at a time (never tokens x vocab fp32).
   # 'fused': the loss and its gradient in one forward pass, cross_entropy_chunk tokens at a time
-  # (no recomputation; fastest on CPU; not with mesh.pipeline > 1).
+  # (no recomputation; fastest on CPU; with mesh.pipeline > 1 only under pipeline.schedule='1f1b').
   cross_entropy_impl: Literal['dense', 'chunked', 'fused'] = 'dense'
   cross_entropy_chunk: int = _ranged(4096, 1)
   # 'none': keep every activation; 'full': recompute each block in backward;
@@ -645,10 +645,11 @@ class Config:
         "and drain per group; set pipeline.microbatch_group=0 with '1f1b'",
       )
     _need(
-      m.cross_entropy_impl != 'fused',
+      m.cross_entropy_impl != 'fused' or pl.schedule == '1f1b',
       "model.cross_entropy_impl='fused' keeps an embedding-sized gradient from each "
-      "micro-batch's forward to its backward pass, one per micro-batch in flight in the "
-      "pipeline; use 'chunked' (or 'dense') with mesh.pipeline > 1",
+      "micro-batch's forward to its backward pass, which pipeline.schedule='gpipe' runs after "
+      "all the micro-batches' forwards; use pipeline.schedule='1f1b' (each micro-batch's "
+      "backward at once), or 'chunked' (or 'dense') with mesh.pipeline > 1",
     )
 
   def _check_optimizer(self) -> None:

@@ -632,6 +632,16 @@ def test_grouped_step_keeps_fewer_stage_inputs():
         num_heads=4,
       ),
     ),
+    # The fused cross-entropy (its gradient in the forward pass, used at once by the head's
+    # backward in the same tick), each data rank its own schedule, the vocabulary over tensor
+    # x pipeline.
+    (
+      2,
+      2,
+      2,
+      4,
+      dict(remat_policy='save_dots', cross_entropy_impl='fused', cross_entropy_chunk=32),
+    ),
   ],
 )
 def test_one_f_one_b_run_matches_single_device(references, data, stages, tensor, layers, model):
@@ -708,10 +718,15 @@ def test_one_f_one_b_keeps_2p_minus_1_stage_inputs_whatever_the_micro_batch_coun
   [
     (dict(pipeline=dict(schedule='1f1b', repeats=2)), "'1f1b' runs one repeat"),
     (dict(pipeline=dict(schedule='1f1b', microbatch_group=2)), 'microbatch_group=0'),
+    # GPipe runs every forward before the backwards: the fused loss's embedding-sized gradient
+    # would be kept for each micro-batch (1F1B uses it in the same tick).
+    (dict(model=dict(cross_entropy_impl='fused')), "use pipeline.schedule='1f1b'"),
   ],
 )
 def test_bad_one_f_one_b_settings_are_clear_errors(changes, message):
-  cfg = small_config(model=dict(num_layers=4), mesh=dict(pipeline=2), **changes)
+  changes = dict(changes)
+  model = dict(num_layers=4, **changes.pop('model', {}))
+  cfg = small_config(model=model, mesh=dict(pipeline=2), **changes)
   with pytest.raises(ConfigError) as info:
     startup.check_config(cfg)
   assert message in str(info.value)

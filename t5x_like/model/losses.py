@@ -60,12 +60,19 @@ def mean_loss(
   if model.cfg.cross_entropy_impl != 'fused':
     return weighted_mean(_token_losses(model, params, inputs, labels, deterministic, rngs), weights)
   hidden, embedding = _final_hidden(model, params, inputs, deterministic, rngs)
-  cfg = model.cfg
+  shares = weights / jnp.maximum(weights.sum(), 1.0)
+  return fused_loss_sum(hidden, embedding, labels, shares, model.cfg, model.mesh)
+
+
+def fused_loss_sum(hidden, embedding, labels, shares, cfg: ModelConfig, mesh: Mesh | None):
+  """sum(shares x the per-token losses) of hidden [B, S, h] against embedding [V_pad, h] by
+  the fused cross-entropy (its gradient computed in the forward pass), per shard; shares [B, S]
+  fp32, e.g. weights / their count: the mean over real targets."""
   loss_fn = functools.partial(
     fused_cross_entropy_mean, vocab_size=cfg.vocab_size, token_chunk=cfg.cross_entropy_chunk
   )
-  # Each token shard returns its share of the mean over all of them.
-  return _per_shard(loss_fn, hidden, embedding, labels, model.mesh, weights=weights).sum()
+  # Each token shard returns its part of the sum.
+  return _per_shard(loss_fn, hidden, embedding, labels, mesh, shares=shares).sum()
 
 
 def token_losses(
@@ -108,20 +115,20 @@ def chunked_token_losses(hidden, embedding, labels, cfg: ModelConfig, mesh: Mesh
   return _per_shard(loss_fn, hidden, embedding, labels, mesh)
 
 
-def _per_shard(loss_fn, hidden, embedding, labels, mesh: Mesh | None, weights=None):
+def _per_shard(loss_fn, hidden, embedding, labels, mesh: Mesh | None, shares=None):
   """loss_fn on each device's tokens and vocabulary rows: one loss per token (the labels' shape),
-  or, given per-token `weights` (a loss that reduces its tokens), one value per token shard,
+  or, given per-token `shares` (a loss that reduces its tokens), one value per token shard,
   returned as [token shards]."""
-  one_per_shard = weights is not None
+  one_per_shard = shares is not None
 
-  def local(hidden, embedding, labels, *weights, vocab_axes=None, token_axes=()):
-    kwargs = {'weights': weights[0]} if weights else {}
+  def local(hidden, embedding, labels, *shares, vocab_axes=None, token_axes=()):
+    kwargs = {'shares': shares[0]} if shares else {}
     loss = loss_fn(
       hidden, embedding, labels, axis_name=vocab_axes, token_axis_names=token_axes, **kwargs
     )
     return loss[None] if one_per_shard else loss
 
-  token_arrays = (labels, weights) if one_per_shard else (labels,)
+  token_arrays = (labels, shares) if one_per_shard else (labels,)
   if mesh is None:
     return local(hidden, embedding, *token_arrays)
   # The same (fitted) specs the partitioner gives these arrays, so the shard_map moves nothing.

@@ -382,17 +382,20 @@ class Schedule:
     cfg, ctx = self.cfg, self.ctx
     head_params = ctx.gather_top(self.read(*head_params))
     _, labels, weights = losses.split_tokens(tokens)
-    if cfg.model.cross_entropy_impl == 'chunked':
-      hidden = model_lib.final_norm(head_params, x, cfg.model, ctx)
-      embedding = head_params['word_embeddings'].astype(hidden.dtype)
-      token_losses = losses.chunked_token_losses(hidden, embedding, labels, cfg.model, ctx.mesh)
-    else:
-      logits = model_lib.output_logits(head_params, x, cfg.model, ctx)
-      token_losses = model_lib.cross_entropy(logits, labels)
+    count = weights.sum()
     if self.loss_axes:  # one scalar all-reduce per micro-batch: the targets of all its rows
-      count = jax.lax.psum(weights.sum(), self.loss_axes)
-      return (token_losses * weights).sum() / jnp.maximum(count, 1.0)
-    return losses.weighted_mean(token_losses, weights)
+      count = jax.lax.psum(count, self.loss_axes)
+    count = jnp.maximum(count, 1.0)
+    impl = cfg.model.cross_entropy_impl
+    if impl == 'dense':
+      logits = model_lib.output_logits(head_params, x, cfg.model, ctx)
+      return (model_lib.cross_entropy(logits, labels) * weights).sum() / count
+    hidden = model_lib.final_norm(head_params, x, cfg.model, ctx)
+    embedding = head_params['word_embeddings'].astype(hidden.dtype)
+    if impl == 'fused':
+      return losses.fused_loss_sum(hidden, embedding, labels, weights / count, cfg.model, ctx.mesh)
+    token_losses = losses.chunked_token_losses(hidden, embedding, labels, cfg.model, ctx.mesh)
+    return (token_losses * weights).sum() / count
 
   def loss_denominator(self):
     """Micro-batches the step's mean is over: the real ones under the ramp-up's padding (those

@@ -597,6 +597,8 @@ def memory_bytes(
     # gather it is cast from (none on one rank: the copy is cast from the master).
     out['weight copies'] = compute_bytes * state + (4 * embedding if g > 1 else 0)
   vocab = cfg.padded_vocab_size / t
+  if embedding_split_over_pipeline(cfg, framework):
+    vocab /= mesh.pipeline  # each stage's head computes its rows' logits
   if m.cross_entropy_impl == 'dense':
     logits = 2 * 4 * b * s * vocab  # fp32 logits and their gradient
   elif m.cross_entropy_impl == 'fused':
