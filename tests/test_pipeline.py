@@ -617,7 +617,10 @@ def test_grouped_step_keeps_fewer_stage_inputs():
   [
     (1, 2, 1, 4, dict(remat_policy='none')),  # M = 2P
     (1, 4, 1, 4, dict(remat_policy='save_dots')),  # M = P
-    (2, 2, 2, 4, dict(remat_policy='full')),  # composed with data and tensor
+    # Composed with data and tensor: each data rank its own schedule, the vocabulary over
+    # tensor x pipeline, and the fused cross-entropy (its gradient in the forward pass, used at
+    # once by the head's backward in the same tick).
+    (2, 2, 2, 4, dict(remat_policy='full', cross_entropy_impl='fused', cross_entropy_chunk=32)),
     (1, 2, 1, 5, dict(remat_policy='none')),  # uneven depth: one padding slot
     (
       1,
@@ -631,16 +634,6 @@ def test_grouped_step_keeps_fewer_stage_inputs():
         sequence_parallel=True,
         num_heads=4,
       ),
-    ),
-    # The fused cross-entropy (its gradient in the forward pass, used at once by the head's
-    # backward in the same tick), each data rank its own schedule, the vocabulary over tensor
-    # x pipeline.
-    (
-      2,
-      2,
-      2,
-      4,
-      dict(remat_policy='save_dots', cross_entropy_impl='fused', cross_entropy_chunk=32),
     ),
   ],
 )
