@@ -317,7 +317,8 @@ class PipelineConfig:
   # partitioning of it), into an accumulator split over them. For tr11 on its cluster: an
   # estimated 114 s an iteration against 2,231, for 58.5 GiB per GPU against 31.4. ZeRO-3
   # gathers each layer over `data` where it is used, inside one schedule: 'tick' only. 'auto':
-  # 'step' under ZeRO-1, 'tick' under ZeRO-3 (`Config.grad_sync`).
+  # 'step' under ZeRO-1, 'tick' under ZeRO-3 (`Config.grad_sync`). Hybrid sharding's copies
+  # (mesh.zero_group) each run their own schedule and are summed once a step under either.
   grad_sync: Literal['auto', 'step', 'tick'] = 'auto'
 
 

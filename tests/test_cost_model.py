@@ -586,9 +586,11 @@ def test_estimate_and_search_start_no_jax_backend():
   assert r.returncode == 0 and r.stdout.strip() == 'False', r.stderr[-2000:]
 
 
-def _bloom(layers, hidden, heads, data, pipeline=1, tensor=1, micro=1, stage=1, group=0):
+def _bloom(
+  layers, hidden, heads, data, pipeline=1, tensor=1, micro=1, stage=1, group=0, sync='step'
+):
   """A BLOOM-shaped model (bloom_176b.py's vocabulary, seq 2048, bf16, full recomputation) at
-  global batch 2048 on a mesh and ZeRO layout."""
+  global batch 2048 on a mesh and ZeRO layout (and pipeline.grad_sync)."""
   return load_config_file(
     os.path.join(REPO, 'configs', 'bloom_176b.py'),
     {
@@ -600,6 +602,7 @@ def _bloom(layers, hidden, heads, data, pipeline=1, tensor=1, micro=1, stage=1, 
       'mesh.tensor': tensor,
       'mesh.zero_stage': stage,
       'mesh.zero_group': group,
+      'pipeline.grad_sync': sync,
       'train.micro_batch_size': micro,
       'train.global_batch_size': 2048,
       'train.rampup_batch_size': (),
@@ -713,6 +716,19 @@ def test_hybrid_sharding_all_reduces_the_gradient_shards_across_the_copies(dropo
     r['data_parallel_s'],
     micro * _ring_s('reduce-scatter', 4 * state, 8, 235) + _ring_s('all-gather', 2 * state, 8, 235),
   )
+
+
+@pytest.mark.parametrize('stage, sync', [(1, 'step'), (1, 'tick'), (3, 'tick')])
+def test_hybrid_copies_with_a_pipeline_all_reduce_their_shards_once_a_step(stage, sync):
+  """With a pipeline each copy runs its own schedule (step.own_schedule_axes) whatever
+  grad_sync: 13B as DP16 PP2 TP2 in groups of 2 (8 copies) all-reduces each rank's 1/2 gradient
+  shard across the copies once a step, not at each of the schedule's ticks."""
+  cfg = _bloom(40, 5120, 40, 16, pipeline=2, tensor=2, micro=4, stage=stage, group=2, sync=sync)
+  stage_params, embedding = cost_model.local_params(cfg)
+  shard = 4 * (stage_params + embedding) / 2
+  r = cost_model.estimate(cfg, 'a100-80gb')
+  assert r['grad_sync'] == sync
+  assert math.isclose(r['replica_allreduce_bytes_per_gpu'], 2 * 7 / 8 * shard)
 
 
 def test_search_ranks_zero_stages_and_groups_with_the_mesh_and_says_why_each_loses():

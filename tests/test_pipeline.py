@@ -325,19 +325,25 @@ def test_grad_sync_step_with_dropout_draws_each_ranks_own_masks(dropout):
 
 
 @pytest.mark.parametrize(
-  'zero_stage, sync, says',
+  'zero_stage, group, sync, says',
   [
-    (1, 'auto', "summed once a step (pipeline.grad_sync 'step'"),
-    (1, 'tick', "all-reduced at every tick (pipeline.grad_sync 'tick')"),
-    (3, 'auto', "all-reduced at every tick (pipeline.grad_sync 'tick')"),
+    (1, 0, 'auto', "summed once a step (pipeline.grad_sync 'step'"),
+    (1, 0, 'tick', "all-reduced at every tick (pipeline.grad_sync 'tick')"),
+    (3, 0, 'auto', "all-reduced at every tick (pipeline.grad_sync 'tick')"),
+    (3, 2, 'auto', "(pipeline.grad_sync 'tick'), within each of the 2 hybrid copies, whose sums"),
   ],
 )
-def test_the_start_up_log_says_when_the_data_ranks_gradients_are_summed(zero_stage, sync, says):
+def test_the_start_up_log_says_when_the_data_ranks_gradients_are_summed(
+  zero_stage, group, sync, says
+):
   cfg = small_config(
-    mesh=dict(data=2, pipeline=2, zero_stage=zero_stage), pipeline=dict(grad_sync=sync)
+    mesh=dict(data=2 + group, pipeline=2, zero_stage=zero_stage, zero_group=group),
+    pipeline=dict(grad_sync=sync),
   ).validate()
   layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
-  assert says in startup.describe_pipeline(cfg, layout)
+  described = startup.describe_pipeline(cfg, layout)
+  assert says in described
+  assert ('hybrid copies' in described) == bool(group)
 
 
 def test_grad_sync_step_under_zero3_is_a_config_error():

@@ -66,8 +66,15 @@ def test_zero3_splits_8bit_adam_as_zero1_does():
   np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
 
 
-def test_hybrid_zero1_trains_as_one_device(single_device_run):
-  cfg = small_config(mesh=dict(data=4, tensor=2, zero_group=2)).validate()
+@pytest.mark.parametrize(
+  'mesh, pipeline',
+  [(dict(data=4, tensor=2), {}), (dict(data=4, pipeline=2), dict(grad_sync='tick'))],
+  ids=['4x1x2', '4x2x1_tick'],
+)
+def test_hybrid_zero1_trains_as_one_device(single_device_run, mesh, pipeline):
+  """Hybrid ZeRO-1: the copies' micro-batch loops, or their schedules (each copy's data ranks
+  summing at every tick, the copies once a step), train as one device."""
+  cfg = small_config(mesh=dict(mesh, zero_group=2), pipeline=pipeline).validate()
   assert_same_training(run_steps(cfg, num_steps=3), single_device_run, cfg)
 
 
@@ -89,12 +96,15 @@ def test_hybrid_per_copy_loop_runs_the_fused_attention_kernels_as_one_device():
 LAYERS = 3
 
 
-def compiled_step(zero_stage: int, zero_group: int = 0, microbatches: int = 1):
-  """(layout, HLO text) of the train step of a 3-layer model on 8 data ranks, compiled."""
+def compiled_step(zero_stage: int, zero_group: int = 0, microbatches: int = 1, stages: int = 1):
+  """(layout, HLO text) of the train step of a 3-layer model on 8 data ranks (with `stages`
+  pipeline stages: 8 / stages data ranks, 'tick' under ZeRO-1 too), compiled."""
+  data = 8 // stages
   cfg = small_config(
-    model=dict(num_layers=LAYERS),
-    train=dict(global_batch_size=8 * microbatches),
-    mesh=dict(data=8, zero_stage=zero_stage, zero_group=zero_group),
+    model=dict(num_layers=LAYERS if stages == 1 else 2 * stages),
+    train=dict(global_batch_size=data * microbatches),
+    mesh=dict(data=data, pipeline=stages, zero_stage=zero_stage, zero_group=zero_group),
+    pipeline=dict(grad_sync='tick'),
   ).validate()
   layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
   return layout, step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile().as_text()
@@ -214,8 +224,13 @@ HYBRID_MICROBATCHES = 4
 
 @pytest.fixture(scope='module')
 def hybrid_steps():
-  """{ZeRO stage: (layout, HLO text)} of the hybrid train steps."""
-  return {stage: compiled_step(stage, 2, HYBRID_MICROBATCHES) for stage in (1, 3)}
+  """{(ZeRO stage, pipeline stages): (layout, HLO text)} of the hybrid train steps: groups of 2
+  data ranks, 4 copies without a pipeline, 2 copies of 2 stages with one."""
+  return {
+    (stage, stages): compiled_step(stage, 2, HYBRID_MICROBATCHES, stages)
+    for stage in (1, 3)
+    for stages in (1, 2)
+  }
 
 
 def test_hybrid_groups_gather_inside_a_group(zero1_and_zero3_steps, hybrid_steps):
@@ -225,7 +240,7 @@ def test_hybrid_groups_gather_inside_a_group(zero1_and_zero3_steps, hybrid_steps
   one_layer_gathers = lambda hlo: [
     line for line in hlo.splitlines() if re.search(r'= f32\[1,\S+ all-gather\(', line)
   ]
-  grouped = [line for line in hybrid_steps[3][1].splitlines() if ' all-gather(' in line]
+  grouped = [line for line in hybrid_steps[3, 1][1].splitlines() if ' all-gather(' in line]
   ungrouped = one_layer_gathers(zero1_and_zero3_steps[1])
   assert len(grouped) > 2 * 12 and ungrouped  # the forward and backward scans' 12 layer params
   assert {group_size(line) for line in grouped} == {2}
@@ -268,14 +283,17 @@ def cross_copy_collectives(hlo: str, layout) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize('zero_stage', [1, 3])
-def test_hybrid_reduces_across_copies_once_a_step(hybrid_steps, zero_stage):
-  """mesh.zero_group: the micro-batch loop reduces each gradient within a group only (each copy
+@pytest.mark.parametrize('stages', [1, 2], ids=['micro_batch_loop', 'pipeline'])
+def test_hybrid_reduces_across_copies_once_a_step(hybrid_steps, zero_stage, stages):
+  """mesh.zero_group: the micro-batch loop (or each copy's pipeline schedule, its data ranks'
+  gradients summed at every tick) reduces each gradient within a group only (each copy
   accumulates its own); after the loop one all-reduce over the copies sums each accumulator
   shard of the gradient tree exactly once (beside the step's loss and the copies' target counts,
-  scalars and [micro-batches] vectors), not once per micro-batch."""
-  layout, hlo = hybrid_steps[zero_stage]
+  scalars and [micro-batches] vectors), not once per micro-batch or tick. Inside a schedule only
+  each micro-batch's target count (a scalar) crosses the copies."""
+  layout, hlo = hybrid_steps[zero_stage, stages]
   places = cross_copy_collectives(hlo, layout)
-  assert places['loop'] == []
+  assert set(places['loop']) <= {'f32[]'}, places['loop']
   found = collections.Counter(
     shape for result in places['outside'] for shape in re.findall(r'[a-z]\d+\[[\d,]*\]', result)
   )
@@ -284,6 +302,22 @@ def test_hybrid_reduces_across_copies_once_a_step(hybrid_steps, zero_stage):
   assert {shape: found[shape] for shape in expected} == expected
   elements = lambda shape: int(np.prod([int(n) for n in re.findall(r'\d+', shape.split('[')[1])]))
   assert all(elements(shape) <= HYBRID_MICROBATCHES for shape in found - expected), found
+
+
+def test_hybrid_pipeline_compiles_without_a_full_rematerialization(capfd):
+  """Hybrid ZeRO-1 with a pipeline under 'tick' (each copy's own schedule): XLA's partitioner
+  moves no value through a replicated copy. One schedule over all the copies made it replicate
+  an activation of the embedding's backward and split it again ('Involuntary full
+  rematerialization' on stderr, three times)."""
+  cfg = small_config(
+    model=dict(num_layers=4, remat_policy='full'),
+    train=dict(global_batch_size=8),
+    mesh=dict(data=4, pipeline=2, zero_group=2),
+    pipeline=dict(grad_sync='tick'),
+  ).validate()
+  layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
+  step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile()
+  assert 'Involuntary full rematerialization' not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize('dropout', [0.0, 0.1])

@@ -283,10 +283,10 @@ class Schedule:
   sends its gradient to `params` in fp32 (`compute_copy`), so gradients accumulate over
   micro-batches in fp32 while only the compute copy is gathered.
 
-  `loss_axes`: inside a shard_map over the mesh axes that split the batch's rows (each data
-  rank's own schedule, training/step.py's `per_rank_pipeline`), those axes: each micro-batch's
-  loss is then this rank's rows' sum over the targets of all the ranks' rows, so that the
-  ranks' losses and gradients sum to the whole batch's.
+  `loss_axes`: inside a shard_map over mesh axes that split the batch's rows (each data rank's
+  or hybrid copy's own schedule, training/step.py's `own_schedule_axes`), those axes: each
+  micro-batch's loss is then this rank's rows' sum over the targets of all the ranks' rows, so
+  that the ranks' losses and gradients sum to the whole batch's.
   """
 
   def __init__(
@@ -304,6 +304,9 @@ class Schedule:
   ):
     P, R, chunk = placement.stages, placement.repeats, placement.chunk
     self.cfg, self.placement, self.ctx, self.batch, self.rng = cfg, placement, ctx, batch, rng
+    # Under ZeRO-3 `ctx` gathers the top-level weights (embedding, norms) where they are used;
+    # the stages' layers, vmapped over `pipeline`, are gathered by the partitioner.
+    self.stage_ctx = model_lib.Context(cfg.model, ctx.mesh)
     self.deterministic = deterministic
     self.loss_axes = loss_axes
     self.num_microbatches = batch.shape[0]
@@ -347,7 +350,7 @@ class Schedule:
 
   def run_stage(self, stage_layers, x, repeat, injection, stage_real, stage_ids, rng):
     """One stage's `chunk` layers of its `repeat` on x, the activations of `injection`."""
-    cfg, ctx = self.cfg, self.ctx
+    cfg, ctx = self.cfg, self.stage_ctx
     real = jax.lax.dynamic_index_in_dim(stage_real, repeat, 0, False)
     ids = jax.lax.dynamic_index_in_dim(stage_ids, repeat, 0, False)
 

@@ -29,7 +29,8 @@
   reduce-scatters in
   every micro-batch, over NVLink when the group fits in a node and the network otherwise; with
   hybrid sharding (G < data) an all-reduce of the 1/G gradient shards across the data / G
-  copies; and the embedding's gradient summed over the stages that each hold a whole copy;
+  copies, once a step; and the embedding's gradient summed over the stages that each hold a
+  whole copy;
 * the optimizer: Adam reads and writes its shard of the state at HBM bandwidth;
 * memory per GPU in t5x_like/planning/memory_report.py's categories, by the layout t5x_like's step
   uses (the ZeRO-split state, the gathered bf16 copy of the stage under ZeRO-1 or two gathered
@@ -259,7 +260,8 @@ def attention_impl_on(cfg: Config, gpu: str | None = None, framework: str = 't5x
 
 def per_rank_pipeline(cfg: Config, framework: str = 't5x_like') -> bool:
   """Whether t5x_like's pipeline runs each data rank's own schedule, its fp32 gradient whole
-  on every rank and reduced once a step (training/step.py's `per_rank_pipeline`)."""
+  on every rank and reduced once a step (training/step.py's `own_schedule_axes` under
+  grad_sync 'step')."""
   mesh = cfg.mesh
   return framework == 't5x_like' and mesh.pipeline > 1 and mesh.data > 1 and cfg.grad_sync == 'step'
 
@@ -937,24 +939,16 @@ def estimate(
       'all-gather', compute_bytes * state, g
     )
   # Hybrid sharding: each rank's 1/G fp32 gradient shard all-reduced across the R copies (ranks
-  # G x pipeline x tensor devices apart): once per step without a pipeline
-  # (step.per_copy_loss_and_grads) and with a pipeline under grad_sync='step'
-  # (step.per_rank_pipeline), else with each tick's gradient (grad_sync='tick').
+  # G x pipeline x tensor devices apart), once per step: each copy runs its own micro-batch loop
+  # (step.per_copy_loss_and_grads) or its own schedule (step.own_schedule_axes).
   replica_s = replica_bytes = 0.0
   if copies > 1:
     shard = 4 * state / g
     apart = g * p * t
     replica_spans = n > node
     replica_per_node = max(1, min(copies, node // apart)) if replica_spans else copies
-    if p > 1:
-      ticks = groups * ((micro // groups) * r + p - 1)
-      reduces = 1 if per_rank_pipeline(cfg, framework) else ticks
-    else:
-      reduces = 1
-    replica_s = reduces * collective_s(
-      spec, 'all-reduce', shard, copies, replica_per_node, replica_spans
-    )
-    replica_bytes = reduces * _ring_bytes('all-reduce', shard, copies)
+    replica_s = collective_s(spec, 'all-reduce', shard, copies, replica_per_node, replica_spans)
+    replica_bytes = _ring_bytes('all-reduce', shard, copies)
 
   # The embedding held whole by every stage: its gradient summed over the stages.
   embedding_bytes = _ring_bytes('all-reduce', 4 * embedding, p) if p > 1 and not split_head else 0.0

@@ -144,6 +144,9 @@ def describe_pipeline(cfg: Config, layout) -> str:
       if cfg.grad_sync == 'step'
       else "; the data ranks' gradients all-reduced at every tick (pipeline.grad_sync 'tick')"
     )
+    copies = layout.mesh.shape.get('replica', 1)
+    if copies > 1 and cfg.grad_sync == 'tick':
+      sync += f', within each of the {copies} hybrid copies, whose sums are added once a step'
   return (
     f'> pipeline: {plan.describe()}; {cfg.pipeline.schedule} order, each stage keeps '
     f"{kept} micro-batches' inputs{sync}; parameters per stage (M): "

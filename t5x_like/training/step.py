@@ -164,8 +164,8 @@ def microbatched_loss_and_grads(cfg: Config, layout: StateLayout, params, batch,
 def reduces_across_copies_once(cfg: Config, layout: StateLayout) -> bool:
   """Hybrid sharding (mesh.zero_group): whether the step accumulates each copy's gradients
   apart and reduces them across the copies once, after the micro-batch loop
-  (`per_copy_loss_and_grads`). Not with a pipeline (`per_rank_pipeline` does it there, under
-  grad_sync 'step')."""
+  (`per_copy_loss_and_grads`). Not with a pipeline (each copy runs its own schedule there:
+  `own_schedule_axes`)."""
   return layout.mesh.shape.get('replica', 1) > 1 and cfg.mesh.pipeline == 1
 
 
@@ -239,16 +239,18 @@ def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, ba
 def pipelined_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rng):
   """Pipeline: one schedule over all micro-batches (`pipeline.loss_and_grads`, GPipe or 1F1B as
   pipeline.schedule says), or, with pipeline.microbatch_group = G, one per group of G
-  micro-batches, one group after another, accumulated as `accumulate_grads` does. Under ZeRO-1
-  with data parallelism each data rank runs its own schedule and the gradients cross the data
-  ranks once a step (`per_rank_pipeline`)."""
+  micro-batches, one group after another, accumulated as `accumulate_grads` does. Where ranks run
+  schedules of their own (`own_schedule_axes`: each data rank under grad_sync 'step', each
+  hybrid copy always) their gradients cross those ranks once a step."""
   compute = compute_bits_of(params, layout, jnp.dtype(cfg.model.dtype))
   gathered = gathered_params(params, layout)  # once per step, not per group
-  if per_rank_pipeline(cfg, layout):
-    axes = partitioning.batch_axes(layout.mesh)
-    axes = axes if isinstance(axes, tuple) else (axes,)
+  axes = own_schedule_axes(cfg, layout)
+  if axes:
     inner = partitioning.manual_mesh(layout.mesh, axes)
-    shardings = jax.tree.map(lambda s: NamedSharding(inner, s.spec), layout.step_compute_shardings)
+    # Each rank's gradient: the stage's whole under 'step' (its data ranks run apart), else in
+    # the ZeRO split over its copy's data ranks.
+    held = layout.step_compute_shardings if 'data' in axes else layout.shardings.params
+    shardings = jax.tree.map(lambda s: NamedSharding(inner, s.spec), held)
 
     def run(gathered, compute, batch, rng):
       # Dropout: each rank draws its own masks for its own rows (the shapes are the rank's).
@@ -260,8 +262,8 @@ def pipelined_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rn
       return jax.lax.psum(loss, axes), jax.tree.map(lambda g: g[None], grads)
 
     # check_vma=False: inside, the params are each rank's own values and their gradient is the
-    # rank's own (with the varying-axes check it would be summed over the data ranks at once,
-    # each tick, as without the shard_map).
+    # rank's own (with the varying-axes check it would be summed over the ranks at once, each
+    # tick, as without the shard_map).
     loss, stacked = jax.shard_map(
       run,
       mesh=layout.mesh,
@@ -273,7 +275,7 @@ def pipelined_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rn
     grads = jax.tree.map(
       functools.partial(sum_over_ranks, layout.mesh, axes),
       stacked,
-      layout.step_compute_shardings,
+      held,
       layout.shardings.params,
     )
   else:
@@ -283,17 +285,16 @@ def pipelined_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rn
   return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings.params)
 
 
-def sum_over_ranks(
-  mesh, axes: tuple[str, ...], stacked, compute: NamedSharding, zero: NamedSharding
-):
-  """The sum of `stacked` [ranks, ...] (each data rank's gradient, in the `compute` layout
-  otherwise) in the `zero` layout: reduce-scattered over `data` into the dim that ZeRO splits
-  over it, each device reducing its own pipeline and tensor block (summed over hybrid
-  sharding's copies first)."""
-  spec = tuple(compute.spec) + (None,) * (stacked.ndim - 1 - len(compute.spec))
+def sum_over_ranks(mesh, axes: tuple[str, ...], stacked, held: NamedSharding, zero: NamedSharding):
+  """The sum of `stacked` [ranks, ...] (each rank's gradient, in the `held` layout otherwise) in
+  the `zero` layout. Over hybrid sharding's copies an all-reduce; over `data` (grad_sync 'step')
+  a reduce-scatter into the dim that ZeRO splits over it, each device reducing its own pipeline
+  and tensor block (after the copies' sum)."""
+  spec = tuple(held.spec) + (None,) * (stacked.ndim - 1 - len(held.spec))
   axes_of = lambda entry: entry if isinstance(entry, tuple) else (entry,) if entry else ()
-  dim = next((d for d, a in enumerate(zero.spec) if 'data' in axes_of(a)), None)
-  out = list(spec)
+  out, dim = list(spec), None
+  if 'data' in axes:
+    dim = next((d for d, a in enumerate(zero.spec) if 'data' in axes_of(a)), None)
   if dim is not None:
     within = axes_of(spec[dim])
     block = stacked.shape[1 + dim] // math.prod(mesh.shape[a] for a in within)
@@ -306,6 +307,8 @@ def sum_over_ranks(
     block = block[0]
     if 'replica' in axes:
       block = jax.lax.psum(block, 'replica')
+    if 'data' not in axes:
+      return block
     if dim is None:
       return jax.lax.psum(block, 'data')
     return jax.lax.psum_scatter(block, 'data', scatter_dimension=dim, tiled=True)
@@ -316,30 +319,42 @@ def sum_over_ranks(
   return jax.lax.with_sharding_constraint(summed, zero)
 
 
-def per_rank_pipeline(cfg: Config, layout: StateLayout) -> bool:
-  """pipeline.grad_sync 'step' (ZeRO-1) with more than one data rank: whether each data rank
-  runs the schedule on its own rows (a shard_map over the batch axes), adds its micro-batches' fp32
-  gradients up on its own, and the ranks' gradients are summed once, after the schedule
-  (Megatron-DeepSpeed's fp32 gradient accumulation, reduced once an iteration). The data ranks
-  then hold the stage's whole fp32 gradient, where XLA's partitioner of the whole schedule
-  all-reduced each tick's gradient over them (BLOOM-176B: 150 ticks a step). With dropout each
-  rank draws its own masks for its rows (independent draws, not the slices of the one-device
-  run's masks: without dropout the run is the one-device run's). Not under ZeRO-3 (each layer's
-  weights are gathered over `data` where they are used)."""
-  rows = layout.mesh.shape.get('data', 1) * layout.mesh.shape.get('replica', 1)
-  return rows > 1 and cfg.grad_sync == 'step'
+def own_schedule_axes(cfg: Config, layout: StateLayout) -> tuple[str, ...]:
+  """The mesh axes whose ranks each run the pipeline's schedule on their own rows (in a
+  shard_map over them) and add their micro-batches' fp32 gradients up on their own, the ranks'
+  sums added once, after the schedule (`sum_over_ranks`); () for one schedule over the mesh.
+
+  - pipeline.grad_sync 'step' (ZeRO-1) with more than one data rank: the batch axes, `data` and
+    `replica` (Megatron-DeepSpeed's fp32 gradient accumulation, reduced once an iteration). The
+    data ranks then hold the stage's whole fp32 gradient, where XLA's partitioner of the whole
+    schedule all-reduced each tick's gradient over them (BLOOM-176B: 150 ticks a step).
+  - Otherwise, under hybrid sharding (`replica` > 1): `replica`. Each copy's data ranks share one
+    schedule and its ZeRO split as without copies (ZeRO-3 gathers each layer over them where it
+    is used), the copies' accumulators are all-reduced once a step instead of each tick's
+    gradient across them: the same memory, fewer collectives.
+
+  With dropout each rank draws its own masks for its rows (independent draws, not the slices of
+  the one-device run's masks: without dropout the run is the one-device run's)."""
+  shape = layout.mesh.shape
+  if shape.get('data', 1) * shape.get('replica', 1) > 1 and cfg.grad_sync == 'step':
+    axes = partitioning.batch_axes(layout.mesh)
+    return axes if isinstance(axes, tuple) else (axes,)
+  return ('replica',) if shape.get('replica', 1) > 1 else ()
 
 
 def schedules_loss_and_grads(
   cfg: Config, layout: StateLayout, mesh, gathered, compute, batch, rng, shardings, loss_axes
 ):
   """The pipeline's (loss, fp32 gradients) of `batch` on `mesh` (the step's, or inside
-  `per_rank_pipeline`'s shard_map its copy with the batch axes manual): one schedule, or one per
+  `own_schedule_axes`' shard_map its copy with those axes manual): one schedule, or one per
   group of micro-batches accumulated in `shardings`."""
+  # ZeRO-3: the top-level weights (embedding, norms) gathered at use; the stages' layers are
+  # gathered by the partitioner where their matmuls need them.
+  gathers = None if layout.model.gathers is None else layout.model.gathers.on(mesh)
   kwargs = dict(
     cfg=cfg,
     placement=layout.placement,
-    ctx=model_lib.Context(cfg.model, mesh),
+    ctx=model_lib.Context(cfg.model, mesh, gathers),
     deterministic=not _has_dropout(cfg),
     compute_params=compute,
     loss_axes=loss_axes,
