@@ -199,6 +199,11 @@ def fused_cross_entropy_mean(
   Or `shares` (labels' shape, fp32) instead of weights: the result is sum(shares x loss), for a
   caller whose mean counts tokens this call does not see (a pipeline's data ranks).
   """
+  if shares is not None and weights is not None:
+    raise ValueError(
+      'fused_cross_entropy_mean takes weights (it divides by their count) or shares (already '
+      'divided), not both; pass one'
+    )
   if shares is None:
     if weights is None:
       weights = jnp.ones(labels.shape, jnp.float32)

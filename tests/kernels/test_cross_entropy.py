@@ -224,3 +224,13 @@ def test_fused_backward_does_no_matmul_over_the_vocabulary():
     lambda h, e: vocab_parallel_cross_entropy(h, e, labels, vocab_size=VOCAB, chunk_size=512).mean()
   )
   assert (fused, chunked) == (3, 4)
+
+
+def test_fused_refuses_weights_and_shares_together():
+  """shares are weights already divided by a count: given both, one would be dropped silently."""
+  hidden, embedding, labels = problem()
+  ones = jnp.ones(labels.shape, jnp.float32)
+  with pytest.raises(ValueError, match='not both'):
+    fused_cross_entropy_mean(
+      hidden, embedding, labels, vocab_size=VOCAB, weights=ones, shares=ones / ones.sum()
+    )
