@@ -286,14 +286,21 @@ MOSAIC_BLOCK_FIELDS = tuple(field.name for field in dataclasses.fields(MosaicBlo
 
 
 def parse_mosaic_blocks(text: str) -> MosaicBlocks:
-  """--mosaic_blocks: MOSAIC_BLOCK_FIELDS' values in order, comma-separated."""
+  """--mosaic_blocks: MOSAIC_BLOCK_FIELDS' values in order, comma-separated (0 or 1 for the
+  options that are booleans)."""
   values = [int(v) for v in text.split(',')]
   if len(values) != len(MOSAIC_BLOCK_FIELDS):
     raise SystemExit(
       f'--mosaic_blocks needs {len(MOSAIC_BLOCK_FIELDS)} integers '
       f'({",".join(MOSAIC_BLOCK_FIELDS)}), got {text!r}'
     )
-  return MosaicBlocks(**dict(zip(MOSAIC_BLOCK_FIELDS, values)))
+  defaults = MosaicBlocks()
+  return MosaicBlocks(
+    **{
+      name: bool(value) if isinstance(getattr(defaults, name), bool) else value
+      for name, value in zip(MOSAIC_BLOCK_FIELDS, values)
+    }
+  )
 
 
 def run(args) -> dict:

@@ -20,6 +20,10 @@ only issues copies into a ring of `stages` buffers, so loads overlap the matmuls
   The log-sum-exp the forward saves is of those shifted scores; the backward adds the same rows,
   so its probabilities are the forward's.
 * Causal: key tiles above the diagonal are never loaded, and only tiles that cross it are masked.
+* `MosaicBlocks` also holds three options, off until a GPU run measures them: a persistent
+  forward (a program per SM running a sequence of query tiles through one key ring), an earlier
+  hand-over of the tensor cores between the forward's math warpgroups, and the backward's
+  independent products issued in pairs.
 * Backward (`jax.custom_vjp`): the forward saves the output and the log-sum-exp (named
   `residuals.ATTENTION_RESIDUALS`, so that remat_policy='save_dots' keeps them). One kernel
   computes dK and dV (a program per key tile, looping over the query tiles from the diagonal),
@@ -39,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +61,14 @@ LOG2E = math.log2(math.e)
 # without bank conflicts.
 _TILING = plgpu.TilingTransform((8, 64))
 _SWIZZLE = plgpu.SwizzleTransform(128)
+# The persistent forward orders its items in groups of (batch row, head) pairs whose keys and
+# values take at most this much: a third of Hopper's 50 MB L2, so the programs running at once
+# read them from L2 while the rest of it holds the outputs and the next group's first tiles.
+L2_GROUP_BYTES = 16 * 2**20
+# Programs of the persistent forward in interpret mode: more than one, fewer than the items of a
+# small test, so that programs run different numbers of items.
+INTERPRET_PROGRAMS = 3
+H100_SMS = 132
 
 
 # CUDA runtimes (cudaRuntimeGetVersion's numbers, 12080 for 12.8) whose ptxas miscompiles Mosaic
@@ -87,6 +99,16 @@ class MosaicBlocks:
   key/value tiles of block_kv. dK/dV: a program owns compute_wgs * block_kv_dkv keys and streams
   query tiles of block_q_dkv. dQ: a program owns compute_wgs * block_q_dq queries and streams key
   tiles of block_kv_dq. stages: buffers in each ring (at least 2, so a copy overlaps the math).
+
+  persistent (forward): one program per SM runs a sequence of query tiles (`forward_item_order`)
+  through one key ring, so the next tile's keys and query are copied while the current one's
+  math ends and its output is stored (FlashAttention-3's persistent kernel), where otherwise
+  every tile's program starts with empty buffers. early_handoff (forward): a math warpgroup lets
+  the other one onto the tensor cores as soon as its QK^T is issued, not once it has finished,
+  and waits for the next key tile while its P V runs (the order of jax's Hopper attention
+  example). paired_backward: dQ issues Q K^T and dO V^T together and waits once, dK/dV
+  dV += P^T dO and V dO^T (as jax's example does), where otherwise each product is waited for
+  before the next is issued. All off: the kernels first measured on an H100 (docs/benchmarks.md).
   """
 
   block_q: int = 64
@@ -97,6 +119,9 @@ class MosaicBlocks:
   block_kv_dq: int = 64
   compute_wgs: int = 2
   stages: int = 2
+  persistent: bool = False
+  early_handoff: bool = False
+  paired_backward: bool = False
 
   @property
   def multiple(self) -> int:
@@ -228,32 +253,87 @@ def _tile_smem(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=(_TILING, _SWIZZLE))
 
 
-def mma(a, b, interpret: bool, transpose_b: bool = False):
+def mma(a, b, interpret: bool, transpose_b: bool = False, while_running=None):
   """A fresh float32 a @ b (a @ b^T with transpose_b) of [M, K] and [K, N] (or [N, K]) tiles in
-  shared memory, into registers."""
+  shared memory, into registers; `while_running()` runs between the wgmma's issue and its end."""
   if interpret:
     rhs = b[...].T if transpose_b else b[...]
-    return jnp.dot(a[...], rhs, preferred_element_type=jnp.float32)
+    result = jnp.dot(a[...], rhs, preferred_element_type=jnp.float32)
+    if while_running is not None:
+      while_running()
+    return result
   if transpose_b:
     b = plgpu.transpose_ref(b, (1, 0))
 
   def run(acc_ref):
     plgpu.wgmma(acc_ref, a, b)
-    return acc_ref[...]
+    if while_running is not None:
+      while_running()
+    return acc_ref[...]  # waits for the wgmma
 
   return pl.run_scoped(run, plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32))
 
 
-def mma_accumulate(acc, a, b, interpret: bool):
+def mma_accumulate(acc, a, b, interpret: bool, while_running=None):
   """acc + a @ b: a ([M, K]) in registers, b ([K, N]) in shared memory; the product accumulates
-  into acc's registers."""
+  into acc's registers. `while_running()` runs between the wgmma's issue and its end."""
   if interpret:
-    return acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+    result = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+    if while_running is not None:
+      while_running()
+    return result
 
   def run(acc_ref):
     plgpu.wgmma(acc_ref, a, b)
+    if while_running is not None:
+      while_running()
 
   return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+class Fresh(NamedTuple):
+  """A product for `mma_together`: float32 a @ b (a @ b^T with transpose_b), a and b tiles in
+  shared memory."""
+
+  a: Any
+  b: Any
+  transpose_b: bool = False
+
+
+class Accumulate(NamedTuple):
+  """A product for `mma_together`: acc + a @ b, acc (float32) and a in registers, b a tile in
+  shared memory."""
+
+  acc: Any
+  a: Any
+  b: Any
+
+
+def mma_together(products, interpret: bool) -> tuple:
+  """The products (`Fresh`, `Accumulate`) issued one after the other and waited for once, so
+  the tensor cores run them back to back; their results in order."""
+  if interpret:
+    results = []
+    for p in products:
+      if isinstance(p, Fresh):
+        rhs = p.b[...].T if p.transpose_b else p.b[...]
+        results.append(jnp.dot(p.a[...], rhs, preferred_element_type=jnp.float32))
+      else:
+        results.append(p.acc + jnp.dot(p.a, p.b[...], preferred_element_type=jnp.float32))
+    return tuple(results)
+
+  def initial(p):
+    if isinstance(p, Accumulate):
+      return plgpu.ACC.init(p.acc)
+    columns = p.b.shape[0] if p.transpose_b else p.b.shape[1]
+    return plgpu.ACC.init(zeros_tile((p.a.shape[0], columns), interpret))
+
+  def run(acc_refs):
+    for acc_ref, p in zip(acc_refs, products):
+      transposed = isinstance(p, Fresh) and p.transpose_b
+      plgpu.wgmma(acc_ref, p.a, plgpu.transpose_ref(p.b, (1, 0)) if transposed else p.b)
+
+  return tuple(pl.run_state(run)(tuple(initial(p) for p in products)))
 
 
 def load_vector(ref, layout, interpret: bool):
@@ -293,21 +373,29 @@ def zeros_tile(shape, interpret: bool):
   return in_layout(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA, interpret)
 
 
-def _stream(step_count, stages, consumed, issue, start=0):
-  """The copy warpgroup's loop: for steps [start, start + step_count) it waits until the ring
-  slot's previous tile is consumed, then `issue(step, slot)` starts the next copies. At the end
-  it waits for the last tiles' release too, so it sees every phase of its barriers."""
+def _wait_consumed(consumed, ring_step, stages: int) -> None:
+  for barrier in consumed:
+    plgpu.barrier_wait(barrier.at[lax.rem(ring_step, stages)])
 
-  def wait_consumed(i):
-    for barrier in consumed:
-      plgpu.barrier_wait(barrier.at[lax.rem(i, stages)])
+
+def _stream(step_count, stages, consumed, issue, start=0, ring_base=0):
+  """The copy warpgroup's loop: for steps [start, start + step_count), the ring's ring_base-th
+  tile on, it waits until the ring slot's previous tile is consumed, then `issue(step, slot)`
+  starts the next copies."""
 
   @pl.loop(0, step_count)
   def _(i):
-    pl.when(i >= stages)(lambda: wait_consumed(i - stages))
-    issue(start + i, lax.rem(i, stages))
+    ring_step = ring_base + i
+    pl.when(ring_step >= stages)(lambda: _wait_consumed(consumed, ring_step - stages, stages))
+    issue(start + i, lax.rem(ring_step, stages))
 
-  pl.loop(jnp.maximum(step_count - stages, 0), step_count)(wait_consumed)
+
+def _wait_last_consumed(ring_steps, stages, consumed) -> None:
+  """The copy warpgroup's end: waits for the release of the last tiles of its ring_steps too,
+  so it sees every phase of its barriers."""
+  pl.loop(jnp.maximum(ring_steps - stages, 0), ring_steps)(
+    lambda i: _wait_consumed(consumed, i, stages)
+  )
 
 
 def heaviest_first(index, count: int):
@@ -351,9 +439,11 @@ class KeyRing:
   def of(cls, buffers, barriers) -> KeyRing:
     return cls(*buffers, *barriers)
 
-  def fill(self, k_ref, v_ref, bias_ref, b, h, block_kv: int, steps, stages: int) -> None:
-    """The copy warpgroup: key tiles [0, steps) of batch row b, head h."""
-    plgpu.set_max_registers(40, action='decrease')
+  def fill(
+    self, k_ref, v_ref, bias_ref, b, h, block_kv: int, steps, stages: int, ring_base=0
+  ) -> None:
+    """The copy warpgroup: key tiles [0, steps) of batch row b, head h, into the ring from its
+    ring_base-th tile on."""
 
     def issue(step, slot):
       keys = (b, pl.ds(step * block_kv, block_kv), h)
@@ -362,7 +452,11 @@ class KeyRing:
       plgpu.copy_gmem_to_smem(row, self.bias.at[slot], self.bias_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[keys], self.v.at[slot], self.v_ready.at[slot])
 
-    _stream(steps, stages, (self.k_free, self.v_free), issue)
+    _stream(steps, stages, (self.k_free, self.v_free), issue, ring_base=ring_base)
+
+  def wait_all_free(self, ring_steps, stages: int) -> None:
+    """The copy warpgroup's end, after `fill`s of ring_steps tiles in all."""
+    _wait_last_consumed(ring_steps, stages, (self.k_free, self.v_free))
 
   def key_bias(self, slot, interpret: bool):
     """The slot's ALiBi row as a column vector of wgmma's result layout, once it is there."""
@@ -378,6 +472,38 @@ class KeyRing:
     plgpu.barrier_arrive(self.v_free.at[slot])
 
 
+def forward_item_order(batch: int, heads: int, tiles: int, seq: int, head_dim: int, itemsize: int):
+  """The persistent forward's work items, (query tile, batch row, head), as a function of the item
+  index: heaviest tile first (`heaviest_first`), in groups of (batch row, head) pairs whose keys
+  and values fit `L2_GROUP_BYTES`, so the programs running at once share them through L2 instead
+  of each reading its own pair's from HBM."""
+  pairs = batch * heads
+  group = max(1, min(pairs, L2_GROUP_BYTES // (2 * seq * head_dim * itemsize)))
+
+  def item(index):
+    first_pair = lax.div(index, group * tiles) * group
+    size = jnp.minimum(group, pairs - first_pair)  # the last group may be smaller
+    offset = index - first_pair * tiles
+    pair = first_pair + lax.rem(offset, size)
+    return lax.div(pair, heads), lax.rem(pair, heads), heaviest_first(lax.div(offset, size), tiles)
+
+  return item
+
+
+def persistent_programs(items: int, interpret: bool) -> int:
+  """One program per SM, or INTERPRET_PROGRAMS in interpret mode."""
+  return min(items, INTERPRET_PROGRAMS if interpret else gpu_sm_count())
+
+
+def gpu_sm_count() -> int:
+  """The GPU's SMs (its core_count); an H100's where none is attached (lowering for CUDA on a
+  CPU)."""
+  try:
+    return jax.devices('gpu')[0].core_count
+  except RuntimeError:
+    return H100_SMS
+
+
 def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
   batch, seq, heads, head_dim = q.shape
   dtype = q.dtype
@@ -388,16 +514,44 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
     blocks.stages,
   )
   span = wgs * block_q
+  tiles = seq // span
   qk_scale = scale * LOG2E
+  items = batch * heads * tiles
+  grid: tuple[int, ...]
+  grid_names: tuple[str, ...]
+  if blocks.persistent:
+    programs = persistent_programs(items, interpret)
+    grid, grid_names = (programs,), ('program',)
+    order = forward_item_order(batch, heads, tiles, seq, head_dim, jnp.dtype(dtype).itemsize)
+  else:
+    grid, grid_names = (heads, tiles, batch), ('heads', 'q_tile', 'batch')
+
+  def program_items():
+    """(how many items this program runs, the index-th's (batch row, head, query tile))."""
+    if not blocks.persistent:
+      b, h = lax.axis_index('batch'), lax.axis_index('heads')
+      return 1, lambda _: (b, h, heaviest_first(lax.axis_index('q_tile'), tiles))
+    program = lax.axis_index('program')
+    return pl.cdiv(items - program, programs), lambda index: order(program + index * programs)
+
+  def over_items(count, run):
+    """run(index, ring_base) -> the next ring_base, over this program's items; the final count
+    of key tiles."""
+    if not blocks.persistent:  # its one item (a loop of one deadlocks the interpreter under jit)
+      return run(0, 0)
+    return lax.fori_loop(0, count, run, 0)
+
+  def item_steps(tile):  # key tiles an item's program needs: up to its last query's diagonal
+    return pl.cdiv((tile + 1) * span, block_kv)
 
   def body(q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, barriers):
-    (qo_smem, lse_smem, ring_buffers), (q_ready, schedule, ring_barriers) = scratch, barriers
+    (q_smem, out_smem, lse_smem, ring_buffers), (q_ready, schedule, ring_barriers) = (
+      scratch,
+      barriers,
+    )
     ring = KeyRing.of(ring_buffers, ring_barriers)
-    b, h = lax.axis_index('batch'), lax.axis_index('heads')
-    tile = heaviest_first(lax.axis_index('q_tile'), seq // span)
     wg = lax.axis_index('wg')
-    # Key tiles this program needs: up to the diagonal of its last query.
-    program_steps = pl.cdiv((tile + 1) * span, block_kv)
+    count, item = program_items()
 
     def rendezvous():  # the math warpgroups take turns on the tensor cores (FA3's ping-pong)
       if wgs > 1:
@@ -407,71 +561,126 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
     @pl.when(wg < wgs)
     def _math():
       plgpu.set_max_registers(232 if wgs > 1 else 240, action='increase')
-      q_start = tile * span + wg * block_q
-      q_tile_smem = qo_smem.at[wg]
-      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, block_q), h], q_tile_smem, q_ready.at[wg])
-      plgpu.barrier_wait(q_ready.at[wg])
-      steps = pl.cdiv(q_start + block_q, block_kv)  # the last one crosses the diagonal
-      unmasked_steps = lax.div(q_start, block_kv)
+      q_tile_smem = q_smem.at[wg]
+      # Without persistence the output goes through the query's buffer; with it the next item's
+      # query arrives there while this one's output is being stored.
+      out_tile_smem = out_smem.at[wg] if blocks.persistent else q_tile_smem
 
-      def kv_step(step, carry, masked: bool):
+      def load_query(index):
+        b, h, tile = item(index)
+        rows = (b, pl.ds(tile * span + wg * block_q, block_q), h)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_tile_smem, q_ready.at[wg])
+
+      def run_item(index, ring_base):
+        b, h, tile = item(index)
+        program_steps = item_steps(tile)
+        q_start = tile * span + wg * block_q
+        steps = pl.cdiv(q_start + block_q, block_kv)  # the last one crosses the diagonal
+        unmasked_steps = lax.div(q_start, block_kv)
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        def slot_of(step):
+          return lax.rem(ring_base + step, stages)
+
+        def query_tile_done(step):
+          """After the item's last QK^T the query buffer is free: the next item's query."""
+          if blocks.persistent:
+            pl.when((step == steps - 1) & (index + 1 < count))(lambda: load_query(index + 1))
+
+        def kv_step(step, carry, masked: bool):
+          acc, row_max, row_sum = carry
+          slot = slot_of(step)
+          if blocks.early_handoff:
+            scores = mma(
+              q_tile_smem, ring.k.at[slot], interpret, transpose_b=True, while_running=rendezvous
+            )
+          else:
+            plgpu.barrier_wait(ring.k_ready.at[slot])
+            scores = mma(q_tile_smem, ring.k.at[slot], interpret, transpose_b=True)
+            rendezvous()
+          if masked:
+            query_tile_done(step)
+          bias = ring.key_bias(slot, interpret)
+          plgpu.barrier_arrive(ring.k_free.at[slot])
+          scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [1])
+          if masked:
+            visible = causal_mask(scores.shape, q_start, step * block_kv, True, interpret)
+            scores = jnp.where(visible, scores, -jnp.inf)
+          new_max = jnp.maximum(row_max, scores.max(axis=1))
+          correction = jnp.exp2(row_max - new_max)
+          probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))
+          row_sum = row_sum * correction + probs.sum(axis=1)
+          acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+          probs = probs.astype(dtype)
+          if blocks.early_handoff:  # keep the softmax before the turn (jax's Hopper attention)
+            acc, row_sum, new_max, probs = lax.optimization_barrier((acc, row_sum, new_max, probs))
+          if wgs > 1:
+            plgpu.barrier_arrive(schedule)
+          plgpu.barrier_wait(ring.v_ready.at[slot])
+          if wgs > 1:
+            plgpu.barrier_wait(schedule)
+
+          def next_keys():  # while P V runs
+            next_slot = slot_of(step + 1)
+            pl.when(step + 1 < steps)(lambda: plgpu.barrier_wait(ring.k_ready.at[next_slot]))
+
+          acc = mma_accumulate(
+            acc,
+            probs,
+            ring.v.at[slot],
+            interpret,
+            while_running=next_keys if blocks.early_handoff else None,
+          )
+          plgpu.barrier_arrive(ring.v_free.at[slot])
+          return acc, new_max, row_sum
+
+        def drain(step, _):  # key tiles another warpgroup needed: release them, keep the turns
+          ring.release(slot_of(step))
+          rendezvous()
+          rendezvous()
+
+        carry = (
+          zeros_tile((block_q, head_dim), interpret),
+          full_rows(-jnp.inf, block_q, interpret),
+          full_rows(0.0, block_q, interpret),
+        )
+        if blocks.early_handoff:
+          plgpu.barrier_wait(ring.k_ready.at[slot_of(0)])
+        pl.when(wg == 1)(rendezvous)
+        carry = lax.fori_loop(0, unmasked_steps, functools.partial(kv_step, masked=False), carry)
+        carry = lax.fori_loop(unmasked_steps, steps, functools.partial(kv_step, masked=True), carry)
+        lax.fori_loop(steps, program_steps, drain, None)
+        pl.when(wg == 0)(rendezvous)
         acc, row_max, row_sum = carry
-        slot = lax.rem(step, stages)
-        plgpu.barrier_wait(ring.k_ready.at[slot])
-        scores = mma(q_tile_smem, ring.k.at[slot], interpret, transpose_b=True)
-        rendezvous()
-        bias = ring.key_bias(slot, interpret)
-        plgpu.barrier_arrive(ring.k_free.at[slot])
-        scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [1])
-        if masked:
-          visible = causal_mask(scores.shape, q_start, step * block_kv, True, interpret)
-          scores = jnp.where(visible, scores, -jnp.inf)
-        new_max = jnp.maximum(row_max, scores.max(axis=1))
-        correction = jnp.exp2(row_max - new_max)
-        probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))
-        row_sum = row_sum * correction + probs.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-        probs = probs.astype(dtype)
-        if wgs > 1:
-          plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(ring.v_ready.at[slot])
-        if wgs > 1:
-          plgpu.barrier_wait(schedule)
-        acc = mma_accumulate(acc, probs, ring.v.at[slot], interpret)
-        plgpu.barrier_arrive(ring.v_free.at[slot])
-        return acc, new_max, row_sum
+        out = acc / lax.broadcast_in_dim(row_sum, acc.shape, [0])
+        if blocks.persistent:  # the previous item's output has left the buffers
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out_tile_smem[...] = out.astype(dtype)
+        lse_smem.at[wg][...] = row_max + jnp.log(row_sum) * LOG2E
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_tile_smem, out_ref.at[b, pl.ds(q_start, block_q), h])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_start, block_q)])
+        return ring_base + program_steps
 
-      def drain(step, _):  # key tiles another warpgroup needed: release them, keep the turns
-        ring.release(lax.rem(step, stages))
-        rendezvous()
-        rendezvous()
-
-      carry = (
-        zeros_tile((block_q, head_dim), interpret),
-        full_rows(-jnp.inf, block_q, interpret),
-        full_rows(0.0, block_q, interpret),
-      )
-      pl.when(wg == 1)(rendezvous)
-      carry = lax.fori_loop(0, unmasked_steps, functools.partial(kv_step, masked=False), carry)
-      carry = lax.fori_loop(unmasked_steps, steps, functools.partial(kv_step, masked=True), carry)
-      lax.fori_loop(steps, program_steps, drain, None)
-      pl.when(wg == 0)(rendezvous)
-      acc, row_max, row_sum = carry
-      out = acc / lax.broadcast_in_dim(row_sum, acc.shape, [0])
-      q_tile_smem[...] = out.astype(dtype)
-      lse_smem.at[wg][...] = row_max + jnp.log(row_sum) * LOG2E
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_tile_smem, out_ref.at[b, pl.ds(q_start, block_q), h])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_start, block_q)])
+      load_query(0)
+      over_items(count, run_item)
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == wgs)
     def _copies():
-      ring.fill(k_ref, v_ref, bias_ref, b, h, block_kv, program_steps, stages)
+      def fill_item(index, ring_base):
+        b, h, tile = item(index)
+        steps = item_steps(tile)
+        ring.fill(k_ref, v_ref, bias_ref, b, h, block_kv, steps, stages, ring_base=ring_base)
+        return ring_base + steps
+
+      plgpu.set_max_registers(40, action='decrease')
+      ring.wait_all_free(over_items(count, fill_item), stages)
 
   ring_buffers, ring_barriers = key_ring_types(stages, block_kv, head_dim, dtype, wgs)
   scratch = (
     _tile_smem((wgs, block_q, head_dim), dtype),
+    _tile_smem((wgs, block_q, head_dim), dtype) if blocks.persistent else None,
     plgpu.SMEM((wgs, block_q), jnp.float32),
     ring_buffers,
   )
@@ -481,20 +690,18 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
     jax.ShapeDtypeStruct(q.shape, dtype),
     jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32),
   )
-  call = _kernel_call(
-    body, out_type, scratch, barriers, (heads, seq // span, batch), 'q_tile', wgs, interpret
-  )
+  call = _kernel_call(body, out_type, scratch, barriers, grid, grid_names, wgs, interpret)
   out, lse = call(q, k, v, key_bias)
   return out, lse
 
 
-def _kernel_call(body, out_type, scratch, barriers, grid, tile_name, wgs, interpret):
+def _kernel_call(body, out_type, scratch, barriers, grid, grid_names, wgs, interpret):
   return plgpu.kernel(
     body,
     out_type=out_type,
     scratch_types=(scratch, barriers),
     grid=grid,
-    grid_names=('heads', tile_name, 'batch'),
+    grid_names=grid_names,
     num_threads=wgs + 1,
     thread_name='wg',
     compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -545,16 +752,28 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
       def kv_step(step, dq, masked: bool):
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(ring.k_ready.at[slot])
-        scores = mma(q_smem.at[wg], ring.k.at[slot], interpret, transpose_b=True)
+        if blocks.paired_backward:
+          plgpu.barrier_wait(ring.v_ready.at[slot])
+          scores, d_probs = mma_together(
+            (
+              Fresh(q_smem.at[wg], ring.k.at[slot], transpose_b=True),
+              Fresh(do_smem.at[wg], ring.v.at[slot], transpose_b=True),
+            ),
+            interpret,
+          )
+          plgpu.barrier_arrive(ring.v_free.at[slot])
+        else:
+          scores = mma(q_smem.at[wg], ring.k.at[slot], interpret, transpose_b=True)
         bias = ring.key_bias(slot, interpret)
         scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [1])
         if masked:
           visible = causal_mask(scores.shape, q_start, step * block_kv, True, interpret)
           scores = jnp.where(visible, scores, -jnp.inf)
         probs = jnp.exp2(scores - lax.broadcast_in_dim(lse, scores.shape, [0]))
-        plgpu.barrier_wait(ring.v_ready.at[slot])
-        d_probs = mma(do_smem.at[wg], ring.v.at[slot], interpret, transpose_b=True)
-        plgpu.barrier_arrive(ring.v_free.at[slot])
+        if not blocks.paired_backward:
+          plgpu.barrier_wait(ring.v_ready.at[slot])
+          d_probs = mma(do_smem.at[wg], ring.v.at[slot], interpret, transpose_b=True)
+          plgpu.barrier_arrive(ring.v_free.at[slot])
         d_scores = probs * (d_probs - lax.broadcast_in_dim(delta, probs.shape, [0]))
         dq = mma_accumulate(dq, d_scores.astype(dtype), ring.k.at[slot], interpret)
         plgpu.barrier_arrive(ring.k_free.at[slot])
@@ -574,7 +793,9 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
 
     @pl.when(wg == wgs)
     def _copies():
+      plgpu.set_max_registers(40, action='decrease')
       ring.fill(k_ref, v_ref, bias_ref, b, h, block_kv, program_steps, stages)
+      ring.wait_all_free(program_steps, stages)
 
   ring_buffers, ring_barriers = key_ring_types(stages, block_kv, head_dim, dtype, wgs)
   scratch = (
@@ -592,7 +813,7 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
     scratch,
     barriers,
     (heads, seq // span, batch),
-    'q_tile',
+    ('heads', 'q_tile', 'batch'),
     wgs,
     interpret,
   )
@@ -651,8 +872,17 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
           scores = jnp.where(visible, scores, -jnp.inf)
         probs = jnp.exp2(scores - lax.broadcast_in_dim(lse, scores.shape, [1]))
         plgpu.barrier_wait(do_ready.at[slot])
-        dv = mma_accumulate(dv, probs.astype(dtype), do_smem.at[slot], interpret)
-        d_probs = mma(v_smem.at[wg], do_smem.at[slot], interpret, transpose_b=True)
+        if blocks.paired_backward:
+          dv, d_probs = mma_together(
+            (
+              Accumulate(dv, probs.astype(dtype), do_smem.at[slot]),
+              Fresh(v_smem.at[wg], do_smem.at[slot], transpose_b=True),
+            ),
+            interpret,
+          )
+        else:
+          dv = mma_accumulate(dv, probs.astype(dtype), do_smem.at[slot], interpret)
+          d_probs = mma(v_smem.at[wg], do_smem.at[slot], interpret, transpose_b=True)
         plgpu.barrier_wait(delta_ready.at[slot])
         delta = load_vector(delta_smem.at[slot], column_layout, interpret)
         plgpu.barrier_arrive(do_free.at[slot])
@@ -695,6 +925,7 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
         plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem.at[slot], delta_ready.at[slot])
 
       _stream(q_tiles - first_step, stages, (q_free, do_free), issue, start=first_step)
+      _wait_last_consumed(q_tiles - first_step, stages, (q_free, do_free))
 
   scratch = (
     _tile_smem((wgs, block_kv, head_dim), dtype),
@@ -718,7 +949,7 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
     scratch,
     barriers,
     (heads, seq // span, batch),
-    'kv_tile',
+    ('heads', 'kv_tile', 'batch'),
     wgs,
     interpret,
   )

@@ -9,10 +9,13 @@ import os
 import re
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import REPO
 
-from t5x_like.kernels import MosaicBlocks
+from t5x_like.kernels import MosaicBlocks, mosaic_attention
 
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
 import attention as attention_benchmark  # noqa: E402  (scripts, not package modules)
@@ -572,19 +575,26 @@ def test_a_real_cpu_profile_reads_the_same_from_its_json_and_its_xspace(tmp_path
 
 def test_the_mosaic_sweep_candidates_are_valid_tiles_and_reach_the_kernel():
   """Every candidate of benchmarks/mosaic_sweep.sh parses into MosaicBlocks without a problem
-  (a typo would cost GPU time), the defaults are among them, and --mosaic_blocks is what the
-  mosaic row runs with (here in interpret mode, one warpgroup of 64-row tiles)."""
+  and its kernels lower for CUDA, within Hopper's shared memory (a typo or a ring too large
+  would cost GPU time); the defaults are among them, and --mosaic_blocks is what the mosaic row
+  runs with (here in interpret mode, one warpgroup of 64-row tiles)."""
   with open(os.path.join(REPO, 'benchmarks', 'mosaic_sweep.sh')) as f:
     text = f.read()
   lines = text.split("<<'CANDIDATES'\n")[1].split('CANDIDATES')[0].split()
   candidates = [attention_benchmark.parse_mosaic_blocks(line) for line in lines]
   assert MosaicBlocks() in candidates and len(set(candidates)) == len(candidates)
+  x = jax.ShapeDtypeStruct((1, 512, 1, 128), jnp.bfloat16)
   for blocks in candidates:
     assert blocks.problems() == [], blocks
-  with pytest.raises(SystemExit, match='--mosaic_blocks needs 8 integers'):
+
+    def loss(q, k, v, blocks=blocks):
+      return mosaic_attention(q, k, v, alibi_slopes=np.ones(1, np.float32), blocks=blocks).sum()
+
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(lowering_platforms=('cuda',))
+  with pytest.raises(SystemExit, match='--mosaic_blocks needs 11 integers'):
     attention_benchmark.parse_mosaic_blocks('64,128')
 
-  one_warpgroup = '64,64,64,64,64,64,1,2'
+  one_warpgroup = '64,64,64,64,64,64,1,2,0,0,0'
   args = attention_benchmark.parse_args(
     ['--smoke', '--seqs', '64', '--impls', 'mosaic', '--mosaic_blocks', one_warpgroup]
   )
@@ -593,6 +603,6 @@ def test_the_mosaic_sweep_candidates_are_valid_tiles_and_reach_the_kernel():
   (row,) = report['results']
   assert row['correct'], row
   # Tiles the kernel refuses: the row's error is the kernel's, so the option reached it.
-  args.mosaic_blocks = '64,96,64,64,64,64,1,2'
+  args.mosaic_blocks = '64,96,64,64,64,64,1,2,0,0,0'
   (row,) = attention_benchmark.run(args)['results']
   assert 'MosaicBlocks.block_kv=96 must be a multiple of 64' in row['failed'], row

@@ -7,6 +7,7 @@ same cases compile and run the real kernels.
 """
 
 import dataclasses
+import itertools
 import re
 
 import jax
@@ -19,7 +20,11 @@ from test_tokamax_attention import A100, H100, LARGE_SLOPE, check_against_refere
 
 from t5x_like.config import ConfigError, ModelConfig
 from t5x_like.kernels import MosaicAttentionConstraintError, MosaicBlocks, mosaic_attention
-from t5x_like.kernels.mosaic_attention import heaviest_first, unmet_constraints
+from t5x_like.kernels.mosaic_attention import (
+  forward_item_order,
+  heaviest_first,
+  unmet_constraints,
+)
 from t5x_like.mesh import partitioning
 from t5x_like.model import attention as attention_lib
 from t5x_like.model.attention import Device
@@ -31,6 +36,13 @@ INTERPRET = jax.default_backend() == 'cpu'
 # query tile late), so the drain and skip loops run.
 SMALL = MosaicBlocks(block_q=64, block_kv=64, block_kv_dkv=64, block_kv_dq=64)
 ONE_WARPGROUP = MosaicBlocks(compute_wgs=1, block_kv=64)
+# The options of the kernels (MosaicBlocks' docstring) on top of SMALL's unequal warpgroups. At seq
+# 256 the persistent forward has 4 items (2 query tiles x 2 heads) for INTERPRET_PROGRAMS = 3
+# programs: the first runs two (4 key tiles, then 2 from the key ring's second slot of 3), the
+# others one each.
+OPTIONS = dataclasses.replace(
+  SMALL, stages=3, persistent=True, early_handoff=True, paired_backward=True
+)
 B200 = Device('gpu', 'NVIDIA B200', '10.0')
 
 
@@ -42,6 +54,7 @@ B200 = Device('gpu', 'NVIDIA B200', '10.0')
     # heads; LARGE_SLOPE is BLOOM-176B's first).
     pytest.param(200, 64, 'float16', True, None, id='default-blocks-tail'),
     pytest.param(128, 128, 'bfloat16', False, ONE_WARPGROUP, id='one-warpgroup-d128-no-alibi'),
+    pytest.param(256, 64, 'bfloat16', True, OPTIONS, id='persistent-early-handoff-paired'),
   ],
 )
 def test_forward_and_gradients_match_the_reference(seq, head_dim, dtype, alibi, blocks):
@@ -186,3 +199,36 @@ def test_cuda_runtimes_whose_ptxas_miscompiles_causal_masks_are_refused(
 def test_query_tiles_run_longest_first():
   """Under the causal mask the last query tile has the most keys: program 0 takes it."""
   assert [heaviest_first(i, 4) for i in range(4)] == [3, 2, 1, 0]
+
+
+@pytest.mark.parametrize(
+  'batch, heads, tiles, seq, group',
+  [
+    pytest.param(2, 3, 4, 65536, 1, id='one-pair-a-group'),  # a pair's keys and values: 32 MiB
+    pytest.param(2, 3, 4, 8192, 4, id='groups-of-4-last-of-2'),  # 4 MiB a pair
+    pytest.param(1, 2, 3, 512, 2, id='one-group'),
+  ],
+)
+def test_the_persistent_forward_runs_every_item_once_longest_first_by_l2_group(
+  batch, heads, tiles, seq, group
+):
+  """forward_item_order: every (batch row, head, query tile) exactly once, in groups of pairs
+  whose keys and values fit L2_GROUP_BYTES (head_dim 128 in bf16: 512 KiB a pair per 1024 tokens),
+  each group's tiles the longest first."""
+  order = forward_item_order(batch, heads, tiles, seq, 128, 2)
+  items = [tuple(int(x) for x in order(jnp.int32(i))) for i in range(batch * heads * tiles)]
+  assert sorted(items) == [
+    (b, h, t) for b in range(batch) for h in range(heads) for t in range(tiles)
+  ]
+  pairs = [b * heads + h for b, h, _ in items]
+  starts = [
+    0,
+    *itertools.accumulate(
+      min(group, batch * heads - g) * tiles for g in range(0, batch * heads, group)
+    ),
+  ]
+  for start, end in itertools.pairwise(starts):
+    assert len({p // group for p in pairs[start:end]}) == 1, pairs
+    assert [t for *_, t in items[start:end]] == sorted(
+      (t for *_, t in items[start:end]), reverse=True
+    )
