@@ -473,7 +473,7 @@ class KeyRing:
 
 
 def forward_item_order(batch: int, heads: int, tiles: int, seq: int, head_dim: int, itemsize: int):
-  """The persistent forward's work items, (query tile, batch row, head), as a function of the item
+  """The persistent forward's work items, (batch row, head, query tile), as a function of the item
   index: heaviest tile first (`heaviest_first`), in groups of (batch row, head) pairs whose keys
   and values fit `L2_GROUP_BYTES`, so the programs running at once share them through L2 instead
   of each reading its own pair's from HBM."""
