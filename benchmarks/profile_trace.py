@@ -247,7 +247,8 @@ def parse_hlo(text: str) -> tuple[str, dict[str, Op]]:
     for c in op.called:
       inner |= body_opcodes.get(c, set())
     op.inner_opcodes = frozenset(inner)
-    if op.opcode == 'fusion' and op.called and bodies.get(op.called[0]):
+    # 'fusion-start': an asynchronous fusion (XLA:GPU runs some slices of loop carries so).
+    if op.opcode in ('fusion', 'fusion-start') and op.called and bodies.get(op.called[0]):
       root = ops.get(bodies[op.called[0]][0])
       op.root_opcode = root.opcode if root is not None else ''
   for op in ops.values():
@@ -339,7 +340,7 @@ def kind_of(op: Op | None, kernel: str) -> str:
     ):
       return 'matmul'
     if op.opcode in _MOVES or (
-      op.opcode == 'fusion'
+      op.opcode in ('fusion', 'fusion-start')
       and (op.inner_opcodes <= _MOVES | {'convert'} or op.root_opcode in _MOVE_ROOTS)
     ):
       return 'copy'
