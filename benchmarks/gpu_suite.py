@@ -56,12 +56,13 @@ Stages, in the order they run, with their time limits and their wall time on an 
    full precision (JAX_DEFAULT_MATMUL_PRECISION=highest). The rest of tests/kernels (lowering
    checks, constraints, configs) runs in the CPU suite. Not run with `--smoke` (CI runs them in
    interpret mode) or `--no-tests`.
-8. `tune` (limit 75 s per variant, about 25 s each, 75 s): the step with the fastest attention (the
-   step stage's row is the base; `--base_attention` names it when the step stage is not in the
-   same call, and the base is then measured too) under each of TUNE_VARIANTS, 2 warm-up + 3
-   timed steps. Each row gives its speed-up over the base and its first loss against the base's;
-   a variant that does not run (an XLA flag this XLA lacks, activations that do not fit) is
-   reported, a loss off the base's fails the stage.
+8. `tune` (limit 100 s per variant; about 25 s each, an estimated 35 s with the layers
+   unrolled, about 90 s): the step with the fastest attention (the step stage's row is the base;
+   `--base_attention` names it when the step stage is not in the same call, and the base is then
+   measured too) under each of TUNE_VARIANTS, 2 warm-up + 3 timed steps. Each row gives its
+   speed-up over the base and its first loss against the base's; a variant that does not run
+   (an XLA flag this XLA lacks, activations that do not fit) is reported, a loss off the base's
+   fails the stage.
 
 About 410 s to the end of the tests (plan beside them), so under the default budget `tune` is
 the stage left out: a second call runs it, `--only tune --base_attention IMPL` with the fastest
@@ -97,22 +98,26 @@ STEP_IMPLS = ('xla', 'pallas', 'tokamax', 'mosaic', 'auto')
 # Not 'dense' (2026-11-27: 4% slower than 'chunked' and 11 GiB more).
 LOSS_VARIANTS = ('chunked', 'fused')
 # The `tune` stage: the step with the fastest attention under settings that may speed it up, each
-# in its own process: {name: (config overrides, XLA_FLAGS)}. Fewer micro-batches (8 or all 16
-# sequences each instead of 4): fewer per-micro-batch weight casts and gradient additions, more
-# activations (the cost model: chunked 855 ms and 54.5 GiB in micro-batches of 8; fused 786 ms and
-# 61.7 GiB, and 758 ms and 78.8 GiB in one micro-batch, which may not fit). (Settled on 2026-11-27:
+# in its own process: {name: (config overrides, XLA_FLAGS)}, the likeliest first (the stage is
+# the last and runs out of budget first). The fused cross-entropy with the layer scan unrolled:
+# of the settings measured statically (benchmarks/hbm_traffic.py, 2026-11-27: the step compiled
+# for an H100 here), the one with the least HBM traffic, 236 GB a step less than the config's
+# chunked loss in a scan, at 61 GiB; then fewer micro-batches (8 sequences each instead of 4:
+# fewer weight casts and gradient additions, more activations; the cost model: fused 786 ms and
+# 61.7 GiB); then the unrolled layers with the config's loss. (Settled on 2026-11-27:
 # remat_policy='none' does not fit, cuBLASLt changes nothing, no Triton GEMMs is 5% slower,
-# cuDNN LayerNorm crashes jaxlib 0.11.2's XLA.)
+# cuDNN LayerNorm crashes jaxlib 0.11.2's XLA; one micro-batch of 16, 78.8 GiB by the cost
+# model, was never reached.)
 TUNE_VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
-  'mbs8': (('--config.train.micro_batch_size=8',), ''),
+  'fused-unrolled': (
+    ('--config.model.cross_entropy_impl=fused', '--config.model.unroll_layers=True'),
+    '',
+  ),
   'fused-mbs8': (
     ('--config.train.micro_batch_size=8', '--config.model.cross_entropy_impl=fused'),
     '',
   ),
-  'fused-mbs16': (
-    ('--config.train.micro_batch_size=16', '--config.model.cross_entropy_impl=fused'),
-    '',
-  ),
+  'unrolled': (('--config.model.unroll_layers=True',), ''),
 }
 # --smoke (global batch 4 in micro-batches of 2): the two kinds of variant at its scale.
 SMOKE_TUNE_VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -153,7 +158,7 @@ LIMITS = {
   'step': 90,  # each implementation
   'loss': 75,  # each variant
   'shard176b': 120,
-  'tune': 75,  # each variant
+  'tune': 100,  # each variant (an unrolled step compiles longer)
   'tests': 150,
 }
 SMOKE_LIMIT = 600

@@ -1,4 +1,5 @@
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -181,3 +182,31 @@ def test_compile_size_does_not_grow_with_depth():
     text = jax.jit(lambda p: m.apply({'params': p}, tokens)).lower(params).as_text()
     counts.append(text.count('dot_general'))
   assert counts[0] == counts[1] > 0
+
+
+@pytest.mark.parametrize('policy', ['none', 'save_dots'])
+def test_unrolled_layers_give_the_scanned_loss_and_gradients_one_block_per_layer(policy):
+  cfg, _, params, _, tokens = build()
+  scanned, unrolled = (
+    model_lib.Transformer(
+      ModelConfig(**{**cfg.__dict__, 'remat_policy': policy, 'unroll_layers': unroll}), 256
+    )
+    for unroll in (False, True)
+  )
+
+  def loss(model, p):
+    return model_lib.cross_entropy(model.apply({'params': p}, tokens[:, :-1]), tokens[:, 1:]).mean()
+
+  steps = [
+    jax.jit(jax.value_and_grad(lambda p, model=model: loss(model, p)))
+    for model in (scanned, unrolled)
+  ]
+  (l1, g1), (l2, g2) = (step(params) for step in steps)
+  np.testing.assert_allclose(l1, l2, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g1, g2)
+  # The same (stacked) params; compiled, the scanned layers are a forward and a backward loop of
+  # num_layers trips, the unrolled ones no loop and more matmuls (one block per layer).
+  texts = [step.lower(params).compile().as_text() for step in steps]
+  trips = [re.findall(r'"known_trip_count":\{"n":"(\d+)"', text) for text in texts]
+  assert trips == [[str(cfg.num_layers)] * 2, []]
+  assert texts[1].count(' dot(') > texts[0].count(' dot(') > 0

@@ -130,6 +130,8 @@ def references():
     # The chunked vocabulary-parallel cross-entropy as the head, under full recomputation (the
     # head then runs under a cond inside the tick's custom VJP).
     (1, 2, 2, 1, 4, 'chunked'),
+    # Each stage's 2 layers unrolled (model.unroll_layers), keeping the matmul outputs.
+    (1, 2, 1, 1, 4, 'unrolled'),
   ],
 )
 def test_pipelined_run_matches_single_device(
@@ -138,6 +140,8 @@ def test_pipelined_run_matches_single_device(
   model = dict(num_layers=layers, remat_policy=remat)
   if remat == 'chunked':
     model.update(remat_policy='full', cross_entropy_impl='chunked', cross_entropy_chunk=256)
+  if remat == 'unrolled':
+    model.update(remat_policy='save_dots', unroll_layers=True)
   cfg = small_config(
     model=model,
     train=dict(global_batch_size=4),
@@ -147,6 +151,12 @@ def test_pipelined_run_matches_single_device(
   losses, norms, params = run_steps(cfg, num_steps=3)
   ref_losses, ref_norms, ref_params = references[layers]
   assert_trains_as_reference(cfg, (losses, norms, params), (ref_losses, ref_norms, ref_params))
+  if remat == 'unrolled':
+    # No loop over a stage's layers is left: only the ticks' (M + P - 1 = 5 trips, forward and
+    # backward); scanned, the stage's 2 layers are loops of 2 trips too.
+    layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
+    text = step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile().as_text()
+    assert re.findall(r'"known_trip_count":\{"n":"(\d+)"', text) == ['5', '5']
 
 
 @pytest.mark.parametrize(

@@ -314,7 +314,7 @@ class Transformer(nn.Module):
       variable_axes={'params': 0},
       split_rngs={'params': True, 'dropout': True},
       length=cfg.num_layers,
-      unroll=cfg.num_layers if cfg.scan_unroll else 1,
+      unroll=cfg.num_layers if cfg.scan_unroll or cfg.unroll_layers else 1,
       metadata_params={nn.PARTITION_NAME: 'layers'},
     )(ctx, deterministic, name='layers')
     x, _ = layers(x, None)

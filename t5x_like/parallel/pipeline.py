@@ -368,9 +368,8 @@ class Schedule:
       one_layer = jax.checkpoint(
         one_layer, policy=_never_save_weights(self.policy), prevent_cse=False
       )
-    x, _ = jax.lax.scan(
-      one_layer, x, jnp.arange(self.placement.chunk), unroll=cfg.model.scan_unroll
-    )
+    unroll = cfg.model.scan_unroll or cfg.model.unroll_layers
+    x, _ = jax.lax.scan(one_layer, x, jnp.arange(self.placement.chunk), unroll=unroll)
     return x
 
   def embed_with(self, embedding_params, m):

@@ -261,9 +261,9 @@ def test_a_tune_variant_that_does_not_run_is_reported_and_a_wrong_loss_fails(mon
   its environment), reports a variant that does not run without failing, and fails on a first
   loss off the base's."""
   calls = []
-  loss = {'base': 2.0, 'mbs8': 2.0, 'a-flag': 2.0}
+  loss = {'base': 2.0, 'fused-mbs8': 2.0, 'a-flag': 2.0}
   variants = {
-    'mbs8': gpu_suite.TUNE_VARIANTS['mbs8'],
+    'fused-mbs8': gpu_suite.TUNE_VARIANTS['fused-mbs8'],
     'a-flag': ((), '--xla_gpu_enable_cublaslt=true'),
     'unknown-flag': ((), '--xla_gpu_no_such_flag=true'),
   }
@@ -283,10 +283,10 @@ def test_a_tune_variant_that_does_not_run_is_reported_and_a_wrong_loss_fails(mon
   assert [name for _, name, _, _ in calls] == ['base', *variants]
   assert all(specs == ['mosaic'] for specs, *_ in calls)
   flags = {name: flags for _, name, flags, _ in calls}
-  assert flags['base'] == flags['mbs8'] == ''  # the suite's environment, unchanged
+  assert flags['base'] == flags['fused-mbs8'] == ''  # the suite's environment, unchanged
   assert flags['a-flag'] == '--xla_dump_to=somewhere --xla_gpu_enable_cublaslt=true'
   assert '--config.train.micro_batch_size=8' in calls[1][3]
-  assert stage['results']['mbs8']['speedup_vs_base'] == pytest.approx(1.25)
+  assert stage['results']['fused-mbs8']['speedup_vs_base'] == pytest.approx(1.25)
   assert 'Unknown flags' in stage['results']['unknown-flag']['failed']
   loss['a-flag'] = 2.5
   calls.clear()
