@@ -65,22 +65,6 @@ CATEGORIES = (
   'outputs not aliased to arguments',
 )
 
-_DTYPE_BYTES = {
-  'pred': 1,
-  's8': 1,
-  'u8': 1,
-  's16': 2,
-  'u16': 2,
-  'bf16': 2,
-  'f16': 2,
-  's32': 4,
-  'u32': 4,
-  'f32': 4,
-  's64': 8,
-  'u64': 8,
-  'f64': 8,
-}
-
 
 class DumpError(RuntimeError):
   """XLA's dump did not hold a buffer assignment this module can read."""
