@@ -1,7 +1,7 @@
 """The HBM traffic of a step compiled for a GPU, read from its optimized HLO: no GPU needed.
 
     python benchmarks/hbm_traffic.py --gpu h100-80gb [--config configs/bloom_1b3.py]
-        [--config.KEY=VALUE ...] [--save_hlo step.hlo.txt.gz] [--json OUT]
+        [--config_mesh] [--config.KEY=VALUE ...] [--save_hlo step.hlo.txt.gz] [--json OUT]
     python benchmarks/hbm_traffic.py --hlo profile_mosaic.hlo.txt.gz [--gpu h100-80gb]
 
 The first form compiles the GPU suite's step (step_throughput.py's: the config on one device, a
@@ -10,7 +10,9 @@ description of the device (`DEVICES`, data-sheet figures; `jax.experimental.topo
 the CUDA plugin installed beside jax at jax's version (`pip install jax-cuda13-plugin==V
 jax-cuda13-pjrt==V`; without it the script says so). It is the program the GPU runs, less
 autotuning's choices: on 2026-11-27 its memory figure for the suite's pallas step was 46.856 GiB
-against 46.86 measured on an H100. The second form reads an HLO the GPU suite kept.
+against 46.86 measured on an H100. `--config_mesh` compiles the config's own step on its own
+mesh instead (multi-GPU, nodes of 8; XLA's memory figure per device, exact where `plan`'s GPU
+figure is an estimate from a CPU compile). The second form reads an HLO the GPU suite kept.
 
 Every kernel XLA launches (a fusion, a library call, a copy, a Pallas or Mosaic kernel) is taken
 once per execution: the ops of a loop body times its known trip count (the micro-batches, the
@@ -401,9 +403,22 @@ def target_config(gpu: str) -> str:
   )
 
 
-def compile_for(gpu: str, config: str, overrides: dict) -> tuple[str, float]:
-  """(optimized HLO text, XLA's peak bytes) of the suite's step compiled for `gpu` on this
-  machine."""
+def topology_for(num_devices: int) -> str:
+  """jax's name of a GPU topology of `num_devices` (slices x hosts x devices per host): one host
+  up to 8 GPUs, else hosts of 8."""
+  if num_devices <= 8:
+    return f'1x1x{num_devices}'
+  if num_devices % 8:
+    raise SystemExit(f'{num_devices} GPUs: more than 8 must be whole nodes of 8')
+  return f'{num_devices // 8}x1x8'
+
+
+def compile_for(
+  gpu: str, config: str, overrides: dict, config_mesh: bool = False
+) -> tuple[str, float]:
+  """(optimized HLO text, XLA's peak bytes per device) of the suite's step (one device, global
+  batch 16), or with `config_mesh` of the config's own step on its mesh, compiled for `gpu` on
+  this machine."""
   import jax
   from jax.experimental import topologies
 
@@ -412,9 +427,22 @@ def compile_for(gpu: str, config: str, overrides: dict) -> tuple[str, float]:
   from t5x_like.parallel.train_state import make_layout
   from t5x_like.training import step as step_lib
 
+  settings = dict(overrides)
+  if not config_mesh:
+    settings = {
+      'mesh.data': 1,
+      'mesh.pipeline': 1,
+      'mesh.tensor': 1,
+      'train.global_batch_size': 16,
+      **overrides,
+    }
+  cfg = load_config_file(config, settings)
   try:
     topology = topologies.get_topology_desc(
-      gpu, 'cuda', target_config=target_config(gpu), topology='1x1x1'
+      gpu,
+      'cuda',
+      target_config=target_config(gpu),
+      topology=topology_for(cfg.mesh.num_devices),
     )
   except Exception as e:  # noqa: BLE001 (jax raises several kinds for a missing plugin)
     raise SystemExit(
@@ -422,15 +450,13 @@ def compile_for(gpu: str, config: str, overrides: dict) -> tuple[str, float]:
       f"plugin at jax's version, pip install jax-cuda13-plugin=={jax.__version__} "
       f'jax-cuda13-pjrt=={jax.__version__}'
     ) from e
-  settings = {
-    'mesh.data': 1,
-    'mesh.pipeline': 1,
-    'mesh.tensor': 1,
-    'train.global_batch_size': 16,
-    **overrides,
-  }
-  cfg = load_config_file(config, settings)
-  mesh = partitioning.make_mesh(1, 1, 1, devices=topology.devices)
+  mesh = partitioning.make_mesh(
+    cfg.mesh.data,
+    cfg.mesh.pipeline,
+    cfg.mesh.tensor,
+    devices=topology.devices,
+    zero_group=cfg.mesh.zero_group,
+  )
   layout = make_layout(cfg, mesh)
   compiled = step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile()
   memory = compiled.memory_analysis()
@@ -455,6 +481,11 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--gpu', default='h100-80gb', choices=sorted(DEVICES))
   parser.add_argument('--config', default=os.path.join(REPO, 'configs', 'bloom_1b3.py'))
   parser.add_argument('--save_hlo', default='', help='keep the compiled HLO here (.gz)')
+  parser.add_argument(
+    '--config_mesh',
+    action='store_true',
+    help="the config's own step on its own mesh (8 GPUs a node), not the suite's one device",
+  )
   parser.add_argument('--top', type=int, default=12)
   parser.add_argument('--json', default='')
   args, rest = parser.parse_known_args(argv)
@@ -477,9 +508,9 @@ def main(argv: list[str] | None = None) -> None:
         overrides[key] = ast.literal_eval(value)
       except (ValueError, SyntaxError):
         overrides[key] = value
-    text, peak = compile_for(args.gpu, args.config, overrides)
+    text, peak = compile_for(args.gpu, args.config, overrides, args.config_mesh)
     report.update(config=args.config, overrides=overrides, xla_peak_gib=peak / 2**30)
-    print(f'compiled for {args.gpu}: XLA peak {peak / 2**30:.3f} GiB')
+    print(f'compiled for {args.gpu}: XLA peak {peak / 2**30:.3f} GiB per device')
     if args.save_hlo:
       with gzip.open(args.save_hlo, 'wt') as f:
         f.write(text)

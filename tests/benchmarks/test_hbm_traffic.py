@@ -141,6 +141,17 @@ def test_a_loop_fusion_reads_all_it_reduces_and_only_what_it_gathers(text, launc
   assert (fusion.read, fusion.written) == (256 * 4 + 256 * 4, 256 * 4)
 
 
-def test_compiling_without_the_cuda_plugin_names_the_fix():
+def test_compiling_without_the_cuda_plugin_names_the_fix_and_meshes_fill_nodes_of_8():
+  config = os.path.join(REPO, 'configs', 'bloom_1b3.py')
   with pytest.raises(SystemExit, match='pip install jax-cuda13-plugin=='):
-    hbm_traffic.compile_for('h100-80gb', os.path.join(REPO, 'configs', 'bloom_1b3.py'), {})
+    hbm_traffic.compile_for('h100-80gb', config, {})
+  with pytest.raises(SystemExit, match='pip install jax-cuda13-plugin=='):
+    hbm_traffic.compile_for('h100-80gb', config, {}, config_mesh=True)  # its 16 GPUs
+  assert [hbm_traffic.topology_for(n) for n in (1, 8, 16, 384)] == [
+    '1x1x1',
+    '1x1x8',
+    '2x1x8',
+    '48x1x8',
+  ]
+  with pytest.raises(SystemExit, match='whole nodes of 8'):
+    hbm_traffic.topology_for(12)
