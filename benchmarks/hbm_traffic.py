@@ -111,9 +111,6 @@ _NO_KERNEL = {
   'partition-id',
   'replica-id',
   'opt-barrier',
-  'fusion-done',
-  'copy-done',
-  'async-done',
 }
 _SLICES = {'dynamic-slice', 'slice', 'gather'}
 # Ops that write into their first operand's buffer in place: the operand index of what they
@@ -285,6 +282,11 @@ class Launch:
   flops: float
 
 
+def launches_nothing(opcode: str) -> bool:
+  # An asynchronous op's work is its start's ('fusion-start', 'all-gather-start', ...).
+  return opcode in _NO_KERNEL or opcode.endswith(('-done', '-update'))
+
+
 def launches(module: Module) -> list[Launch]:
   """Every kernel of one step, with its executions per step."""
   found: list[Launch] = []
@@ -314,7 +316,7 @@ def launches(module: Module) -> list[Launch]:
         found.extend(best)
       elif instruction.opcode in ('call', 'async-start'):
         visit(instruction.attribute(r'(?:to_apply|calls)=%([\w.\-]+)'), count)
-      elif instruction.opcode not in _NO_KERNEL:
+      elif not launches_nothing(instruction.opcode):
         read, written = traffic(module, instruction)
         found.append(Launch(instruction, count, read, written, dot_flops(module, instruction)))
 
