@@ -22,6 +22,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from t5x_like.kernels.residuals import LOSS_RESIDUALS
 
 # Finite, so a chunk (or a whole shard) of padding rows contributes exp(-huge) = 0 without the
 # NaNs of -inf - -inf.
@@ -71,7 +74,7 @@ def _logsumexp_fwd(hidden, embedding, local_labels, valid_rows, chunk: int):
   token = hidden[:, 0].astype(jnp.float32)
   init = (jnp.full_like(token, -jnp.inf), jnp.zeros_like(token))
   (top, total), _ = jax.lax.scan(visit, init, (chunks, jnp.arange(num_rows // chunk)))
-  lse = top + jnp.log(total)
+  lse = checkpoint_name(top + jnp.log(total), LOSS_RESIDUALS)
   here = (local_labels >= 0) & (local_labels < valid_rows)
   rows = jnp.take(embedding, jnp.clip(local_labels, 0, num_rows - 1), axis=0)
   label_logit = jnp.einsum('ne,ne->n', hidden, rows, preferred_element_type=jnp.float32)

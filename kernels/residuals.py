@@ -1,4 +1,4 @@
-"""The name under which the fused attention kernels mark their forward's residuals.
+"""The names under which the fused kernels mark their forward's residuals.
 
 A kernel's backward needs its forward's output and log-sum-exp. Under a `jax.checkpoint` policy
 that does not save them, the backward pass runs the whole forward kernel again to get them:
@@ -7,11 +7,17 @@ that does not save them, the backward pass runs the whole forward kernel again t
 (`jax.checkpoint_policies.save_only_these_names`): the model's `remat_policy='save_dots'` does.
 They are small beside what they spare: [batch, seq, heads, head_dim] and a float32
 [batch, heads, seq] per layer.
+
+The chunked cross-entropy marks its log-sum-exp, a float32 [tokens], with LOSS_RESIDUALS: the
+pipeline recomputes the head in its backward pass (it keeps only the head's input per tick),
+and with the log-sum-exp saved that recomputation stops before the loss's vocabulary loop
+instead of running it (every logits tile, its matmul and its reductions) a second time.
 """
 
 from jax.ad_checkpoint import checkpoint_name
 
 ATTENTION_RESIDUALS = 'attention_residuals'
+LOSS_RESIDUALS = 'loss_residuals'
 
 
 def mark_residuals(out, lse):

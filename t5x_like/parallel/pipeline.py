@@ -42,6 +42,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from t5x_like.config import Config
+from t5x_like.kernels.residuals import LOSS_RESIDUALS
 from t5x_like.mesh import partitioning
 from t5x_like.model import losses
 from t5x_like.model import transformer as model_lib
@@ -491,9 +492,13 @@ def pipeline_loss(
   )
   head_loss = sched.head_loss
   if not full:
-    # Keep only the head's input per tick and recompute [rows, S, V] logits in backward.
+    # Keep only the head's input per tick and recompute [rows, S, V] logits in backward; and
+    # the chunked loss's log-sum-exp ([rows, S]), without which the backward pass would run its
+    # vocabulary loop twice (kernels/residuals.py).
     head_loss = jax.checkpoint(
-      head_loss, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
+      head_loss,
+      policy=jax.checkpoint_policies.save_only_these_names(LOSS_RESIDUALS),
+      prevent_cse=False,
     )
 
   def stage_tick(
