@@ -102,7 +102,7 @@ LOSS_VARIANTS = ('chunked', 'fused')
 # the last and runs out of budget first). The fused cross-entropy with the layer scan unrolled:
 # of the settings measured statically (benchmarks/hbm_traffic.py, 2026-11-27: the step compiled
 # for an H100 here), the one with the least HBM traffic, 236 GB a step less than the config's
-# chunked loss in a scan, at 61 GiB; then fewer micro-batches (8 sequences each instead of 4:
+# chunked loss in a scan, at 60 GiB; then fewer micro-batches (8 sequences each instead of 4:
 # fewer weight casts and gradient additions, more activations; the cost model: fused 786 ms and
 # 61.7 GiB); then the unrolled layers with the config's loss. (Settled on 2026-11-27:
 # remat_policy='none' does not fit, cuBLASLt changes nothing, no Triton GEMMs is 5% slower,

@@ -252,11 +252,11 @@ def _fused_forward(hidden, embedding, local_labels, valid_rows, scale, chunk: in
       total = jax.lax.psum(total, axis_name)
       label_logit = jax.lax.psum(label_logit, axis_name)
     loss_sum = (scale_chunk * (top[:, 0] + jnp.log(total[:, 0]) - label_logit)).sum()
-    # (softmax - one_hot) x the token's share, the one-hot a select in the same elementwise pass:
-    # one kernel reads the fp32 logits and writes the compute-dtype gradient. (A scatter of the
-    # -1s made XLA write the fp32 gradient tile and read it again: 66 GB more HBM traffic in the
-    # 1.3B step on an H100, benchmarks/hbm_traffic.py; on a CPU it was 3-12% slower too.)
-    # (A label outside this shard's rows matches none of them.)
+    # (softmax - one_hot) x the token's share, the one-hot a select in the same elementwise pass
+    # (a label outside this shard's rows matches none of them): one kernel reads the fp32 logits
+    # and writes the compute-dtype gradient. (A scatter of the -1s made XLA write the fp32
+    # gradient tile and read it again: 66 GB more HBM traffic in the 1.3B step on an H100,
+    # benchmarks/hbm_traffic.py; on a CPU it was 3-12% slower too.)
     one_hot = rows[None, :] == labels_chunk[:, None]
     d_logits = exp * (scale_chunk[:, None] / total) - jnp.where(one_hot, scale_chunk[:, None], 0.0)
     d_logits = d_logits.astype(hidden.dtype)
