@@ -119,9 +119,9 @@ TUNE_VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
   ),
   'unrolled': (('--config.model.unroll_layers=True',), ''),
 }
-# --smoke (global batch 4 in micro-batches of 2): the two kinds of variant at its scale.
+# --smoke (global batch 4 in micro-batches of 2): the first two variants at its scale.
 SMOKE_TUNE_VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
-  'mbs8': (('--config.train.micro_batch_size=4',), ''),
+  'fused-unrolled': TUNE_VARIANTS['fused-unrolled'],
   'fused-mbs8': (
     ('--config.train.micro_batch_size=4', '--config.model.cross_entropy_impl=fused'),
     '',

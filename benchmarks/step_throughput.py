@@ -107,6 +107,7 @@ def measure(
     'attention_impl': cfg.model.attention_impl,
     'cross_entropy_impl': cfg.model.cross_entropy_impl,
     'remat_policy': cfg.model.remat_policy,
+    'unroll_layers': cfg.model.unroll_layers,
     'compile_s': compile_s,
     'xla_peak_bytes': memory.temp_size_in_bytes
     + memory.argument_size_in_bytes

@@ -97,10 +97,11 @@ def test_smoke_run_reports_every_stage(tmp_path, capsys):
   assert tuned['attention'] == loss['attention']
   assert list(tuned['results']) == ['base', *gpu_suite.SMOKE_TUNE_VARIANTS]
   assert tuned['results']['base']['from'] == 'the step stage'
-  mbs, fused = tuned['results']['mbs8'], tuned['results']['fused-mbs8']
-  assert mbs['cross_entropy_impl'] == 'chunked' and fused['cross_entropy_impl'] == 'fused'
-  for variant in (mbs, fused):
-    assert '--config.train.micro_batch_size=4' in variant['overrides']
+  unrolled, fused = tuned['results']['fused-unrolled'], tuned['results']['fused-mbs8']
+  assert unrolled['cross_entropy_impl'] == fused['cross_entropy_impl'] == 'fused'
+  assert unrolled['unroll_layers'] and not fused['unroll_layers']
+  assert '--config.train.micro_batch_size=4' in fused['overrides']
+  for variant in (unrolled, fused):
     assert variant['first_loss_vs_base'] <= 2e-2 and variant['speedup_vs_base'] > 0
 
   # BLOOM-176B's shard: three FLOP counts and the planner's all-reduces for two GPU kinds.
