@@ -45,6 +45,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import profile_trace  # noqa: E402 (benchmarks/, beside this script)
 
+from t5x_like.planning.hlo_text import (  # noqa: E402
+  DTYPE_BYTES,
+  Instruction,
+  Module,
+  array_bytes,
+  arrays,
+  parse_module,
+)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # XLA's description of a device, for compiling without one (GpuTargetConfig's text format):
@@ -78,28 +87,6 @@ DEVICES = {
   ),
 }
 
-_DTYPE_BYTES = {
-  'pred': 1,
-  's8': 1,
-  'u8': 1,
-  'f8e4m3fn': 1,
-  'f8e5m2': 1,
-  's16': 2,
-  'u16': 2,
-  'f16': 2,
-  'bf16': 2,
-  's32': 4,
-  'u32': 4,
-  'f32': 4,
-  's64': 8,
-  'u64': 8,
-  'f64': 8,
-}
-_ARRAY = re.compile(r'\b(' + '|'.join(_DTYPE_BYTES) + r')\[([\d,]*)\]')
-_HEADER = re.compile(r'^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$')
-_INSTRUCTION = re.compile(r'^\s*(ROOT )?%([\w.\-]+) = (.*)$')
-# A result type (an array or a tuple of them), then the opcode and its operands.
-_TYPED = re.compile(r'^(\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?|\w+\[\]|token\[\]) ([\w\-]+)\((.*)$')
 # Ops that launch nothing: their buffers are views or bookkeeping.
 _NO_KERNEL = {
   'parameter',
@@ -116,87 +103,6 @@ _SLICES = {'dynamic-slice', 'slice', 'gather'}
 # Ops that write into their first operand's buffer in place: the operand index of what they
 # write (a dynamic-update-slice's update, a scatter's updates).
 _IN_PLACE = {'dynamic-update-slice': 1, 'scatter': 2}
-
-
-def arrays(hlo_type: str) -> list[tuple[str, tuple[int, ...]]]:
-  """(dtype, shape) of each array of an HLO type, in order (a tuple's too)."""
-  return [
-    (dtype, tuple(int(d) for d in dims.split(',') if d)) for dtype, dims in _ARRAY.findall(hlo_type)
-  ]
-
-
-def array_bytes(hlo_type: str) -> int:
-  """Bytes of an HLO type: an array, or every array of a tuple."""
-  return sum(_DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in arrays(hlo_type))
-
-
-@dataclasses.dataclass
-class Instruction:
-  name: str
-  type: str  # the result's HLO type
-  opcode: str
-  operands: tuple[str, ...]
-  text: str  # the rest of the line: attributes, metadata, backend config
-
-  def attribute(self, pattern: str) -> str:
-    m = re.search(pattern, self.text)
-    return m.group(1) if m else ''
-
-
-@dataclasses.dataclass
-class Module:
-  entry: str
-  computations: dict[str, list[Instruction]]
-  roots: dict[str, Instruction]
-  by_name: dict[str, Instruction]
-
-
-def _operand_names(arguments: str) -> tuple[str, ...]:
-  """The %names inside the opcode's parentheses (which close at depth 0)."""
-  depth, end = 0, len(arguments)
-  for i, ch in enumerate(arguments):
-    if ch == '(':
-      depth += 1
-    elif ch == ')':
-      if depth == 0:
-        end = i
-        break
-      depth -= 1
-  return tuple(re.findall(r'%([\w.\-]+)', arguments[:end]))
-
-
-def parse_module(text: str) -> Module:
-  computations: dict[str, list[Instruction]] = {}
-  roots: dict[str, Instruction] = {}
-  by_name: dict[str, Instruction] = {}
-  entry, current = '', None
-  for line in text.splitlines():
-    header = _HEADER.match(line)
-    if header:
-      current = header.group(2)
-      computations[current] = []
-      entry = current if header.group(1) else entry
-      continue
-    if line.startswith('}'):
-      current = None
-      continue
-    m = _INSTRUCTION.match(line)
-    if not m or current is None:
-      continue
-    typed = _TYPED.match(m.group(3))
-    if not typed:
-      continue
-    arguments = typed.group(3)
-    instruction = Instruction(
-      m.group(2), typed.group(1), typed.group(2), _operand_names(arguments), arguments
-    )
-    computations[current].append(instruction)
-    by_name[instruction.name] = instruction
-    if m.group(1):
-      roots[current] = instruction
-  if not entry:
-    raise ValueError('no ENTRY computation: not the text of an optimized HLO module')
-  return Module(entry, computations, roots, by_name)
 
 
 def _fusion_traffic(
@@ -228,14 +134,14 @@ def _fusion_traffic(
       continue
     elif loop and outputs:
       (dtype, shape), *_ = arrays(instruction.type) or [('pred', ())]
-      read += _DTYPE_BYTES[dtype] * min(math.prod(shape), max(outputs))
+      read += DTYPE_BYTES[dtype] * min(math.prod(shape), max(outputs))
     else:
       read += array_bytes(instruction.type)
   written = array_bytes(result_type)
   for instruction in body:
     if instruction.opcode in _IN_PLACE:
-      update = module.by_name[instruction.operands[_IN_PLACE[instruction.opcode]]]
-      written -= array_bytes(instruction.type) - array_bytes(update.type)
+      update = module.type_of(instruction.operands[_IN_PLACE[instruction.opcode]])
+      written -= array_bytes(instruction.type) - array_bytes(update)
   return read, written
 
 
@@ -245,11 +151,11 @@ def traffic(module: Module, instruction: Instruction) -> tuple[int, int]:
   if instruction.opcode in ('fusion', 'fusion-start') and called:
     result = module.roots[called].type
     return _fusion_traffic(module, called, result, instruction.attribute(r'kind=(\w+)') == 'kLoop')
-  operands = [module.by_name[o] for o in instruction.operands if o in module.by_name]
+  operands = [module.type_of(o) for o in instruction.operands]
   if instruction.opcode in _IN_PLACE:
-    update = array_bytes(operands[_IN_PLACE[instruction.opcode]].type)
-    return sum(array_bytes(o.type) for o in operands[1:]), update
-  return sum(array_bytes(o.type) for o in operands), array_bytes(instruction.type)
+    update = array_bytes(operands[_IN_PLACE[instruction.opcode]])
+    return sum(array_bytes(o) for o in operands[1:]), update
+  return sum(array_bytes(o) for o in operands), array_bytes(instruction.type)
 
 
 def dot_flops(module: Module, instruction: Instruction) -> float:
@@ -261,13 +167,13 @@ def dot_flops(module: Module, instruction: Instruction) -> float:
     dots = [i for i in module.computations[called] if i.opcode == 'dot']
   flops = 0.0
   for dot in dots:
-    dims = arrays(module.by_name[dot.operands[0]].type)[0][1]
+    dims = arrays(module.type_of(dot.operands[0]))[0][1]
     contracting = dot.attribute(r'lhs_contracting_dims=\{([\d,]*)\}')
     size = math.prod(dims[int(c)] for c in contracting.split(',') if c)
     flops += 2.0 * math.prod(arrays(dot.type)[0][1]) * size
   if not dots and instruction.opcode == 'custom-call' and 'gemm' in instruction.text:
     # cuBLAS: the output times the contracted size of its first operand.
-    dims = arrays(module.by_name[instruction.operands[0]].type)[0][1]
+    dims = arrays(module.type_of(instruction.operands[0]))[0][1]
     contracting = instruction.attribute(r'"lhs_contracting_dimensions":\["(\d+)"')
     flops = 2.0 * math.prod(arrays(instruction.type)[0][1]) * dims[int(contracting or 0)]
   return flops

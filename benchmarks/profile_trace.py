@@ -57,6 +57,8 @@ import shutil
 import time
 from collections.abc import Callable, Iterable
 
+from t5x_like.planning import hlo_text
+
 CATEGORIES = (
   'matmul',
   'attention',
@@ -149,121 +151,42 @@ class Op:
   called: tuple[str, ...] = ()
 
 
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$')
-_COMPUTATION = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) (?:\(.*\) -> .*)?\{\s*$')
-
-
-def _opcode(rhs: str) -> str:
-  """The opcode of an instruction's right-hand side 'SHAPE opcode(operands), attributes'."""
-  depth, i = 0, 0
-  for i, ch in enumerate(rhs):  # noqa: B007 (i is read after the loop)
-    if ch in '([{':
-      depth += 1
-    elif ch in ')]}':
-      depth -= 1
-    elif ch == ' ' and depth == 0:
-      break
-  rest = rhs[i + 1 :]
-  return rest.split('(', 1)[0].strip()
-
-
-def _section(text: str, title: str) -> list[str]:
-  """The numbered lines of one of the module's tables (FileNames, FunctionNames, ...)."""
-  m = re.search(rf'^{title}\n((?:\d+ .*\n)+)', text, re.M)
-  return m.group(1).splitlines() if m else []
-
-
-def stack_sources(text: str) -> dict[int, tuple[str, str]]:
-  """stack_frame_id -> (file, function) of that frame, from the HLO text's FileNames,
-  FunctionNames, FileLocations and StackFrames tables ({} if it has none)."""
-
-  def table(title: str) -> dict[int, str]:
-    out = {}
-    for line in _section(text, title):
-      number, _, rest = line.partition(' ')
-      out[int(number)] = rest.strip()
-    return out
-
-  files = {k: v.strip('"') for k, v in table('FileNames').items()}
-  functions = {k: v.strip('"') for k, v in table('FunctionNames').items()}
-  locations = {}
-  for number, rest in table('FileLocations').items():
-    fields = dict(re.findall(r'(\w+)=(\d+)', rest))
-    if 'file_name_id' in fields and 'function_name_id' in fields:
-      locations[number] = (
-        files.get(int(fields['file_name_id']), ''),
-        functions.get(int(fields['function_name_id']), ''),
-      )
-  frames = {}
-  for number, rest in table('StackFrames').items():
-    fields = dict(re.findall(r'(\w+)=(\d+)', rest))
-    if 'file_location_id' in fields and int(fields['file_location_id']) in locations:
-      frames[number] = locations[int(fields['file_location_id'])]
-  return frames
-
-
 def parse_hlo(text: str) -> tuple[str, dict[str, Op]]:
   """(module name, instruction name -> Op) of an optimized HLO module's text."""
-  module = re.match(r'\s*HloModule ([\w.\-]+)', text)
-  sources = stack_sources(text)
+  module = hlo_text.parse_module(text)
   ops: dict[str, Op] = {}
-  body_opcodes: dict[str, set[str]] = {}
-  bodies: dict[str, list[str]] = {}  # computation -> its instructions, the root first
-  computation = None
-  for line in text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header and ' = ' not in line:
-      computation = header.group(1)
-      body_opcodes.setdefault(computation, set())
-      bodies.setdefault(computation, [])
-      continue
-    m = _INSTRUCTION.match(line)
-    if not m or computation is None:
-      continue
-    name, rhs = m.group(1), m.group(2)
-    opcode = _opcode(rhs)
-    body_opcodes[computation].add(opcode)
-    if line.lstrip().startswith('ROOT '):
-      bodies[computation].insert(0, name)
-    else:
-      bodies[computation].append(name)
-    op_name = re.search(r'op_name="([^"]*)"', rhs)
-    frame = re.search(r'stack_frame_id=(\d+)', rhs)
-    target = re.search(r'custom_call_target="([^"]*)"', rhs)
-    kind = re.search(r'"kind":"([^"]*)"', rhs)
-    called = re.findall(r'(?:calls|to_apply|body|condition)=%?([\w.\-]+)', rhs)
-    called += re.findall(r'branch_computations=\{([^}]*)\}', rhs)
-    ops[name] = Op(
-      name=name,
-      opcode=opcode,
-      op_name=op_name.group(1) if op_name else '',
-      source=sources.get(int(frame.group(1))) if frame else None,
-      custom_call_target=target.group(1) if target else '',
-      backend_kind=kind.group(1) if kind else '',
-      called=tuple(c.strip().lstrip('%') for part in called for c in part.split(',')),
-    )
+  for computation in module.computations.values():
+    for instruction in computation:
+      ops[instruction.name] = Op(
+        name=instruction.name,
+        opcode=instruction.opcode,
+        op_name=instruction.op_name,
+        source=module.source_of(instruction),
+        custom_call_target=instruction.attribute(r'custom_call_target="([^"]*)"'),
+        backend_kind=instruction.attribute(r'"kind":"([^"]*)"'),
+        called=instruction.called,
+      )
   for op in ops.values():
-    inner: set[str] = set()
-    for c in op.called:
-      inner |= body_opcodes.get(c, set())
+    inner = {i.opcode for c in op.called for i in module.computations.get(c, [])}
     op.inner_opcodes = frozenset(inner)
     # 'fusion-start': an asynchronous fusion (XLA:GPU runs some slices of loop carries so).
-    if op.opcode in ('fusion', 'fusion-start') and op.called and bodies.get(op.called[0]):
-      root = ops.get(bodies[op.called[0]][0])
-      op.root_opcode = root.opcode if root is not None else ''
+    if op.opcode in ('fusion', 'fusion-start') and op.called and op.called[0] in module.roots:
+      op.root_opcode = module.roots[op.called[0]].opcode
   for op in ops.values():
     # A fusion without metadata of its own (XLA:CPU's often): its body's, the root's first.
     if op.op_name or op.source is not None or op.opcode in _CONTROL_FLOW:
       continue
     for c in op.called:
+      body = module.computations.get(c, [])
+      root = module.roots.get(c)
+      ordered = ([root] if root is not None else []) + [i for i in body if i is not root]
       donor = next(
-        (ops[n] for n in bodies.get(c, []) if n in ops and (ops[n].op_name or ops[n].source)),
-        None,
+        (ops[i.name] for i in ordered if ops[i.name].op_name or ops[i.name].source), None
       )
       if donor is not None:
         op.op_name, op.source = donor.op_name, donor.source
         break
-  return (module.group(1) if module else ''), ops
+  return module.name, ops
 
 
 def _innermost_jvp(op_name: str) -> str | None:

@@ -45,6 +45,8 @@ import sys
 import tarfile
 import tempfile
 
+from t5x_like.planning import hlo_text
+
 # The files of one module's dump; the step is the module with the largest buffer assignment.
 _ASSIGNMENT = '-buffer-assignment.txt'
 _VALUES = '-buffer-assignment-values.txt'
@@ -285,20 +287,6 @@ def parse_assignment(text: str) -> dict[int, Allocation]:
 _FROM = re.compile(r'^ from instruction: %(\S+) = (.*)$')
 
 
-def _opcode(rhs: str) -> str:
-  """The opcode of an HLO instruction's right-hand side 'SHAPE opcode(operands), ...'."""
-  i = 0
-  if rhs.startswith('('):  # a tuple shape: skip its balanced parentheses
-    depth = 0
-    for i, ch in enumerate(rhs):  # noqa: B007  (i is read after the loop)
-      depth += ch == '('
-      depth -= ch == ')'
-      if depth == 0:
-        break
-  rest = rhs[i:].split(' ', 1)[1] if ' ' in rhs[i:] else ''
-  return rest.split('(', 1)[0]
-
-
 def parse_values(text: str) -> dict[int, tuple[str, str, str]]:
   """value id -> (opcode, JAX op name, the defining instruction's text after its shape)."""
   out = {}
@@ -311,7 +299,11 @@ def parse_values(text: str) -> dict[int, tuple[str, str, str]]:
       if m:
         rhs = m.group(2)
         op_name = re.search(r'op_name="([^"]*)"', rhs)
-        out[current] = (_opcode(rhs), op_name.group(1) if op_name else '', rhs)
+        out[current] = (
+          hlo_text.split_instruction(rhs)[1],
+          op_name.group(1) if op_name else '',
+          rhs,
+        )
   return out
 
 
@@ -355,7 +347,6 @@ def phase(op_name: str) -> str:
   return innermost or 'update'
 
 
-_INSTRUCTION = re.compile(r'^\s*(ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? (\S+?)\((.*)$')
 # Ops that move data without changing it: a convert from bf16 under one of them still says the
 # buffer holds bf16 values.
 _MOVES = {
@@ -373,26 +364,27 @@ _MOVES = {
 }
 
 
-@dataclasses.dataclass
 class Hlo:
-  """The optimized module's instructions: name -> (dtype, opcode, operand names), and each
-  computation's root."""
+  """The optimized module, as far as the report needs it: which f32 values are bf16 ones widened,
+  and each instruction's JAX op name."""
 
-  instructions: dict
-  roots: dict
-  op_names: dict
+  def __init__(self, module: hlo_text.Module):
+    self.module = module
+    self.op_names = {name: i.op_name for name, i in module.by_name.items() if i.op_name}
 
   def holds_bf16_values(self, name: str, depth: int = 0) -> bool:
-    """Whether f32 instruction `name` (or the root of the fusion it is) is a bf16 value widened:
-    a convert from bf16, possibly moved by data-movement ops (what the CPU backend's float
-    normalization inserts around the bf16 ops it cannot run)."""
-    if name not in self.instructions or depth > 8:
+    """Whether f32 value `name` (an instruction, the root of the fusion it is, or a compact
+    tuple element) is a bf16 value widened: a convert from bf16, possibly moved by data-movement
+    ops (what the CPU backend's float normalization inserts around the bf16 ops it cannot run)."""
+    instruction = self.module.by_name.get(name)
+    if instruction is None or depth > 8:
       return False
-    dtype, opcode, operands, calls = self.instructions[name]
-    if opcode == 'fusion' and calls in self.roots:
-      return self.holds_bf16_values(self.roots[calls], depth + 1)
+    opcode, operands = instruction.opcode, instruction.operands
+    calls = instruction.attribute(r'calls=%([\w.\-]+)')
+    if opcode == 'fusion' and calls in self.module.roots:
+      return self.holds_bf16_values(self.module.roots[calls].name, depth + 1)
     if opcode == 'convert':
-      return bool(operands) and self.instructions.get(operands[0], ('',))[0] == 'bf16'
+      return bool(operands) and self.module.dtype_of(operands[0]) == 'bf16'
     if opcode in _MOVES:
       data = (
         operands[1:2]
@@ -409,80 +401,8 @@ class Hlo:
     return False
 
 
-# An operand: a name, or (compact GTEs, openxla/xla 0b695bff) a tuple's name and an index per
-# level, 'while.3#1' or 'param.2#0#4', for the get-tuple-element the text no longer prints.
-_OPERAND = re.compile(r'%([\w.\-]+(?:#\d+)*)')
-_TUPLE_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%(\S+) = \(')
-
-
-def _balanced(text: str, start: int) -> str:
-  """The parenthesised text that opens at text[start]."""
-  depth = 0
-  for i in range(start, len(text)):
-    depth += text[i] == '('
-    depth -= text[i] == ')'
-    if depth == 0:
-      return text[start : i + 1]
-  raise ValueError(f'unbalanced parentheses in {text[start : start + 80]!r}')
-
-
-def _tuple_elements(shape: str) -> list[str]:
-  """The top-level element shapes of a tuple shape '(s32[], bf16[4,8]{1,0}, (f32[2]{0}))'."""
-  inner = re.sub(r'/\*[^*]*\*/', '', shape)[1:-1]
-  elements, depth, start = [], 0, 0
-  for i, ch in enumerate(inner):
-    depth += ch in '([{'
-    depth -= ch in ')]}'
-    if ch == ',' and depth == 0:
-      elements.append(inner[start:i].strip())
-      start = i + 1
-  if inner.strip():
-    elements.append(inner[start:].strip())
-  return elements
-
-
 def parse_hlo(text: str) -> Hlo:
-  instructions: dict[str, tuple[str, str, list[str], str]] = {}
-  roots: dict[str, str] = {}
-  op_names: dict[str, str] = {}
-  tuples: dict[str, str] = {}  # tuple-shaped instruction -> its shape
-  computation: str | None = None
-  for line in text.splitlines():
-    header = re.match(r'^(?:ENTRY )?%(\S+) \((.*)\) -> .*\{$', line)
-    if header:
-      computation = header.group(1)
-      for param, dtype in re.findall(r'([\w.\-]+): (\w+)\[', header.group(2)):
-        instructions[param] = (dtype, 'parameter', [], '')
-      continue
-    t = _TUPLE_INSTRUCTION.match(line)
-    if t:
-      tuples[t.group(1)] = _balanced(line, t.end() - 1)
-    m = _INSTRUCTION.match(line)
-    if not m:
-      continue
-    name, dtype, opcode, rest = m.group(2), m.group(3).split('[')[0], m.group(4), m.group(5)
-    operand_text = rest.split(')', 1)[0]
-    operands = _OPERAND.findall(operand_text)
-    calls = re.search(r'calls=%([\w.\-]+)', rest)
-    instructions[name] = (dtype, opcode, operands, calls.group(1) if calls else '')
-    op_name = re.search(r'op_name="([^"]*)"', rest)
-    if op_name:
-      op_names[name] = op_name.group(1)
-    if m.group(1) and computation:
-      roots[computation] = name
-  # Each compact operand stands for the get-tuple-element the old form printed: an instruction
-  # of its element's dtype.
-  for operands in [entry[2] for entry in instructions.values()]:
-    for operand in operands:
-      name, *indices = operand.split('#')
-      if indices and operand not in instructions and name in tuples:
-        shape = tuples[name]
-        for i in indices:
-          elements = _tuple_elements(shape) if shape.startswith('(') else []
-          shape = elements[int(i)] if int(i) < len(elements) else ''
-        dtype = 'tuple' if shape.startswith('(') else shape.split('[')[0]
-        instructions[operand] = (dtype, 'get-tuple-element', [name], '')
-  return Hlo(instructions, roots, op_names)
+  return Hlo(hlo_text.parse_module(text))
 
 
 @dataclasses.dataclass(eq=False)
@@ -648,7 +568,7 @@ def breakdown(
   with open(hlo_path) as f:
     text = f.read()
   hlo = _parsed(parse_hlo, hlo_path, text)
-  _expect(bool(hlo.instructions), hlo_path, "instructions ('%name = shape opcode(...)')", text)
+  _expect(bool(hlo.module.by_name), hlo_path, "instructions ('%name = shape opcode(...)')", text)
   for allocation in allocations.values():
     for v in allocation.values:
       v.opcode, v.op_name, rhs = defined.get(v.id, ('', '', ''))
