@@ -15,6 +15,18 @@ TEST_XLA_FLAG = '--xla_backend_optimization_level=0'
 if not os.environ.get('JAX_PLATFORMS', '').startswith(('cuda', 'gpu')):
   os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {TEST_XLA_FLAG}'.strip()
 
+# One persistent compilation cache for the session: the controller makes it before its workers
+# start, and they and every process they start inherit it, so that a program compiled again (the
+# same tiny run in another test file, a restarted run, another test's reference) is loaded.
+SESSION_CACHE_CREATED = ''
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  import tempfile
+
+  SESSION_CACHE_CREATED = tempfile.mkdtemp(prefix='t5x_like_tests_jax_cache_')
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = SESSION_CACHE_CREATED
+  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+  os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
+
 import jax  # noqa: E402
 
 # Must happen before any backend starts, so that (2,2,2)-style meshes run on one CPU.
@@ -152,27 +164,6 @@ def repo_root():
   return REPO
 
 
-@pytest.fixture(scope='module')
-def persistent_compilation_cache(tmp_path_factory):
-  """Within a module, programs compiled again (a new Trainer, a new layout's init) load the first
-  compilation from a disk cache instead of recompiling: the same executable, seconds saved each."""
-  from jax._src import compilation_cache
-
-  keys = (
-    'jax_compilation_cache_dir',
-    'jax_persistent_cache_min_compile_time_secs',
-    'jax_persistent_cache_min_entry_size_bytes',
-  )
-  before = {k: getattr(jax.config, k) for k in keys}
-  jax.config.update(keys[0], str(tmp_path_factory.mktemp('jax_cache')))
-  jax.config.update(keys[1], 0)
-  jax.config.update(keys[2], 0)
-  yield
-  for k, v in before.items():
-    jax.config.update(k, v)
-  compilation_cache.reset_cache()
-
-
 def random_bloom(tmp_path, n_head, vocab, hidden=48, layers=2, seed=0):
   """A random BloomForCausalLM saved with save_pretrained (safetensors): (model, its directory)."""
   import torch
@@ -258,3 +249,10 @@ def read_alerts(workdir):
     return []
   with open(path) as f:
     return [line.rstrip('\n').split('|', 3) for line in f]
+
+
+def pytest_unconfigure(config):
+  if SESSION_CACHE_CREATED and not os.environ.get('PYTEST_XDIST_WORKER'):
+    import shutil
+
+    shutil.rmtree(SESSION_CACHE_CREATED, ignore_errors=True)

@@ -26,8 +26,6 @@ from t5x_like.training import runtime, schedule
 from t5x_like.training.trainer import Trainer
 from t5x_like.training.workdir import read_metrics
 
-pytestmark = pytest.mark.usefixtures('persistent_compilation_cache')
-
 
 def corpus_config(**sections) -> Config:
   """A one-layer BLOOM with dropout (so the RNG matters) on the embedded corpus, one device."""
@@ -233,17 +231,15 @@ sys.exit(train.main(sys.argv[1:]))
 
 @pytest.fixture(scope='module')
 def uninterrupted(tmp_path_factory):
-  """TINY's run without interruption, and the environment of every run it is compared with:
-  later processes load the programs the first compiled (the same executables, seconds saved)."""
-  cache = tmp_path_factory.mktemp('jax_cache')
-  env = {'JAX_COMPILATION_CACHE_DIR': str(cache), 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+  """TINY's losses without interruption. The runs compared with it load the programs it compiled
+  from the session's compilation cache (tests/conftest.py): the same executables."""
   workdir = tmp_path_factory.mktemp('uninterrupted') / 'run'
-  r = run_cli(['-m', 't5x_like.train', *TINY, '--workdir', str(workdir)], env=env)
+  r = run_cli(['-m', 't5x_like.train', *TINY, '--workdir', str(workdir)])
   assert r.returncode == 0, r.stderr[-3000:]
-  return losses_of(workdir), env
+  return losses_of(workdir)
 
 
-def _kill_9_at(point: str, workdir, env, args=TINY) -> None:
+def _kill_9_at(point: str, workdir, args=TINY) -> None:
   """Starts TINY's run (or `args`') stopping at `point`, and SIGKILLs it there."""
   reached = str(workdir) + '.reached'
   log_path = str(workdir) + '.log'
@@ -251,7 +247,7 @@ def _kill_9_at(point: str, workdir, env, args=TINY) -> None:
     process = subprocess.Popen(
       [sys.executable, '-c', _STOPPING_TRAINER, *args, '--workdir', str(workdir)],
       cwd=REPO,
-      env={**os.environ, **env, 'KILL_POINT': point, 'REACHED': reached},
+      env={**os.environ, 'KILL_POINT': point, 'REACHED': reached},
       stdout=log,
       stderr=subprocess.STDOUT,
     )
@@ -275,9 +271,9 @@ def test_kill_9_then_restart_reproduces_the_uninterrupted_run(uninterrupted, poi
   """SIGKILL at `point` (see _STOPPING_TRAINER), then the same command: it resumes from the last
   complete checkpoint (none after a kill at start-up) and its losses and gradient norms are the
   uninterrupted run's, bitwise."""
-  straight, env = uninterrupted
+  straight = uninterrupted
   workdir = tmp_path / 'interrupted'
-  _kill_9_at(point, workdir, env)
+  _kill_9_at(point, workdir)
   root = os.path.join(workdir, 'checkpoints')
   on_disk = sorted(os.listdir(root)) if os.path.isdir(root) else []
   complete = checkpoints.available_steps(root) if on_disk else []
@@ -290,7 +286,7 @@ def test_kill_9_then_restart_reproduces_the_uninterrupted_run(uninterrupted, poi
     assert '4' + checkpoints.TMP_MARKER in on_disk, on_disk  # what the restart must ignore
   if point == 'finalisation':
     assert os.path.exists(os.path.join(root, '4' + checkpoints.TMP_MARKER, 'commit_success.txt'))
-  r = run_cli(['-m', 't5x_like.train', *TINY, '--workdir', str(workdir)], env=env)
+  r = run_cli(['-m', 't5x_like.train', *TINY, '--workdir', str(workdir)])
   assert r.returncode == runtime.ExitCode.FINISHED, r.stderr[-3000:]
   if complete:
     assert f'resumed from {root}/2' in r.stdout, r.stdout[-3000:]

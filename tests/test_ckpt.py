@@ -303,7 +303,7 @@ def save_fake_run(root, steps, mesh=(2, 1, 2), seed=0, edit=None, count=None, mo
 
 
 @pytest.fixture(scope='module')
-def fake_run(tmp_path_factory, persistent_compilation_cache):
+def fake_run(tmp_path_factory):
   root = str(tmp_path_factory.mktemp('fake') / 'checkpoints')
   save_fake_run(root, steps=(1, 2))
   return root

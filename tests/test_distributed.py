@@ -29,25 +29,8 @@ SMALL_TINY = [
 ]
 
 
-@pytest.fixture(scope='module', autouse=True)
-def shared_compilation_cache(tmp_path_factory):
-  """The runs of this module compile the same few programs: later processes load them from disk."""
-  CACHE_ENV.update(
-    {
-      'JAX_COMPILATION_CACHE_DIR': str(tmp_path_factory.mktemp('jax_cache')),
-      'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
-      'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',
-    }
-  )
-  yield
-  CACHE_ENV.clear()
-
-
-CACHE_ENV = {}
-
-
 def start(args, env=None):
-  full_env = {**os.environ, **CACHE_ENV, **(env or {})}
+  full_env = {**os.environ, **(env or {})}
   return subprocess.Popen(
     [sys.executable, '-m', 't5x_like.train', *SMALL_TINY, *args],
     cwd=REPO,
@@ -386,7 +369,7 @@ def test_replica_check_compares_the_copies_that_other_processes_hold(tmp_path):
         str(i),
       ],
       cwd=REPO,
-      env={**os.environ, **CACHE_ENV},
+      env=dict(os.environ),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,

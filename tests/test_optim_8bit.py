@@ -30,8 +30,6 @@ from t5x_like.training import step as step_lib
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
 import adam8bit_vs_bnb as bnb_reference  # noqa: E402  (a script, not a package module)
 
-pytestmark = pytest.mark.usefixtures('persistent_compilation_cache')
-
 EIGHT_BIT = dict(name='adamw_8bit', quant_block_size=256)
 
 
@@ -488,17 +486,15 @@ def test_kill_9_then_restart_resumes_adamw_8bit_exactly(tmp_path):
   """TINY with 8-bit moments (its MLP matrices quantised): SIGKILL during checkpoint 4's
   asynchronous save, restart from checkpoint 2; losses and gradient norms bitwise those of the
   uninterrupted run."""
-  cache = tmp_path / 'jax_cache'
-  env = {'JAX_COMPILATION_CACHE_DIR': str(cache), 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
   straight_dir = tmp_path / 'uninterrupted'
-  r = run_cli(['-m', 't5x_like.train', *TINY_8BIT, '--workdir', str(straight_dir)], env=env)
+  r = run_cli(['-m', 't5x_like.train', *TINY_8BIT, '--workdir', str(straight_dir)])
   assert r.returncode == 0, r.stderr[-3000:]
   saved = checkpoint_inspection.CheckpointReader(str(straight_dir / 'checkpoints'))
   assert any(t.name.endswith('.codes') for t in saved.tensors())
   workdir = tmp_path / 'interrupted'
-  _kill_9_at('asynchronous save', workdir, env, args=TINY_8BIT)
+  _kill_9_at('asynchronous save', workdir, args=TINY_8BIT)
   assert checkpoints.available_steps(str(workdir / 'checkpoints')) == [2]
-  r = run_cli(['-m', 't5x_like.train', *TINY_8BIT, '--workdir', str(workdir)], env=env)
+  r = run_cli(['-m', 't5x_like.train', *TINY_8BIT, '--workdir', str(workdir)])
   assert r.returncode == runtime.ExitCode.FINISHED, r.stderr[-3000:]
   assert f'resumed from {workdir}/checkpoints/2' in r.stdout, r.stdout[-3000:]
   assert losses_of(workdir) == losses_of(straight_dir)

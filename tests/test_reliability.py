@@ -28,8 +28,6 @@ from t5x_like.training import workdir as workdir_lib
 from t5x_like.training.trainer import Trainer
 from t5x_like.training.workdir import read_metrics
 
-pytestmark = pytest.mark.usefixtures('persistent_compilation_cache')
-
 
 @pytest.fixture(scope='module')
 def four_steps(tmp_path_factory):

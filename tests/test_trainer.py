@@ -106,7 +106,7 @@ def test_run_writes_log_lines_metrics_config_and_checkpoints(six_steps):
 
 
 def test_tensorboard_has_megatron_tags_and_a_resume_replaces_the_steps_after_its_checkpoint(
-  six_steps, tmp_path, persistent_compilation_cache
+  six_steps, tmp_path
 ):
   workdir, _ = six_steps
   # A run that got to iteration 5 but whose checkpoint 5 is lost resumes from 3: TensorBoard
@@ -340,9 +340,7 @@ def test_a_run_skips_and_counts_non_finite_iterations(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
   'how, code', [('kill switch', 'exit code 0 (FINISHED)'), ('SIGTERM', 'exit code 3 (REQUEUE)')]
 )
-def test_an_early_stop_sends_the_stopped_alert_with_its_iteration(
-  how, code, tmp_path, monkeypatch, persistent_compilation_cache
-):
+def test_an_early_stop_sends_the_stopped_alert_with_its_iteration(how, code, tmp_path, monkeypatch):
   """The kill switch appears, or SIGTERM arrives, during iteration 2: the run stops after it
   and runtime.alert_command hears `stopped` with iteration 2 (not `finished`)."""
   workdir, kill_switch = str(tmp_path / 'run'), str(tmp_path / 'STOP')
@@ -498,9 +496,7 @@ def data_config(megatron_data, **sections):
   )
 
 
-def test_megatron_data_evaluation_and_skipped_ranges(
-  megatron_data, tmp_path, persistent_compilation_cache
-):
+def test_megatron_data_evaluation_and_skipped_ranges(megatron_data, tmp_path):
   workdir = str(tmp_path / 'run')
   trainer = Trainer(data_config(megatron_data), workdir)
   trainer.run()
@@ -640,9 +636,7 @@ class StepTakes:
     return self.compiled(*args)
 
 
-def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(
-  tmp_path, monkeypatch, persistent_compilation_cache
-):
+def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(tmp_path, monkeypatch):
   """What a job array's next job inherits through the checkpoint's meta: the checkpoint kept from
   before a loss spike, and the step-time baseline that finds a device slow from the job's start.
   Step times come from a fake clock: 0.05 s per step in the first job (steady: no slowdown is
@@ -946,12 +940,10 @@ def test_rampup_padded_to_a_multiple_compiles_fewer_steps_and_trains_the_same(tm
   assert len(exact_watch.baselines()) == 1
 
 
-def test_a_later_job_loads_its_programs_from_the_compilation_cache(
-  tmp_path, persistent_compilation_cache
-):
+def test_a_later_job_loads_its_programs_from_the_compilation_cache(tmp_path):
   """runtime.compilation_cache_dir: the first job stores its compiled programs, a restart finds
   every one there and compiles none anew (nothing is added to the cache). Also when the process
-  had opened another cache before (here the module's `persistent_compilation_cache`)."""
+  had opened another cache before (here the session's, tests/conftest.py)."""
   from jax.experimental.compilation_cache import compilation_cache
 
   keys = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')

@@ -459,9 +459,7 @@ def mixture_config(cache_dir, **sections):
   )
 
 
-def test_a_mixture_trains_alike_on_two_meshes_and_resumes_exactly(
-  tmp_path, capfd, persistent_compilation_cache
-):
+def test_a_mixture_trains_alike_on_two_meshes_and_resumes_exactly(tmp_path, capfd):
   cache = str(tmp_path / 'cache')
   single = Trainer(mixture_config(cache), str(tmp_path / 'single'))
   single.run()
