@@ -5,14 +5,12 @@
     python benchmarks/hbm_traffic.py --hlo profile_mosaic.hlo.txt.gz [--gpu h100-80gb]
 
 The first form compiles the GPU suite's step (step_throughput.py's: the config on one device, a
-global batch of 16) for the GPU without one: XLA's GPU compiler runs on this CPU from a
-description of the device (`DEVICES`, data-sheet figures; `jax.experimental.topologies`), with
-the CUDA plugin installed beside jax at jax's version (`pip install jax-cuda13-plugin==V
-jax-cuda13-pjrt==V`; without it the script says so). It is the program the GPU runs, less
-autotuning's choices: on 2026-11-27 its memory figure for the suite's pallas step was 46.856 GiB
-against 46.86 measured on an H100. `--config_mesh` compiles the config's own step on its own
-mesh instead (multi-GPU, nodes of 8; XLA's memory figure per device, exact where `plan`'s GPU
-figure is an estimate from a CPU compile). The second form reads an HLO the GPU suite kept.
+global batch of 16) for the GPU without one, as `plan --gpu` does (t5x_like/planning/
+gpu_target.py: XLA's GPU compiler on this CPU, jax's CUDA plugin installed). It is the program
+the GPU runs, less autotuning's choices: on 2026-11-27 its memory figure for the suite's pallas
+step was 46.856 GiB against 46.86 measured on an H100. `--config_mesh` compiles the config's own
+step on its own mesh instead (multi-GPU, nodes of 8). The second form reads an HLO the GPU suite
+kept.
 
 Every kernel XLA launches (a fusion, a library call, a copy, a Pallas or Mosaic kernel) is taken
 once per execution: the ops of a loop body times its known trip count (the micro-batches, the
@@ -45,6 +43,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import profile_trace  # noqa: E402 (benchmarks/, beside this script)
 
+from t5x_like.planning import gpu_target  # noqa: E402
 from t5x_like.planning.hlo_text import (  # noqa: E402
   DTYPE_BYTES,
   Instruction,
@@ -55,37 +54,6 @@ from t5x_like.planning.hlo_text import (  # noqa: E402
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# XLA's description of a device, for compiling without one (GpuTargetConfig's text format):
-# the data sheet's SM count, memory, bandwidth and clock, CUDA's shared memory and register
-# limits for the compute capability.
-_HOPPER_LIMITS = """
-  threads_per_block_limit: 1024
-  threads_per_warp: 32
-  shared_memory_per_block: 49152
-  shared_memory_per_core: 233472
-  shared_memory_per_block_optin: 232448
-  threads_per_core_limit: 2048
-  fpus_per_core: 128
-  block_dim_limit_x: 2147483647
-  block_dim_limit_y: 65535
-  block_dim_limit_z: 65535
-  l2_cache_size: 52428800
-  clock_rate_ghz: 1.98
-  cuda_compute_capability { major: 9 minor: 0 }
-  registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-"""
-DEVICES = {
-  'h100-80gb': (
-    'NVIDIA H100 80GB HBM3',
-    'core_count: 132 memory_bandwidth: 3352320000000 device_memory_size: 85520809984',
-  ),
-  'h200': (
-    'NVIDIA H200',
-    'core_count: 132 memory_bandwidth: 4800000000000 device_memory_size: 150754820096',
-  ),
-}
 
 # Ops that launch nothing: their buffers are views or bookkeeping.
 _NO_KERNEL = {
@@ -300,36 +268,12 @@ def table(summary: dict) -> str:
   return '\n'.join(lines)
 
 
-def target_config(gpu: str) -> str:
-  description, sizes = DEVICES[gpu]
-  return (
-    'gpu_device_info {' + _HOPPER_LIMITS + sizes + ' }\n'
-    'platform_name: "CUDA"\n'
-    'dnn_version_info { major: 9 minor: 10 }\n'
-    'runtime_version { major: 13 minor: 0 }\n'
-    f'device_description_str: "{description}"\n'
-  )
-
-
-def topology_for(num_devices: int) -> str:
-  """jax's name of a GPU topology of `num_devices` (slices x hosts x devices per host): one host
-  up to 8 GPUs, else hosts of 8."""
-  if num_devices <= 8:
-    return f'1x1x{num_devices}'
-  if num_devices % 8:
-    raise SystemExit(f'{num_devices} GPUs: more than 8 must be whole nodes of 8')
-  return f'{num_devices // 8}x1x8'
-
-
 def compile_for(
   gpu: str, config: str, overrides: dict, config_mesh: bool = False
 ) -> tuple[str, float]:
   """(optimized HLO text, XLA's peak bytes per device) of the suite's step (one device, global
   batch 16), or with `config_mesh` of the config's own step on its mesh, compiled for `gpu` on
   this machine."""
-  import jax
-  from jax.experimental import topologies
-
   from t5x_like.config import load_config_file
   from t5x_like.mesh import partitioning
   from t5x_like.parallel.train_state import make_layout
@@ -345,26 +289,9 @@ def compile_for(
       **overrides,
     }
   cfg = load_config_file(config, settings)
-  try:
-    topology = topologies.get_topology_desc(
-      gpu,
-      'cuda',
-      target_config=target_config(gpu),
-      topology=topology_for(cfg.mesh.num_devices),
-    )
-  except Exception as e:  # noqa: BLE001 (jax raises several kinds for a missing plugin)
-    raise SystemExit(
-      f'cannot compile for a GPU here ({type(e).__name__}: {str(e)[:200]}): install the CUDA '
-      f"plugin at jax's version, pip install jax-cuda13-plugin=={jax.__version__} "
-      f'jax-cuda13-pjrt=={jax.__version__}'
-    ) from e
-  mesh = partitioning.make_mesh(
-    cfg.mesh.data,
-    cfg.mesh.pipeline,
-    cfg.mesh.tensor,
-    devices=topology.devices,
-    zero_group=cfg.mesh.zero_group,
-  )
+  m = cfg.mesh
+  devices = gpu_target.devices(gpu, m.num_devices)
+  mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor, devices, m.zero_group)
   layout = make_layout(cfg, mesh)
   compiled = step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile()
   memory = compiled.memory_analysis()
@@ -386,7 +313,7 @@ def read_text(path: str) -> str:
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--hlo', default='', help='an optimized HLO text (.gz or plain)')
-  parser.add_argument('--gpu', default='h100-80gb', choices=sorted(DEVICES))
+  parser.add_argument('--gpu', default='h100-80gb', choices=sorted(gpu_target.DEVICES))
   parser.add_argument('--config', default=os.path.join(REPO, 'configs', 'bloom_1b3.py'))
   parser.add_argument('--save_hlo', default='', help='keep the compiled HLO here (.gz)')
   parser.add_argument(
@@ -416,7 +343,12 @@ def main(argv: list[str] | None = None) -> None:
         overrides[key] = ast.literal_eval(value)
       except (ValueError, SyntaxError):
         overrides[key] = value
-    text, peak = compile_for(args.gpu, args.config, overrides, args.config_mesh)
+    from t5x_like.config import ConfigError
+
+    try:
+      text, peak = compile_for(args.gpu, args.config, overrides, args.config_mesh)
+    except ConfigError as e:
+      raise SystemExit(f'error: {e}') from None
     report.update(config=args.config, overrides=overrides, xla_peak_gib=peak / 2**30)
     print(f'compiled for {args.gpu}: XLA peak {peak / 2**30:.3f} GiB per device')
     if args.save_hlo:

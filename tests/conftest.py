@@ -14,6 +14,9 @@ TEST_XLA_FLAG = '--xla_backend_optimization_level=0'
 # The GPU suite (JAX_PLATFORMS=cuda,cpu; docs/tests.md) compiles kernels as users run them.
 if not os.environ.get('JAX_PLATFORMS', '').startswith(('cuda', 'gpu')):
   os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {TEST_XLA_FLAG}'.strip()
+  # Elsewhere the CPU: the test extras' CUDA plugin (for compiling for GPUs without one) would
+  # otherwise try to start a GPU in every process and print why it cannot.
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 # One persistent compilation cache for the session: the controller makes it before its workers
 # start, and they and every process they start inherit it, so that a program compiled again (the

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from conftest import run_cli
 
 
@@ -272,3 +273,89 @@ def test_memory_breakdown_reads_both_forms_of_the_module_text(tmp_path):
   assert new == old
   assert old['cpu_overstatement_bytes'] == 64 * 64 * 4 // 2
   assert any(t['widened_from_bf16'] for t in old['largest_temporaries'])
+
+
+# ------------------------------------------------------------- --gpu: XLA's GPU compiler, no GPU
+
+
+def test_bloom_176b_fits_an_a100_80gb_by_xlas_gpu_compile():
+  """tr11's topology compiled for 384 A100s of 80 GB (48 nodes of 8) by XLA's GPU compiler on
+  this CPU: the same state per GPU as the CPU compile, and XLA's GPU peak, which keeps bf16 in
+  bf16 (54.6 GiB here against the CPU's 58.4), fits the 60 GiB JAX takes of one by default."""
+  r = run_cli(
+    ['-m', 't5x_like.plan', '--config', 'configs/bloom_176b.py', '--gpu', 'a100-80gb', '--json'],
+    env={'XLA_PYTHON_CLIENT_MEM_FRACTION': ''},
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  report = json.loads(r.stdout.strip().splitlines()[-1])
+  assert report['compiled_for'] == 'a100-80gb' and report['mesh'] == [8, 12, 4]
+  h = 14336
+  layers = 72 * (12 * h * h + 13 * h) * 12 / 384
+  embedding = 250880 * h * 12 / (4 * 8)
+  assert abs(report['argument_gib'] - (layers + embedding) / 2**30) < 0.01
+  assert report['usable_gib'] == 60.0 and report['fits']
+  assert 50 < report['peak_gib'] < 58, report
+  assert 'memory_breakdown' not in report and report['xla_flops_per_device'] is None
+
+
+def test_a_gpu_compile_of_two_nodes_says_when_the_step_does_not_fit(monkeypatch):
+  """tiny on 2 x 1 x 8 H100s: each GPU holds a quarter of the state (data 4 x tensor 4 split
+  it); with the memory JAX may take cut to 1 MiB, the same compile does not fit."""
+  from t5x_like.cli import plan as plan_cli
+  from t5x_like.config import load_config_file
+  from t5x_like.planning import gpu_target
+
+  cfg = load_config_file(
+    'configs/tiny.py',
+    {'mesh.data': 4, 'mesh.tensor': 4, 'train.global_batch_size': 16, 'train.micro_batch_size': 4},
+  )
+  assert gpu_target.topology_for(cfg.mesh.num_devices) == '2x1x8'
+  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', str(2**20 / (79.6 * 2**30)))
+  report = plan_cli.plan(cfg, 'h100-80gb')
+  assert report['compiled_for'] == 'h100-80gb' and report['mesh'] == [4, 1, 4]
+  state = 12 * cfg.model.num_params() / 16  # fp32 params and both moments, split 16 ways
+  assert state < report['argument_gib'] * 2**30 < 1.2 * state
+  assert report['usable_gib'] * 2**30 == pytest.approx(2**20)
+  assert report['peak_gib'] * 2**30 > 2**20 and not report['fits']
+
+
+@pytest.mark.parametrize(
+  'args, message',
+  [
+    (['--gpu', 'v100'], "--gpu 'v100': no such GPU kind to compile for; one of: a100-40gb"),
+    (['--gpu', 'h200', '--breakdown'], "--breakdown reads a CPU compile's buffers"),
+    (
+      [
+        '--gpu',
+        'h200',
+        '--config.mesh.data=3',
+        '--config.mesh.tensor=4',
+        '--config.train.global_batch_size=12',
+      ],
+      '12 GPUs: a mesh of more than 8 is compiled for whole nodes of 8',
+    ),
+  ],
+)
+def test_bad_gpu_compile_requests_are_one_error(args, message):
+  r = run_cli(['-m', 't5x_like.plan', '--config', 'configs/tiny.py', *args])
+  assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+  assert 'Traceback' not in r.stderr
+
+
+def test_a_machine_without_the_cuda_plugin_is_told_what_to_install(monkeypatch):
+  import jax
+  from jax.experimental import topologies
+
+  from t5x_like.config import ConfigError
+  from t5x_like.planning import gpu_target
+
+  def no_plugin(*args, **kwargs):
+    raise RuntimeError('Unknown backend cuda')  # what jax says without the plugin
+
+  monkeypatch.setattr(topologies, 'get_topology_desc', no_plugin)
+  with pytest.raises(ConfigError) as info:
+    gpu_target.devices('h100-80gb', 8)
+  assert 'cannot compile for h100-80gb on this machine (RuntimeError: Unknown backend cuda)' in str(
+    info.value
+  )
+  assert f'pip install jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt==' in str(info.value)

@@ -1,7 +1,7 @@
 """`python -m t5x_like.plan`: compile a config's train step ahead of time and report its cost.
 
   python -m t5x_like.plan --config configs/bloom_176b.py [--config.key=value ...]
-      [--unroll] [--json] [--breakdown]
+      [--gpu KIND] [--unroll] [--json] [--breakdown]
 
 Nothing is allocated: the step is lowered for abstract (shape-only) state and batch on the
 config's mesh (virtual CPU devices when no accelerator is present) and compiled by XLA. The report
@@ -9,6 +9,13 @@ gives XLA's FLOPs and memory per device against the ideal: the Megatron model FL
 over the devices, so the pipeline bubble's and recomputation's costs are numbers. XLA's cost
 analysis counts a loop body once, not once per trip: pass --unroll for FLOP counts (the rolled
 compile is what training runs and what the memory figures describe).
+
+--gpu KIND compiles for the config's mesh of GPUs of KIND instead, with XLA's GPU compiler and
+no GPU (t5x_like/planning/gpu_target.py; jax's CUDA plugin must be installed): the memory figures
+are then XLA's own for the GPU, not a CPU compile's, and the report says whether they fit the
+memory JAX may use of one (`fits`, `usable_gib`; XLA_PYTHON_CLIENT_MEM_FRACTION, as the cost
+model reads it). Meshes of more than 8 GPUs are whole nodes of 8. Without a GPU, XLA gives no
+FLOP count (`xla_flops_per_device` is null), and --breakdown stays with CPU compiles.
 
 --breakdown prints where the peak memory goes (`memory_breakdown` in --json), read from XLA's
 buffer assignment for this compile (t5x_like/planning/memory_report.py): the state by kind, the
@@ -39,33 +46,42 @@ import sys
 import time
 
 from t5x_like.config import Config, ConfigError, load_config_file, parse_overrides
-from t5x_like.planning import cost_model, memory_report
+from t5x_like.planning import cost_model, gpu_target, memory_report
 from t5x_like.training import schedule, startup
 
 
-def plan(cfg: Config) -> dict:
+def plan(cfg: Config, gpu: str | None = None) -> dict:
+  """The compiled step's report: for the config's mesh of this machine's devices, or of abstract
+  GPUs of kind `gpu` (gpu_target)."""
   from t5x_like.mesh import partitioning
   from t5x_like.optim import adamw as optim
   from t5x_like.parallel.train_state import make_layout
   from t5x_like.training import accounting
   from t5x_like.training.step import lower_train_step
 
-  mesh = partitioning.mesh_of(cfg.mesh)
+  m = cfg.mesh
+  gpus = gpu_target.devices(gpu, m.num_devices) if gpu else None
+  mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor, gpus, m.zero_group)
   layout = make_layout(cfg, mesh)
   start = time.perf_counter()
   lowered = lower_train_step(cfg, layout, cfg.num_microbatches)
-  compiled, dump = memory_report.compile_with_buffer_dump(lowered)
+  if gpu:
+    compiled, dump = lowered.compile(), None
+  else:
+    compiled, dump = memory_report.compile_with_buffer_dump(lowered)
   compile_s = time.perf_counter() - start
   cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  # XLA's GPU compiler without a GPU gives no cost analysis (jax 0.10.2): no FLOP count then.
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   memory = compiled.memory_analysis()
   devices = cfg.mesh.num_devices
   model_flops = accounting.megatron_flops_per_iteration(
     cfg, cfg.train.global_batch_size, cfg.train.seq_len
   )
-  xla_flops = float(cost.get('flops', 0.0))
+  xla_flops = float(cost['flops']) if 'flops' in cost else None
   gib = 1024**3
   report = {
+    'compiled_for': gpu or jax_platform(),
     'mesh': [cfg.mesh.data, cfg.mesh.pipeline, cfg.mesh.tensor],
     'zero_stage': cfg.mesh.zero_stage,
     'zero_group': cfg.mesh.zero_group_size,  # data ranks that split one copy of the state
@@ -86,7 +102,7 @@ def plan(cfg: Config) -> dict:
     'train_programs': len(schedule.step_shapes(cfg)),
     'xla_flops_per_device': xla_flops,
     'ideal_flops_per_device': model_flops / devices,
-    'xla_over_ideal': xla_flops / (model_flops / devices) if model_flops else None,
+    'xla_over_ideal': xla_flops / (model_flops / devices) if model_flops and xla_flops else None,
     'argument_gib': memory.argument_size_in_bytes / gib,
     'output_gib': memory.output_size_in_bytes / gib,
     'temp_gib': memory.temp_size_in_bytes / gib,
@@ -111,9 +127,20 @@ def plan(cfg: Config) -> dict:
       cfg.num_microbatches, cfg.pipeline.microbatch_group
     )
     report['layer_placement'] = layout.placement.describe()
+  if gpu:
+    usable = cost_model.gpu_spec(gpu).hbm_gib * cost_model.jax_memory_fraction()
+    report.update(usable_gib=usable, fits=report['peak_gib'] <= usable)
+    return report
+  assert dump is not None
   with dump:
     report.update(_memory_breakdown(cfg, dump.name, memory, report['peak_gib']))
   return report
+
+
+def jax_platform() -> str:
+  import jax
+
+  return jax.devices()[0].platform
 
 
 def _memory_breakdown(cfg: Config, dump_dir: str, memory, peak_gib: float) -> dict:
@@ -179,10 +206,19 @@ def print_breakdown(report: dict) -> None:
 def check_model_arguments(args) -> None:
   """One ConfigError for cost-model flags that do not go together."""
   if not (args.estimate or args.search):
+    if args.gpu is not None and args.gpu not in gpu_target.DEVICES:
+      raise ConfigError(
+        f'--gpu {args.gpu!r}: no such GPU kind to compile for; one of: '
+        f'{", ".join(gpu_target.DEVICES)}'
+      )
+    if args.gpu is not None and args.breakdown:
+      raise ConfigError(
+        "--breakdown reads a CPU compile's buffers (its categories are fitted to XLA's CPU "
+        'programs); drop --gpu for the breakdown, or --breakdown for the GPU compile'
+      )
     extra = [
       flag
       for flag, given in (
-        ('--gpu', args.gpu),
         ('--gpus', args.gpus),
         ('--aot', args.aot),
         ('--nodes-of', args.nodes_of is not None),
@@ -192,7 +228,8 @@ def check_model_arguments(args) -> None:
     if extra:
       raise ConfigError(
         f'{" and ".join(extra)} only apply to --estimate or --search; add one '
-        'of them, or drop the cost-model flags to compile the config'
+        'of them, or drop the cost-model flags to compile the config (--gpu KIND alone '
+        'compiles it for GPUs of KIND)'
       )
     return
   if args.gpu is None:
@@ -347,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         return print_estimate(cost_model.estimate(cfg, args.gpu, nodes_of=args.nodes_of), args.json)
       return run_search(cfg, args)
     cfg = startup.check_config(cfg)
-    report = plan(cfg)  # its layout refuses a mesh the 8-bit moments cannot be split over
+    # The layout refuses a mesh the 8-bit moments cannot be split over.
+    report = plan(cfg, args.gpu)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

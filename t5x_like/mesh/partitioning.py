@@ -495,11 +495,13 @@ def never_save(names: Sequence[str], policy=None):
 
 
 def make_mesh(data: int, pipeline: int, tensor: int, devices=None, zero_group: int = 0) -> Mesh:
-  """A `data x pipeline x tensor` mesh; `tensor` is innermost so it stays within a node. With
+  """A `data x pipeline x tensor` mesh of `devices` (this process's by default: virtual CPU ones
+  made as needed); `tensor` is innermost so it stays within a node. With
   0 < zero_group < data (hybrid sharding), `data` is cut into `replica` (data // zero_group
   copies of the state) x `data` (the zero_group consecutive ranks that split one copy)."""
-  ensure_devices(data * pipeline * tensor)
-  devices = devices if devices is not None else jax.devices()
+  if devices is None:
+    ensure_devices(data * pipeline * tensor)
+    devices = jax.devices()
   devices = np.asarray(devices[: data * pipeline * tensor]).reshape(data, pipeline, tensor)
   if 0 < zero_group < data:
     devices = devices.reshape(data // zero_group, zero_group, pipeline, tensor)

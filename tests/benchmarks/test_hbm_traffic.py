@@ -21,6 +21,9 @@ sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
 import hbm_traffic  # noqa: E402  (scripts, not package modules)
 import profile_trace  # noqa: E402
 
+from t5x_like.config import ConfigError  # noqa: E402
+from t5x_like.planning import gpu_target  # noqa: E402
+
 HLO = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'smoke_step_h100.hlo.txt.gz')
 LAYERS, MICRO_BATCHES, TOKENS, HIDDEN, FFN, VOCAB = 2, 2, 2 * 64, 128, 512, 1024
 
@@ -141,17 +144,39 @@ def test_a_loop_fusion_reads_all_it_reduces_and_only_what_it_gathers(text, launc
   assert (fusion.read, fusion.written) == (256 * 4 + 256 * 4, 256 * 4)
 
 
-def test_compiling_without_the_cuda_plugin_names_the_fix_and_meshes_fill_nodes_of_8():
+def test_the_smoke_step_compiled_here_for_an_h100_has_the_models_matmul_flops():
+  """The compile itself, as the docstring's command runs it (the test extras install the CUDA
+  plugin; this jax's version): XLA's GPU program of the smoke step, counted as the kept one."""
+  overrides = {
+    'model.num_layers': LAYERS,
+    'model.hidden_size': HIDDEN,
+    'model.num_heads': 2,
+    'model.vocab_size': 1000,
+    'model.pad_vocab_size_to': VOCAB,
+    'train.seq_len': TOKENS // 2,
+    'train.micro_batch_size': 2,
+    'train.global_batch_size': 4,
+    'model.attention_impl': 'pallas',
+  }
   config = os.path.join(REPO, 'configs', 'bloom_1b3.py')
-  with pytest.raises(SystemExit, match='pip install jax-cuda13-plugin=='):
-    hbm_traffic.compile_for('h100-80gb', config, {})
-  with pytest.raises(SystemExit, match='pip install jax-cuda13-plugin=='):
-    hbm_traffic.compile_for('h100-80gb', config, {}, config_mesh=True)  # its 16 GPUs
-  assert [hbm_traffic.topology_for(n) for n in (1, 8, 16, 384)] == [
+  text, peak = hbm_traffic.compile_for('h100-80gb', config, overrides)
+  assert 'custom_call_target="__gpu$xla.gpu.triton"' in text  # the pallas kernels, for a GPU
+  assert 0 < peak < 2**30
+  rows = hbm_traffic.summarise(text, hbm_gb_s=3350.0, matmul_tflops=671.0)['categories']
+  per_forward = 2 * TOKENS * (4 * HIDDEN * HIDDEN + 2 * HIDDEN * FFN)
+  assert rows['matmul']['tflop'] * 1e12 == pytest.approx(3 * per_forward * LAYERS * MICRO_BATCHES)
+  assert rows['loss']['tflop'] * 1e12 == pytest.approx(
+    3 * 2 * TOKENS * HIDDEN * VOCAB * MICRO_BATCHES
+  )
+  assert rows['attention']['launches'] == 3 * LAYERS * MICRO_BATCHES
+
+
+def test_meshes_of_more_than_8_gpus_fill_nodes_of_8():
+  assert [gpu_target.topology_for(n) for n in (1, 8, 16, 384)] == [
     '1x1x1',
     '1x1x8',
     '2x1x8',
     '48x1x8',
   ]
-  with pytest.raises(SystemExit, match='whole nodes of 8'):
-    hbm_traffic.topology_for(12)
+  with pytest.raises(ConfigError, match='whole nodes of 8'):
+    gpu_target.topology_for(12)
