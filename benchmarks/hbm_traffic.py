@@ -293,7 +293,8 @@ def compile_for(
   devices = gpu_target.devices(gpu, m.num_devices)
   mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor, devices, m.zero_group)
   layout = make_layout(cfg, mesh)
-  compiled = step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile()
+  lowered = step_lib.lower_train_step(cfg, layout, cfg.num_microbatches)
+  compiled = gpu_target.compile_without_cache(lowered)
   memory = compiled.memory_analysis()
   peak = (
     memory.temp_size_in_bytes

@@ -549,7 +549,7 @@ def test_cli_estimate_and_search_json(capsys):
   ranked = json.loads(capsys.readouterr().out)
   assert [r['estimated_step_s'] for r in ranked] == sorted(r['estimated_step_s'] for r in ranked)
   assert len(ranked) == 3 and all(math.prod(r['mesh']) == 384 for r in ranked)
-  # --aot compiles the top K on virtual CPU devices, in a process of their count.
+  # --aot compiles the top K for the GPUs of --gpu (XLA's GPU compiler, no GPU here).
   r = run_cli(
     [
       '-m',
@@ -570,7 +570,23 @@ def test_cli_estimate_and_search_json(capsys):
   assert r.returncode == 0, r.stderr[-3000:]
   [best] = json.loads(r.stdout.strip().splitlines()[-1])
   assert math.prod(best['mesh']) == 8 and best['micro_batch_size'] >= 1
-  assert best['aot_peak_gib'] > 0 and 'estimated_step_s' in best
+  assert best['aot_peak_gib'] > 0 and best['aot_fits'] and 'estimated_step_s' in best
+  # The figure is the GPU compile's: the same config compiled for H100s here says the same.
+  data, pipeline, tensor = best['mesh']
+  cfg = load_config_file(
+    os.path.join(REPO, 'configs', 'tiny.py'),
+    {
+      'mesh.data': data,
+      'mesh.pipeline': pipeline,
+      'mesh.tensor': tensor,
+      'mesh.zero_stage': best['zero_stage'],
+      'mesh.zero_group': 0 if best['zero_group'] == data else best['zero_group'],
+      'train.micro_batch_size': best['micro_batch_size'],
+    },
+  )
+  if best['grad_sync']:
+    cfg = cfg.replace(pipeline={'grad_sync': best['grad_sync']})
+  assert plan.plan(cfg, 'h100-80gb')['peak_gib'] == best['aot_peak_gib']
 
 
 def test_estimate_and_search_start_no_jax_backend():

@@ -34,7 +34,9 @@ iteration, TFLOP/s per GPU (Megatron's formula), memory per GPU and whether it f
 they add up from. --search: every valid (data, pipeline, tensor, micro-batch, ZeRO stage 1 or 3
 over all of data or one node's data ranks) for N GPUs at the config's model and global batch,
 those that fit first, each group by estimated time, each with why it does not fit or what it
-loses to the first; --aot adds XLA's compiled memory (the compile above) for the top K. More
+loses to the first; --aot adds XLA's compiled memory for the top K, each compiled for the GPUs
+of --gpu as `plan --gpu` compiles (jax's CUDA plugin needed): XLA's own peak per GPU and whether
+it fits, beside the model's estimate. More
 --gpus than any topology can use (cost_model.max_gpus) is refused at once, with the limit.
 """
 
@@ -66,7 +68,7 @@ def plan(cfg: Config, gpu: str | None = None) -> dict:
   start = time.perf_counter()
   lowered = lower_train_step(cfg, layout, cfg.num_microbatches)
   if gpu:
-    compiled, dump = lowered.compile(), None
+    compiled, dump = gpu_target.compile_without_cache(lowered), None
   else:
     compiled, dump = memory_report.compile_with_buffer_dump(lowered)
   compile_s = time.perf_counter() - start
@@ -301,9 +303,9 @@ def run_search(cfg: Config, args) -> int:
           pipeline={'grad_sync': r['grad_sync'] or cfg.pipeline.grad_sync},
         )
       )
-      compiled = plan(candidate)
+      compiled = plan(candidate, args.gpu)
       r['aot_peak_gib'] = compiled['peak_gib']
-      r['aot_gpu_estimate_peak_gib'] = compiled.get('gpu_estimate_peak_gib')
+      r['aot_fits'] = compiled['fits']
   if args.json:
     print(json.dumps(top))
     return 0
@@ -367,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
   )
   model.add_argument('--top', type=int, default=10, help='--search: how many to print')
   model.add_argument(
-    '--aot', action='store_true', help="--search: add XLA's compiled memory for the top K (slow)"
+    '--aot',
+    action='store_true',
+    help="--search: add XLA's GPU compile's memory for the top K (slow)",
   )
   args, rest = parser.parse_known_args(argv)
   try:

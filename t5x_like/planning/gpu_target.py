@@ -108,3 +108,20 @@ def devices(kind: str, num_devices: int) -> list:
       f'jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt=={jax.__version__}'
     ) from None
   return list(description.devices)
+
+
+def compile_without_cache(lowered):
+  """`lowered.compile()` for abstract GPUs, kept out of JAX's persistent compilation cache: no
+  process can load such an executable (reading it back is a warning and a recompile)."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+
+  # JAX decides once per process whether its cache is used: reset around the change.
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()
+  try:
+    return lowered.compile()
+  finally:
+    jax.config.update('jax_enable_compilation_cache', before)
+    compilation_cache.reset_cache()
