@@ -342,6 +342,18 @@ def test_bad_gpu_compile_requests_are_one_error(args, message):
   assert 'Traceback' not in r.stderr
 
 
+def test_a_memory_share_jax_cannot_use_is_refused_before_the_gpu_compile(monkeypatch):
+  from t5x_like.cli import plan as plan_cli
+  from t5x_like.config import ConfigError, load_config_file
+
+  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', 'abc')
+  compiles = []
+  monkeypatch.setattr(plan_cli.gpu_target, 'compile_without_cache', compiles.append)
+  with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='abc' is not a number"):
+    plan_cli.plan(load_config_file('configs/tiny.py'), 'h200')
+  assert compiles == []
+
+
 def test_a_machine_without_the_cuda_plugin_is_told_what_to_install(monkeypatch):
   import jax
   from jax.experimental import topologies

@@ -62,6 +62,8 @@ def plan(cfg: Config, gpu: str | None = None) -> dict:
   from t5x_like.training.step import lower_train_step
 
   m = cfg.mesh
+  # Before the compile: a bad XLA_PYTHON_CLIENT_MEM_FRACTION or a missing plugin is one error.
+  usable = cost_model.gpu_spec(gpu).hbm_gib * cost_model.jax_memory_fraction() if gpu else None
   gpus = gpu_target.devices(gpu, m.num_devices) if gpu else None
   mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor, gpus, m.zero_group)
   layout = make_layout(cfg, mesh)
@@ -129,8 +131,7 @@ def plan(cfg: Config, gpu: str | None = None) -> dict:
       cfg.num_microbatches, cfg.pipeline.microbatch_group
     )
     report['layer_placement'] = layout.placement.describe()
-  if gpu:
-    usable = cost_model.gpu_spec(gpu).hbm_gib * cost_model.jax_memory_fraction()
+  if usable is not None:
     report.update(usable_gib=usable, fits=report['peak_gib'] <= usable)
     return report
   assert dump is not None
