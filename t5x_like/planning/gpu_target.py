@@ -8,13 +8,15 @@ too), not a GPU, a driver or CUDA's libraries: the compile makes the program and
 assignment, and runs nothing. XLA takes the device from a GpuTargetConfig: the data sheet's SM
 count, memory, bandwidth and clock, and CUDA's shared-memory and register limits for the
 compute capability. What it cannot know is autotuning's choice of kernels, which moves no
-buffer: on 2026-11-27 the GPU suite's step compiled so said 46.856 GiB where an H100 measured
-46.86 (docs/benchmarks.md).
+buffer: on 2026-11-27 the GPU suite's step compiled so by jax 0.11.2 (the GPU machines') said
+46.856 GiB where an H100 running jax 0.11.2 measured 46.86 (docs/benchmarks.md). The compiler is
+jax's: jax 0.10.2 compiles the same step to 48.64 GiB.
 """
 
 from __future__ import annotations
 
 from t5x_like.config import ConfigError
+from t5x_like.planning import cost_model
 
 _HOPPER_LIMITS = """
   threads_per_block_limit: 1024
@@ -50,20 +52,22 @@ _AMPERE_LIMITS = """
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
 """
-# kind (cost_model.GPUS' names) -> (CUDA's device name, the architecture's limits, SMs, HBM
-# bytes per second, memory bytes as nvidia-smi reports them).
+# kind (cost_model.GPUS' names, whose memory and bandwidth it takes) -> (CUDA's device name, the
+# architecture's limits, SMs).
 DEVICES = {
-  'a100-40gb': ('NVIDIA A100-SXM4-40GB', _AMPERE_LIMITS, 108, 1_555_000_000_000, 42_949_672_960),
-  'a100-80gb': ('NVIDIA A100-SXM4-80GB', _AMPERE_LIMITS, 108, 2_039_000_000_000, 85_899_345_920),
-  'h100-80gb': ('NVIDIA H100 80GB HBM3', _HOPPER_LIMITS, 132, 3_352_320_000_000, 85_520_809_984),
-  'h200': ('NVIDIA H200', _HOPPER_LIMITS, 132, 4_800_000_000_000, 150_754_820_096),
+  'a100-40gb': ('NVIDIA A100-SXM4-40GB', _AMPERE_LIMITS, 108),
+  'a100-80gb': ('NVIDIA A100-SXM4-80GB', _AMPERE_LIMITS, 108),
+  'h100-80gb': ('NVIDIA H100 80GB HBM3', _HOPPER_LIMITS, 132),
+  'h200': ('NVIDIA H200', _HOPPER_LIMITS, 132),
 }
 GPUS_PER_NODE = 8
 
 
 def target_config(kind: str) -> str:
   """XLA's GpuTargetConfig (text format) of a GPU kind."""
-  name, limits, sms, bandwidth, memory = DEVICES[kind]
+  name, limits, sms = DEVICES[kind]
+  spec = cost_model.GPUS[kind]
+  bandwidth, memory = round(spec.hbm_gb_s * 1e9), round(spec.hbm_gib * 2**30)
   return (
     'gpu_device_info {'
     + limits
