@@ -18,8 +18,12 @@ Stages, in the order they run, with their time limits and their wall time on an 
 1. `plan` (in the background from the start, CPU only: JAX_PLATFORMS=cpu, limit 300 s, 7 s):
    `python -m t5x_like.plan --json` of the BLOOM-1.3B step on one virtual CPU device: XLA's
    figure and its GPU estimate (`--breakdown`'s buffer analysis, or the error naming the part of
-   XLA's dump it could not read; the dump is kept in OUT's folder as plan_xla_dump.tar.gz), and
-   at the end `plan --estimate` (the cost model) for this GPU kind and the fastest attention.
+   XLA's dump it could not read; the dump is kept in OUT's folder as plan_xla_dump.tar.gz); then
+   `plan --gpu KIND` of the same step (XLA's GPU compile for this GPU's kind, still on the CPU,
+   'auto' attention as this GPU resolves it: mosaic on Hopper), set in the summary beside the
+   step row of that attention (XLA's figure in the step's process and the allocator's peak);
+   and at the end `plan --estimate` (the cost model) for this GPU kind and the fastest
+   attention.
 2. `matmul` (limit 60 s, 7 s): the measured bf16 matmul rate (8192^3; the data-sheet peak).
 3. `attention` (limit 180 s; about 85 s, estimated from the 164 s that 7 implementations took):
    `benchmarks/attention.py` at head_dim 128, 16 heads, causal ALiBi, bf16, seq 2048, 4096 and
@@ -268,15 +272,21 @@ def failure(run: dict, limit_s: float) -> str:
   return f'exit {run["code"]}; output ends: {run["tail"][-1500:]}'
 
 
-def default_backend() -> str:
-  """JAX's platform here, asked in a child process so that this one holds no GPU memory."""
+def default_backend() -> tuple[str, str]:
+  """(JAX's platform here, its first device's kind), asked in a child process so that this one
+  holds no GPU memory."""
   done = subprocess.run(
-    [sys.executable, '-c', 'import jax; print(jax.default_backend())'],
+    [
+      sys.executable,
+      '-c',
+      'import jax; print(jax.default_backend()); print(jax.devices()[0].device_kind)',
+    ],
     capture_output=True,
     text=True,
     check=True,
   )
-  return done.stdout.strip().splitlines()[-1]
+  platform, kind = done.stdout.strip().splitlines()[-2:]
+  return platform, kind
 
 
 def step_config_overrides(smoke: bool) -> dict:
@@ -328,21 +338,30 @@ def step_throughput_tolerance() -> float:
 
 
 def start_plan(
-  smoke: bool, workdir: str, limit_s: float, json_path: str
+  smoke: bool, workdir: str, limit_s: float, json_path: str, gpu_kind: str
 ) -> tuple[threading.Thread, dict]:
-  """`plan --json` of the suite's step in the background (CPU only); its result lands in the
-  returned dict when the thread ends. The text files of plan's XLA dump (buffer assignment,
-  values, live ranges, the module) are kept as plan_xla_dump.tar.gz beside the suite's JSON
-  (`json_path`, in $OUT on a device machine), so that a GPU session brings back the dump its jax
-  wrote."""
+  """`plan --json` of the suite's step in the background (CPU only), then `plan --gpu gpu_kind`
+  (XLA's GPU compile of it on the CPU, 'auto' attention as the GPU resolves it: what a user
+  without a GPU is told); the results land in the returned dict when the thread ends. The text
+  files of plan's XLA dump (buffer assignment, values, live ranges, the module) are kept as
+  plan_xla_dump.tar.gz beside the suite's JSON (`json_path`, in $OUT on a device machine), so
+  that a GPU session brings back the dump its jax wrote."""
   result: dict = {}
   command = [sys.executable, '-m', 't5x_like.plan', '--config', CONFIG, '--json']
   command += config_flags(step_config_overrides(smoke))
   archive = os.path.join(os.path.dirname(os.path.abspath(json_path)), 'plan_xla_dump.tar.gz')
   # written by t5x_like/planning/memory_report.py
   env = {'JAX_PLATFORMS': 'cpu', 'T5X_LIKE_KEEP_XLA_DUMP': archive}
+  started = time.perf_counter()
 
   def work() -> None:
+    cpu_plan()
+    left = limit_s - (time.perf_counter() - started)
+    result['gpu_compile'] = gpu_compile(command, gpu_kind, left)
+    if 'failed' in result['gpu_compile']:
+      result['ok'] = False
+
+  def cpu_plan() -> None:
     run = run_child(command, limit_s, env=env, echo=False)
     result['wall_s'] = run['wall_s']
     if archive and os.path.exists(archive):
@@ -367,6 +386,26 @@ def start_plan(
   thread = threading.Thread(target=work, daemon=True)
   thread.start()
   return thread, result
+
+
+def gpu_compile(plan_command: list[str], gpu_kind: str, limit_s: float) -> dict:
+  """`plan_command --gpu gpu_kind` on the CPU: XLA's own memory figure of the step compiled for
+  this GPU without it, and the attention 'auto' resolves to there."""
+  if limit_s < 5:
+    return {'gpu': gpu_kind, 'failed': 'no time left in the plan stage'}
+  run = run_child(
+    [*plan_command, '--gpu', gpu_kind], limit_s, env={'JAX_PLATFORMS': 'cpu'}, echo=False
+  )
+  try:
+    report = json.loads(run['output'].strip().splitlines()[-1])
+    return {
+      'gpu': gpu_kind,
+      'attention_impl': report['attention_impl'],
+      'peak_gib': report['peak_gib'],
+      'compile_s': report['compile_s'],
+    }
+  except (ValueError, IndexError, KeyError):
+    return {'gpu': gpu_kind, 'failed': failure(run, limit_s)}
 
 
 def cost_model_estimate(smoke: bool, device_kind: str, attention_impl: str | None) -> dict:
@@ -730,9 +769,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_suite(args: argparse.Namespace) -> int:
   clock = Clock(args.budget_s)
-  if not args.smoke and default_backend() != 'gpu':
+  # --smoke (CPU): the H100 stands in for the GPU kind (the cost model and plan's GPU compile).
+  platform, device_kind = ('cpu', 'cpu') if args.smoke else default_backend()
+  if platform != 'gpu' and not args.smoke:
     print(
-      f'error: no GPU here (JAX runs on {default_backend()}); the suite measures a GPU. '
+      f'error: no GPU here (JAX runs on {platform}); the suite measures a GPU. '
       'Use --smoke to check the script on CPU.',
       file=sys.stderr,
     )
@@ -768,7 +809,9 @@ def run_suite(args: argparse.Namespace) -> int:
     plan_result: dict = {}
     plan_started = time.perf_counter()
     if 'plan' in args.stages:
-      plan_thread, plan_result = start_plan(args.smoke, workdir, limit('plan'), args.json)
+      plan_thread, plan_result = start_plan(
+        args.smoke, workdir, limit('plan'), args.json, cost_model_kind(device_kind)
+      )
     for stage in args.stages:
       if stage == 'plan':
         continue
@@ -939,6 +982,34 @@ def profile_lines(results: dict) -> list[str]:
   return lines
 
 
+def gpu_compile_lines(compiled: dict, step_results: dict) -> list[str]:
+  """plan --gpu's figure beside the step row of the same attention: XLA's peak in the step's own
+  process and the allocator's."""
+  if 'failed' in compiled:
+    return [f'plan --gpu {compiled["gpu"]}: FAILED {compiled["failed"][-300:]}']
+  if 'peak_gib' not in compiled:
+    return []
+  impl = compiled['attention_impl']
+  line = (
+    f'plan --gpu {compiled["gpu"]} (no GPU used; {impl} attention): XLA peak '
+    f'{compiled["peak_gib"]:.3f} GiB'
+  )
+  row = next(
+    (
+      r
+      for name, r in step_results.items()
+      if 'xla_peak_bytes' in r and (r.get('resolved_to') or name) == impl
+    ),
+    None,
+  )
+  if row is not None:
+    gib = 2**30
+    line += f'; the {impl} step here: XLA {row["xla_peak_bytes"] / gib:.3f}'
+    if row.get('measured_peak_bytes'):
+      line += f", the allocator's peak {row['measured_peak_bytes'] / gib:.3f}"
+  return [line]
+
+
 def summary(report: dict) -> str:
   sys.path.insert(0, BENCHMARKS)
   stages = report['stages']
@@ -1001,6 +1072,7 @@ def summary(report: dict) -> str:
     )
   elif plan.get('failed'):
     lines.append(f'plan: FAILED {plan["failed"][-300:]}')
+  lines += gpu_compile_lines(plan.get('gpu_compile', {}), stages.get('step', {}).get('results', {}))
   model = plan.get('estimate', {})
   if 'step_s' in model:
     lines.append(

@@ -320,6 +320,36 @@ def test_a_gpu_compile_of_two_nodes_says_when_the_step_does_not_fit(monkeypatch)
 
 
 @pytest.mark.parametrize(
+  'gpu, attention_impl, runs',
+  [('h100-80gb', 'mosaic', 'mosaic'), ('h200', 'auto', 'mosaic'), ('a100-40gb', 'auto', 'pallas')],
+)
+def test_a_gpu_compile_checks_and_resolves_attention_for_its_gpus(
+  capsys, gpu, attention_impl, runs
+):
+  """The config is checked for the GPUs compiled for, not this CPU (where the Mosaic kernels run
+  in interpret mode and refuse save_dots), and 'auto' is resolved by their family's order."""
+  from t5x_like.cli import plan as plan_cli
+
+  args = ['--config', 'configs/tiny.py', '--gpu', gpu, '--json', '--config.model.num_heads=2']
+  args += ['--config.model.dtype=bfloat16']
+  args += [
+    f'--config.model.attention_impl={attention_impl}',
+    '--config.model.remat_policy=save_dots',
+  ]
+  assert plan_cli.main(args) == 0, capsys.readouterr().err[-2000:]
+  report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert report['compiled_for'] == gpu and report['attention_impl'] == runs
+
+
+def test_a_gpu_compile_refuses_an_attention_its_gpus_cannot_run(capsys):
+  from t5x_like.cli import plan as plan_cli
+
+  args = ['--config', 'configs/tiny.py', '--gpu', 'a100-80gb', '--config.model.num_heads=2']
+  assert plan_cli.main([*args, '--config.model.attention_impl=mosaic']) == 2
+  assert 'need compute capability 9.x, got 8.0' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
   'args, message',
   [
     (['--gpu', 'v100'], "--gpu 'v100': no such GPU kind to compile for; one of: a100-40gb"),

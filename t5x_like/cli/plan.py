@@ -56,6 +56,7 @@ def plan(cfg: Config, gpu: str | None = None) -> dict:
   """The compiled step's report: for the config's mesh of this machine's devices, or of abstract
   GPUs of kind `gpu` (gpu_target)."""
   from t5x_like.mesh import partitioning
+  from t5x_like.model import attention
   from t5x_like.optim import adamw as optim
   from t5x_like.parallel.train_state import make_layout
   from t5x_like.training import accounting
@@ -100,6 +101,8 @@ def plan(cfg: Config, gpu: str | None = None) -> dict:
       4,
     ),
     'remat_policy': cfg.model.remat_policy,
+    # 'auto' resolved for the devices compiled for (AUTO_ORDER of their family).
+    'attention_impl': attention.resolved(cfg.model, attention.Device.of(mesh.devices.flat[0])),
     'compile_s': round(compile_s, 1),
     # Each (micro-batches, length) of the batch ramp-up and the curriculum is one more
     # compilation of about compile_s (on this platform) during the run.
@@ -302,7 +305,8 @@ def run_search(cfg: Config, args) -> int:
           },
           train={'micro_batch_size': r['micro_batch_size']},
           pipeline={'grad_sync': r['grad_sync'] or cfg.pipeline.grad_sync},
-        )
+        ),
+        gpu_target.attention_device(args.gpu),
       )
       compiled = plan(candidate, args.gpu)
       r['aot_peak_gib'] = compiled['peak_gib']
@@ -388,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
       if args.estimate:
         return print_estimate(cost_model.estimate(cfg, args.gpu, nodes_of=args.nodes_of), args.json)
       return run_search(cfg, args)
-    cfg = startup.check_config(cfg)
+    # The config is checked for the devices it is compiled for: --gpu's, else this machine's.
+    cfg = startup.check_config(cfg, gpu_target.attention_device(args.gpu) if args.gpu else None)
     # The layout refuses a mesh the 8-bit moments cannot be split over.
     report = plan(cfg, args.gpu)
   except ConfigError as e:

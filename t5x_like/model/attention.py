@@ -219,9 +219,11 @@ def _tokamax_unmet_constraints(
   return problems
 
 
-def check_config(cfg: ModelConfig) -> None:
-  """Config-time check (no JAX backend is started here): raises unless fallback is allowed."""
-  device = device_if_known()
+def check_config(cfg: ModelConfig, device: Device | None = None) -> None:
+  """Config-time check (no JAX backend is started here): raises unless fallback is allowed.
+  device: the one the model will run or be compiled for (`plan --gpu`'s); default: this
+  process's, where known."""
+  device = device or device_if_known()
   if cfg.attention_impl == 'auto' and device is None:
     return  # resolved when the model is traced; 'xla' runs whatever else cannot
   resolve_impl(cfg, device, quiet=True)

@@ -188,8 +188,11 @@ def describe_zero(layout: StateLayout) -> str:
 
 
 def _init_boxed(model: model_lib.Transformer, rng) -> Any:
-  # Initialisation needs no activation constraints: the output shardings place the params.
-  return model.clone(mesh=None).init(rng, jnp.zeros((1, 8), jnp.int32))['params']
+  # Initialisation needs no activation constraints: the output shardings place the params. Nor a
+  # fused attention kernel (none has params): 'xla' runs on whatever devices this process has,
+  # while the step may be compiled for others (`plan --gpu`: Mosaic kernels for a GPU on a CPU).
+  cfg = dataclasses.replace(model.cfg, attention_impl='xla')
+  return model.clone(mesh=None, cfg=cfg).init(rng, jnp.zeros((1, 8), jnp.int32))['params']
 
 
 def _abstract_state(mesh, optimizer, shapes, param_shardings) -> TrainState:

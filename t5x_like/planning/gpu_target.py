@@ -16,6 +16,7 @@ jax's: jax 0.10.2 compiles the same step to 48.64 GiB.
 from __future__ import annotations
 
 from t5x_like.config import ConfigError
+from t5x_like.model import attention
 from t5x_like.planning import cost_model
 
 _HOPPER_LIMITS = """
@@ -61,6 +62,20 @@ DEVICES = {
   'h200': ('NVIDIA H200', _HOPPER_LIMITS, 132),
 }
 GPUS_PER_NODE = 8
+
+
+def compute_capability(kind: str) -> str:
+  """CUDA's 'major.minor' of a GPU kind, as its limits give it to XLA."""
+  limits = DEVICES[kind][1]
+  major = limits.split('major: ', 1)[1].split()[0]
+  minor = limits.split('minor: ', 1)[1].split()[0]
+  return f'{major}.{minor}'
+
+
+def attention_device(kind: str) -> attention.Device:
+  """The device `model.attention_impl` is checked and resolved for ('auto' by its family) when
+  the step is compiled for GPUs of `kind`: what the abstract devices' own description says."""
+  return attention.Device('gpu', DEVICES[kind][0], compute_capability(kind))
 
 
 def target_config(kind: str) -> str:

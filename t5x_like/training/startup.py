@@ -29,14 +29,16 @@ from t5x_like.parallel.train_state import describe_zero
 from t5x_like.training import alerts, profiling, runtime, schedule
 
 
-def check_config(cfg: Config) -> Config:
+def check_config(cfg: Config, device: attention.Device | None = None) -> Config:
   """Every check of `cfg`, before any JAX backend starts; returns it, or raises one ConfigError
-  naming the fix (exit code 2 in every command)."""
+  naming the fix (exit code 2 in every command). device: the devices' kind where they are not
+  this machine's (`plan --gpu` compiles for GPUs on a CPU)."""
   cfg.check_ranges()
-  partitioning.check_mesh_size(cfg.mesh.num_devices)
+  if device is None:
+    partitioning.check_mesh_size(cfg.mesh.num_devices)
   cfg.validate()
   if cfg.model.attention_impl != 'xla':  # 'auto' included: checked where the device is known
-    attention.check_config(cfg.model)
+    attention.check_config(cfg.model, device)
   schedule.check(cfg)
   sources.check_config(cfg.data, cfg.eval)
   return cfg

@@ -118,6 +118,10 @@ def test_smoke_run_reports_every_stage(tmp_path, capsys):
   assert plan['breakdown_error'] is None
   assert plan['estimate']['gpu'] == 'h100-80gb'  # the cost model's stand-in on CPU
   assert plan['estimate']['memory_gib'] > 0
+  # plan --gpu: the smoke step compiled for the stand-in H100, 'auto' attention resolved there.
+  compiled = plan['gpu_compile']
+  assert compiled['gpu'] == 'h100-80gb' and compiled['attention_impl'] == 'mosaic'
+  assert 0 < compiled['peak_gib'] < plan['peak_gib']  # the CPU's runs xla attention, in f32
   assert stages['matmul']['measured_tflops'] > 0
 
   text = capsys.readouterr().out  # the summary
@@ -125,6 +129,24 @@ def test_smoke_run_reports_every_stage(tmp_path, capsys):
     assert line in text
   assert 'attention mosaic seq 64: checked, not timed' in text
   assert 'step mosaic: skipped: not run with --smoke' in text
+  assert 'plan --gpu h100-80gb (no GPU used; mosaic attention): XLA peak' in text
+
+
+def test_plan_gpu_compile_is_set_beside_the_step_of_its_attention():
+  gib = 2**30
+  steps = {
+    'pallas': {'xla_peak_bytes': 40 * gib},
+    'auto': {'resolved_to': 'mosaic', 'same_as': 'mosaic'},
+    'mosaic': {'xla_peak_bytes': 46.5 * gib, 'measured_peak_bytes': 46.75 * gib},
+  }
+  compiled = {'gpu': 'h100-80gb', 'attention_impl': 'mosaic', 'peak_gib': 46.5}
+  assert gpu_suite.gpu_compile_lines(compiled, steps) == [
+    'plan --gpu h100-80gb (no GPU used; mosaic attention): XLA peak 46.500 GiB; the mosaic step '
+    "here: XLA 46.500, the allocator's peak 46.750"
+  ]
+  assert gpu_suite.gpu_compile_lines({'gpu': 'h200', 'failed': 'exit 2'}, steps) == [
+    'plan --gpu h200: FAILED exit 2'
+  ]
 
 
 def test_without_a_gpu_the_full_suite_refuses(tmp_path, capsys):
