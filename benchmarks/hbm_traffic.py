@@ -14,8 +14,8 @@ kept.
 
 Every kernel XLA launches (a fusion, a library call, a copy, a Pallas or Mosaic kernel) is taken
 once per execution: the ops of a loop body times its known trip count (the micro-batches, the
-scanned layers, the loss's vocabulary chunks), of a conditional its costliest branch (the
-optimizer's update, not its skip). Its HBM traffic is what it reads and writes: its operands and
+scanned layers, the loss's vocabulary chunks), of a conditional its costliest branch (a pipeline
+tick's head, not its skip). Its HBM traffic is what it reads and writes: its operands and
 its output, except that an operand a fusion only slices is read by the slice (a layer's weights
 out of the stacked ones), an elementwise (kLoop) fusion reads at most one element of an operand
 per element of its output, and an in-place dynamic-update-slice or scatter writes only its

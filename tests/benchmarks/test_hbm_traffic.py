@@ -8,7 +8,9 @@ pallas attention, save_dots, chunked cross-entropy) compiled for an H100 on a CP
       --config.train.micro_batch_size=2 --config.train.global_batch_size=4 \
       --config.model.attention_impl=pallas --save_hlo tests/benchmarks/smoke_step_h100.hlo.txt.gz
 
-with jax 0.11.2 and its CUDA 13 plugin (the GPU image's versions), 2026-11-27."""
+with jax 0.11.2 and its CUDA 13 plugin (the GPU image's versions), 2026-11-27. It predates the
+update's select (train step: a `lax.cond` then skipped a non-finite update), so it still holds a
+conditional, whose accounting (the costlier branch, once) the pipeline's conditionals need too."""
 
 import gzip
 import os
@@ -144,7 +146,7 @@ def test_a_loop_fusion_reads_all_it_reduces_and_only_what_it_gathers(text, launc
   assert (fusion.read, fusion.written) == (256 * 4 + 256 * 4, 256 * 4)
 
 
-def test_the_smoke_step_compiled_here_for_an_h100_has_the_models_matmul_flops():
+def test_the_smoke_step_compiled_for_an_h100_has_the_models_flops_and_updates_in_place():
   """The compile itself, as the docstring's command runs it (the test extras install the CUDA
   plugin; this jax's version): XLA's GPU program of the smoke step, counted as the kept one."""
   overrides = {
@@ -169,6 +171,20 @@ def test_the_smoke_step_compiled_here_for_an_h100_has_the_models_matmul_flops():
     3 * 2 * TOKENS * HIDDEN * VOCAB * MICRO_BATCHES
   )
   assert rows['attention']['launches'] == 3 * LAYERS * MICRO_BATCHES
+  # The optimizer updates the donated state in place: no conditional, and no copy of a state
+  # tensor (a lax.cond around the update made XLA copy each one into the branch and out).
+  module = hbm_traffic.parse_module(text)
+  entry = module.computations[module.entry]
+  state = {i.type.split('{')[0] for i in entry if i.opcode == 'parameter' and 'f32[' in i.type}
+  copies = [
+    i.name
+    for i in entry
+    if i.opcode == 'copy'
+    and i.type.split('{')[0] in state
+    and not all(o.startswith('constant') for o in i.operands)
+  ]
+  assert copies == []
+  assert not any(i.opcode == 'conditional' for c in module.computations.values() for i in c)
 
 
 def test_meshes_of_more_than_8_gpus_fill_nodes_of_8():
