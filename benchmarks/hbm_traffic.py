@@ -294,7 +294,7 @@ def compile_for(
   mesh = partitioning.make_mesh(m.data, m.pipeline, m.tensor, devices, m.zero_group)
   layout = make_layout(cfg, mesh)
   lowered = step_lib.lower_train_step(cfg, layout, cfg.num_microbatches)
-  compiled = gpu_target.compile_without_cache(lowered)
+  compiled, _ = gpu_target.compile_without_cache(lowered, gpu)
   memory = compiled.memory_analysis()
   peak = (
     memory.temp_size_in_bytes

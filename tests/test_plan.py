@@ -339,6 +339,37 @@ def test_a_gpu_compile_checks_and_resolves_attention_for_its_gpus(
   assert plan_cli.main(args) == 0, capsys.readouterr().err[-2000:]
   report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert report['compiled_for'] == gpu and report['attention_impl'] == runs
+  assert report['xla_options'] == {}
+
+
+def test_a_gpu_compile_without_a_triton_gemm_tiling_falls_back_to_cublas(capsys):
+  """head_dim 224 (BLOOM-176B's NHEADS 64 of the chronicles): with no GPU to autotune on, XLA
+  finds no Triton tiling for its projections' GEMMs; the step compiles with cuBLAS GEMMs."""
+  from t5x_like.cli import plan as plan_cli
+
+  args = ['--config', 'configs/tiny.py', '--gpu', 'a100-80gb', '--json']
+  args += ['--config.model.hidden_size=448', '--config.model.num_heads=2']
+  assert plan_cli.main(args) == 0, capsys.readouterr().err[-2000:]
+  report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert report['xla_options'] == {'xla_gpu_enable_triton_gemm': False} and report['peak_gib'] > 0
+
+
+def test_any_other_gpu_compiler_failure_is_one_error():
+  import jax
+
+  from t5x_like.config import ConfigError
+  from t5x_like.planning import gpu_target
+
+  class Lowered:
+    def compile(self, compiler_options=None):
+      raise jax.errors.JaxRuntimeError('INTERNAL: RET_CHECK failure\n  at some_pass.cc:12')
+
+  with pytest.raises(ConfigError) as info:
+    gpu_target.compile_without_cache(Lowered(), 'h200')
+  assert str(info.value) == (
+    f"XLA's GPU compiler (jax {jax.__version__}) failed to compile the step for h200: "
+    'INTERNAL: RET_CHECK failure'
+  )
 
 
 def test_a_gpu_compile_refuses_an_attention_its_gpus_cannot_run(capsys):
@@ -378,7 +409,7 @@ def test_a_memory_share_jax_cannot_use_is_refused_before_the_gpu_compile(monkeyp
 
   monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', 'abc')
   compiles = []
-  monkeypatch.setattr(plan_cli.gpu_target, 'compile_without_cache', compiles.append)
+  monkeypatch.setattr(plan_cli.gpu_target, 'compile_without_cache', lambda *a: compiles.append(a))
   with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='abc' is not a number"):
     plan_cli.plan(load_config_file('configs/tiny.py'), 'h200')
   assert compiles == []

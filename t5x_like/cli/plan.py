@@ -70,8 +70,9 @@ def plan(cfg: Config, gpu: str | None = None) -> dict:
   layout = make_layout(cfg, mesh)
   start = time.perf_counter()
   lowered = lower_train_step(cfg, layout, cfg.num_microbatches)
+  gpu_options: dict = {}
   if gpu:
-    compiled, dump = gpu_target.compile_without_cache(lowered), None
+    (compiled, gpu_options), dump = gpu_target.compile_without_cache(lowered, gpu), None
   else:
     compiled, dump = memory_report.compile_with_buffer_dump(lowered)
   compile_s = time.perf_counter() - start
@@ -135,7 +136,8 @@ def plan(cfg: Config, gpu: str | None = None) -> dict:
     )
     report['layer_placement'] = layout.placement.describe()
   if usable is not None:
-    report.update(usable_gib=usable, fits=report['peak_gib'] <= usable)
+    # XLA options the GPU compile needed without a GPU (gpu_target.TRITON_GEMM_OFF), else {}.
+    report.update(usable_gib=usable, fits=report['peak_gib'] <= usable, xla_options=gpu_options)
     return report
   assert dump is not None
   with dump:

@@ -129,9 +129,19 @@ def devices(kind: str, num_devices: int) -> list:
   return list(description.devices)
 
 
-def compile_without_cache(lowered):
-  """`lowered.compile()` for abstract GPUs, kept out of JAX's persistent compilation cache: no
-  process can load such an executable (reading it back is a warning and a recompile)."""
+# XLA's GPU compiler picks the tiles of its Triton GEMM fusions by autotuning on the device; without
+# one it takes a default, and for some shapes (head_dim 224's projections) no tiling of it fits:
+# "Couldn't find output tile sizes". Those programs are compiled with cuBLAS GEMMs, a choice
+# autotuning makes too, which moves no buffer of the step.
+TRITON_GEMM_OFF = {'xla_gpu_enable_triton_gemm': False}
+_NO_TRITON_TILING = "Couldn't find output tile sizes"
+
+
+def compile_without_cache(lowered, kind: str) -> tuple:
+  """(compiled, the XLA options it needed) of `lowered.compile()` for abstract GPUs of `kind`:
+  {} or TRITON_GEMM_OFF. Kept out of JAX's persistent compilation cache: no process can load
+  such an executable (reading it back is a warning and a recompile). Any other failure of XLA's
+  GPU compiler is one ConfigError naming it."""
   import jax
   from jax.experimental.compilation_cache import compilation_cache
 
@@ -139,8 +149,20 @@ def compile_without_cache(lowered):
   before = jax.config.jax_enable_compilation_cache
   jax.config.update('jax_enable_compilation_cache', False)
   compilation_cache.reset_cache()
+  options: dict = {}
   try:
-    return lowered.compile()
+    while True:
+      try:
+        return lowered.compile(compiler_options=options or None), options
+      except jax.errors.JaxRuntimeError as e:
+        if _NO_TRITON_TILING in str(e) and not options:
+          options = dict(TRITON_GEMM_OFF)
+          continue
+        first = str(e).strip().splitlines()[0][:600]
+        raise ConfigError(
+          f"XLA's GPU compiler (jax {jax.__version__}) failed to compile the step for {kind}"
+          f'{" with " + str(options) if options else ""}: {first}'
+        ) from None
   finally:
     jax.config.update('jax_enable_compilation_cache', before)
     compilation_cache.reset_cache()
