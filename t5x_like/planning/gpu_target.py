@@ -146,7 +146,7 @@ def compile_without_cache(lowered, kind: str) -> tuple:
   from jax.experimental.compilation_cache import compilation_cache
 
   # JAX decides once per process whether its cache is used: reset around the change.
-  before = jax.config.jax_enable_compilation_cache
+  before = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
   jax.config.update('jax_enable_compilation_cache', False)
   compilation_cache.reset_cache()
   options: dict = {}
