@@ -15,7 +15,9 @@ no GPU (t5x_like/planning/gpu_target.py; jax's CUDA plugin must be installed): t
 are then XLA's own for the GPU, not a CPU compile's, and the report says whether they fit the
 memory JAX may use of one (`fits`, `usable_gib`; XLA_PYTHON_CLIENT_MEM_FRACTION, as the cost
 model reads it). Meshes of more than 8 GPUs are whole nodes of 8. Without a GPU, XLA gives no
-FLOP count (`xla_flops_per_device` is null), and --breakdown stays with CPU compiles.
+FLOP count (`xla_flops_per_device` is null). With --breakdown it lists XLA's largest buffers
+live at the GPU program's peak and what defines each (`live_at_peak` in --json), without the
+CPU compile's categories, which are fitted to CPU programs.
 
 --breakdown prints where the peak memory goes (`memory_breakdown` in --json), read from XLA's
 buffer assignment for this compile (t5x_like/planning/memory_report.py): the state by kind, the
@@ -52,9 +54,10 @@ from t5x_like.planning import cost_model, gpu_target, memory_report
 from t5x_like.training import schedule, startup
 
 
-def plan(cfg: Config, gpu: str | None = None) -> dict:
+def plan(cfg: Config, gpu: str | None = None, breakdown: bool = False) -> dict:
   """The compiled step's report: for the config's mesh of this machine's devices, or of abstract
-  GPUs of kind `gpu` (gpu_target)."""
+  GPUs of kind `gpu` (gpu_target). A CPU compile's always has the memory breakdown; a GPU
+  compile's has XLA's buffers live at its peak with `breakdown`."""
   from t5x_like.mesh import partitioning
   from t5x_like.model import attention
   from t5x_like.optim import adamw as optim
@@ -71,7 +74,11 @@ def plan(cfg: Config, gpu: str | None = None) -> dict:
   start = time.perf_counter()
   lowered = lower_train_step(cfg, layout, cfg.num_microbatches)
   gpu_options: dict = {}
-  if gpu:
+  if gpu and breakdown:
+    (compiled, gpu_options), dump = memory_report.compile_with_buffer_dump(
+      lowered, compile=lambda options: gpu_target.compile_without_cache(lowered, gpu, options)
+    )
+  elif gpu:
     (compiled, gpu_options), dump = gpu_target.compile_without_cache(lowered, gpu), None
   else:
     compiled, dump = memory_report.compile_with_buffer_dump(lowered)
@@ -138,6 +145,9 @@ def plan(cfg: Config, gpu: str | None = None) -> dict:
   if usable is not None:
     # XLA options the GPU compile needed without a GPU (gpu_target.TRITON_GEMM_OFF), else {}.
     report.update(usable_gib=usable, fits=report['peak_gib'] <= usable, xla_options=gpu_options)
+    if dump is not None:
+      with dump:
+        report['live_at_peak'] = _live_at_peak(dump.name)
     return report
   assert dump is not None
   with dump:
@@ -185,6 +195,33 @@ def _memory_breakdown(cfg: Config, dump_dir: str, memory, peak_gib: float) -> di
   }
 
 
+def _live_at_peak(dump_dir: str) -> dict:
+  try:
+    found = memory_report.live_at_peak(dump_dir)
+  except memory_report.DumpError as e:
+    return {'error': str(e)}
+  gib = 1024**3
+  found['live_gib'] = found.pop('live_bytes') / gib
+  found['largest'] = [dict(r, gib=r.pop('bytes') / gib) for r in found['largest']]
+  return found
+
+
+def print_live_at_peak(report: dict) -> None:
+  found = report['live_at_peak']
+  if 'error' in found:
+    print(f'buffers at the peak unavailable: {found["error"]}')
+    return
+  print(
+    f"\nXLA's peak ({report['peak_gib']:.2f} GiB per {report['compiled_for']}) is at "
+    f'{found["peak_instruction"]} ({found["peak_op"] or "no op name"}); the largest of the '
+    f'{found["live_gib"]:.2f} GiB live there:'
+  )
+  print(f'{"GiB":>9}  {"shape":<34} {"":<8} defined by')
+  for r in found['largest']:
+    kind = 'argument' if r['argument'] else ''
+    print(f'{r["gib"]:9.3f}  {r["shape"]:<34} {kind:<8} {r["defined_by"][-80:]} ({r["value"]})')
+
+
 def print_breakdown(report: dict) -> None:
   breakdown = report['memory_breakdown']
   if 'error' in breakdown:
@@ -218,11 +255,6 @@ def check_model_arguments(args) -> None:
       raise ConfigError(
         f'--gpu {args.gpu!r}: no such GPU kind to compile for; one of: '
         f'{", ".join(gpu_target.DEVICES)}'
-      )
-    if args.gpu is not None and args.breakdown:
-      raise ConfigError(
-        "--breakdown reads a CPU compile's buffers (its categories are fitted to XLA's CPU "
-        'programs); drop --gpu for the breakdown, or --breakdown for the GPU compile'
       )
     extra = [
       flag
@@ -354,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument('--config', required=True)
   parser.add_argument('--json', action='store_true', help='print one JSON object')
   parser.add_argument(
-    '--breakdown', action='store_true', help='print where the peak memory goes (always in --json)'
+    '--breakdown',
+    action='store_true',
+    help='print where the peak memory goes (always in --json for a CPU compile)',
   )
   parser.add_argument(
     '--unroll',
@@ -397,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     # The config is checked for the devices it is compiled for: --gpu's, else this machine's.
     cfg = startup.check_config(cfg, gpu_target.attention_device(args.gpu) if args.gpu else None)
     # The layout refuses a mesh the 8-bit moments cannot be split over.
-    report = plan(cfg, args.gpu)
+    report = plan(cfg, args.gpu, args.breakdown)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
@@ -405,11 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report))
   else:
     for key, value in report.items():
-      if key == 'memory_breakdown':
+      if key in ('memory_breakdown', 'live_at_peak'):
         continue
       print(f'{key:>24}: {value:.4g}' if isinstance(value, float) else f'{key:>24}: {value}')
     if args.breakdown:
-      print_breakdown(report)
+      (print_live_at_peak if args.gpu else print_breakdown)(report)
   return 0
 
 

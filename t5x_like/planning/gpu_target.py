@@ -137,11 +137,12 @@ TRITON_GEMM_OFF = {'xla_gpu_enable_triton_gemm': False}
 _NO_TRITON_TILING = "Couldn't find output tile sizes"
 
 
-def compile_without_cache(lowered, kind: str) -> tuple:
-  """(compiled, the XLA options it needed) of `lowered.compile()` for abstract GPUs of `kind`:
-  {} or TRITON_GEMM_OFF. Kept out of JAX's persistent compilation cache: no process can load
-  such an executable (reading it back is a warning and a recompile). Any other failure of XLA's
-  GPU compiler is one ConfigError naming it."""
+def compile_without_cache(lowered, kind: str, compiler_options: dict | None = None) -> tuple:
+  """(compiled, the XLA options it needed) of `lowered.compile(compiler_options)` for abstract
+  GPUs of `kind`: {} or TRITON_GEMM_OFF. Kept out of JAX's persistent compilation cache: no
+  process can load such an executable (reading it back is a warning and a recompile). An option
+  this XLA does not know is raised as XLA raises it (memory_report drops it and retries); any
+  other failure of XLA's GPU compiler is one ConfigError naming it."""
   import jax
   from jax.experimental.compilation_cache import compilation_cache
 
@@ -153,8 +154,11 @@ def compile_without_cache(lowered, kind: str) -> tuple:
   try:
     while True:
       try:
-        return lowered.compile(compiler_options=options or None), options
+        merged = {**(compiler_options or {}), **options}
+        return lowered.compile(compiler_options=merged or None), options
       except jax.errors.JaxRuntimeError as e:
+        if 'No such compile option' in str(e):
+          raise
         if _NO_TRITON_TILING in str(e) and not options:
           options = dict(TRITON_GEMM_OFF)
           continue

@@ -141,15 +141,17 @@ _DUMP_OPTIONS = {
 }
 
 
-def compile_with_buffer_dump(lowered, options: dict | None = None):
+def compile_with_buffer_dump(lowered, options: dict | None = None, compile=None):
   """(compiled, dump directory) for `lowered` compiled with XLA's dump on (and `options`, more
   compiler options); the caller removes the directory (a `tempfile.TemporaryDirectory`'s name is
-  returned with the object). An option this XLA does not know is dropped."""
+  returned with the object). An option this XLA does not know is dropped. compile(options): what
+  compiles (default `lowered.compile(compiler_options=options)`); its result is returned."""
   tmp = tempfile.TemporaryDirectory(prefix='t5x_like_plan_dump_')
   compiler_options = {'xla_dump_to': tmp.name, **_DUMP_OPTIONS, **(options or {})}
+  compile = compile or (lambda o: lowered.compile(compiler_options=o))
   while True:
     try:
-      return lowered.compile(compiler_options=compiler_options), tmp
+      return compile(compiler_options), tmp
     except Exception as e:  # jax's JaxRuntimeError: INVALID_ARGUMENT, before any compiling
       unknown = [k for k in _DUMP_OPTIONS if k in compiler_options and f"'{k}'" in str(e)]
       if 'No such compile option' not in str(e) or not unknown:
@@ -676,6 +678,54 @@ def breakdown(
       for b in largest
     ],
     'cpu_overstatement_bytes': widened,
+  }
+
+
+def live_at_peak(dump_dir: str, top: int = 15) -> dict:
+  """XLA's own account of a compile's peak, read from its dump without the categories of
+  `breakdown` (fitted to CPU programs; a GPU program's schedule, copies and hoisted zero-fills
+  differ): the instruction the peak is at and its op name, and the largest buffers live there,
+  each with its bytes, shape, whether it is an argument, and what defines it (an argument's tree
+  path, the op that computes it, or XLA's own opcode: a copy it inserted, a loop's value)."""
+  files = _module_files(dump_dir)
+  with open(files['assignment']) as f:
+    text = f.read()
+  allocations = _parsed(parse_assignment, files['assignment'], text)
+  _expect(bool(allocations), files['assignment'], "'allocation N: size S, ...' lines", text)
+  with open(files['values']) as f:
+    text = f.read()
+  defined = _parsed(parse_values, files['values'], text)
+  with open(files['live']) as f:
+    text = f.read()
+  _, peak_at, at_peak, sequence = _parsed(parse_live_ranges, files['live'], text)
+  _expect(peak_at >= 0 and bool(at_peak), files['live'], "'  Live ranges at N (peak):'", text)
+  hlo_path = files['assignment'][: -len(_ASSIGNMENT)] + '.txt'
+  with open(hlo_path) as f:
+    hlo = _parsed(parse_hlo, hlo_path, f.read())
+  positions = {v.name: (a, v) for a in allocations.values() for v in a.values}
+  live = []
+  for name in at_peak:
+    if name not in positions:
+      continue
+    allocation, value = positions[name]
+    opcode, op_name, _ = defined.get(value.id, ('', '', ''))
+    live.append(
+      {
+        'bytes': value.size,
+        'shape': value.shape,
+        'argument': allocation.kind == 'parameter',
+        'defined_by': op_name or opcode,
+        'value': name,
+      }
+    )
+  _expect(bool(live), files['live'], "the peak's positions among the buffer assignment's", '')
+  live.sort(key=lambda r: -r['bytes'])
+  at = sequence[peak_at] if peak_at < len(sequence) else ''
+  return {
+    'peak_instruction': at,
+    'peak_op': hlo.op_names.get(at, ''),
+    'live_bytes': sum(r['bytes'] for r in live),
+    'largest': live[:top],
   }
 
 
