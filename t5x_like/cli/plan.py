@@ -219,7 +219,7 @@ def print_live_at_peak(report: dict) -> None:
   print(f'{"GiB":>9}  {"shape":<34} {"":<8} defined by')
   for r in found['largest']:
     kind = 'argument' if r['argument'] else ''
-    print(f'{r["gib"]:9.3f}  {r["shape"]:<34} {kind:<8} {r["defined_by"][-80:]} ({r["value"]})')
+    print(f'{r["gib"]:9.3f}  {r["shape"]:<34} {kind:<8} {r["defined_by"][-80:]} ({r["values"]})')
 
 
 def print_breakdown(report: dict) -> None:

@@ -703,28 +703,47 @@ def live_at_peak(dump_dir: str, top: int = 15) -> dict:
   with open(hlo_path) as f:
     hlo = _parsed(parse_hlo, hlo_path, f.read())
   positions = {v.name: (a, v) for a in allocations.values() for v in a.values}
-  live = []
+  # Values that occupy the same slice at the peak are one buffer (a conditional's result written
+  # over the copy of its operand, a loop's value and its body's parameter): one row each.
+  slices: dict[tuple[int, int, int], dict] = {}
   for name in at_peak:
     if name not in positions:
       continue
     allocation, value = positions[name]
     opcode, op_name, _ = defined.get(value.id, ('', '', ''))
-    live.append(
+    row = slices.setdefault(
+      (allocation.index, value.offset, value.size),
       {
         'bytes': value.size,
         'shape': value.shape,
         'argument': allocation.kind == 'parameter',
-        'defined_by': op_name or opcode,
-        'value': name,
-      }
+        'defined_by': [],
+        'values': [],
+      },
     )
-  _expect(bool(live), files['live'], "the peak's positions among the buffer assignment's", '')
-  live.sort(key=lambda r: -r['bytes'])
+    if (op_name or opcode) not in row['defined_by']:
+      row['defined_by'].append(op_name or opcode)
+    row['values'].append(name)
+  _expect(bool(slices), files['live'], "the peak's positions among the buffer assignment's", '')
+  live = sorted(
+    (
+      dict(r, defined_by=' / '.join(r['defined_by']), values=', '.join(r['values']))
+      for r in slices.values()
+    ),
+    key=lambda r: -r['bytes'],
+  )
+  # The bytes live: each allocation's live slices merged where they overlap.
+  live_bytes = 0
+  for index in {key[0] for key in slices}:
+    end = -1
+    for _, offset, size in sorted(key for key in slices if key[0] == index):
+      live_bytes += max(0, offset + size - max(offset, end))
+      end = max(end, offset + size)
   at = sequence[peak_at] if peak_at < len(sequence) else ''
   return {
     'peak_instruction': at,
     'peak_op': hlo.op_names.get(at, ''),
-    'live_bytes': sum(r['bytes'] for r in live),
+    'live_bytes': live_bytes,
     'largest': live[:top],
   }
 
