@@ -283,10 +283,8 @@ def test_bloom_176b_fits_an_a100_80gb_by_xlas_gpu_compile():
   """tr11's topology compiled for 384 A100s of 80 GB (48 nodes of 8) by XLA's GPU compiler on
   this CPU: the same state per GPU as the CPU compile, and XLA's GPU peak, which keeps bf16 in
   bf16 (54.6 GiB here against the CPU's 58.4), fits the 60 GiB JAX takes of one by default."""
-  r = run_cli(
-    ['-m', 't5x_like.plan', '--config', 'configs/bloom_176b.py', '--gpu', 'a100-80gb', '--json'],
-    env={'XLA_PYTHON_CLIENT_MEM_FRACTION': ''},
-  )
+  command = ['-m', 't5x_like.plan', '--config', 'configs/bloom_176b.py', '--gpu', 'a100-80gb']
+  r = run_cli([*command, '--breakdown', '--json'], env={'XLA_PYTHON_CLIENT_MEM_FRACTION': ''})
   assert r.returncode == 0, r.stderr[-3000:]
   report = json.loads(r.stdout.strip().splitlines()[-1])
   assert report['compiled_for'] == 'a100-80gb' and report['mesh'] == [8, 12, 4]
@@ -297,6 +295,14 @@ def test_bloom_176b_fits_an_a100_80gb_by_xlas_gpu_compile():
   assert report['usable_gib'] == 60.0 and report['fits']
   assert 50 < report['peak_gib'] < 58, report
   assert 'memory_breakdown' not in report and report['xla_flops_per_device'] is None
+  # XLA's buffers at the peak: values sharing a slice are one buffer (the 1F1B tick's backward
+  # conditional writes its result over XLA's copy of the stage's fp32 gradient), so what is
+  # live there is within the peak.
+  found = report['live_at_peak']
+  assert found['live_gib'] <= report['peak_gib'] and found['peak_op'].endswith('/cond')
+  assert any(
+    r['values'].startswith('conditional') and ', copy' in r['values'] for r in found['largest']
+  )
 
 
 def test_a_gpu_compile_of_two_nodes_says_when_the_step_does_not_fit(monkeypatch):
