@@ -44,6 +44,7 @@ import re
 import sys
 import tarfile
 import tempfile
+import typing
 
 from t5x_like.planning import hlo_text
 
@@ -524,20 +525,18 @@ def _classify(
   return 'other temporaries'
 
 
-def breakdown(
-  dump_dir: str, memory, *, stage_input: tuple | None = None, data: int = 1, top: int = 10
-) -> dict:
-  """The step's memory by category (bytes), from the XLA dump in `dump_dir` and its
-  `compiled.memory_analysis()`. `stage_input`: (kept, rows, seq, hidden) of a pipeline's kept
-  stage inputs on one device (kept: how many), None without a pipeline; `data`: the mesh's data
-  size. With T5X_LIKE_KEEP_XLA_DUMP set, the dump's text files are first kept there (a .tar.gz,
-  `keep_dump`), readable or not."""
-  archive = os.environ.get('T5X_LIKE_KEEP_XLA_DUMP')
-  if archive:
-    try:
-      keep_dump(dump_dir, archive)
-    except OSError as e:
-      print(f'memory_report: the XLA dump was not kept in {archive}: {e}', file=sys.stderr)
+class _Dump(typing.NamedTuple):
+  """The parts of one module's dump that `breakdown` and `live_at_peak` read, each checked."""
+
+  files: dict
+  allocations: dict
+  defined: dict
+  live: tuple  # parse_live_ranges': (ranges, peak index, positions at the peak, schedule)
+  hlo: Hlo
+
+
+def _read_dump(dump_dir: str) -> _Dump:
+  """The step module's buffer assignment, value definitions, live ranges and optimized text."""
   files = _module_files(dump_dir)
   # Each part of the dump is checked as it is read: a format this module no longer matches is a
   # DumpError naming the part, never categories computed from half-read files.
@@ -559,7 +558,8 @@ def breakdown(
   )
   with open(files['live']) as f:
     text = f.read()
-  ranges, peak_at, at_peak, sequence = _parsed(parse_live_ranges, files['live'], text)
+  live = _parsed(parse_live_ranges, files['live'], text)
+  ranges, peak_at, at_peak, sequence = live
   _expect(bool(sequence), files['live'], "the '  InstructionSequence:' section", text)
   _expect(
     bool(ranges), files['live'], "the '  BufferLiveRange:' section ('name{}:start-end')", text
@@ -571,6 +571,24 @@ def breakdown(
     text = f.read()
   hlo = _parsed(parse_hlo, hlo_path, text)
   _expect(bool(hlo.module.by_name), hlo_path, "instructions ('%name = shape opcode(...)')", text)
+  return _Dump(files, allocations, defined, live, hlo)
+
+
+def breakdown(
+  dump_dir: str, memory, *, stage_input: tuple | None = None, data: int = 1, top: int = 10
+) -> dict:
+  """The step's memory by category (bytes), from the XLA dump in `dump_dir` and its
+  `compiled.memory_analysis()`. `stage_input`: (kept, rows, seq, hidden) of a pipeline's kept
+  stage inputs on one device (kept: how many), None without a pipeline; `data`: the mesh's data
+  size. With T5X_LIKE_KEEP_XLA_DUMP set, the dump's text files are first kept there (a .tar.gz,
+  `keep_dump`), readable or not."""
+  archive = os.environ.get('T5X_LIKE_KEEP_XLA_DUMP')
+  if archive:
+    try:
+      keep_dump(dump_dir, archive)
+    except OSError as e:
+      print(f'memory_report: the XLA dump was not kept in {archive}: {e}', file=sys.stderr)
+  files, allocations, defined, (ranges, peak_at, at_peak, sequence), hlo = _read_dump(dump_dir)
   for allocation in allocations.values():
     for v in allocation.values:
       v.opcode, v.op_name, rhs = defined.get(v.id, ('', '', ''))
@@ -595,7 +613,7 @@ def breakdown(
     )
   _expect(
     sum(name in hlo.op_names for name in sequence) > 0,
-    hlo_path,
+    files['assignment'][: -len(_ASSIGNMENT)] + '.txt',  # the optimized module
     "op names (metadata={op_name=...}) of the schedule's instructions",
     '',
   )
@@ -687,21 +705,7 @@ def live_at_peak(dump_dir: str, top: int = 15) -> dict:
   differ): the instruction the peak is at and its op name, and the largest buffers live there,
   each with its bytes, shape, whether it is an argument, and what defines it (an argument's tree
   path, the op that computes it, or XLA's own opcode: a copy it inserted, a loop's value)."""
-  files = _module_files(dump_dir)
-  with open(files['assignment']) as f:
-    text = f.read()
-  allocations = _parsed(parse_assignment, files['assignment'], text)
-  _expect(bool(allocations), files['assignment'], "'allocation N: size S, ...' lines", text)
-  with open(files['values']) as f:
-    text = f.read()
-  defined = _parsed(parse_values, files['values'], text)
-  with open(files['live']) as f:
-    text = f.read()
-  _, peak_at, at_peak, sequence = _parsed(parse_live_ranges, files['live'], text)
-  _expect(peak_at >= 0 and bool(at_peak), files['live'], "'  Live ranges at N (peak):'", text)
-  hlo_path = files['assignment'][: -len(_ASSIGNMENT)] + '.txt'
-  with open(hlo_path) as f:
-    hlo = _parsed(parse_hlo, hlo_path, f.read())
+  files, allocations, defined, (_, peak_at, at_peak, sequence), hlo = _read_dump(dump_dir)
   positions = {v.name: (a, v) for a in allocations.values() for v in a.values}
   # Values that occupy the same slice at the peak are one buffer (a conditional's result written
   # over the copy of its operand, a loop's value and its body's parameter): one row each.
