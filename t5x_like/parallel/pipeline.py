@@ -621,35 +621,50 @@ def one_f_one_b_loss_and_grads(
   embedding_master, embedding_compute = sched.embedding_params
   zero_repeat = jnp.zeros((P,), jnp.int32)
 
-  def backward_stages(x, cotangent, injection, layer_grads):
-    """Every stage's backward, its forward recomputed: (layer_grads plus the stages' fp32 weight
-    gradients, their input cotangents). The pullback of the vmapped stages, not a vmap of each
-    stage's pullback: XLA then holds 3 GiB less per device on tr11 (docs/benchmarks.md)."""
+  # Where this schedule's rank holds its stage's whole fp32 gradient (each data rank its own
+  # schedule, or no data split), the tick's conditionals return the tick's weight gradients and
+  # they are added to the accumulator after them: a conditional that carried the accumulator
+  # made XLA hold it twice (its copy for the branch that passes it through; docs/benchmarks.md).
+  # They are differentiated w.r.t. compute-dtype stand-ins for the masters, whose values are
+  # never read (`compute_copy`): a tick's gradient then comes out in the compute dtype of the
+  # cotangent each use sends, half the bytes of fp32, and is widened as it is added, as
+  # DeepSpeed's BF16 optimizer adds each micro-batch's bf16 gradient to its fp32 accumulator.
+  # Where the data ranks share the schedule, the accumulator is split over `data`, each layer's
+  # gradient is reduce-scattered into it as it is computed (differentiated w.r.t. the masters,
+  # whose split it takes), and the backward's conditional carries it: less memory that way.
+  own_gradient = 'data' in loss_axes or ctx.mesh is None or ctx.mesh.shape.get('data', 1) == 1
+  if own_gradient:
+    stand_in = lambda compute: jax.tree.map(lambda c: jnp.zeros(c.shape, sched.dtype), compute)
+    stage_stand_ins = stand_in(computes)
+    head_stand_ins = stand_in(head_compute)
+    embedding_stand_ins = stand_in(embedding_compute)
+  else:
+    stage_stand_ins, head_stand_ins, embedding_stand_ins = masters, head_master, embedding_master
+
+  def backward_stages(x, cotangent, injection):
+    """Every stage's backward, its forward recomputed: (the stages' weight gradients, w.r.t.
+    the stand-ins, their input cotangents). The pullback of the vmapped stages, not a vmap of
+    each stage's pullback: XLA then holds 3 GiB less per device on tr11 (docs/benchmarks.md)."""
     forward = lambda master, x: sched.stages(
       (master, computes), x, zero_repeat, injection, sched.slot_is_real, sched.slot_layer, rng
     )
-    _, pullback = jax.vjp(forward, masters, x)
-    grads, cotangent = pullback(cotangent)
-    return jax.tree.map(jnp.add, layer_grads, grads), cotangent
+    _, pullback = jax.vjp(forward, stage_stand_ins, x)
+    return pullback(cotangent)
 
   def head_forward_backward(x, tokens):
     loss, pullback = jax.vjp(
-      lambda master, x: sched.head_loss((master, head_compute), x, tokens), head_master, x
+      lambda master, x: sched.head_loss((master, head_compute), x, tokens), head_stand_ins, x
     )
     head_grads, x_cotangent = pullback(jnp.asarray(scale, loss.dtype))
     return loss, head_grads, x_cotangent
 
   def no_head(x, tokens):
     del tokens
-    return (
-      jnp.float32(0.0),
-      jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), head_master),
-      jnp.zeros_like(x),
-    )
+    return jnp.float32(0.0), jax.tree.map(jnp.zeros_like, head_stand_ins), jnp.zeros_like(x)
 
   def embedding_backward(m, cotangent):
     _, pullback = jax.vjp(
-      lambda master: sched.embed_with((master, embedding_compute), m), embedding_master
+      lambda master: sched.embed_with((master, embedding_compute), m), embedding_stand_ins
     )
     return pullback(cotangent)[0]
 
@@ -667,9 +682,10 @@ def one_f_one_b_loss_and_grads(
     )
     return ctx.constrain(outputs, sched.buffer_names), kept
 
-  def backward_half(t, cotangents, kept, grads):
-    """Stage s runs the backward of micro-batch t - (2P - 2) + s from its kept input, and adds
-    its weight gradient to `grads` (stage 0 adds the embedding's too)."""
+  def backward_half(t, cotangents, kept):
+    """Stage s runs the backward of micro-batch t - (2P - 2) + s from its kept input: the
+    cotangents one stage down, and this tick's weight gradients (stage 0's with the
+    embedding's), in the compute dtype."""
     injection = t - (2 * P - 2) + stage_ids
     active = (injection >= 0) & (injection < M)
     # Zero cotangents give exactly zero gradients: the idle stages add nothing.
@@ -677,21 +693,29 @@ def one_f_one_b_loss_and_grads(
     inputs = jax.vmap(
       lambda k, slot: jax.lax.dynamic_index_in_dim(k, slot, 0, False), spmd_axis_name='pipeline'
     )(kept, jnp.mod(injection, slots))
-    layer_grads, other_grads = grads
-    layer_grads, input_cotangents = backward_stages(inputs, cotangents, injection, layer_grads)
-    other_grads = jax.lax.cond(
+    layer_grads, input_cotangents = backward_stages(inputs, cotangents, injection)
+    embedding_grads = jax.lax.cond(
       active[0],
-      lambda g: jax.tree.map(
-        jnp.add, g, embedding_backward(jnp.clip(injection[0], 0, M - 1), input_cotangents[0])
-      ),
-      lambda g: g,
-      other_grads,
+      lambda: embedding_backward(jnp.clip(injection[0], 0, M - 1), input_cotangents[0]),
+      lambda: jax.tree.map(jnp.zeros_like, embedding_stand_ins),
     )
     input_cotangents = ctx.constrain(input_cotangents, sched.buffer_names)
-    return jnp.roll(input_cotangents, -1, axis=0), (layer_grads, other_grads)
+    return jnp.roll(input_cotangents, -1, axis=0), (layer_grads, embedding_grads)
+
+  def no_backward(t, cotangents, kept):
+    del t, kept
+    return cotangents, jax.tree.map(jnp.zeros_like, (stage_stand_ins, embedding_stand_ins))
+
+  accumulate = lambda total, tick_grads: jax.tree.map(
+    lambda g, d: g + d.astype(g.dtype), total, tick_grads
+  )
+
+  def backward_into(t, cotangents, kept, grads):
+    cotangents, tick_grads = backward_half(t, cotangents, kept)
+    return cotangents, accumulate(grads, tick_grads)
 
   def tick(carry, t):
-    forward, cotangents, kept, grads, loss_sum = carry
+    forward, cotangents, kept, (layer_grads, other_grads), loss_sum = carry
     # The fill's P - 1 ticks run no backward, the drain's P - 1 no forward.
     outputs, kept = jax.lax.cond(
       t < M + P - 1, forward_half, lambda t, f, k: (f, k), t, forward, kept
@@ -701,21 +725,20 @@ def one_f_one_b_loss_and_grads(
     loss, head_grads, last_cotangent = jax.lax.cond(
       (m_out >= 0) & (m_out < M), head_forward_backward, no_head, outputs[P - 1], leaving
     )
-    layer_grads, other_grads = grads
-    other_grads = {
-      k: (jax.tree.map(jnp.add, v, head_grads[k]) if k in head_grads else v)
-      for k, v in other_grads.items()
-    }
-    cotangents = cotangents.at[P - 1].set(last_cotangent.astype(sched.dtype))
-    cotangents, grads = jax.lax.cond(
-      t >= P - 1,
-      backward_half,
-      lambda t, c, k, g: (c, g),
-      t,
-      cotangents,
-      kept,
-      (layer_grads, other_grads),
+    other_grads = dict(
+      other_grads, **accumulate({k: other_grads[k] for k in head_grads}, head_grads)
     )
+    cotangents = cotangents.at[P - 1].set(last_cotangent.astype(sched.dtype))
+    grads = (layer_grads, other_grads)
+    if own_gradient:
+      cotangents, tick_grads = jax.lax.cond(
+        t >= P - 1, backward_half, no_backward, t, cotangents, kept
+      )
+      grads = accumulate(grads, tick_grads)
+    else:
+      cotangents, grads = jax.lax.cond(
+        t >= P - 1, backward_into, lambda t, c, k, g: (c, g), t, cotangents, kept, grads
+      )
     return (jnp.roll(outputs, 1, axis=0), cotangents, kept, grads, loss_sum + loss), None
 
   fp32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
