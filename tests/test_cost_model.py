@@ -120,19 +120,23 @@ MIN_SPEARMAN = 0.7
 # Seed 004's first NHEADS comparison (02-23/24, NHIDDEN 14336, NLAYERS 72, DP8 TP8 PP6 MBS4):
 # (NHEADS, sec/it). Only the attention scores' traffic tells the head counts apart.
 HEADS_0223 = [(16, 121.03), (32, 124.01), (64, 120.18), (112, 138.72), (128, 124.89), (256, 132.85)]
-# XLA's peak per device from `plan` for the same configs, the 02-25 rows as bloom_176b.py
-# overrides: (row, under pipeline.grad_sync 'tick', under 'step'), GiB (docs/benchmarks.md,
-# 2026-11-26, `python benchmarks/plan_topologies.py --grad_sync tick`, then `step`).
+# XLA's peak per device for the same configs, the 02-25 rows as bloom_176b.py overrides, GiB:
+# (row, its CPU compile under pipeline.grad_sync 'tick' (`plan`; docs/benchmarks.md, 2026-11-26,
+# `python benchmarks/plan_topologies.py --grad_sync tick`), its GPU compile under 'step'
+# (`plan --gpu a100-80gb`, XLA's GPU compiler without a GPU, jax 0.10.2; 2026-11-27,
+# `plan_topologies.py --grad_sync step --gpu a100-80gb`)).
 PLAN_PEAK_GIB = [
-  ((8, 4, 12, 2, 2048), 28.69, 55.57),
-  ((8, 8, 6, 4, 2048), 26.21, 51.60),
-  ((4, 8, 12, 4, 2048), 23.58, 34.98),
-  ((16, 4, 6, 2, 2048), 41.92, 89.40),
-  ((8, 2, 24, 1, 2048), 39.21, 65.40),
-  ((16, 2, 12, 2, 2048), 48.70, 104.05),
-  ((12, 8, 4, 4, 2016), 31.62, 66.70),
-  ((24, 8, 2, 2, 2016), 54.10, 115.81),
+  ((8, 4, 12, 2, 2048), 28.69, 46.55),
+  ((8, 8, 6, 4, 2048), 26.21, 40.86),
+  ((4, 8, 12, 4, 2048), 23.58, 28.03),
+  ((16, 4, 6, 2, 2048), 41.92, 73.15),
+  ((8, 2, 24, 1, 2048), 39.21, 60.17),
+  ((16, 2, 12, 2, 2048), 48.70, 86.67),
+  ((12, 8, 4, 4, 2016), 31.62, 51.64),
+  ((24, 8, 2, 2, 2016), 54.10, 92.14),
 ]
+# tr11's GPU compile under 'step', at MBS 2 with its ramp-up and at MBS 4, the same way.
+GPU_TR11_STEP_PEAK_GIB = (46.55, 49.64)
 
 
 def spearman(xs, ys) -> float:
@@ -346,8 +350,7 @@ def test_memory_is_consistent_with_plans_xla_figures():
   cases = [
     (fit_planner.chronicles_config(72, 14336, 64, *row), xla, 0.22) for row, xla, _ in PLAN_PEAK_GIB
   ]
-  # The figures of tr11 were compiled with grad_sync='tick' (its 'step', 58.45 GiB: the next
-  # test).
+  # The figures of tr11 were compiled with grad_sync='tick' (its 'step': the next test).
   tr11 = load_config_file(
     os.path.join(REPO, 'configs', 'bloom_176b.py'), {'pipeline.grad_sync': 'tick'}
   )
@@ -361,12 +364,11 @@ def test_memory_is_consistent_with_plans_xla_figures():
     assert abs(estimated / xla - 1) < bound, (cfg.mesh, estimated, xla)
 
 
-def test_memory_under_grad_sync_step_is_consistent_with_plans_xla_figures():
+def test_memory_under_grad_sync_step_is_consistent_with_xlas_gpu_compiles():
   """Each data rank holding its stage's whole fp32 gradient (grad_sync='step', what
-  bloom_176b.py ships): within -5% to +10% of XLA's peak for tr11 (at MBS 2 with the ramp-up and
-  at MBS 4) and the chronicles' eight topologies. The tick's whole-stage gradient beside the
-  accumulator is what the model must count (cost_model.STEP_TICK_GRADIENT_LIVE): without it the
-  estimates were 12-25% under."""
+  bloom_176b.py ships): within -7% to +14% of XLA's GPU compiles of tr11 (at MBS 2 with the
+  ramp-up and at MBS 4) and the chronicles' eight topologies. (A tick's compute-dtype gradient
+  counted beside the accumulator put it 6-30% over them.)"""
   step = {'pipeline': {'grad_sync': 'step'}}
   cases = [
     (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**step), xla)
@@ -375,12 +377,20 @@ def test_memory_under_grad_sync_step_is_consistent_with_plans_xla_figures():
   tr11 = load_config_file(os.path.join(REPO, 'configs', 'bloom_176b.py'))
   assert tr11.grad_sync == 'step'
   cases += [
-    (tr11, 58.45),
-    (tr11.replace(train={'micro_batch_size': 4, 'rampup_batch_size': ()}), 67.42),
+    (tr11, GPU_TR11_STEP_PEAK_GIB[0]),
+    (
+      tr11.replace(train={'micro_batch_size': 4, 'rampup_batch_size': ()}),
+      GPU_TR11_STEP_PEAK_GIB[1],
+    ),
   ]
   for cfg, xla in cases:
     estimated = cost_model.estimate(cfg, 'a100-80gb')['estimated_memory_gib']
-    assert -0.05 < estimated / xla - 1 < 0.1, (cfg.mesh, cfg.train.micro_batch_size, estimated, xla)
+    assert -0.07 < estimated / xla - 1 < 0.14, (
+      cfg.mesh,
+      cfg.train.micro_batch_size,
+      estimated,
+      xla,
+    )
 
 
 def test_estimate_adds_up_its_parts():

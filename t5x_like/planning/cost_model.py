@@ -295,13 +295,6 @@ def measured_attention_tflops(measured: Measured, impl: str, seq: int) -> tuple[
 
 # The share of a GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION; 0.75 when it
 # is unset: JAX's documentation, "GPU memory allocation"): the budget a run fits in, not the HBM.
-# Under pipeline.grad_sync='step', the share of a tick's whole-stage fp32 weight gradient that XLA
-# keeps live beside the rank's whole accumulator at its peak: fitted to its CPU compiles of tr11
-# and the chronicles' eight topologies (docs/benchmarks.md, 2026-11-26), which the model then
-# meets within -1% to +8%. Without the term it was 12-25% under them; with the whole gradient,
-# 4-15% over.
-STEP_TICK_GRADIENT_LIVE = 0.75
-
 DEFAULT_JAX_MEMORY_FRACTION = 0.75
 
 # The CUDA context and kernels a PyTorch process holds on an A100 before allocating anything (seed
@@ -560,8 +553,12 @@ def memory_bytes(
   # sharding (step.gathered_params): a GPU compile must confirm it.
   out['gradient accumulators'] = 4 * state / g + 4 * embedding
   if per_rank_pipeline(cfg, framework):
-    # Each data rank adds its own micro-batches' fp32 gradients up, the stage's whole (XLA's
-    # compile of tr11: 58.45 GiB peak, 31.36 with grad_sync='tick').
+    # Each data rank adds its own micro-batches' fp32 gradients up, the stage's whole. A tick's
+    # compute-dtype gradient beside it is not counted: fitted to XLA's GPU compiles of tr11 and
+    # the chronicles' eight topologies under 'step' (docs/benchmarks.md, 2026-11-27), whose peaks
+    # the model meets within -7% to +13% without it and overshoots by 6-30% with it (the terms
+    # here count what those peaks do not hold: the embedding's fp32 gather, each recomputed
+    # layer's matmul outputs).
     out['gradient accumulators'] = 4 * state + 4 * embedding
   # One layer's backward: its matmul outputs, and the softmax's f32 probabilities, their
   # gradient and the dropout mask's ('xla'; 2.93 GiB of the 49.07 GiB the H100 measured for
@@ -574,10 +571,6 @@ def memory_bytes(
     out['backward workspace'] += 2 * compute_bytes * heads * s * s
   if impl == 'tokamax' and alibi:
     out['backward workspace'] += 2 * b * heads * s * s
-  if per_rank_pipeline(cfg, framework):
-    # A tick's backward returns the stage's whole fp32 weight gradient before it is added to the
-    # rank's whole accumulator; XLA keeps part of it beside the rest (STEP_TICK_GRADIENT_LIVE).
-    out['backward workspace'] += STEP_TICK_GRADIENT_LIVE * 4 * stage
   if p == 1:
     # Without a pipeline the backward of a micro-batch returns its gradient before it is added to
     # the accumulator: the layers' stacked by the scan in the compute dtype and the token
