@@ -281,7 +281,7 @@ def test_memory_breakdown_reads_both_forms_of_the_module_text(tmp_path):
 
 def test_bloom_176b_fits_an_a100_80gb_by_xlas_gpu_compile():
   """tr11's topology compiled for 384 A100s of 80 GB (48 nodes of 8) by XLA's GPU compiler on
-  this CPU: the same state per GPU as the CPU compile, and XLA's GPU peak (46.6 GiB here) fits
+  this CPU: the same state per GPU as the CPU compile, and XLA's GPU peak (45.9 GiB here) fits
   the 60 GiB JAX takes of one by default. At the peak, in the 1F1B tick's backward, the stage's
   fp32 gradient is held once: no conditional carries it (with one, XLA held it twice, at 54.6)."""
   command = ['-m', 't5x_like.plan', '--config', 'configs/bloom_176b.py', '--gpu', 'a100-80gb']
@@ -296,9 +296,10 @@ def test_bloom_176b_fits_an_a100_80gb_by_xlas_gpu_compile():
   assert report['usable_gib'] == 60.0 and report['fits']
   assert 40 < report['peak_gib'] < 50, report
   assert 'memory_breakdown' not in report and report['xla_flops_per_device'] is None
-  # The buffers live where the most bytes are, each slice once: they fill the allocation.
+  # The buffers live where the most bytes are, each slice once: the allocation less XLA's packing
+  # loss (1.0 GiB here; the point XLA's dump names had 32.8 GiB live).
   found = report['live_at_peak']
-  assert 0.99 * report['peak_gib'] < found['live_gib'] <= report['peak_gib']
+  assert 0.95 * report['peak_gib'] < found['live_gib'] <= report['peak_gib']
   assert '/while/body/' in found['peak_op'] and 'transpose(' in found['peak_op']
   # The stage's fp32 gradient, per device 6 layers of a quarter of the heads and FFN: one buffer
   # per kernel (the MLP's two share a shape), and the tick's compute-dtype gradient beside it.

@@ -556,7 +556,7 @@ def memory_bytes(
     # Each data rank adds its own micro-batches' fp32 gradients up, the stage's whole. A tick's
     # compute-dtype gradient beside it is not counted: fitted to XLA's GPU compiles of tr11 and
     # the chronicles' eight topologies under 'step' (docs/benchmarks.md, 2026-11-27), whose peaks
-    # the model meets within -7% to +13% without it and overshoots by 6-30% with it (the terms
+    # the model meets within -5% to +17% without it and overshoots by 11-31% with it (the terms
     # here count what those peaks do not hold: the embedding's fp32 gather, each recomputed
     # layer's matmul outputs).
     out['gradient accumulators'] = 4 * state + 4 * embedding
