@@ -368,6 +368,11 @@ def test_live_bytes_count_shared_bytes_once():
   ]
   live = memory_report.live_bytes_by_position(values, 8)
   assert live.tolist() == [100, 100, 100, 107, 150, 110, 10, 0]
+  # Counted a few positions at a time (bounded memory), the same.
+  for cells in (1, 7, 16):
+    assert (
+      memory_report.live_bytes_by_position(values, 8, max_cells=cells).tolist() == live.tolist()
+    )
 
 
 def test_a_gpu_compiles_breakdown_lists_xlas_buffers_at_its_peak(capsys):

@@ -701,28 +701,40 @@ def breakdown(
   }
 
 
-def live_bytes_by_position(values: list[tuple[int, int, int, int, int]], positions: int):
+def live_bytes_by_position(
+  values: list[tuple[int, int, int, int, int]], positions: int, max_cells: int = 2**24
+):
   """The bytes live at each position of a schedule of `positions` instructions: `values` are
   (allocation, offset, size, start, end) with their live range [start, end]; values that share
   bytes of an allocation (a loop's value and its body's parameter, a conditional's result and its
-  operand's copy) count them once."""
+  operand's copy) count them once. Memory: about `max_cells` counters at a time, whatever the
+  schedule's length (an unrolled step's runs to hundreds of thousands of positions)."""
   live = np.zeros(positions, np.int64)
   by_allocation: dict[int, list] = {}
   for value in values:
     by_allocation.setdefault(value[0], []).append(value[1:])
   for spans in by_allocation.values():
     # The allocation cut at every slice's ends: each value covers a run of segments for a run of
-    # positions, counted with a 2-D difference array.
+    # positions, counted with a 2-D difference array, a block of positions at a time.
     cuts = np.unique([e for offset, size, *_ in spans for e in (offset, offset + size)])
-    covered = np.zeros((positions + 1, len(cuts)), np.int32)
+    segments = np.diff(cuts)
+    changes: dict[int, list] = {}
     for offset, size, start, end in spans:
       first, last = np.searchsorted(cuts, [offset, offset + size])
-      covered[start, first] += 1
-      covered[start, last] -= 1
-      covered[end + 1, first] -= 1
-      covered[end + 1, last] += 1
-    covered = covered.cumsum(axis=0).cumsum(axis=1)[:positions, :-1]
-    live += (covered > 0) @ np.diff(cuts)
+      changes.setdefault(start, []).append((first, last, 1))
+      changes.setdefault(end + 1, []).append((first, last, -1))
+    rows = max(1, max_cells // len(cuts))
+    covered_before = np.zeros(len(cuts), np.int32)  # the per-cut difference row so far
+    for block in range(0, positions, rows):
+      stop = min(block + rows, positions)
+      delta = np.zeros((stop - block, len(cuts)), np.int32)
+      for position in range(block, stop):
+        for first, last, sign in changes.get(position, ()):
+          delta[position - block, first] += sign
+          delta[position - block, last] -= sign
+      delta = delta.cumsum(axis=0) + covered_before
+      covered_before = delta[-1]
+      live[block:stop] += (delta.cumsum(axis=1)[:, :-1] > 0) @ segments
   return live
 
 
