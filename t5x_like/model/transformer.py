@@ -394,18 +394,29 @@ lookup_rows.defvjp(_lookup_rows_forward, _lookup_rows_backward)
 
 
 def embed_tokens(params, tokens, cfg: ModelConfig, ctx: Context, positions=None):
-  """The Transformer's input side on a param tree: the token lookup (a vocab-split table: masked
-  local lookup + all-reduce), then BLOOM's embedding LayerNorm, or GPT-2's positions (after the
-  LayerNorm of model.stable_embedding). `positions` [B, S]: each token's (decoding); default
-  0..S-1 on every row."""
+  """The Transformer's input side on a param tree: the token lookup (`lookup_tokens`), then
+  `embed_rows`."""
+  return embed_rows(params, lookup_tokens(params, tokens, ctx), cfg, ctx, positions)
+
+
+def lookup_tokens(params, tokens, ctx: Context) -> jax.Array:
+  """The rows [B, S, h] of the token table for tokens [B, S], in the compute dtype (a
+  vocab-split table: masked local lookup + all-reduce)."""
   table = params['word_embeddings'].astype(ctx.dtype)
   if ctx.mesh is not None:
     table = partitioning.lookup_table(table, ctx.mesh)
-  x = lookup_rows(table, tokens)
+  return lookup_rows(table, tokens)
+
+
+def embed_rows(params, rows, cfg: ModelConfig, ctx: Context, positions=None):
+  """The input side after the lookup, on the looked-up `rows` [B, S, h]: BLOOM's embedding
+  LayerNorm, or GPT-2's positions (after the LayerNorm of model.stable_embedding). `positions`
+  [B, S]: each token's (decoding); default 0..S-1 on every row. Reads no `word_embeddings`."""
+  x = rows
   if has_embed_ln(cfg):
     x = apply_norm(cfg, ctx, params['embed_ln'], ctx.constrain(x, ctx.residual_names))
   if cfg.architecture == 'gpt2' and positions is None:
-    x = x + params['position_embeddings'][: tokens.shape[1]].astype(ctx.dtype)[None]
+    x = x + params['position_embeddings'][: rows.shape[1]].astype(ctx.dtype)[None]
   elif cfg.architecture == 'gpt2':
     # 'clip': a decoding cache may be longer than the table; no real token sits past its end.
     table = params['position_embeddings'].astype(ctx.dtype)

@@ -373,11 +373,24 @@ class Schedule:
     x, _ = jax.lax.scan(one_layer, x, jnp.arange(self.placement.chunk), unroll=unroll)
     return x
 
+  def input_tokens(self, m):
+    """Micro-batch m's input token ids [rows, S]."""
+    return losses.split_tokens(jax.lax.dynamic_index_in_dim(self.batch, m, 0, False))[0]
+
   def embed_with(self, embedding_params, m):
     """Micro-batch m's embedded (and dropped-out) tokens."""
-    inputs, _, _ = losses.split_tokens(jax.lax.dynamic_index_in_dim(self.batch, m, 0, False))
+    return self.embed_rows_with(embedding_params, self.lookup_with(embedding_params, m), m)
+
+  def lookup_with(self, embedding_params, m):
+    """Micro-batch m's rows of the token table, in the compute dtype."""
     embedding = self.ctx.gather_top(self.read(*embedding_params))
-    x = model_lib.embed_tokens(embedding, inputs, self.cfg.model, self.ctx)
+    return model_lib.lookup_tokens(embedding, self.input_tokens(m), self.ctx)
+
+  def embed_rows_with(self, embedding_params, rows, m):
+    """`embed_with` from micro-batch m's looked-up `rows`: its embedding_params need no token
+    table."""
+    embedding = self.ctx.gather_top(self.read(*embedding_params))
+    x = model_lib.embed_rows(embedding, rows, self.cfg.model, self.ctx)
     return _dropout(x, self.hidden_dropout, self.keyed(self.rng, m, _EMBED_DROPOUT_ID))
 
   def head_loss(self, head_params, x, tokens):
@@ -632,14 +645,20 @@ def one_f_one_b_loss_and_grads(
   # Where the data ranks share the schedule, the accumulator is split over `data`, each layer's
   # gradient is reduce-scattered into it as it is computed (differentiated w.r.t. the masters,
   # whose split it takes), and the backward's conditional carries it: less memory that way.
+  # In both, the cotangents of the rows the embedding looked up are scattered straight into the
+  # token table's accumulator. A tick's whole-table gradient, a scatter-add into zeros, cost tr11
+  # 5 GiB at the step's peak under 'step', and under 'tick' XLA all-reduced it unsplit, 13.4 GiB
+  # a tick (docs/benchmarks.md).
   own_gradient = 'data' in loss_axes or ctx.mesh is None or ctx.mesh.shape.get('data', 1) == 1
+  tableless = lambda tree: {k: v for k, v in tree.items() if k != 'word_embeddings'}
   if own_gradient:
     stand_in = lambda compute: jax.tree.map(lambda c: jnp.zeros(c.shape, sched.dtype), compute)
     stage_stand_ins = stand_in(computes)
     head_stand_ins = stand_in(head_compute)
-    embedding_stand_ins = stand_in(embedding_compute)
+    embedding_stand_ins = stand_in(tableless(embedding_compute))
   else:
-    stage_stand_ins, head_stand_ins, embedding_stand_ins = masters, head_master, embedding_master
+    stage_stand_ins, head_stand_ins = masters, head_master
+    embedding_stand_ins = tableless(embedding_master)
 
   def backward_stages(x, cotangent, injection):
     """Every stage's backward, its forward recomputed: (the stages' weight gradients, w.r.t.
@@ -663,10 +682,33 @@ def one_f_one_b_loss_and_grads(
     return jnp.float32(0.0), jax.tree.map(jnp.zeros_like, head_stand_ins), jnp.zeros_like(x)
 
   def embedding_backward(m, cotangent):
-    _, pullback = jax.vjp(
-      lambda master: sched.embed_with((master, embedding_compute), m), embedding_stand_ins
+    """Micro-batch m's embedding gradients from its output's cotangent: (those of the
+    weights but the token table, w.r.t. their stand-ins, the cotangents of the looked-up rows),
+    which `add_embedding_gradients` adds up."""
+    rows = sched.lookup_with(sched.embedding_params, m)
+    embed = lambda master, rows: sched.embed_rows_with(
+      (master, tableless(embedding_compute)), rows, m
     )
-    return pullback(cotangent)[0]
+    _, pullback = jax.vjp(embed, embedding_stand_ins, rows)
+    return pullback(cotangent)
+
+  def no_embedding_gradients():
+    zeros = jax.tree.map(jnp.zeros_like, embedding_stand_ins)
+    return zeros, jnp.zeros(sched.activation_shape, sched.dtype)
+
+  def add_embedding_gradients(other_grads, embedding_grads, t):
+    """other_grads (the accumulators of the weights outside the stages) plus a tick's
+    `embedding_backward` of the micro-batch stage 0 runs backward at tick t (zeros where
+    none)."""
+    weight_grads, row_cotangents = embedding_grads
+    other_grads = dict(
+      other_grads, **accumulate({k: other_grads[k] for k in weight_grads}, weight_grads)
+    )
+    tokens = sched.input_tokens(jnp.clip(t - (2 * P - 2), 0, M - 1))
+    table = other_grads['word_embeddings']
+    # Each use of a row adds its fp32 cotangent, as `model.lookup_rows`' own gradient does.
+    table = table.at[tokens].add(row_cotangents.astype(table.dtype))
+    return dict(other_grads, word_embeddings=table)
 
   def forward_half(t, forward, kept):
     """Stage s runs micro-batch t - s; its input is kept in slot (t - s) mod (2P - 1)."""
@@ -697,22 +739,29 @@ def one_f_one_b_loss_and_grads(
     embedding_grads = jax.lax.cond(
       active[0],
       lambda: embedding_backward(jnp.clip(injection[0], 0, M - 1), input_cotangents[0]),
-      lambda: jax.tree.map(jnp.zeros_like, embedding_stand_ins),
+      no_embedding_gradients,
     )
     input_cotangents = ctx.constrain(input_cotangents, sched.buffer_names)
     return jnp.roll(input_cotangents, -1, axis=0), (layer_grads, embedding_grads)
 
   def no_backward(t, cotangents, kept):
     del t, kept
-    return cotangents, jax.tree.map(jnp.zeros_like, (stage_stand_ins, embedding_stand_ins))
+    return cotangents, (jax.tree.map(jnp.zeros_like, stage_stand_ins), no_embedding_gradients())
 
   accumulate = lambda total, tick_grads: jax.tree.map(
     lambda g, d: g + d.astype(g.dtype), total, tick_grads
   )
 
+  def accumulate_tick(grads, tick_grads, t):
+    (layer_grads, other_grads), (tick_layer_grads, embedding_grads) = grads, tick_grads
+    return (
+      accumulate(layer_grads, tick_layer_grads),
+      add_embedding_gradients(other_grads, embedding_grads, t),
+    )
+
   def backward_into(t, cotangents, kept, grads):
     cotangents, tick_grads = backward_half(t, cotangents, kept)
-    return cotangents, accumulate(grads, tick_grads)
+    return cotangents, accumulate_tick(grads, tick_grads, t)
 
   def tick(carry, t):
     forward, cotangents, kept, (layer_grads, other_grads), loss_sum = carry
@@ -737,7 +786,7 @@ def one_f_one_b_loss_and_grads(
       cotangents, tick_grads = jax.lax.cond(
         t >= P - 1, backward_half, no_backward, t, cotangents, kept
       )
-      grads = accumulate(grads, tick_grads)
+      grads = accumulate_tick(grads, tick_grads, t)
     else:
       cotangents, grads = jax.lax.cond(
         t >= P - 1, backward_into, lambda t, c, k, g: (c, g), t, cotangents, kept, grads

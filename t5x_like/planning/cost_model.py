@@ -546,12 +546,11 @@ def memory_bytes(
     out['kept activations'] = m.num_layers * keep
   else:
     out['kept activations'] = m.num_layers * (dots + 3 * scores * compute_bytes)
-  # fp32 gradients in the ZeRO layout, and the embedding's whole before its reduction; under
-  # ZeRO-3 also one layer's whole gradient before its reduce-scatter. ZeRO-1's are counted split
-  # as XLA's compile of tr11 keeps them (its 31.36 GiB peak has no room for the stage's whole
-  # fp32 gradient, 13.8 GiB; docs/benchmarks.md), though the pipeline asks for them in the rule
-  # sharding (step.gathered_params): a GPU compile must confirm it.
-  out['gradient accumulators'] = 4 * state / g + 4 * embedding
+  # fp32 gradients in the ZeRO layout, and the embedding's whole before its reduction (not under
+  # 1F1B, whose embedding backward scatters its rows into the accumulator); under ZeRO-3 also one
+  # layer's whole gradient before its reduce-scatter.
+  whole_embedding = 0.0 if p > 1 and cfg.pipeline.schedule == '1f1b' else 4 * embedding
+  out['gradient accumulators'] = 4 * state / g + whole_embedding
   if per_rank_pipeline(cfg, framework):
     # Each data rank adds its own micro-batches' fp32 gradients up, the stage's whole. A tick's
     # compute-dtype gradient beside it is not counted: fitted to XLA's GPU compiles of tr11 and
@@ -559,7 +558,7 @@ def memory_bytes(
     # the model meets within -5% to +17% without it and overshoots by 11-31% with it (the terms
     # here count what those peaks do not hold: the embedding's fp32 gather, each recomputed
     # layer's matmul outputs).
-    out['gradient accumulators'] = 4 * state + 4 * embedding
+    out['gradient accumulators'] = 4 * state + whole_embedding
   # One layer's backward: its matmul outputs, and the softmax's f32 probabilities, their
   # gradient and the dropout mask's ('xla'; 2.93 GiB of the 49.07 GiB the H100 measured for
   # bloom_1b3's step against pallas's 46.14). cuDNN's ALiBi is a materialised [heads, s, s]
