@@ -125,17 +125,17 @@ HEADS_0223 = [(16, 121.03), (32, 124.01), (64, 120.18), (112, 138.72), (128, 124
 # `plan --gpu a100-80gb` (XLA's GPU compiler without a GPU, jax 0.10.2; docs/benchmarks.md,
 # 2026-11-27, `python benchmarks/plan_topologies.py --grad_sync tick|step --gpu a100-80gb`).
 PLAN_PEAK_GIB = [
-  ((8, 4, 12, 2, 2048), 24.44, 43.25),
-  ((8, 8, 6, 4, 2048), 22.39, 40.00),
-  ((4, 8, 12, 4, 2048), 20.24, 27.01),
-  ((16, 4, 6, 2, 2048), 30.08, 69.83),
-  ((8, 2, 24, 1, 2048), 29.72, 50.99),
-  ((16, 2, 12, 2, 2048), 36.66, 79.59),
-  ((12, 8, 4, 4, 2016), 25.23, 51.44),
-  ((24, 8, 2, 2, 2016), 34.07, 91.66),
+  ((8, 4, 12, 2, 2048), 24.64, 43.71),
+  ((8, 8, 6, 4, 2048), 24.37, 42.14),
+  ((4, 8, 12, 4, 2048), 20.70, 27.65),
+  ((16, 4, 6, 2, 2048), 31.90, 71.74),
+  ((8, 2, 24, 1, 2048), 29.14, 50.33),
+  ((16, 2, 12, 2, 2048), 37.90, 80.68),
+  ((12, 8, 4, 4, 2016), 28.42, 54.88),
+  ((24, 8, 2, 2, 2016), 37.46, 95.11),
 ]
 # tr11's GPU compile, the same way: (at MBS 2 with its ramp-up, at MBS 4) by grad_sync.
-GPU_TR11_PEAK_GIB = {'tick': (25.09, 29.22), 'step': (43.75, 47.78)}
+GPU_TR11_PEAK_GIB = {'tick': (26.15, 31.78), 'step': (44.82, 50.62)}
 # tr8_104b (one layer per stage, one data rank) compiled the same way.
 GPU_TR8_104B_PEAK_GIB = 23.53
 
@@ -355,17 +355,15 @@ def tr11_cases(grad_sync: str):
 def test_memory_under_grad_sync_tick_is_consistent_with_xlas_gpu_compiles():
   """The data ranks sharing one schedule, the accumulator split over them (grad_sync='tick'):
   never under XLA's GPU compiles of the chronicles' eight topologies and tr11 (at MBS 2 and 4)
-  by more than 5%, and at most 45% over them, the most where a stage has many layers (DP 12 TP 8
-  PP 4: the model's recomputation workspace counts 17 recomputed layers' matmul outputs, which
-  the GPU's peak does not hold); tr8_104b (one layer per stage) within 25% under. Fitted to the
-  CPU compiles until the GPU's (2026-11-27); refitting the recomputation workspace on the GPU's
-  buffers is open."""
+  by more than 5%, and at most 30% over them (+8% to +28%), the most where a stage has many
+  layers (DP 12 TP 8 PP 4); tr8_104b (one layer per stage) within 25% under. Fitted to the CPU
+  compiles until the GPU's (2026-11-27); refitting its terms on the GPU's buffers is open."""
   tick = {'pipeline': {'grad_sync': 'tick'}}
   cases = [
-    (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**tick), xla, -0.05, 0.45)
+    (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**tick), xla, -0.05, 0.3)
     for row, xla, _ in PLAN_PEAK_GIB
   ]
-  cases += [(cfg, xla, -0.05, 0.45) for cfg, xla in tr11_cases('tick')]
+  cases += [(cfg, xla, -0.05, 0.3) for cfg, xla in tr11_cases('tick')]
   tr8 = load_config_file(os.path.join(REPO, 'configs', 'tr8_104b.py'))
   cases.append((tr8, GPU_TR8_104B_PEAK_GIB, -0.25, 0.25))
   for cfg, xla, under, over in cases:
@@ -375,12 +373,11 @@ def test_memory_under_grad_sync_tick_is_consistent_with_xlas_gpu_compiles():
 
 def test_memory_under_grad_sync_step_is_consistent_with_xlas_gpu_compiles():
   """Each data rank holding its stage's whole fp32 gradient (grad_sync='step', what
-  bloom_176b.py ships): within -7% to +12% of XLA's GPU compiles of tr11 (at MBS 2 with the
-  ramp-up and at MBS 4) and the chronicles' eight topologies, the most over at MBS 4, where it
-  counts each recomputed layer's matmul outputs. No whole-table gradient of the embedding is
-  counted beside its accumulator: 1F1B scatters each tick's rows into it (counted, the model was
-  up to 17% over). (A tick's compute-dtype gradient counted beside the accumulator put it 11-31%
-  over the compiles of 2026-11-27.)"""
+  bloom_176b.py ships): within -10% to +6% of XLA's GPU compiles of tr11 (at MBS 2 with the
+  ramp-up and at MBS 4) and the chronicles' eight topologies, the most under at DP 16 and 24.
+  No whole-table gradient of the embedding is counted beside its accumulator: 1F1B scatters each
+  tick's rows into it (counted, the model was up to 11% over). (A tick's compute-dtype gradient
+  counted beside the accumulator put it 11-31% over the compiles of 2026-11-27.)"""
   step = {'pipeline': {'grad_sync': 'step'}}
   cases = [
     (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**step), xla)
@@ -390,7 +387,7 @@ def test_memory_under_grad_sync_step_is_consistent_with_xlas_gpu_compiles():
   cases += tr11_cases('step')
   for cfg, xla in cases:
     estimated = cost_model.estimate(cfg, 'a100-80gb')['estimated_memory_gib']
-    assert -0.07 < estimated / xla - 1 < 0.12, (
+    assert -0.1 < estimated / xla - 1 < 0.06, (
       cfg.mesh,
       cfg.train.micro_batch_size,
       estimated,

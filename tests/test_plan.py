@@ -25,8 +25,8 @@ def test_bloom_176b_lowers_and_compiles_on_384_virtual_devices():
   embedding = 250880 * h * 12 / (4 * 8)
   assert abs(report['argument_gib'] - (layers + embedding) / 2**30) < 0.01
   assert report['replicated_over_data'] == []  # data 8 divides a dim of every tensor
-  # XLA's peak per device: 53.15 GiB in this compile, each data rank adding its own fp32
-  # gradient up (pipeline.grad_sync='step'; 33.33 with 'tick', which all-reduces it at each of
+  # XLA's peak per device: 55.58 GiB in this compile, each data rank adding its own fp32
+  # gradient up (pipeline.grad_sync='step'; 35.26 with 'tick', which all-reduces it at each of
   # the 150 ticks; docs/benchmarks.md), with the 1F1B order and the stages reading a gathered
   # bf16 copy of their weights. Megatron-DeepSpeed's BF16 optimizer, which accumulates the same
   # fp32 gradients, measured 65-67 GB for a 195B on this topology. The bound is that figure plus
@@ -281,7 +281,7 @@ def test_memory_breakdown_reads_both_forms_of_the_module_text(tmp_path):
 
 def test_bloom_176b_fits_an_a100_80gb_by_xlas_gpu_compile():
   """tr11's topology compiled for 384 A100s of 80 GB (48 nodes of 8) by XLA's GPU compiler on
-  this CPU: the same state per GPU as the CPU compile, and XLA's GPU peak (43.8 GiB here) fits
+  this CPU: the same state per GPU as the CPU compile, and XLA's GPU peak (44.8 GiB here) fits
   the 60 GiB JAX takes of one by default. At the peak, in the 1F1B tick's backward, the stage's
   fp32 gradient is held once: no conditional carries it (with one, XLA held it twice, at 54.6).
   The token table's fp32 gradient is held once too: each tick's embedding backward scatters its
@@ -296,7 +296,7 @@ def test_bloom_176b_fits_an_a100_80gb_by_xlas_gpu_compile():
   embedding = 250880 * h * 12 / (4 * 8)
   assert abs(report['argument_gib'] - (layers + embedding) / 2**30) < 0.01
   assert report['usable_gib'] == 60.0 and report['fits']
-  assert 40 < report['peak_gib'] < 45, report
+  assert 40 < report['peak_gib'] < 46, report
   assert 'memory_breakdown' not in report and report['xla_flops_per_device'] is None
   # The buffers live where the most bytes are, each slice once: the allocation less XLA's packing
   # loss (1.0 GiB here; the point XLA's dump names had 32.8 GiB live).

@@ -36,6 +36,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from t5x_like.config import ModelConfig
@@ -205,7 +206,9 @@ def attention_qkv(params, x, ctx: Context):
   """The fused QKV projection of x [B, S, h] (params: a layer's `attn`): q, k, v, each
   [B, S, heads, head_dim]."""
   dtype = ctx.dtype
-  qkv = jnp.einsum('bse,encd->bsncd', x, params['qkv_kernel'].astype(dtype))
+  qkv = checkpoint_name(
+    jnp.einsum('bse,encd->bsncd', x, params['qkv_kernel'].astype(dtype)), 'qkv_projection'
+  )
   qkv = qkv + params['qkv_bias'].astype(dtype)
   qkv = ctx.constrain(qkv, ('batch', 'length', 'act_heads', None, None))
   return qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
@@ -215,7 +218,10 @@ def attention_output(params, context, ctx: Context):
   """The attention's output projection of its context [B, S, heads, head_dim] (params: a
   layer's `attn`): [B, S, h]."""
   context = ctx.constrain(context, ('batch', 'length', 'act_heads', None))
-  out = jnp.einsum('bsnd,nde->bse', context, params['out_kernel'].astype(ctx.dtype))
+  out = checkpoint_name(
+    jnp.einsum('bsnd,nde->bse', context, params['out_kernel'].astype(ctx.dtype)),
+    'attention_projection',
+  )
   # Sequence parallel: the partial sums are reduce-scattered, not all-reduced; bias after.
   out = ctx.constrain(out, ctx.residual_names) + params['out_bias'].astype(ctx.dtype)
   return ctx.constrain(out, ctx.residual_names)
@@ -235,10 +241,10 @@ class Mlp(nn.Module):
     bi = _param(self, 'wi_bias', zeros, (f,), ('mlp',))
     wo = _param(self, 'wo_kernel', nn.initializers.normal(out_std), (f, h), ('mlp', 'embed'))
     bo = _param(self, 'wo_bias', zeros, (h,), ('embed',))
-    y = jnp.einsum('bse,ef->bsf', x, wi.astype(dtype)) + bi.astype(dtype)
+    y = checkpoint_name(jnp.einsum('bse,ef->bsf', x, wi.astype(dtype)), 'mlp_in') + bi.astype(dtype)
     y = self.ctx.constrain(y, ('batch', 'length', 'act_mlp'))
     y = gelu_tanh(y)
-    out = jnp.einsum('bsf,fe->bse', y, wo.astype(dtype))
+    out = checkpoint_name(jnp.einsum('bsf,fe->bse', y, wo.astype(dtype)), 'mlp_out')
     out = self.ctx.constrain(out, self.ctx.residual_names) + bo.astype(dtype)
     return self.ctx.constrain(out, self.ctx.residual_names)
 
@@ -261,14 +267,20 @@ class Block(nn.Module):
     return residual(x), None
 
 
+# A layer's matmul outputs without batch dimensions, by name: QKV, the attention's output
+# projection, the MLP's two.
+LAYER_MATMUL_OUTPUTS = ('qkv_projection', 'attention_projection', 'mlp_in', 'mlp_out')
+
 _REMAT_POLICIES = {
   'full': jax.checkpoint_policies.nothing_saveable,
   # The matmul outputs without batch dimensions (QKV, the output projections, the MLP's), and the
   # fused attention kernels' output and log-sum-exp, without which their backward would run the
-  # forward kernel again (the xla path's scores and softmax are recomputed).
+  # forward kernel again (the xla path's scores and softmax are recomputed). Named as well: under
+  # the pipeline's vmap over stages every matmul has a batch dimension, and the rule alone saved
+  # none, so each layer's backward ran its forward's matmuls a second time.
   'save_dots': jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    jax.checkpoint_policies.save_only_these_names(ATTENTION_RESIDUALS),
+    jax.checkpoint_policies.save_only_these_names(ATTENTION_RESIDUALS, *LAYER_MATMUL_OUTPUTS),
   ),
 }
 
