@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType
 
 from t5x_like.config import Config
 from t5x_like.kernels.residuals import LOSS_RESIDUALS
@@ -645,20 +646,28 @@ def one_f_one_b_loss_and_grads(
   # Where the data ranks share the schedule, the accumulator is split over `data`, each layer's
   # gradient is reduce-scattered into it as it is computed (differentiated w.r.t. the masters,
   # whose split it takes), and the backward's conditional carries it: less memory that way.
-  # In both, the cotangents of the rows the embedding looked up are scattered straight into the
-  # token table's accumulator. A tick's whole-table gradient, a scatter-add into zeros, cost tr11
-  # 5 GiB at the step's peak under 'step', and under 'tick' XLA all-reduced it unsplit, 13.4 GiB
-  # a tick (docs/benchmarks.md).
   own_gradient = 'data' in loss_axes or ctx.mesh is None or ctx.mesh.shape.get('data', 1) == 1
-  tableless = lambda tree: {k: v for k, v in tree.items() if k != 'word_embeddings'}
+  # The cotangents of the rows the embedding looked up are scattered straight into the token
+  # table's accumulator. A tick's whole-table gradient, a scatter-add into zeros, cost tr11 5 GiB
+  # at the step's peak under 'step', and under 'tick' XLA all-reduced it unsplit, 13.4 GiB a tick
+  # (docs/benchmarks.md). Not inside hybrid sharding's manual `replica` when the accumulator is
+  # split over `data`: XLA's partitioner aborts on that scatter-add (ExpandDeviceGroupsWithIota;
+  # `partitioning.lookup_table` takes the whole-table gradient there).
+  mesh = ctx.mesh
+  scatter_rows = own_gradient or mesh is None or AxisType.Manual not in mesh.axis_types
+
+  def differentiated(tree):
+    """The embedding weights its backward differentiates: with scatter_rows all but the table."""
+    return {k: v for k, v in tree.items() if not (scatter_rows and k == 'word_embeddings')}
+
   if own_gradient:
     stand_in = lambda compute: jax.tree.map(lambda c: jnp.zeros(c.shape, sched.dtype), compute)
     stage_stand_ins = stand_in(computes)
     head_stand_ins = stand_in(head_compute)
-    embedding_stand_ins = stand_in(tableless(embedding_compute))
+    embedding_stand_ins = stand_in(differentiated(embedding_compute))
   else:
     stage_stand_ins, head_stand_ins = masters, head_master
-    embedding_stand_ins = tableless(embedding_master)
+    embedding_stand_ins = differentiated(embedding_master)
 
   def backward_stages(x, cotangent, injection):
     """Every stage's backward, its forward recomputed: (the stages' weight gradients, w.r.t.
@@ -684,17 +693,22 @@ def one_f_one_b_loss_and_grads(
   def embedding_backward(m, cotangent):
     """Micro-batch m's embedding gradients from its output's cotangent: (those of the
     weights but the token table, w.r.t. their stand-ins, the cotangents of the looked-up rows),
-    which `add_embedding_gradients` adds up."""
+    which `add_embedding_gradients` adds up; without scatter_rows (all the weights', None)."""
+    if not scatter_rows:
+      _, pullback = jax.vjp(
+        lambda master: sched.embed_with((master, embedding_compute), m), embedding_stand_ins
+      )
+      return pullback(cotangent)[0], None
     rows = sched.lookup_with(sched.embedding_params, m)
     embed = lambda master, rows: sched.embed_rows_with(
-      (master, tableless(embedding_compute)), rows, m
+      (master, differentiated(embedding_compute)), rows, m
     )
     _, pullback = jax.vjp(embed, embedding_stand_ins, rows)
     return pullback(cotangent)
 
   def no_embedding_gradients():
     zeros = jax.tree.map(jnp.zeros_like, embedding_stand_ins)
-    return zeros, jnp.zeros(sched.activation_shape, sched.dtype)
+    return zeros, jnp.zeros(sched.activation_shape, sched.dtype) if scatter_rows else None
 
   def add_embedding_gradients(other_grads, embedding_grads, t):
     """other_grads (the accumulators of the weights outside the stages) plus a tick's
@@ -704,6 +718,8 @@ def one_f_one_b_loss_and_grads(
     other_grads = dict(
       other_grads, **accumulate({k: other_grads[k] for k in weight_grads}, weight_grads)
     )
+    if row_cotangents is None:
+      return other_grads
     tokens = sched.input_tokens(jnp.clip(t - (2 * P - 2), 0, M - 1))
     table = other_grads['word_embeddings']
     # Each use of a row adds its fp32 cotangent, as `model.lookup_rows`' own gradient does.
