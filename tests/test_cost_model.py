@@ -253,12 +253,13 @@ def test_the_chronicles_out_of_memory_rows_do_not_fit_and_the_timed_ones_do():
 
 
 def test_memory_error_against_the_chronicles_measured_memory():
-  """t5x_like's step holds less than Megatron-DeepSpeed's (XLA's compile of the same rows: 28-46%
-  below, docs/benchmarks.md): every t5x_like estimate is below the measured figure, and not by
-  more than 60% (a dropped category, such as the Adam moments or the weight copies, would go
-  below). The Megatron-DeepSpeed estimate of the same rows is within -40% and +20% of it (the
-  allocator's cache is not counted; one 02-21 row, 65 GB at MBS 2 against 56 at MBS 4, is -36%),
-  with a median within 15%."""
+  """t5x_like's step holds less than Megatron-DeepSpeed's (XLA's GPU compiles of the 02-25 rows
+  under grad_sync='tick', which these rows use: 32-59% below, docs/benchmarks.md): every
+  t5x_like estimate is below the measured figure, and not by more than 65% (a dropped category,
+  such as the Adam moments or the weight copies, would go below; the most, -61%, is the 02-21
+  row that measured 65 GB at MBS 2 against 56 at MBS 4). The Megatron-DeepSpeed estimate of the
+  same rows is within -40% and +20% of it (the allocator's cache is not counted; that 02-21 row
+  is -36%), with a median within 15%."""
   ours, theirs = [], []
   for shape, rows in _tables().values():
     for row in rows:
@@ -273,7 +274,7 @@ def test_memory_error_against_the_chronicles_measured_memory():
       f'{name} memory vs measured, {len(errors)} rows: median {statistics.median(errors):+.1%}, '
       f'range {min(errors):+.1%} .. {max(errors):+.1%}'
     )
-  assert len(ours) >= 20 and all(-0.6 < e < 0 for e in ours), ours
+  assert len(ours) >= 20 and all(-0.65 < e < 0 for e in ours), ours
   assert all(-0.4 < e < 0.2 for e in theirs) and abs(statistics.median(theirs)) < 0.15, theirs
 
 
@@ -354,30 +355,34 @@ def tr11_cases(grad_sync: str):
 
 def test_memory_under_grad_sync_tick_is_consistent_with_xlas_gpu_compiles():
   """The data ranks sharing one schedule, the accumulator split over them (grad_sync='tick'):
-  never under XLA's GPU compiles of the chronicles' eight topologies and tr11 (at MBS 2 and 4)
-  by more than 5%, and at most 30% over them (+8% to +28%), the most where a stage has many
-  layers (DP 12 TP 8 PP 4); tr8_104b (one layer per stage) within 25% under. Fitted to the CPU
-  compiles until the GPU's (2026-11-27); refitting its terms on the GPU's buffers is open."""
+  within -2% to +5% of XLA's GPU compiles of the chronicles' eight topologies, tr11 (at MBS 2
+  and 4) and tr8_104b (one layer per stage, one data rank; +4.3%). Each term is a buffer of those
+  compiles' peaks: the saved matmul outputs of every layer of the stage, the layers' accumulator
+  three times (the tick's conditional carries it) and the embedding's twice, and no fp32 gather
+  of the embedding (the model was +8% to +28% over before these three, -22% on tr8_104b)."""
   tick = {'pipeline': {'grad_sync': 'tick'}}
   cases = [
-    (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**tick), xla, -0.05, 0.3)
+    (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**tick), xla)
     for row, xla, _ in PLAN_PEAK_GIB
   ]
-  cases += [(cfg, xla, -0.05, 0.3) for cfg, xla in tr11_cases('tick')]
-  tr8 = load_config_file(os.path.join(REPO, 'configs', 'tr8_104b.py'))
-  cases.append((tr8, GPU_TR8_104B_PEAK_GIB, -0.25, 0.25))
-  for cfg, xla, under, over in cases:
+  cases += tr11_cases('tick')
+  cases.append(
+    (load_config_file(os.path.join(REPO, 'configs', 'tr8_104b.py')), GPU_TR8_104B_PEAK_GIB)
+  )
+  for cfg, xla in cases:
     estimated = cost_model.estimate(cfg, 'a100-80gb')['estimated_memory_gib']
-    assert under < estimated / xla - 1 < over, (cfg.mesh, estimated, xla)
+    assert -0.02 < estimated / xla - 1 < 0.05, (cfg.mesh, estimated, xla)
 
 
 def test_memory_under_grad_sync_step_is_consistent_with_xlas_gpu_compiles():
   """Each data rank holding its stage's whole fp32 gradient (grad_sync='step', what
-  bloom_176b.py ships): within -10% to +6% of XLA's GPU compiles of tr11 (at MBS 2 with the
-  ramp-up and at MBS 4) and the chronicles' eight topologies, the most under at DP 16 and 24.
-  No whole-table gradient of the embedding is counted beside its accumulator: 1F1B scatters each
-  tick's rows into it (counted, the model was up to 11% over). (A tick's compute-dtype gradient
-  counted beside the accumulator put it 11-31% over the compiles of 2026-11-27.)"""
+  bloom_176b.py ships): within -3% to +1% of XLA's GPU compiles of tr11 (at MBS 2 with the
+  ramp-up and at MBS 4) and the chronicles' eight topologies. Counted as those peaks hold them:
+  the tick's gradient of the stage in the compute dtype beside the accumulator, the saved matmul
+  outputs of every layer of the stage (the projections' split over tensor by sequence
+  parallelism), and no whole-table gradient of the embedding (1F1B scatters each tick's rows
+  into its accumulator). Until 2026-11-27 the model left the first out and counted the second
+  whole, and was -9% to +4% off."""
   step = {'pipeline': {'grad_sync': 'step'}}
   cases = [
     (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**step), xla)
@@ -387,12 +392,56 @@ def test_memory_under_grad_sync_step_is_consistent_with_xlas_gpu_compiles():
   cases += tr11_cases('step')
   for cfg, xla in cases:
     estimated = cost_model.estimate(cfg, 'a100-80gb')['estimated_memory_gib']
-    assert -0.1 < estimated / xla - 1 < 0.06, (
+    assert -0.03 < estimated / xla - 1 < 0.01, (
       cfg.mesh,
       cfg.train.micro_batch_size,
       estimated,
       xla,
     )
+
+
+# XLA's GPU peak per device (GiB) of pipelines beyond the tables above, compiled the same way
+# (`plan --gpu KIND`, jax 0.10.2, 2026-11-27): (bloom_176b.py's overrides, GPU kind, peak).
+NO_RAMP = {'train.global_batch_size': 2048, 'train.rampup_batch_size': ()}
+SHAPE_13B = {'model.num_layers': 40, 'model.hidden_size': 5120, 'model.num_heads': 40, **NO_RAMP}
+SHAPE_70B = {'model.num_layers': 80, 'model.hidden_size': 8192, 'model.num_heads': 64, **NO_RAMP}
+ROW_0225 = {'model.num_layers': 72, 'model.num_heads': 64, **NO_RAMP}
+ZERO3 = {'mesh.zero_stage': 3, 'pipeline.grad_sync': 'tick'}
+
+
+def mesh(data: int, pipeline: int, tensor: int, micro_batch: int) -> dict:
+  return {
+    'mesh.data': data,
+    'mesh.pipeline': pipeline,
+    'mesh.tensor': tensor,
+    'train.micro_batch_size': micro_batch,
+  }
+
+
+GPU_PIPELINE_PEAK_GIB = [
+  (ZERO3, 'a100-80gb', 18.58),
+  ({**ZERO3, **mesh(8, 6, 8, 4), **ROW_0225}, 'a100-80gb', 17.58),
+  ({'mesh.zero_group': 4, 'pipeline.grad_sync': 'tick'}, 'a100-80gb', 36.36),
+  ({'mesh.zero_group': 4, 'pipeline.grad_sync': 'step'}, 'a100-80gb', 51.24),
+  (mesh(16, 3, 8, 1), 'a100-80gb', 65.50),
+  ({**mesh(32, 2, 1, 1), **SHAPE_13B}, 'h100-80gb', 59.05),
+  ({**mesh(4, 16, 1, 2), **SHAPE_70B}, 'h100-80gb', 54.59),
+  ({**mesh(8, 8, 1, 1), **SHAPE_70B}, 'h100-80gb', 80.56),
+]
+
+
+def test_pipeline_memory_under_zero3_hybrid_and_unfitted_topologies_is_xlas():
+  """Within -3% to +5% of XLA's GPU compiles: tr11 and DP 8 TP 8 PP 6 under ZeRO-3 (the split
+  bf16 copy only; the model was 32% over tr11 while it counted the gathered layers), tr11 under
+  hybrid ZeRO-1 (G 4) with both grad_syncs, and four topologies the terms were not fitted on:
+  BLOOM-176B at DP 16 PP 3 TP 8 (65.5 GiB: over the 60 GiB JAX takes of an A100, where the model
+  said 58.3 and that it fits), 13B at DP 32 PP 2 and 70B at DP 4 PP 16 and DP 8 PP 8 on H100s;
+  each fits exactly when its compile does."""
+  for overrides, gpu, xla in GPU_PIPELINE_PEAK_GIB:
+    cfg = load_config_file(os.path.join(REPO, 'configs', 'bloom_176b.py'), overrides)
+    estimated = cost_model.estimate(cfg, gpu)
+    assert -0.03 < estimated['estimated_memory_gib'] / xla - 1 < 0.05, (overrides, estimated, xla)
+    assert estimated['fits'] == (xla < estimated['usable_gib']), (overrides, xla)
 
 
 def test_estimate_adds_up_its_parts():
@@ -432,12 +481,10 @@ def test_estimate_adds_up_its_parts():
 
 def test_fits_in_what_jax_may_allocate_not_the_whole_memory(monkeypatch):
   """JAX takes 0.75 of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: tr11's
-  ~31 GiB per GPU (with grad_sync='tick', without sequence parallelism) fits a 40 GB A100 only
-  with a larger share."""
-  cfg = load_config_file(
-    os.path.join(REPO, 'configs', 'bloom_176b.py'),
-    {'pipeline.grad_sync': 'tick', 'model.sequence_parallel': False},
-  )
+  ~32 GiB per GPU at MBS 4 with grad_sync='tick' (XLA's GPU compile: 31.78) fits a 40 GB A100
+  only with a larger share."""
+  cfg, xla = tr11_cases('tick')[1]
+  assert cfg.train.micro_batch_size == 4 and xla > 30.0
   monkeypatch.delenv('XLA_PYTHON_CLIENT_MEM_FRACTION', raising=False)
   default = cost_model.estimate(cfg, 'a100-40gb')
   assert 30.0 < default['estimated_memory_gib'] < 36.0

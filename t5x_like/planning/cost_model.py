@@ -498,6 +498,10 @@ def memory_bytes(
   # A layer's matmul outputs: QKV, the scores, the context, the attention and MLP projections
   # (before their reduction: whole), h -> 4h.
   dots = activation * (3 / t + 1 / t + 2 + m.ffn_size / h / t) + scores * compute_bytes
+  # The matmul outputs a layer's recomputation keeps by name (model/transformer.py's
+  # LAYER_MATMUL_OUTPUTS): QKV, h -> 4h, and the two output projections, after their reduction
+  # (split over tensor with sequence parallelism). The scores' and the context's are recomputed.
+  saved_matmuls = activation * (3 / t + m.ffn_size / h / t + 2 / split_seq)
   slots = stage_slots(cfg)
   chunked = m.cross_entropy_impl == 'chunked'
   out = dict.fromkeys(
@@ -530,17 +534,17 @@ def memory_bytes(
   elif m.remat_policy == 'full':
     out['kept activations'] = m.num_layers * activation / split_seq  # each layer's input
   if p > 1 or m.remat_policy == 'full':
-    # The backward of a tick (or a layer) recomputes its forward keeping the matmul outputs of
-    # every layer but the one whose backward runs.
-    out['recomputation workspace'] = (slots - 1 if p > 1 else 0) * dots
+    # The backward of a tick recomputes its stage's forward keeping every layer's saved matmul
+    # outputs, stacked by the layer scan (XLA's GPU compiles of tr11 and the chronicles' rows
+    # hold exactly these [slots, ...] stacks at their peaks); without a pipeline, 'full' keeps
+    # none of them.
+    out['recomputation workspace'] = (slots if p > 1 else 0) * saved_matmuls
   elif m.remat_policy == 'save_dots':
-    # jax.checkpoint_policies.dots_with_no_batch_dims_saveable keeps the outputs of the matmuls
-    # without batch dimensions: QKV, the attention's and the MLP's output projections (whole
-    # before their reduction) and h -> 4h; not the scores' and the context's (batched over
-    # micro-batch and heads). The scan keeps each layer's input.
-    # XLA's CPU compile of bloom_1b3's step keeps exactly these four [24, 4, 2048, ...] stacks.
-    # Our fused kernels' output and float32 log-sum-exp are kept too, by name.
-    keep = activation * (3 / t + 2 + m.ffn_size / h / t) + activation / split_seq
+    # The matmul outputs without batch dimensions (the saved ones; not the scores' and the
+    # context's, batched over micro-batch and heads) and each layer's input, which the scan
+    # keeps. XLA's CPU compile of bloom_1b3's step keeps exactly these four [24, 4, 2048, ...]
+    # stacks. Our fused kernels' output and float32 log-sum-exp are kept too, by name.
+    keep = saved_matmuls + activation / split_seq
     if keeps_attention_residuals(impl, residuals_kept):
       keep += activation / t + b * heads * s * 4
     out['kept activations'] = m.num_layers * keep
@@ -549,22 +553,28 @@ def memory_bytes(
   # fp32 gradients in the ZeRO layout, and the embedding's whole before its reduction (not under
   # 1F1B, whose embedding backward scatters its rows into the accumulator); under ZeRO-3 also one
   # layer's whole gradient before its reduce-scatter.
-  whole_embedding = 0.0 if p > 1 and cfg.pipeline.schedule == '1f1b' else 4 * embedding
+  one_f_one_b = p > 1 and cfg.pipeline.schedule == '1f1b'
+  whole_embedding = 0.0 if one_f_one_b else 4 * embedding
   out['gradient accumulators'] = 4 * state / g + whole_embedding
   if per_rank_pipeline(cfg, framework):
-    # Each data rank adds its own micro-batches' fp32 gradients up, the stage's whole. A tick's
-    # compute-dtype gradient beside it is not counted: fitted to XLA's GPU compiles of tr11 and
-    # the chronicles' eight topologies under 'step' (docs/benchmarks.md, 2026-11-27), whose peaks
-    # the model meets within -5% to +17% without it and overshoots by 11-31% with it (the terms
-    # here count what those peaks do not hold: the embedding's fp32 gather, each recomputed
-    # layer's matmul outputs).
+    # Each data rank adds its own micro-batches' fp32 gradients up, the stage's whole, and a
+    # tick's backward returns the stage's gradient in the compute dtype before it is added.
     out['gradient accumulators'] = 4 * state + whole_embedding
+    out['backward workspace'] += compute_bytes * stage
+  elif one_f_one_b:
+    # The accumulator split over data, carried through the tick's conditional: XLA holds the
+    # layers' three times at the peak (its zero fill and two values of the tick's loop and cond),
+    # twice when hybrid sharding runs each copy's schedule inside a shard_map, and the
+    # embedding's, updated outside the conditional, twice (XLA's GPU compiles of tr11 under
+    # ZeRO-1, ZeRO-3 and hybrid ZeRO-1, tr8_104b and the chronicles' rows, 2026-11-27).
+    copies = 2 if g < dp else 3
+    out['gradient accumulators'] = (copies * 4 * stage + 2 * 4 * embedding) / g
   # One layer's backward: its matmul outputs, and the softmax's f32 probabilities, their
   # gradient and the dropout mask's ('xla'; 2.93 GiB of the 49.07 GiB the H100 measured for
   # bloom_1b3's step against pallas's 46.14). cuDNN's ALiBi is a materialised [heads, s, s]
   # bias and its gradient, which jax's cuDNN attention always returns; tokamax's backward writes
   # the score gradient in bf16 whenever a bias is given (model/attention.py).
-  out['backward workspace'] = dots + 3 * 4 * scores
+  out['backward workspace'] += dots + 3 * 4 * scores
   alibi = m.architecture == 'bloom'
   if impl == 'cudnn' and alibi:
     out['backward workspace'] += 2 * compute_bytes * heads * s * s
@@ -581,15 +591,22 @@ def memory_bytes(
     out['gradient accumulators'] += 4 * embedding / g
     if chunked:
       out['backward workspace'] += 2 * compute_bytes * embedding
-  if zero.stage == 3:
+  if zero.stage == 3 and one_f_one_b:
+    # The split bf16 copy only: the gathered layers, the embedding gathered at its use and a
+    # layer's whole gradient before its reduce-scatter are not live at the ticks' peak (XLA's
+    # GPU compiles of tr11 and DP 8 TP 8 PP 6 under ZeRO-3, 2026-11-27).
+    out['weight copies'] = compute_bytes * state / g
+  elif zero.stage == 3:
     out['gradient accumulators'] += 4 * layer
     # The split bf16 copy, two layers gathered whole (the one computing and the next, gathered
     # just before use) and the embedding gathered where it is used.
     out['weight copies'] = compute_bytes * (state / g + 2 * layer + embedding)
   else:
     # The bf16 copy of the stage and embedding gathered over data, and the embedding's fp32
-    # gather it is cast from (none on one rank: the copy is cast from the master).
-    out['weight copies'] = compute_bytes * state + (4 * embedding if g > 1 else 0)
+    # gather it is cast from (none on one rank: the copy is cast from the master; none under
+    # 1F1B either, where it is gone before the ticks' peak).
+    gathered = 4 * embedding if g > 1 and not one_f_one_b else 0
+    out['weight copies'] = compute_bytes * state + gathered
   vocab = cfg.padded_vocab_size / t
   if embedding_split_over_pipeline(cfg, framework):
     vocab /= mesh.pipeline  # each stage's head computes its rows' logits
