@@ -358,7 +358,7 @@ def test_memory_under_grad_sync_tick_is_consistent_with_xlas_gpu_compiles():
   within -2% to +5% of XLA's GPU compiles of the chronicles' eight topologies, tr11 (at MBS 2
   and 4) and tr8_104b (one layer per stage, one data rank; +4.3%). Each term is a buffer of those
   compiles' peaks: the saved matmul outputs of every layer of the stage, the layers' accumulator
-  three times (the tick's conditional carries it) and the embedding's twice, and no fp32 gather
+  three times (XLA's copies of the tick loop's carry) and the embedding's twice, and no fp32 gather
   of the embedding (the model was +8% to +28% over before these three, -22% on tr8_104b)."""
   tick = {'pipeline': {'grad_sync': 'tick'}}
   cases = [

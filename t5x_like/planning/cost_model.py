@@ -562,11 +562,11 @@ def memory_bytes(
     out['gradient accumulators'] = 4 * state + whole_embedding
     out['backward workspace'] += compute_bytes * stage
   elif one_f_one_b:
-    # The accumulator split over data, carried through the tick's conditional: XLA holds the
-    # layers' three times at the peak (its zero fill and two values of the tick's loop and cond),
-    # twice when hybrid sharding runs each copy's schedule inside a shard_map, and the
-    # embedding's, updated outside the conditional, twice (XLA's GPU compiles of tr11 under
-    # ZeRO-1, ZeRO-3 and hybrid ZeRO-1, tr8_104b and the chronicles' rows, 2026-11-27).
+    # The accumulator split over data, carried by the tick loop: XLA holds the layers' three
+    # times at the peak (its zero fill and two loop values; as many with the backward's
+    # conditional taken out of the loop), twice when hybrid sharding runs each copy's schedule
+    # inside a shard_map, and the embedding's twice (XLA's GPU compiles of tr11 under ZeRO-1,
+    # ZeRO-3 and hybrid ZeRO-1, tr8_104b and the chronicles' rows, 2026-11-27).
     copies = 2 if g < dp else 3
     out['gradient accumulators'] = (copies * 4 * stage + 2 * 4 * embedding) / g
   # One layer's backward: its matmul outputs, and the softmax's f32 probabilities, their
