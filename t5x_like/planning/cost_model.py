@@ -258,6 +258,12 @@ def attention_impl_on(cfg: Config, gpu: str | None = None, framework: str = 't5x
   return attention.resolved(cfg.model, attention.Device('gpu', compute_capability=capability))
 
 
+def one_f_one_b(cfg: Config) -> bool:
+  """Whether the config runs a pipeline in the 1F1B order, whose every tick's backward
+  recomputes its stage's forward."""
+  return cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == '1f1b'
+
+
 def per_rank_pipeline(cfg: Config, framework: str = 't5x_like') -> bool:
   """Whether t5x_like's pipeline runs each data rank's own schedule, its fp32 gradient whole
   on every rank and reduced once a step (training/step.py's `own_schedule_axes` under
@@ -553,15 +559,15 @@ def memory_bytes(
   # fp32 gradients in the ZeRO layout, and the embedding's whole before its reduction (not under
   # 1F1B, whose embedding backward scatters its rows into the accumulator); under ZeRO-3 also one
   # layer's whole gradient before its reduce-scatter.
-  one_f_one_b = p > 1 and cfg.pipeline.schedule == '1f1b'
-  whole_embedding = 0.0 if one_f_one_b else 4 * embedding
+  ticks_1f1b = one_f_one_b(cfg)
+  whole_embedding = 0.0 if ticks_1f1b else 4 * embedding
   out['gradient accumulators'] = 4 * state / g + whole_embedding
   if per_rank_pipeline(cfg, framework):
     # Each data rank adds its own micro-batches' fp32 gradients up, the stage's whole, and a
     # tick's backward returns the stage's gradient in the compute dtype before it is added.
     out['gradient accumulators'] = 4 * state + whole_embedding
     out['backward workspace'] += compute_bytes * stage
-  elif one_f_one_b:
+  elif ticks_1f1b:
     # The accumulator split over data, carried by the tick loop: XLA holds the layers' three
     # times at the peak (its zero fill and two loop values; as many with the backward's
     # conditional taken out of the loop), twice when hybrid sharding runs each copy's schedule
@@ -591,7 +597,7 @@ def memory_bytes(
     out['gradient accumulators'] += 4 * embedding / g
     if chunked:
       out['backward workspace'] += 2 * compute_bytes * embedding
-  if zero.stage == 3 and one_f_one_b:
+  if zero.stage == 3 and ticks_1f1b:
     # The split bf16 copy only: the gathered layers, the embedding gathered at its use and a
     # layer's whole gradient before its reduce-scatter are not live at the ticks' peak (XLA's
     # GPU compiles of tr11 and DP 8 TP 8 PP 6 under ZeRO-3, 2026-11-27).
@@ -605,7 +611,7 @@ def memory_bytes(
     # The bf16 copy of the stage and embedding gathered over data, and the embedding's fp32
     # gather it is cast from (none on one rank: the copy is cast from the master; none under
     # 1F1B either, where it is gone before the ticks' peak).
-    gathered = 4 * embedding if g > 1 and not one_f_one_b else 0
+    gathered = 4 * embedding if g > 1 and not ticks_1f1b else 0
     out['weight copies'] = compute_bytes * state + gathered
   vocab = cfg.padded_vocab_size / t
   if embedding_split_over_pipeline(cfg, framework):
@@ -662,7 +668,7 @@ def memory_bound_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, fl
   mlp = b * s * m.ffn_size * compute_bytes / t
   forward = 10 * hidden + 2 * qkv + 2 * mlp
   backward = 12 * hidden + 3 * qkv + 3 * mlp
-  if m.remat_policy == 'full' or (p > 1 and cfg.pipeline.schedule == '1f1b'):
+  if m.remat_policy == 'full' or one_f_one_b(cfg):
     recomputed = forward
   elif m.remat_policy == 'save_dots':
     recomputed = 7 * hidden + 2 * qkv + 2 * mlp
@@ -804,7 +810,7 @@ def estimate(
   # dimensions and a library's kernel is no matmul: dots_with_no_batch_dims_saveable keeps
   # neither); the logits under the chunked cross-entropy (its backward recomputes each vocabulary
   # chunk).
-  recompute = m.remat_policy == 'full' or (p > 1 and cfg.pipeline.schedule == '1f1b')
+  recompute = m.remat_policy == 'full' or one_f_one_b(cfg)
   recompute_attention = recompute or (
     not megatron
     and m.remat_policy == 'save_dots'
