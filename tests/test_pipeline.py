@@ -7,7 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_draws_its_own_dropout_masks, run_steps, small_config
+from conftest import (
+  assert_draws_its_own_dropout_masks,
+  program_loops,
+  run_steps,
+  small_config,
+)
 from test_trainer import corpus_config
 from test_zero3 import device_groups, instructions, loop_computations
 
@@ -160,16 +165,16 @@ def test_pipelined_run_matches_single_device(
     return
   layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
   text = step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile().as_text()
-  loops = re.findall(r' while\(.*op_name="([^"]*)".*"known_trip_count":\{"n":"(\d+)"', text)
+  loops = program_loops(text)
   if remat == 'unrolled':
     # No loop over a stage's layers is left: only the ticks' (M + P - 1 = 5 trips, forward and
     # backward); scanned, the stage's 2 layers are loops of 2 trips too.
-    assert [trips for _, trips in loops] == ['5', '5']
+    assert [trips for _, trips in loops] == [5, 5]
   else:
     # The vocabulary loop (a shard's 1024 / (2 x 2) rows in chunks of 64: 4 trips) in the
     # head's forward and backward passes, and not in the backward pass's recomputation of the
     # head's forward.
-    vocabulary = [name for name, trips in loops if trips == '4']
+    vocabulary = [name for name, trips in loops if trips == 4]
     assert any('transpose(jvp' in name for name in vocabulary)
     assert any('transpose(jvp' not in name for name in vocabulary)
     assert not any('rematted_computation' in name for name in vocabulary)

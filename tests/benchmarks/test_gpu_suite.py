@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import FUSION_EMITTERS_OFF, REPO
 
 from t5x_like.kernels import MosaicBlocks, mosaic_attention
 
@@ -23,7 +23,9 @@ import gpu_suite  # noqa: E402
 import profile_trace  # noqa: E402
 
 
-def test_smoke_run_reports_every_stage(tmp_path, capsys):
+def test_smoke_run_reports_every_stage(tmp_path, capsys, monkeypatch):
+  # Its processes compile with XLA's CPU fusion emitters, whose kernels the profile reads.
+  monkeypatch.setenv('XLA_FLAGS', os.environ['XLA_FLAGS'].replace(FUSION_EMITTERS_OFF, ''))
   out = tmp_path / 'suite.json'
   assert gpu_suite.main(['--smoke', '--json', str(out)]) == 0
   report = json.loads(out.read_text())
