@@ -444,6 +444,27 @@ def test_pipeline_memory_under_zero3_hybrid_and_unfitted_topologies_is_xlas():
     assert estimated['fits'] == (xla < estimated['usable_gib']), (overrides, xla)
 
 
+# XLA's GPU compiles under ZeRO-3 and 1F1B that the terms were not fitted on (2026-11-28).
+GPU_ZERO3_1F1B_PEAK_GIB = [
+  ({**ZERO3, **mesh(16, 3, 8, 1)}, 'a100-80gb', 13.58),
+  ({**ZERO3, **mesh(32, 2, 1, 1), **SHAPE_13B}, 'h100-80gb', 11.38),
+  ({**ZERO3, **mesh(4, 16, 1, 2), **SHAPE_70B}, 'h100-80gb', 36.07),
+  ({**ZERO3, **mesh(8, 8, 1, 1), **SHAPE_70B}, 'h100-80gb', 31.91),
+]
+
+
+def test_zero3_one_f_one_b_memory_on_topologies_it_was_not_fitted_on_is_xlas():
+  """Within -3% to +6% of XLA's GPU compiles of BLOOM-176B at DP 16 PP 3 TP 8 and 13B and 70B
+  on H100s under ZeRO-3's 1F1B ticks. The model counts the layers' split accumulator three
+  times, as XLA holds it on tr11; at DP 16 PP 3 TP 8 XLA holds the MLP's wi and the QKV's three
+  times and the other two weights' twice (+5.1%), so the model errs over there, not under."""
+  for overrides, gpu, xla in GPU_ZERO3_1F1B_PEAK_GIB:
+    cfg = load_config_file(os.path.join(REPO, 'configs', 'bloom_176b.py'), overrides)
+    estimated = cost_model.estimate(cfg, gpu)
+    assert -0.03 < estimated['estimated_memory_gib'] / xla - 1 < 0.06, (overrides, estimated, xla)
+    assert estimated['fits'] == (xla < estimated['usable_gib']), (overrides, xla)
+
+
 def test_estimate_adds_up_its_parts():
   cfg = load_config_file(os.path.join(REPO, 'configs', 'bloom_176b.py'))
   r = cost_model.estimate(cfg, 'a100-80gb')
