@@ -359,7 +359,9 @@ def test_memory_under_grad_sync_tick_is_consistent_with_xlas_gpu_compiles():
   and 4) and tr8_104b (one layer per stage, one data rank; +4.3%). Each term is a buffer of those
   compiles' peaks: the saved matmul outputs of every layer of the stage, the layers' accumulator
   three times (XLA's copies of the tick loop's carry) and the embedding's twice, and no fp32 gather
-  of the embedding (the model was +8% to +28% over before these three, -22% on tr8_104b)."""
+  of the embedding (the model was +8% to +28% over before these three, -22% on tr8_104b).
+  tr8_104b's peak holds its accumulator about once and its kept stage inputs twice instead, which
+  the three copies happen to equal (docs/benchmarks.md)."""
   tick = {'pipeline': {'grad_sync': 'tick'}}
   cases = [
     (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**tick), xla)

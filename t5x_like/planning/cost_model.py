@@ -572,7 +572,9 @@ def memory_bytes(
     # times at the peak (its zero fill and two loop values; as many with the backward's
     # conditional taken out of the loop), twice when hybrid sharding runs each copy's schedule
     # inside a shard_map, and the embedding's twice (XLA's GPU compiles of tr11 under ZeRO-1,
-    # ZeRO-3 and hybrid ZeRO-1, tr8_104b and the chronicles' rows, 2026-11-27).
+    # ZeRO-3 and hybrid ZeRO-1 and the chronicles' rows, 2026-11-27). Some peaks hold fewer:
+    # two of the four weights' twice at DP 16 PP 3 TP 8 under ZeRO-3, and tr8_104b's one layer
+    # about once, where its kept stage inputs are copied instead (docs/benchmarks.md).
     copies = 2 if g < dp else 3
     out['gradient accumulators'] = (copies * 4 * stage + 2 * 4 * embedding) / g
   # One layer's backward: its matmul outputs, and the softmax's f32 probabilities, their
