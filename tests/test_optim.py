@@ -6,6 +6,7 @@ import pytest
 from t5x_like.config import OptimizerConfig
 from t5x_like.optim import adamw as optim
 from t5x_like.training import schedule
+from t5x_like.training import step as step_lib
 
 
 def lr_at(cfg, samples):
@@ -96,6 +97,18 @@ def test_clipping_reports_the_pre_clip_norm():
   assert float(jnp.linalg.norm(clipped['a'])) == pytest.approx(1.0, rel=1e-5)
   unclipped, norm = optim.clip_by_global_norm(grads, 0.0)
   np.testing.assert_array_equal(unclipped['a'], grads['a'])
+
+
+def test_zero_count_counts_both_signed_zeros_and_nothing_else():
+  """Megatron's 'num zeros', counted on bit patterns: +0 and -0 in fp32 and bf16, and not a
+  subnormal (which `g == 0` on XLA's CPU flushes to zero), a NaN or an infinity."""
+  tree = {
+    'f32': jnp.array([0.0, -0.0, 1e-45, -1e-45, np.nan, np.inf, -3.0, 0.0], jnp.float32),
+    'bf16': jnp.array([0.0, -0.0, 1e-40, 2.0], jnp.bfloat16),
+  }
+  assert int(step_lib.count_zeros(tree)) == 5
+  normal = {k: jnp.where(jnp.abs(g) < 1e-30, 0, g) for k, g in tree.items()}
+  assert int(step_lib.count_zeros(normal)) == sum(int(jnp.sum(g == 0)) for g in normal.values())
 
 
 def test_token_decay_counts_tokens_from_the_end_of_the_warmup():

@@ -314,30 +314,57 @@ def test_bloom_176b_fits_an_a100_80gb_by_xlas_gpu_compile():
   assert tables.count('f32[62720,14336]') == 1 and 'bf16[62720,14336]' not in tables, tables
 
 
-def test_one_f_one_b_under_tick_never_holds_the_whole_token_tables_gradient():
+def shrunk_a100_compile(config: str, grad_sync: str = 'auto', num_layers: int = 0, **train):
+  """`plan --gpu a100-80gb --breakdown --json` of configs/`config` on its own mesh, its layers
+  shrunk to hidden 256, 4 heads and seq 64 (and `num_layers` where given), without the ramp-up:
+  the report."""
+  shrunk = {
+    'pipeline.grad_sync': grad_sync,
+    'model.hidden_size': 256,
+    'model.num_heads': 4,
+    'train.seq_len': 64,
+    'train.rampup_batch_size': '()',
+    **({'model.num_layers': num_layers} if num_layers else {}),
+    **{f'train.{key}': value for key, value in train.items()},
+  }
+  flags = [f'--config.{key}={value}' for key, value in shrunk.items()]
+  command = ['-m', 't5x_like.plan', '--config', f'configs/{config}', '--gpu', 'a100-80gb']
+  r = run_cli([*command, *flags, '--breakdown', '--json'])
+  assert r.returncode == 0, r.stderr[-3000:]
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_one_f_one_b_under_tick_holds_the_token_tables_gradient_split_and_twice():
   """tr11's mesh and vocabulary, its layers shrunk (hidden 256, 12 layers, seq 64), under
   pipeline.grad_sync='tick' (one schedule over the data ranks, the accumulator split over them):
   each tick's embedding backward scatters its rows into the split accumulator. When it returned a
   gradient of the whole table, XLA all-reduced it unsplit at every tick (tr11: 13.4 GiB), and
-  that buffer was the peak (0.32 GiB here, its 250,880 x 256 rows 0.24)."""
-  shrunk = [
-    '--config.pipeline.grad_sync=tick',
-    '--config.model.hidden_size=256',
-    '--config.model.num_heads=4',
-    '--config.model.num_layers=12',
-    '--config.train.seq_len=64',
-    '--config.train.rampup_batch_size=()',
-    '--config.train.global_batch_size=192',
-  ]
-  command = ['-m', 't5x_like.plan', '--config', 'configs/bloom_176b.py', '--gpu', 'a100-80gb']
-  r = run_cli([*command, *shrunk, '--breakdown', '--json'])
-  assert r.returncode == 0, r.stderr[-3000:]
-  report = json.loads(r.stdout.strip().splitlines()[-1])
+  that buffer was the peak (0.32 GiB here, its 250,880 x 256 rows 0.24). The split accumulator
+  is there twice, the tick loop's value and the next: while the step counted zero gradients
+  with `g == 0`, XLA merged that comparison's zero fill with the accumulator's initial zeros and
+  kept it live through the loop, a third copy (tr11: 1.4 GiB)."""
+  report = shrunk_a100_compile(
+    'bloom_176b.py', grad_sync='tick', num_layers=12, global_batch_size=192
+  )
   assert report['mesh'] == [8, 12, 4] and report['num_microbatches'] == 12
   whole_table = 250880 * 256 * 4 / 2**30
   assert report['peak_gib'] < whole_table, report['peak_gib']
   shapes = [r['shape'] for r in report['live_at_peak']['largest']]
   assert not any(shape.startswith('f32[250880,') for shape in shapes), shapes
+  # A quarter of the vocabulary per tensor rank, split over the 8 data ranks.
+  held = [r for r in report['live_at_peak']['largest'] if r['shape'] == 'f32[62720,32]']
+  assert len([r for r in held if not r['argument']]) == 2, held
+
+
+def test_one_f_one_b_over_the_whole_mesh_holds_its_kept_stage_inputs_once():
+  """tr8_104b (tensor 4 x pipeline 32, one data rank: one schedule over the whole mesh), its
+  layers shrunk (hidden 256, seq 64): the 2P - 1 = 63 kept stage inputs are one buffer at the
+  peak. While the forward's conditional (which skips the drain ticks) wrote them, XLA copied
+  the ring for the branch that passes it through, a second buffer (tr8_104b: 3.9 GiB)."""
+  report = shrunk_a100_compile('tr8_104b.py', global_batch_size=64)
+  assert report['mesh'] == [1, 32, 4]
+  kept = [r for r in report['live_at_peak']['largest'] if r['shape'] == 'bf16[1,63,1,64,256]']
+  assert len(kept) == 1, kept
 
 
 def test_a_gpu_compile_of_two_nodes_says_when_the_step_does_not_fit(monkeypatch):

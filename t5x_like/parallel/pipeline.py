@@ -647,6 +647,12 @@ def one_f_one_b_loss_and_grads(
   # gradient is reduce-scattered into it as it is computed (differentiated w.r.t. the masters,
   # whose split it takes), and the backward's conditional carries it: less memory that way.
   own_gradient = 'data' in loss_axes or ctx.mesh is None or ctx.mesh.shape.get('data', 1) == 1
+  # Where one schedule runs over the whole mesh (no shard_map over ranks with schedules of their
+  # own), the stage inputs are kept outside the forward's conditional: kept inside it, XLA copied
+  # them for the branch that passes them through (tr8_104b: 3.9 GiB). Inside a shard_map the
+  # write outside moved XLA's schedule to a higher peak (docs/benchmarks.md). A drain tick's
+  # write is safe: it lands in the slot of a micro-batch whose backward has run.
+  keep_outside_forward = not loss_axes
   # The cotangents of the rows the embedding looked up are scattered straight into the token
   # table's accumulator. A tick's whole-table gradient, a scatter-add into zeros, cost tr11 5 GiB
   # at the step's peak under 'step', and under 'tick' XLA all-reduced it unsplit, 13.4 GiB a tick
@@ -726,19 +732,34 @@ def one_f_one_b_loss_and_grads(
     table = table.at[tokens].add(row_cotangents.astype(table.dtype))
     return dict(other_grads, word_embeddings=table)
 
-  def forward_half(t, forward, kept):
-    """Stage s runs micro-batch t - s; its input is kept in slot (t - s) mod (2P - 1)."""
-    injection = t - stage_ids
+  def stage_inputs(t, forward):
+    """The stages' inputs at tick t: micro-batch t's embedding enters stage 0."""
     entering = sched.embed_with(sched.embedding_params, jnp.clip(t, 0, M - 1))
-    inputs = ctx.constrain(forward.at[0].set(entering), sched.buffer_names)
-    kept = jax.vmap(
+    return ctx.constrain(forward.at[0].set(entering), sched.buffer_names)
+
+  def keep_inputs(t, inputs, kept):
+    """Stage s's input at tick t (micro-batch t - s) kept in slot (t - s) mod (2P - 1)."""
+    return jax.vmap(
       lambda k, x, slot: jax.lax.dynamic_update_index_in_dim(k, x, slot, 0),
       spmd_axis_name='pipeline',
-    )(kept, inputs, jnp.mod(injection, slots))
+    )(kept, inputs, jnp.mod(t - stage_ids, slots))
+
+  def forward_half(t, inputs):
+    """Stage s runs micro-batch t - s."""
     outputs = sched.stages(
-      (masters, computes), inputs, zero_repeat, injection, sched.slot_is_real, sched.slot_layer, rng
+      (masters, computes),
+      inputs,
+      zero_repeat,
+      t - stage_ids,
+      sched.slot_is_real,
+      sched.slot_layer,
+      rng,
     )
-    return ctx.constrain(outputs, sched.buffer_names), kept
+    return ctx.constrain(outputs, sched.buffer_names)
+
+  def forward_and_keep(t, forward, kept):
+    inputs = stage_inputs(t, forward)
+    return forward_half(t, inputs), keep_inputs(t, inputs, kept)
 
   def backward_half(t, cotangents, kept):
     """Stage s runs the backward of micro-batch t - (2P - 2) + s from its kept input: the
@@ -782,9 +803,14 @@ def one_f_one_b_loss_and_grads(
   def tick(carry, t):
     forward, cotangents, kept, (layer_grads, other_grads), loss_sum = carry
     # The fill's P - 1 ticks run no backward, the drain's P - 1 no forward.
-    outputs, kept = jax.lax.cond(
-      t < M + P - 1, forward_half, lambda t, f, k: (f, k), t, forward, kept
-    )
+    if keep_outside_forward:
+      inputs = stage_inputs(t, forward)
+      kept = keep_inputs(t, inputs, kept)
+      outputs = jax.lax.cond(t < M + P - 1, forward_half, lambda t, x: x, t, inputs)
+    else:
+      outputs, kept = jax.lax.cond(
+        t < M + P - 1, forward_and_keep, lambda t, f, k: (f, k), t, forward, kept
+      )
     m_out = t - (P - 1)
     leaving = jax.lax.dynamic_index_in_dim(batch, jnp.clip(m_out, 0, M - 1), 0, False)
     loss, head_grads, last_cotangent = jax.lax.cond(
