@@ -562,21 +562,18 @@ def memory_bytes(
   ticks_1f1b = one_f_one_b(cfg)
   whole_embedding = 0.0 if ticks_1f1b else 4 * embedding
   out['gradient accumulators'] = 4 * state / g + whole_embedding
-  if per_rank_pipeline(cfg, framework):
-    # Each data rank adds its own micro-batches' fp32 gradients up, the stage's whole, and a
-    # tick's backward returns the stage's gradient in the compute dtype before it is added.
+  if per_rank_pipeline(cfg, framework) or (ticks_1f1b and dp == 1):
+    # Each data rank adds its own micro-batches' fp32 gradients up, the stage's whole (with one
+    # data rank, the 1F1B schedule's too), and a tick's backward returns the stage's gradient in
+    # the compute dtype before it is added.
     out['gradient accumulators'] = 4 * state + whole_embedding
     out['backward workspace'] += compute_bytes * stage
   elif ticks_1f1b:
-    # The accumulator split over data, carried by the tick loop: XLA holds the layers' three
-    # times at the peak (its zero fill and two loop values; as many with the backward's
-    # conditional taken out of the loop), twice when hybrid sharding runs each copy's schedule
-    # inside a shard_map, and the embedding's twice (XLA's GPU compiles of tr11 under ZeRO-1,
-    # ZeRO-3 and hybrid ZeRO-1 and the chronicles' rows, 2026-11-27). Some peaks hold fewer:
-    # two of the four weights' twice at DP 16 PP 3 TP 8 under ZeRO-3, and tr8_104b's one layer
-    # about once, where its kept stage inputs are copied instead (docs/benchmarks.md).
-    copies = 2 if g < dp else 3
-    out['gradient accumulators'] = (copies * 4 * stage + 2 * 4 * embedding) / g
+    # The accumulator split over data, carried by the tick loop: XLA holds the layers' and the
+    # embedding's twice at the peak, the loop's value and the next (XLA's GPU compiles of tr11
+    # under ZeRO-1, ZeRO-3 and hybrid ZeRO-1, the chronicles' rows, and 13B and 70B under ZeRO-3,
+    # 2026-11-28; docs/benchmarks.md).
+    out['gradient accumulators'] = 2 * 4 * state / g
   # One layer's backward: its matmul outputs, and the softmax's f32 probabilities, their
   # gradient and the dropout mask's ('xla'; 2.93 GiB of the 49.07 GiB the H100 measured for
   # bloom_1b3's step against pallas's 46.14). cuDNN's ALiBi is a materialised [heads, s, s]
@@ -600,10 +597,13 @@ def memory_bytes(
     if chunked:
       out['backward workspace'] += 2 * compute_bytes * embedding
   if zero.stage == 3 and ticks_1f1b:
-    # The split bf16 copy only: the gathered layers, the embedding gathered at its use and a
-    # layer's whole gradient before its reduce-scatter are not live at the ticks' peak (XLA's
-    # GPU compiles of tr11 and DP 8 TP 8 PP 6 under ZeRO-3, 2026-11-27).
-    out['weight copies'] = compute_bytes * state / g
+    # The split bf16 copy and one layer's MLP weights gathered: where the recomputed forward's
+    # attention is the peak (tensor 1) XLA has gathered them ahead of the MLP, elsewhere a
+    # smaller gathered weight is there. The embedding gathered at its use and a layer's whole
+    # gradient before its reduce-scatter are not live at the ticks' peak (XLA's GPU compiles
+    # under ZeRO-3, 2026-11-27 and 28; docs/benchmarks.md).
+    mlp_weights = 2 * m.hidden_size * m.ffn_size / t
+    out['weight copies'] = compute_bytes * (state / g + mlp_weights)
   elif zero.stage == 3:
     out['gradient accumulators'] += 4 * layer
     # The split bf16 copy, two layers gathered whole (the one computing and the next, gathered
