@@ -758,6 +758,7 @@ def one_f_one_b_loss_and_grads(
     return ctx.constrain(outputs, sched.buffer_names)
 
   def forward_and_keep(t, forward, kept):
+    """`forward_half` and `keep_inputs` in the forward's conditional (inside a shard_map)."""
     inputs = stage_inputs(t, forward)
     return forward_half(t, inputs), keep_inputs(t, inputs, kept)
 

@@ -402,8 +402,8 @@ def count_zeros(tree) -> jax.Array:
   """How many elements of the float arrays in `tree` are zero (+0 or -0; a subnormal is not),
   Megatron's 'num zeros'. Compared as bit patterns without the sign bit: `g == 0` broadcasts a
   float zero fill of g's shape, which XLA merged with the gradient accumulator's initial zeros
-  and kept live through the whole pipeline loop (tr11 under 'tick': 1.4 GiB at the peak;
-  docs/benchmarks.md)."""
+  and kept live through the whole tick or micro-batch loop (tr11 under 'tick': 1.4 GiB at the
+  peak; the 1.3B step on one H100: 6.42 GiB; docs/benchmarks.md)."""
   total = jnp.zeros((), jnp.int32)
   for g in jax.tree.leaves(tree):
     bits = jnp.dtype(f'uint{8 * g.dtype.itemsize}')
