@@ -2,10 +2,12 @@
 mesh.zero_group), from XLA's compile of the train step (`python -m t5x_like.plan` on virtual CPU
 devices), for BLOOM-shaped 7B and 13B models on 8 devices, a 70B on 64 and BLOOM-176B on 384.
 
-  python benchmarks/zero_memory.py [--only NAME ...]
+  python benchmarks/zero_memory.py [--only NAME ...] [--gpu KIND [--attention IMPL]]
 
 Prints a markdown table: XLA's CPU peak and plan's GPU estimate of it (the CPU backend holds
-bf16 values in f32 buffers; docs/benchmarks.md says how the estimate is made).
+bf16 values in f32 buffers; docs/benchmarks.md says how the estimate is made). With --gpu, XLA's
+peak for GPUs of KIND instead (`plan --gpu KIND`: its GPU compiler, no GPU needed) beside the
+cost model's estimate (`plan --estimate`) and its error; --attention sets model.attention_impl.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ SHAPES = {
 
 # name -> (config, model shape or None, (data, pipeline, tensor), global batch, [(stage, group)])
 CASES = {
-  '7b_8': ('bloom_1b3.py', '7b', (8, 1, 1), 256, [(1, 0), (3, 0), (3, 4)]),
+  '7b_8': ('bloom_1b3.py', '7b', (8, 1, 1), 256, [(1, 0), (3, 0), (3, 4), (1, 4)]),
+  '7b_8_tp2': ('bloom_1b3.py', '7b', (4, 1, 2), 256, [(1, 2), (3, 2)]),
   '13b_8': ('bloom_1b3.py', '13b', (8, 1, 1), 256, [(1, 0), (3, 0), (3, 4)]),
   '70b_64': ('bloom_1b3.py', '70b', (64, 1, 1), 512, [(1, 0), (3, 0), (3, 8)]),
   '70b_64_tp8': ('bloom_1b3.py', '70b', (8, 1, 8), 512, [(1, 0), (3, 0)]),
@@ -68,22 +71,39 @@ def case_overrides(shape: str | None, mesh, global_batch: int, stage: int, group
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--only', nargs='*', default=None, choices=sorted(CASES))
+  parser.add_argument('--gpu', default=None, help="compile for GPUs of this kind (plan's --gpu)")
+  parser.add_argument('--attention', default=None, help='model.attention_impl')
   args = parser.parse_args(argv)
-  print('| model, devices | mesh (DP, PP, TP) | ZeRO | group | XLA peak GiB | GPU estimate GiB |')
-  print('|---|---|---|---|---|---|')
+  if args.gpu:
+    print(
+      '| model, devices | mesh (DP, PP, TP) | ZeRO | group | XLA peak GiB | model GiB | error |'
+    )
+    print('|---|---|---|---|---|---|---|')
+  else:
+    print('| model, devices | mesh (DP, PP, TP) | ZeRO | group | XLA peak GiB | GPU estimate GiB |')
+    print('|---|---|---|---|---|---|')
   for name, (config, shape, mesh, global_batch, variants) in CASES.items():
     if args.only and name not in args.only:
       continue
     for stage, group in variants:
-      report = plan(config, case_overrides(shape, mesh, global_batch, stage, group))
+      overrides = case_overrides(shape, mesh, global_batch, stage, group)
+      if args.attention:
+        overrides.append(f'--config.model.attention_impl={args.attention}')
+      row = f'| {name} | {mesh} | {stage} | {group or "all"} |'
+      report = plan(config, overrides + (['--gpu', args.gpu] if args.gpu else []))
       if 'error' in report:
-        print(f'| {name} | {mesh} | {stage} | {group or "all"} | {report["error"]} | |')
-        continue
-      print(
-        f'| {name} | {mesh} | {stage} | {group or "all"} | {report["peak_gib"]:.2f} | '
-        f'{report.get("gpu_estimate_peak_gib", float("nan")):.2f} |',
-        flush=True,
-      )
+        print(f'{row} {report["error"]} | |', flush=True)
+      elif args.gpu:
+        estimate = plan(config, overrides + ['--estimate', '--gpu', args.gpu])
+        gib = estimate.get('estimated_memory_gib', float('nan'))
+        peak = report['peak_gib']
+        print(f'{row} {peak:.2f} | {gib:.2f} | {100 * (gib / peak - 1):+.1f}% |', flush=True)
+      else:
+        print(
+          f'{row} {report["peak_gib"]:.2f} | '
+          f'{report.get("gpu_estimate_peak_gib", float("nan")):.2f} |',
+          flush=True,
+        )
   return 0
 
 

@@ -33,11 +33,11 @@
   whole copy;
 * the optimizer: Adam reads and writes its shard of the state at HBM bandwidth;
 * memory per GPU in t5x_like/planning/memory_report.py's categories, by the layout t5x_like's step
-  uses (the ZeRO-split state, the gathered bf16 copy of the stage under ZeRO-1 or two gathered
+  uses (the ZeRO-split state, the gathered bf16 copy of the stage under ZeRO-1 or gathered
   layers under ZeRO-3, fp32 gradients split over the group or, with a pipeline under 'step',
-  whole on every data rank, kept stage inputs, the recomputed
-  layers' matmul outputs, what save_dots keeps, one layer's backward, a micro-batch's gradient
-  before it is accumulated).
+  whole on every data rank, kept stage inputs, the recomputed layers' matmul outputs, what
+  save_dots keeps, one layer's backward, a micro-batch's gradient before it is accumulated;
+  without a pipeline the largest of the phases XLA's peak can be in).
 
 `framework='megatron-deepspeed'` estimates the same config as the chronicles measured it (seed
 004's tables): the head on the last stage only, Megatron's fused-softmax constraint and
@@ -509,7 +509,6 @@ def memory_bytes(
   # (split over tensor with sequence parallelism). The scores' and the context's are recomputed.
   saved_matmuls = activation * (3 / t + m.ffn_size / h / t + 2 / split_seq)
   slots = stage_slots(cfg)
-  chunked = m.cross_entropy_impl == 'chunked'
   out = dict.fromkeys(
     (
       'master weights (fp32 params)',
@@ -548,19 +547,20 @@ def memory_bytes(
   elif m.remat_policy == 'save_dots':
     # The matmul outputs without batch dimensions (the saved ones; not the scores' and the
     # context's, batched over micro-batch and heads) and each layer's input, which the scan
-    # keeps. XLA's CPU compile of bloom_1b3's step keeps exactly these four [24, 4, 2048, ...]
-    # stacks. Our fused kernels' output and float32 log-sum-exp are kept too, by name.
-    keep = saved_matmuls + activation / split_seq
+    # keeps; not the MLP's output projection, which no backward reads (XLA drops it although it
+    # is named: its GPU compiles of bloom_1b3's step keep QKV, h -> 4h and two [24, 4, 2048,
+    # 2048] stacks). Our fused kernels' output and float32 log-sum-exp are kept too, by name.
+    keep = saved_matmuls
     if keeps_attention_residuals(impl, residuals_kept):
       keep += activation / t + b * heads * s * 4
     out['kept activations'] = m.num_layers * keep
   else:
     out['kept activations'] = m.num_layers * (dots + 3 * scores * compute_bytes)
-  # fp32 gradients in the ZeRO layout, and the embedding's whole before its reduction (not under
-  # 1F1B, whose embedding backward scatters its rows into the accumulator); under ZeRO-3 also one
-  # layer's whole gradient before its reduce-scatter.
+  # fp32 gradients in the ZeRO layout, and with a pipeline the embedding's whole before its
+  # reduction (not under 1F1B, whose embedding backward scatters its rows into the accumulator);
+  # under ZeRO-3 also one layer's whole gradient before its reduce-scatter.
   ticks_1f1b = one_f_one_b(cfg)
-  whole_embedding = 0.0 if ticks_1f1b else 4 * embedding
+  whole_embedding = 0.0 if ticks_1f1b or p == 1 else 4 * embedding
   out['gradient accumulators'] = 4 * state / g + whole_embedding
   if per_rank_pipeline(cfg, framework) or (ticks_1f1b and dp == 1):
     # Each data rank adds its own micro-batches' fp32 gradients up, the stage's whole (with one
@@ -587,15 +587,17 @@ def memory_bytes(
     out['backward workspace'] += 2 * b * heads * s * s
   if p == 1:
     # Without a pipeline the backward of a micro-batch returns its gradient before it is added to
-    # the accumulator: the layers' stacked by the scan in the compute dtype and the token
-    # lookup's fp32 scatter-add, both split over the group like the accumulator, and under the
-    # chunked cross-entropy its vocabulary chunks' gradient, whole, stacked and concatenated in
-    # the compute dtype. Each is live at the peak of XLA's compiles of bloom_1b3's step (one
-    # device) and of a 7B on 8 (ZeRO-1; plan --breakdown).
-    out['backward workspace'] += compute_bytes * stage / g
-    out['gradient accumulators'] += 4 * embedding / g
-    if chunked:
-      out['backward workspace'] += 2 * compute_bytes * embedding
+    # the accumulator: the layers' stacked by the scan in the compute dtype, split over the group
+    # like the accumulator, and the tied embedding's from the logits, whole, in the compute dtype
+    # (the chunked loss's chunks stacked). Both are live through the layers' backward in XLA's
+    # GPU compiles of 1.3B to 70B steps (docs/benchmarks.md); the lookup's scatter-add comes
+    # after it, where less is live.
+    out['backward workspace'] += compute_bytes * (stage / g + embedding)
+    if zero.copies > 1:
+      # Hybrid sharding: each copy accumulates its own gradient inside a shard_map, where XLA
+      # fills the lookup's fp32 scatter-add with zeros before the layers' backward, its rows
+      # split over the group, not over tensor.
+      out['gradient accumulators'] += 4 * cfg.padded_vocab_size * h / g
   if zero.stage == 3 and ticks_1f1b:
     # The split bf16 copy and one layer's MLP weights gathered: where the recomputed forward's
     # attention is the peak (tensor 1) XLA has gathered them ahead of the MLP, elsewhere a
@@ -604,6 +606,11 @@ def memory_bytes(
     # under ZeRO-3, 2026-11-27 and 28; docs/benchmarks.md).
     mlp_weights = 2 * m.hidden_size * m.ffn_size / t
     out['weight copies'] = compute_bytes * (state / g + mlp_weights)
+  elif zero.stage == 3 and p == 1:
+    # The split bf16 copy and one layer gathered (the embedding gathered for the logits is the
+    # loss's: _no_pipeline_peak); a layer's whole fp32 gradient before its reduce-scatter is not
+    # live at the peak (XLA's GPU compiles, docs/benchmarks.md).
+    out['weight copies'] = compute_bytes * (state / g + layer)
   elif zero.stage == 3:
     out['gradient accumulators'] += 4 * layer
     # The split bf16 copy, two layers gathered whole (the one computing and the next, gathered
@@ -612,8 +619,8 @@ def memory_bytes(
   else:
     # The bf16 copy of the stage and embedding gathered over data, and the embedding's fp32
     # gather it is cast from (none on one rank: the copy is cast from the master; none under
-    # 1F1B either, where it is gone before the ticks' peak).
-    gathered = 4 * embedding if g > 1 and not ticks_1f1b else 0
+    # 1F1B or without a pipeline either, where it is gone before the peak).
+    gathered = 4 * embedding if g > 1 and not ticks_1f1b and p > 1 else 0
     out['weight copies'] = compute_bytes * state + gathered
   vocab = cfg.padded_vocab_size / t
   if embedding_split_over_pipeline(cfg, framework):
@@ -622,13 +629,52 @@ def memory_bytes(
     logits = 2 * 4 * b * s * vocab  # fp32 logits and their gradient
   elif m.cross_entropy_impl == 'fused':
     # Tokens in chunks: a [chunk, V] fp32 tile of logits and one of their exponentials, and the
-    # fp32 embedding gradient the forward computes and keeps for the backward (the H100's
-    # bloom_1b3 step: 54.44 GiB against chunked's 46.86; two 3.83 GiB tiles and 1.91).
+    # fp32 embedding gradient the forward computes and keeps for the backward (as the H100's
+    # bloom_1b3 step was first read; without a pipeline _no_pipeline_peak counts what XLA holds).
     logits = 2 * 4 * min(b * s, m.cross_entropy_chunk) * vocab + 4 * embedding
   else:
     logits = 2 * 4 * b * s * min(vocab, m.cross_entropy_chunk)
   out['other temporaries'] = logits
+  if p == 1:
+    _no_pipeline_peak(cfg, out, zero, compute_bytes, vocab, stage, embedding)
   return out
+
+
+def _no_pipeline_peak(
+  cfg: Config,
+  out: dict[str, float],
+  zero: Zero,
+  compute_bytes: int,
+  vocab: float,
+  stage: float,
+  embedding: float,
+) -> None:
+  """Without a pipeline XLA's peak is in one of three phases, not all at once (its GPU compiles,
+  docs/benchmarks.md): the layers' backward (`out['backward workspace']`), the loss (its logits
+  beyond what the backward holds, in 'other temporaries'), and under ZeRO-1 over G > 1 ranks
+  the gather of the bf16 copy before the first micro-batch. XLA gathers each stacked weight
+  with its split dim outermost and transposes it whole into the layout the layers read, so an
+  MLP weight's stack is held twice, with its own shard; where that is more than the kept
+  activations and the later phases hold, the difference is in 'weight copies'."""
+  m, b, s = cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len
+  if m.cross_entropy_impl == 'fused':
+    # Two [token chunk, vocabulary] tiles in fp32 and two in the compute dtype.
+    loss = 2 * (4 + compute_bytes) * min(b * s, m.cross_entropy_chunk) * vocab
+  else:
+    # The logits' fp32 tiles (the dense loss: all of them and their gradient; the H100 held
+    # both, where XLA's compile without a GPU holds one) and the embedding's gradient from them.
+    loss = out['other temporaries'] + compute_bytes * embedding
+  if zero.stage == 3:
+    # The embedding gathered for the logits (gone before the layers' backward), and the layers'
+    # split bf16 gradient, which XLA has zero-filled by then.
+    loss += compute_bytes * (embedding + stage / zero.group)
+  out['other temporaries'] = max(0.0, loss - out['backward workspace'])
+  g = zero.group
+  if zero.stage == 1 and g > 1:
+    mlp_stack = m.num_layers * m.hidden_size * m.ffn_size / cfg.mesh.tensor
+    transposed = compute_bytes * mlp_stack * (1 + 1 / g)
+    later = out['kept activations'] + out['backward workspace'] + out['other temporaries']
+    out['weight copies'] += max(0.0, transposed - later)
 
 
 # HBM bytes per logit of the loss's memory-bound kernels, per micro-batch: 'chunked' reads each
