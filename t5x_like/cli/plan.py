@@ -32,14 +32,15 @@ Without compiling (t5x_like/planning/cost_model.py, docs/planner.md), in millise
 
 --estimate: the config's step on its mesh of GPUs of KIND (a100-80gb, a100-40gb, h100-80gb,
 h200), its ZeRO stage and group (mesh.zero_stage, mesh.zero_group) included: seconds per
-iteration, TFLOP/s per GPU (Megatron's formula), memory per GPU and whether it fits, and the parts
-they add up from. --search: every valid (data, pipeline, tensor, micro-batch, ZeRO stage 1 or 3
-over all of data or one node's data ranks) for N GPUs at the config's model and global batch,
-those that fit first, each group by estimated time, each with why it does not fit or what it
-loses to the first; --aot adds XLA's compiled memory for the top K, each compiled for the GPUs
-of --gpu as `plan --gpu` compiles (jax's CUDA plugin needed): XLA's own peak per GPU and whether
-it fits, beside the model's estimate. More
---gpus than any topology can use (cost_model.max_gpus) is refused at once, with the limit.
+iteration, TFLOP/s per GPU (Megatron's formula), memory per GPU and whether it fits (and whether
+within the memory model's 5% error of the limit: `near_limit`, where only a compile can say),
+and the parts they add up from. --search: every valid (data, pipeline, tensor, micro-batch,
+ZeRO stage 1 or 3 over all of data or one node's data ranks) for N GPUs at the config's model
+and global batch, those that fit first, each group by estimated time, each with why it does not
+fit or what it loses to the first; --aot adds XLA's compiled memory for the top K, each
+compiled for the GPUs of --gpu as `plan --gpu` compiles (jax's CUDA plugin needed): XLA's own
+peak per GPU and whether it fits, beside the model's estimate. More --gpus than any topology can
+use (cost_model.max_gpus) is refused at once, with the limit.
 """
 
 from __future__ import annotations
@@ -366,6 +367,8 @@ def run_search(cfg: Config, args) -> int:
     data, pipeline, tensor = r['mesh']
     aot_peak = f'  {r["aot_peak_gib"]:8.2f}' if args.aot else ''
     verdict = 'yes' if r['fits'] else 'no: ' + r['why_not']
+    if r['near_limit']:
+      verdict += ', near the limit'
     if r['fits'] and 'why_behind' in r:
       verdict += '; ' + r['why_behind']
     print(
@@ -373,6 +376,11 @@ def run_search(cfg: Config, args) -> int:
       f'{r["micro_batch_size"]:>3} {r["grad_sync"] or "-":>4} {r["estimated_step_s"]:7.1f} '
       f'{r["estimated_tflops_per_gpu"]:7.1f} {r["bubble_fraction"]:6.1%} '
       f'{r["estimated_memory_gib"]:6.1f}{aot_peak}  {verdict}'
+    )
+  if any(r['near_limit'] for r in top):
+    print(
+      f"near the limit: estimated to fit with less headroom than the memory model's error "
+      f'({cost_model.MEMORY_ERROR:.0%}); {"XLA" if args.aot else "--aot"} says whether it does'
     )
   return 0
 
