@@ -1232,13 +1232,13 @@ GPU_NO_PIPELINE_PEAK_GIB = [
 
 def test_a_fit_within_the_memory_models_error_is_near_the_limit():
   """MEMORY_ERROR bounds the model's underestimates of XLA's GPU compiles (without a pipeline
-  the largest, -4.9%; with one -2% at most); a topology that fits with less headroom is
+  the largest, -3.0%; with one -3% at most); a topology that fits with less headroom is
   near_limit, with why, and one with more headroom, or none, is not."""
   under = max(
     1 - cost_model.estimate(make(), 'h100-80gb')['estimated_memory_gib'] / gib
     for make, gib in GPU_NO_PIPELINE_PEAK_GIB
   )
-  assert 0.04 < under < cost_model.MEMORY_ERROR
+  assert 0.025 < under < cost_model.MEMORY_ERROR
   tight = cost_model.estimate(_bloom(*_13B, 64, micro=16, stage=3), 'h100-80gb')
   assert tight['fits'] and tight['near_limit']
   assert tight['why_near'].startswith('57.6 GiB per GPU is within 5% (the memory model')
@@ -1289,18 +1289,19 @@ def test_zero3_peak_is_the_loss_where_the_embedding_is_gathered():
 
 
 def test_memory_without_a_pipeline_is_xlas():
-  """Within -5.5%..+4.5% of XLA's GPU compiles, 2% on average (the terms before this fit,
+  """Within -4%..+6% of XLA's GPU compiles, 2% on average (the terms before this fit,
   fitted to CPU compiles and the H100's peaks of the code with the zero count's fill: +5% to
   +56%). Three phases, not their sum: the layers' backward (the layers' bf16 gradient and the
   embedding's from the logits), the loss (the fused loss's tiles; under ZeRO-3 the gathered
-  embedding), and under ZeRO-1 the gather of the bf16 copy, which XLA transposes whole (13B on
-  8 GPUs: its peak, at the first micro-batch)."""
+  embedding, with the forward's materialised scores where they weigh more), and under ZeRO-1
+  the gather of the bf16 copy, which XLA transposes whole (13B on 8 GPUs: its peak, at the first
+  micro-batch)."""
   errors = []
   for make, gib in GPU_NO_PIPELINE_PEAK_GIB:
     cfg = make()
     estimated = cost_model.estimate(cfg, 'h100-80gb')['estimated_memory_gib']
     errors.append(estimated / gib - 1)
-    assert -0.055 < errors[-1] < 0.045, (cfg.mesh, cfg.model.num_layers, estimated, gib)
+    assert -0.04 < errors[-1] < 0.06, (cfg.mesh, cfg.model.num_layers, estimated, gib)
   mean_abs = sum(map(abs, errors)) / len(errors)
   print(
     f'no-pipeline memory vs XLA: {min(errors):+.1%} .. {max(errors):+.1%}, |mean| {mean_abs:.1%}'

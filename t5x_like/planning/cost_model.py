@@ -640,7 +640,7 @@ def memory_bytes(
     logits = 2 * 4 * b * s * min(vocab, m.cross_entropy_chunk)
   out['other temporaries'] = logits
   if p == 1:
-    _no_pipeline_peak(cfg, out, zero, compute_bytes, vocab, stage, embedding)
+    _no_pipeline_peak(cfg, out, zero, compute_bytes, vocab, stage, embedding, scores)
   return out
 
 
@@ -652,10 +652,12 @@ def _no_pipeline_peak(
   vocab: float,
   stage: float,
   embedding: float,
+  scores: float,
 ) -> None:
   """Without a pipeline XLA's peak is in one of three phases, not all at once (its GPU compiles,
   docs/benchmarks.md): the layers' backward (`out['backward workspace']`), the loss (its logits
-  beyond what the backward holds, in 'other temporaries'), and under ZeRO-1 over G > 1 ranks
+  beyond what the backward holds, in 'other temporaries'; under ZeRO-3 the forward too), and
+  under ZeRO-1 over G > 1 ranks
   the gather of the bf16 copy before the first micro-batch. XLA gathers each stacked weight
   with its split dim outermost and transposes it whole into the layout the layers read, so an
   MLP weight's stack is held twice, with its own shard; where that is more than the kept
@@ -670,7 +672,12 @@ def _no_pipeline_peak(
     loss = out['other temporaries'] + compute_bytes * embedding
   if zero.stage == 3:
     # The embedding gathered for the logits (gone before the layers' backward), and the layers'
-    # split bf16 gradient, which XLA has zero-filled by then.
+    # split bf16 gradient, which XLA has zero-filled by then; both are live in the forward too,
+    # where with materialised scores ('xla') a layer's fp32 scores, their masked copy and the
+    # bf16 probabilities can outweigh the loss's tiles.
+    loss = max(
+      loss, out['other temporaries'] + compute_bytes * embedding + (8 + compute_bytes) * scores
+    )
     loss += compute_bytes * (embedding + stage / zero.group)
   out['other temporaries'] = max(0.0, loss - out['backward workspace'])
   g = zero.group
