@@ -657,11 +657,11 @@ def _no_pipeline_peak(
   """Without a pipeline XLA's peak is in one of three phases, not all at once (its GPU compiles,
   docs/benchmarks.md): the layers' backward (`out['backward workspace']`), the loss (its logits
   beyond what the backward holds, in 'other temporaries'; under ZeRO-3 the forward too), and
-  under ZeRO-1 over G > 1 ranks
-  the gather of the bf16 copy before the first micro-batch. XLA gathers each stacked weight
-  with its split dim outermost and transposes it whole into the layout the layers read, so an
-  MLP weight's stack is held twice, with its own shard; where that is more than the kept
-  activations and the later phases hold, the difference is in 'weight copies'."""
+  under ZeRO-1 over G > 1 ranks the gather of the bf16 copy before the first micro-batch. XLA
+  gathers each stacked weight with its split dim outermost and transposes it whole into the
+  layout the layers read, so an MLP weight's stack is held twice, with its own shard; where that
+  is more than the kept activations and the later phases hold, the difference is in 'weight
+  copies'."""
   m, b, s = cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len
   if m.cross_entropy_impl == 'fused':
     # Two [token chunk, vocabulary] tiles in fp32 and two in the compute dtype.
@@ -672,13 +672,11 @@ def _no_pipeline_peak(
     loss = out['other temporaries'] + compute_bytes * embedding
   if zero.stage == 3:
     # The embedding gathered for the logits (gone before the layers' backward), and the layers'
-    # split bf16 gradient, which XLA has zero-filled by then; both are live in the forward too,
-    # where with materialised scores ('xla') a layer's fp32 scores, their masked copy and the
-    # bf16 probabilities can outweigh the loss's tiles.
-    loss = max(
-      loss, out['other temporaries'] + compute_bytes * embedding + (8 + compute_bytes) * scores
-    )
-    loss += compute_bytes * (embedding + stage / zero.group)
+    # split bf16 gradient, which XLA has zero-filled by then. Both are live in the forward too,
+    # with the zero-filled gradient from the logits and, with materialised scores ('xla'), a
+    # layer's fp32 scores, their masked copy and the bf16 probabilities.
+    forward = compute_bytes * embedding + (8 + compute_bytes) * scores
+    loss = max(loss, forward) + compute_bytes * (embedding + stage / zero.group)
   out['other temporaries'] = max(0.0, loss - out['backward workspace'])
   g = zero.group
   if zero.stage == 1 and g > 1:
