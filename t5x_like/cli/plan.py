@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -428,6 +429,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.unroll:
       overrides['model.scan_unroll'] = True
     check_model_arguments(args)
+    if args.gpu and not os.environ.get('JAX_PLATFORMS'):
+      # The GPUs are described to XLA, and this process runs on the CPU. On a machine with jax's
+      # CUDA plugin and no GPU (a login node) the plugin's backend would start first, and where
+      # CUDA's libraries are missing its failure left the plugin without GPU topologies.
+      import jax
+
+      jax.config.update('jax_platforms', 'cpu')
     cfg = load_config_file(args.config, overrides)
     if args.estimate or args.search:
       # Config and schedule arithmetic only: the mesh is the GPUs', not this machine's.
