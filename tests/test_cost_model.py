@@ -123,23 +123,23 @@ HEADS_0223 = [(16, 121.03), (32, 124.01), (64, 120.18), (112, 138.72), (128, 124
 # XLA's GPU peak per device for the same configs, the 02-25 rows as bloom_176b.py overrides, GiB:
 # (row, under pipeline.grad_sync 'tick', under 'step'), each compiled for 384 A100s of 80 GB by
 # `plan --gpu a100-80gb` (XLA's GPU compiler without a GPU, jax 0.10.2; docs/benchmarks.md,
-# 2026-11-27, `python benchmarks/plan_topologies.py --grad_sync tick|step --gpu a100-80gb`;
-# the 'tick' column again on 2026-11-28, after the step's count of zero gradients stopped
-# sharing the accumulator's zero fill).
+# `python benchmarks/plan_topologies.py --grad_sync tick|step --gpu a100-80gb`; every pipelined
+# compile in this file again on 2026-11-28, after each layer's backward added its gradient into
+# the accumulator in place).
 PLAN_PEAK_GIB = [
-  ((8, 4, 12, 2, 2048), 23.22, 43.71),
-  ((8, 8, 6, 4, 2048), 23.16, 42.14),
-  ((4, 8, 12, 4, 2048), 19.26, 27.65),
-  ((16, 4, 6, 2, 2048), 30.69, 71.74),
-  ((8, 2, 24, 1, 2048), 27.35, 50.33),
-  ((16, 2, 12, 2, 2048), 36.48, 80.68),
-  ((12, 8, 4, 4, 2016), 26.70, 54.88),
-  ((24, 8, 2, 2, 2016), 35.74, 95.11),
+  ((8, 4, 12, 2, 2048), 21.54, 37.00),
+  ((8, 8, 6, 4, 2048), 21.40, 34.58),
+  ((4, 8, 12, 4, 2048), 17.38, 23.73),
+  ((16, 4, 6, 2, 2048), 28.92, 57.91),
+  ((8, 2, 24, 1, 2048), 26.42, 45.68),
+  ((16, 2, 12, 2, 2048), 34.42, 67.19),
+  ((12, 8, 4, 4, 2016), 24.92, 43.88),
+  ((24, 8, 2, 2, 2016), 34.40, 74.55),
 ]
 # tr11's GPU compile, the same way: (at MBS 2 with its ramp-up, at MBS 4) by grad_sync.
-GPU_TR11_PEAK_GIB = {'tick': (24.72, 30.35), 'step': (44.82, 50.62)}
+GPU_TR11_PEAK_GIB = {'tick': (22.58, 27.84), 'step': (37.76, 42.68)}
 # tr8_104b (one layer per stage, one data rank) compiled the same way.
-GPU_TR8_104B_PEAK_GIB = 20.25
+GPU_TR8_104B_PEAK_GIB = 19.46
 
 
 def spearman(xs, ys) -> float:
@@ -256,9 +256,9 @@ def test_the_chronicles_out_of_memory_rows_do_not_fit_and_the_timed_ones_do():
 
 def test_memory_error_against_the_chronicles_measured_memory():
   """t5x_like's step holds less than Megatron-DeepSpeed's (XLA's GPU compiles of the 02-25 rows
-  under grad_sync='tick', which these rows use: 32-59% below, docs/benchmarks.md): every
-  t5x_like estimate is below the measured figure, and not by more than 65% (a dropped category,
-  such as the Adam moments or the weight copies, would go below; the most, -61%, is the 02-21
+  under grad_sync='tick', which these rows use: 35-62% below, docs/benchmarks.md): every
+  t5x_like estimate is below the measured figure, and not by more than 70% (a dropped category,
+  such as the Adam moments or the weight copies, would go below; the most, -67%, is the 02-21
   row that measured 65 GB at MBS 2 against 56 at MBS 4). The Megatron-DeepSpeed estimate of the
   same rows is within -40% and +20% of it (the allocator's cache is not counted; that 02-21 row
   is -36%), with a median within 15%."""
@@ -276,7 +276,7 @@ def test_memory_error_against_the_chronicles_measured_memory():
       f'{name} memory vs measured, {len(errors)} rows: median {statistics.median(errors):+.1%}, '
       f'range {min(errors):+.1%} .. {max(errors):+.1%}'
     )
-  assert len(ours) >= 20 and all(-0.65 < e < 0 for e in ours), ours
+  assert len(ours) >= 20 and all(-0.70 < e < 0 for e in ours), ours
   assert all(-0.4 < e < 0.2 for e in theirs) and abs(statistics.median(theirs)) < 0.15, theirs
 
 
@@ -357,13 +357,13 @@ def tr11_cases(grad_sync: str):
 
 def test_memory_under_grad_sync_tick_is_consistent_with_xlas_gpu_compiles():
   """The data ranks sharing one schedule, the accumulator split over them (grad_sync='tick'):
-  within -2% to +3% of XLA's GPU compiles of the chronicles' eight topologies, tr11 (at MBS 2
-  and 4) and tr8_104b (one layer per stage, one data rank: the stage's whole accumulator and a
-  tick's bf16 gradient, as under 'step'; -1.2%). Each term is a buffer of those compiles' peaks:
-  the saved matmul outputs of every layer of the stage, the layers' accumulator twice (the tick
-  loop's value and the next) and the embedding's twice, and no fp32 gather of the embedding.
-  Until 2026-11-28 the peaks held a third copy, a zero fill XLA shared with the step's count of
-  zero gradients, and the model counted it (docs/benchmarks.md)."""
+  within -2% to +3% of XLA's GPU compiles of the chronicles' eight topologies and tr11 (at MBS 2
+  and 4), and tr8_104b (one layer per stage, one data rank: the stage's whole accumulator, as
+  under 'step') within -5%. Each term is a buffer of those compiles' peaks: the saved matmul
+  outputs of every layer of the stage, the accumulator once (each layer's backward adds into it
+  in place; until 2026-11-28 XLA held the layers' twice and a tick's gradient of the stage
+  beside it), no fp32 gather of the embedding, and where the vocabulary per tensor rank is large
+  (tensor 2) the head's whole gradient of the token table, the peak there."""
   tick = {'pipeline': {'grad_sync': 'tick'}}
   cases = [
     (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**tick), xla)
@@ -375,18 +375,20 @@ def test_memory_under_grad_sync_tick_is_consistent_with_xlas_gpu_compiles():
   )
   for cfg, xla in cases:
     estimated = cost_model.estimate(cfg, 'a100-80gb')['estimated_memory_gib']
-    assert -0.02 < estimated / xla - 1 < 0.03, (cfg.mesh, estimated, xla)
+    low = -0.05 if cfg.mesh.data == 1 else -0.02
+    assert low < estimated / xla - 1 < 0.03, (cfg.mesh, estimated, xla)
 
 
 def test_memory_under_grad_sync_step_is_consistent_with_xlas_gpu_compiles():
   """Each data rank holding its stage's whole fp32 gradient (grad_sync='step', what
-  bloom_176b.py ships): within -3% to +1% of XLA's GPU compiles of tr11 (at MBS 2 with the
+  bloom_176b.py ships): within -2% to +3% of XLA's GPU compiles of tr11 (at MBS 2 with the
   ramp-up and at MBS 4) and the chronicles' eight topologies. Counted as those peaks hold them:
-  the tick's gradient of the stage in the compute dtype beside the accumulator, the saved matmul
-  outputs of every layer of the stage (the projections' split over tensor by sequence
-  parallelism), and no whole-table gradient of the embedding (1F1B scatters each tick's rows
-  into its accumulator). Until 2026-11-27 the model left the first out and counted the second
-  whole, and was -9% to +4% off."""
+  the accumulator and nothing of the stage's size beside it (each layer's backward adds its
+  gradient in place; until 2026-11-28 a tick's gradient of the stage in bf16 was there too), a
+  layer's MLP gradients in bf16 and fp32 where they outweigh its activations (tensor 2), the
+  saved matmul outputs of every layer of the stage (the projections' split over tensor by
+  sequence parallelism), and no whole-table gradient of the embedding (1F1B scatters each
+  tick's rows into its accumulator)."""
   step = {'pipeline': {'grad_sync': 'step'}}
   cases = [
     (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**step), xla)
@@ -396,7 +398,7 @@ def test_memory_under_grad_sync_step_is_consistent_with_xlas_gpu_compiles():
   cases += tr11_cases('step')
   for cfg, xla in cases:
     estimated = cost_model.estimate(cfg, 'a100-80gb')['estimated_memory_gib']
-    assert -0.03 < estimated / xla - 1 < 0.01, (
+    assert -0.02 < estimated / xla - 1 < 0.03, (
       cfg.mesh,
       cfg.train.micro_batch_size,
       estimated,
@@ -405,7 +407,7 @@ def test_memory_under_grad_sync_step_is_consistent_with_xlas_gpu_compiles():
 
 
 # XLA's GPU peak per device (GiB) of pipelines beyond the tables above, compiled the same way
-# (`plan --gpu KIND`, jax 0.10.2, 2026-11-27): (bloom_176b.py's overrides, GPU kind, peak).
+# (`plan --gpu KIND`, jax 0.10.2, 2026-11-28): (bloom_176b.py's overrides, GPU kind, peak).
 NO_RAMP = {'train.global_batch_size': 2048, 'train.rampup_batch_size': ()}
 SHAPE_13B = {'model.num_layers': 40, 'model.hidden_size': 5120, 'model.num_heads': 40, **NO_RAMP}
 SHAPE_70B = {'model.num_layers': 80, 'model.hidden_size': 8192, 'model.num_heads': 64, **NO_RAMP}
@@ -423,23 +425,23 @@ def mesh(data: int, pipeline: int, tensor: int, micro_batch: int) -> dict:
 
 
 GPU_PIPELINE_PEAK_GIB = [
-  ({'mesh.zero_group': 4, 'pipeline.grad_sync': 'tick'}, 'a100-80gb', 35.52),
-  ({'mesh.zero_group': 4, 'pipeline.grad_sync': 'step'}, 'a100-80gb', 51.24),
-  (mesh(16, 3, 8, 1), 'a100-80gb', 65.50),
-  ({**mesh(32, 2, 1, 1), **SHAPE_13B}, 'h100-80gb', 59.05),
-  ({**mesh(4, 16, 1, 2), **SHAPE_70B}, 'h100-80gb', 54.59),
-  ({**mesh(8, 8, 1, 1), **SHAPE_70B}, 'h100-80gb', 80.56),
+  ({'mesh.zero_group': 4, 'pipeline.grad_sync': 'tick'}, 'a100-80gb', 33.20),
+  ({'mesh.zero_group': 4, 'pipeline.grad_sync': 'step'}, 'a100-80gb', 44.19),
+  (mesh(16, 3, 8, 1), 'a100-80gb', 52.09),
+  ({**mesh(32, 2, 1, 1), **SHAPE_13B}, 'h100-80gb', 47.79),
+  ({**mesh(4, 16, 1, 2), **SHAPE_70B}, 'h100-80gb', 48.71),
+  ({**mesh(8, 8, 1, 1), **SHAPE_70B}, 'h100-80gb', 66.60),
 ]
 
 
 def test_pipeline_memory_under_hybrid_sharding_and_unfitted_topologies_is_xlas():
-  """Within -3% to +5% of XLA's GPU compiles: tr11 under hybrid ZeRO-1 (G 4) with both
-  grad_syncs (its accumulator twice under 'tick' too, 35.52 GiB since 2026-11-28, when the
-  non-hybrid peaks lost their third copy), and four topologies the terms were not fitted on:
-  BLOOM-176B at DP 16 PP 3 TP 8 (65.5 GiB: over the 60 GiB JAX takes of an A100, where the model
-  said 58.3 and that it fits), 13B at DP 32 PP 2 and 70B at DP 4 PP 16 and DP 8 PP 8 on H100s;
-  each fits exactly when its compile does."""
-  assert_estimates_within(GPU_PIPELINE_PEAK_GIB, -0.03, 0.05)
+  """Within -6% to +5% of XLA's GPU compiles: tr11 under hybrid ZeRO-1 (G 4) with both
+  grad_syncs (-5.3% under 'tick', where XLA's allocation holds 1.1 GiB more than its live
+  buffers), and four topologies the terms were not fitted on: BLOOM-176B at DP 16 PP 3 TP 8
+  (65.5 GiB until 2026-11-28, over the 60 GiB JAX takes of an A100; 52.1 since each layer adds
+  its gradient in place), 13B at DP 32 PP 2 and 70B at DP 4 PP 16 and DP 8 PP 8 on H100s; each
+  fits exactly when its compile does."""
+  assert_estimates_within(GPU_PIPELINE_PEAK_GIB, -0.06, 0.05)
 
 
 def assert_estimates_within(peaks, low: float, high: float):
@@ -453,26 +455,25 @@ def assert_estimates_within(peaks, low: float, high: float):
 
 
 # XLA's GPU compiles under ZeRO-3 and 1F1B (grad_sync 'tick'), compiled the same way
-# (2026-11-28, after the step's count of zero gradients stopped sharing the accumulator's zero
-# fill): tr11, DP 8 TP 8 PP 6, BLOOM-176B at DP 16 PP 3 TP 8, 13B and 70B on H100s.
+# (2026-11-28, after each layer's backward added its gradient into the accumulator in place):
+# tr11, DP 8 TP 8 PP 6, BLOOM-176B at DP 16 PP 3 TP 8, 13B and 70B on H100s.
 GPU_ZERO3_1F1B_PEAK_GIB = [
-  (ZERO3, 'a100-80gb', 17.16),
-  ({**ZERO3, **mesh(8, 6, 8, 4), **ROW_0225}, 'a100-80gb', 16.37),
-  ({**ZERO3, **mesh(16, 3, 8, 1)}, 'a100-80gb', 12.45),
-  ({**ZERO3, **mesh(32, 2, 1, 1), **SHAPE_13B}, 'h100-80gb', 10.88),
-  ({**ZERO3, **mesh(4, 16, 1, 2), **SHAPE_70B}, 'h100-80gb', 34.70),
-  ({**ZERO3, **mesh(8, 8, 1, 1), **SHAPE_70B}, 'h100-80gb', 29.61),
+  (ZERO3, 'a100-80gb', 15.45),
+  ({**ZERO3, **mesh(8, 6, 8, 4), **ROW_0225}, 'a100-80gb', 14.83),
+  ({**ZERO3, **mesh(16, 3, 8, 1)}, 'a100-80gb', 10.72),
+  ({**ZERO3, **mesh(32, 2, 1, 1), **SHAPE_13B}, 'h100-80gb', 10.16),
+  ({**ZERO3, **mesh(4, 16, 1, 2), **SHAPE_70B}, 'h100-80gb', 31.36),
+  ({**ZERO3, **mesh(8, 8, 1, 1), **SHAPE_70B}, 'h100-80gb', 25.86),
 ]
 
 
 def test_zero3_one_f_one_b_memory_is_xlas():
-  """Within -3% to +7% of XLA's GPU compiles under ZeRO-3's 1F1B ticks, each fitting exactly
-  when its compile does. The model counts the split bf16 copy, the layers' split accumulator
-  twice and one layer's MLP weights gathered: the peaks of the three with tensor 1 hold them
-  (their recomputed forward's attention is the peak), those with tensor 4 or 8 a smaller
-  gathered weight, so the model errs over there (tr11 +6.5%), not under. Without the gathered
-  MLP weights the 13B and 70B rows were -3.9%, -2.6% and -3.9%."""
-  assert_estimates_within(GPU_ZERO3_1F1B_PEAK_GIB, -0.03, 0.07)
+  """Within -3% to +6% of XLA's GPU compiles under ZeRO-3's 1F1B ticks, each fitting exactly
+  when its compile does. The model counts the split bf16 copy, the split accumulator once and
+  one layer's MLP weights gathered: the peaks of the three with tensor 1 hold them (their
+  recomputed forward's attention is the peak), those with tensor 4 or 8 a smaller gathered
+  weight, so the model errs over there (tr11 +4.5%), not under."""
+  assert_estimates_within(GPU_ZERO3_1F1B_PEAK_GIB, -0.03, 0.06)
 
 
 def test_estimate_adds_up_its_parts():
@@ -511,11 +512,12 @@ def test_estimate_adds_up_its_parts():
 
 
 def test_fits_in_what_jax_may_allocate_not_the_whole_memory(monkeypatch):
-  """JAX takes 0.75 of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: tr11's
-  ~32 GiB per GPU at MBS 4 with grad_sync='tick' (XLA's GPU compile: 31.78) fits a 40 GB A100
-  only with a larger share."""
-  cfg, xla = tr11_cases('tick')[1]
-  assert cfg.train.micro_batch_size == 4 and xla > 30.0
+  """JAX takes 0.75 of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: tr11 under
+  hybrid ZeRO-1 over groups of 4 with grad_sync='tick', ~32 GiB per GPU (XLA's GPU compile:
+  33.20), fits a 40 GB A100 only with a larger share."""
+  overrides, _, xla = GPU_PIPELINE_PEAK_GIB[0]
+  cfg = load_config_file(os.path.join(REPO, 'configs', 'bloom_176b.py'), overrides)
+  assert cfg.mesh.zero_group == 4 and xla > 30.0
   monkeypatch.delenv('XLA_PYTHON_CLIENT_MEM_FRACTION', raising=False)
   default = cost_model.estimate(cfg, 'a100-40gb')
   assert 30.0 < default['estimated_memory_gib'] < 36.0
@@ -1230,18 +1232,44 @@ GPU_NO_PIPELINE_PEAK_GIB = [
 ]
 
 
+def pipeline_compiles():
+  """(config, GPU kind, XLA's GPU peak GiB) of every pipelined compile this file holds."""
+  bloom = lambda overrides: load_config_file(
+    os.path.join(REPO, 'configs', 'bloom_176b.py'), overrides
+  )
+  cases = [
+    (fit_planner.chronicles_config(72, 14336, 64, *row).replace(pipeline={'grad_sync': sync}), xla)
+    for row, *peaks in PLAN_PEAK_GIB
+    for sync, xla in zip(('tick', 'step'), peaks)
+  ]
+  cases += tr11_cases('tick') + tr11_cases('step')
+  cases.append(
+    (load_config_file(os.path.join(REPO, 'configs', 'tr8_104b.py')), GPU_TR8_104B_PEAK_GIB)
+  )
+  rows = [(cfg, 'a100-80gb', xla) for cfg, xla in cases]
+  for overrides, gpu, xla in GPU_PIPELINE_PEAK_GIB + GPU_ZERO3_1F1B_PEAK_GIB:
+    rows.append((bloom(overrides), gpu, xla))
+  return rows
+
+
 def test_a_fit_within_the_memory_models_error_is_near_the_limit():
   """MEMORY_ERROR bounds the model's underestimates of XLA's GPU compiles (without a pipeline
-  the largest, -3.0%; with one -3% at most); a topology that fits with less headroom is
-  near_limit, with why, and one with more headroom, or none, is not."""
+  the largest, -3.0%; with one -5.3%, hybrid sharding under 'tick', where XLA's allocation holds
+  1.1 GiB more than its live buffers); a topology that fits with less headroom is near_limit,
+  with why, and one with more headroom, or none, is not."""
   under = max(
     1 - cost_model.estimate(make(), 'h100-80gb')['estimated_memory_gib'] / gib
     for make, gib in GPU_NO_PIPELINE_PEAK_GIB
   )
   assert 0.025 < under < cost_model.MEMORY_ERROR
+  under = max(
+    1 - cost_model.estimate(cfg, gpu)['estimated_memory_gib'] / gib
+    for cfg, gpu, gib in pipeline_compiles()
+  )
+  assert 0.05 < under < cost_model.MEMORY_ERROR
   tight = cost_model.estimate(_bloom(*_13B, 64, micro=16, stage=3), 'h100-80gb')
   assert tight['fits'] and tight['near_limit']
-  assert tight['why_near'].startswith('57.6 GiB per GPU is within 5% (the memory model')
+  assert tight['why_near'].startswith('57.6 GiB per GPU is within 6% (the memory model')
   roomy = cost_model.estimate(_bloom(*_13B, 64, micro=8, stage=3), 'h100-80gb')
   assert roomy['fits'] and not roomy['near_limit'] and 'why_near' not in roomy
   over = cost_model.estimate(_bloom(*_13B, 64, micro=16, stage=1), 'h100-80gb')

@@ -337,9 +337,11 @@ class Schedule:
     self.hidden_dropout = 0.0 if deterministic else cfg.model.hidden_dropout
     self.buffer_names = ('stages',) + ctx.residual_names  # split along seq under sequence_parallel
     # All stages at once: the stage dim is split over `pipeline`.
-    self.stages = jax.vmap(
-      self.run_stage, in_axes=(0, 0, 0, 0, 0, 0, None), spmd_axis_name='pipeline'
+    vmap_stages = lambda run: jax.vmap(
+      run, in_axes=(0, 0, 0, 0, 0, 0, None), spmd_axis_name='pipeline'
     )
+    self.stages = vmap_stages(self.run_stage)
+    self.stages_carrying_masters = vmap_stages(self.run_stage_carrying_masters)
 
   def read(self, master, compute):
     """Inside the scan, so that each tick's gradient is widened before it is accumulated."""
@@ -352,27 +354,54 @@ class Schedule:
 
   def run_stage(self, stage_layers, x, repeat, injection, stage_real, stage_ids, rng):
     """One stage's `chunk` layers of its `repeat` on x, the activations of `injection`."""
-    cfg, ctx = self.cfg, self.stage_ctx
+    masters, computes = stage_layers
+    layer = self._layer(computes, repeat, injection, stage_real, stage_ids, rng)
+    x, _ = self._scan_layers(lambda x, i: (layer(masters, x, i), None), x)
+    return x
+
+  def run_stage_carrying_masters(
+    self, stage_layers, x, repeat, injection, stage_real, stage_ids, rng
+  ):
+    """`run_stage` with the masters passed through the layer scan's carry: (x, masters). The
+    cotangent of that carry is the transposed scan's gradient accumulator: a pullback handed
+    the fp32 accumulator as the masters' cotangent adds each layer's gradient into it in
+    place, and no stage-sized gradient of the tick is held beside it."""
+    computes = stage_layers[1]
+    layer = self._layer(computes, repeat, injection, stage_real, stage_ids, rng)
+
+    def one_layer(carry, i):
+      x, masters = carry
+      # Through a barrier: a carry passed through unchanged is forwarded past the scan by JAX,
+      # and its gradient is then summed from zeros and added to the accumulator afterwards.
+      return (layer(masters, x, i), jax.lax.optimization_barrier(masters)), None
+
+    (x, masters), _ = self._scan_layers(one_layer, (x, stage_layers[0]))
+    return x, masters
+
+  def _layer(self, computes, repeat, injection, stage_real, stage_ids, rng):
+    """(masters, x, i) -> layer i of the stage's `repeat` on x, recomputed in the backward
+    pass as the remat policy says."""
+    ctx = self.stage_ctx
     real = jax.lax.dynamic_index_in_dim(stage_real, repeat, 0, False)
     ids = jax.lax.dynamic_index_in_dim(stage_ids, repeat, 0, False)
 
-    def one_layer(x, i):
-      master, compute = jax.tree.map(lambda a: a[repeat, i], stage_layers)
+    def layer(masters, x, i):
+      master, compute = jax.tree.map(lambda a: a[repeat, i], (masters, computes))
       # Named so that no remat policy saves it: a per-tick copy of the weights would make the
       # scan keep T copies of the stage for the backward pass.
       weights = checkpoint_name(self.read(master, compute), 'stage_weights')
       y = model_lib.apply_block(
         weights, x, ctx, self.deterministic, self.keyed(rng, injection, ids[i])
       )
-      return jnp.where(real[i], y, x), None
+      return jnp.where(real[i], y, x)
 
-    if cfg.model.remat_policy != 'none':
-      one_layer = jax.checkpoint(
-        one_layer, policy=_never_save_weights(self.policy), prevent_cse=False
-      )
-    unroll = cfg.model.scan_unroll or cfg.model.unroll_layers
-    x, _ = jax.lax.scan(one_layer, x, jnp.arange(self.placement.chunk), unroll=unroll)
-    return x
+    if self.cfg.model.remat_policy == 'none':
+      return layer
+    return jax.checkpoint(layer, policy=_never_save_weights(self.policy), prevent_cse=False)
+
+  def _scan_layers(self, body, carry):
+    unroll = self.cfg.model.scan_unroll or self.cfg.model.unroll_layers
+    return jax.lax.scan(body, carry, jnp.arange(self.placement.chunk), unroll=unroll)
 
   def input_tokens(self, m):
     """Micro-batch m's input token ids [rows, S]."""
@@ -608,13 +637,14 @@ def one_f_one_b_loss_and_grads(
   '1f1b', one repeat): a micro-batch's backward pass starts as soon as it has left the last
   stage, so a stage keeps the inputs of at most 2P - 1 micro-batches, not of all M.
 
-  One scan, not differentiated: at tick t stage s runs the forward of micro-batch t - s and the
-  backward of micro-batch t - (2P - 2) + s, recomputing its forward from the kept input (every
-  remat policy is stage-level recomputation here). The last stage's forward, the head's forward
-  and backward and that stage's backward of the same micro-batch run in one tick; cotangents
-  move one stage down per tick. The fill (P - 1 ticks of forwards only) and drain (P - 1 ticks of
-  backwards only) skip the idle half, so the step does GPipe's work: the bubble is the same
-  (P - 1) / (M + P - 1), and the gradients accumulate in fp32 in the scan's carry."""
+  A scan of ticks, not differentiated: at tick t stage s runs the forward of micro-batch t - s
+  and the backward of micro-batch t - (2P - 2) + s, recomputing its forward from the kept input
+  (every remat policy is stage-level recomputation here). The last stage's forward, the head's
+  forward and backward and that stage's backward of the same micro-batch run in one tick;
+  cotangents move one stage down per tick. The fill (P - 1 ticks of forwards only, a scan of
+  their own) and drain (P - 1 ticks of backwards only) skip the idle half, so the step does
+  GPipe's work: the bubble is the same (P - 1) / (M + P - 1), and the gradients accumulate in
+  fp32 in the scan's carry."""
   sched = Schedule(
     params,
     batch,
@@ -635,17 +665,18 @@ def one_f_one_b_loss_and_grads(
   embedding_master, embedding_compute = sched.embedding_params
   zero_repeat = jnp.zeros((P,), jnp.int32)
 
+  # Each layer's gradient is added into the stage's fp32 accumulator by the backward's own layer
+  # scan (`backward_stages_into`), not returned as a tick's stage-sized gradient and added after
+  # (tr11 under 'step': 6.89 GiB of bf16 gradient beside the accumulator; docs/benchmarks.md).
+  # The backward then runs outside any conditional, in ticks of their own after the fill's:
+  # a conditional that passes the accumulator through made XLA hold it twice.
   # Where this schedule's rank holds its stage's whole fp32 gradient (each data rank its own
-  # schedule, or no data split), the tick's conditionals return the tick's weight gradients and
-  # they are added to the accumulator after them: a conditional that carried the accumulator
-  # made XLA hold it twice (its copy for the branch that passes it through; docs/benchmarks.md).
-  # They are differentiated w.r.t. compute-dtype stand-ins for the masters, whose values are
-  # never read (`compute_copy`): a tick's gradient then comes out in the compute dtype of the
-  # cotangent each use sends, half the bytes of fp32, and is widened as it is added, as
-  # DeepSpeed's BF16 optimizer adds each micro-batch's bf16 gradient to its fp32 accumulator.
-  # Where the data ranks share the schedule, the accumulator is split over `data`, each layer's
-  # gradient is reduce-scattered into it as it is computed (differentiated w.r.t. the masters,
-  # whose split it takes), and the backward's conditional carries it: less memory that way.
+  # schedule, or no data split), the weights outside the stages are differentiated w.r.t.
+  # compute-dtype stand-ins for the masters, whose values are never read (`compute_copy`): a
+  # tick's gradient of them comes out in the compute dtype, half the bytes of fp32, and is
+  # widened as it is added, as DeepSpeed's BF16 optimizer adds each micro-batch's bf16 gradient
+  # to its fp32 accumulator. Where the data ranks share the schedule, the accumulators are split
+  # over `data`, and each gradient is reduce-scattered into its split as it is computed.
   own_gradient = 'data' in loss_axes or ctx.mesh is None or ctx.mesh.shape.get('data', 1) == 1
   # Where one schedule runs over the whole mesh (no shard_map over ranks with schedules of their
   # own), the stage inputs are kept outside the forward's conditional: kept inside it, XLA copied
@@ -668,22 +699,21 @@ def one_f_one_b_loss_and_grads(
 
   if own_gradient:
     stand_in = lambda compute: jax.tree.map(lambda c: jnp.zeros(c.shape, sched.dtype), compute)
-    stage_stand_ins = stand_in(computes)
     head_stand_ins = stand_in(head_compute)
     embedding_stand_ins = stand_in(differentiated(embedding_compute))
   else:
-    stage_stand_ins, head_stand_ins = masters, head_master
+    head_stand_ins = head_master
     embedding_stand_ins = differentiated(embedding_master)
 
-  def backward_stages(x, cotangent, injection):
-    """Every stage's backward, its forward recomputed: (the stages' weight gradients, w.r.t.
-    the stand-ins, their input cotangents). The pullback of the vmapped stages, not a vmap of
+  def backward_stages_into(layer_grads, x, cotangent, injection):
+    """Every stage's backward, its forward recomputed: (layer_grads plus the stages' weight
+    gradients, their input cotangents). The pullback of the vmapped stages, not a vmap of
     each stage's pullback: XLA then holds 3 GiB less per device on tr11 (docs/benchmarks.md)."""
-    forward = lambda master, x: sched.stages(
-      (master, computes), x, zero_repeat, injection, sched.slot_is_real, sched.slot_layer, rng
+    forward = lambda masters, x: sched.stages_carrying_masters(
+      (masters, computes), x, zero_repeat, injection, sched.slot_is_real, sched.slot_layer, rng
     )
-    _, pullback = jax.vjp(forward, stage_stand_ins, x)
-    return pullback(cotangent)
+    _, pullback = jax.vjp(forward, masters, x)
+    return pullback((cotangent, layer_grads))
 
   def head_forward_backward(x, tokens):
     loss, pullback = jax.vjp(
@@ -715,6 +745,10 @@ def one_f_one_b_loss_and_grads(
   def no_embedding_gradients():
     zeros = jax.tree.map(jnp.zeros_like, embedding_stand_ins)
     return zeros, jnp.zeros(sched.activation_shape, sched.dtype) if scatter_rows else None
+
+  accumulate = lambda total, tick_grads: jax.tree.map(
+    lambda g, d: g + d.astype(g.dtype), total, tick_grads
+  )
 
   def add_embedding_gradients(other_grads, embedding_grads, t):
     """other_grads (the accumulators of the weights outside the stages) plus a tick's
@@ -762,10 +796,10 @@ def one_f_one_b_loss_and_grads(
     inputs = stage_inputs(t, forward)
     return forward_half(t, inputs), keep_inputs(t, inputs, kept)
 
-  def backward_half(t, cotangents, kept):
+  def backward_half(t, cotangents, kept, grads):
     """Stage s runs the backward of micro-batch t - (2P - 2) + s from its kept input: the
-    cotangents one stage down, and this tick's weight gradients (stage 0's with the
-    embedding's), in the compute dtype."""
+    cotangents one stage down, and grads with this tick's weight gradients added."""
+    layer_grads, other_grads = grads
     injection = t - (2 * P - 2) + stage_ids
     active = (injection >= 0) & (injection < M)
     # Zero cotangents give exactly zero gradients: the idle stages add nothing.
@@ -773,45 +807,34 @@ def one_f_one_b_loss_and_grads(
     inputs = jax.vmap(
       lambda k, slot: jax.lax.dynamic_index_in_dim(k, slot, 0, False), spmd_axis_name='pipeline'
     )(kept, jnp.mod(injection, slots))
-    layer_grads, input_cotangents = backward_stages(inputs, cotangents, injection)
+    layer_grads, input_cotangents = backward_stages_into(layer_grads, inputs, cotangents, injection)
     embedding_grads = jax.lax.cond(
       active[0],
       lambda: embedding_backward(jnp.clip(injection[0], 0, M - 1), input_cotangents[0]),
       no_embedding_gradients,
     )
     input_cotangents = ctx.constrain(input_cotangents, sched.buffer_names)
-    return jnp.roll(input_cotangents, -1, axis=0), (layer_grads, embedding_grads)
+    grads = (layer_grads, add_embedding_gradients(other_grads, embedding_grads, t))
+    return jnp.roll(input_cotangents, -1, axis=0), grads
 
-  def no_backward(t, cotangents, kept):
-    del t, kept
-    return cotangents, (jax.tree.map(jnp.zeros_like, stage_stand_ins), no_embedding_gradients())
-
-  accumulate = lambda total, tick_grads: jax.tree.map(
-    lambda g, d: g + d.astype(g.dtype), total, tick_grads
-  )
-
-  def accumulate_tick(grads, tick_grads, t):
-    (layer_grads, other_grads), (tick_layer_grads, embedding_grads) = grads, tick_grads
-    return (
-      accumulate(layer_grads, tick_layer_grads),
-      add_embedding_gradients(other_grads, embedding_grads, t),
-    )
-
-  def backward_into(t, cotangents, kept, grads):
-    cotangents, tick_grads = backward_half(t, cotangents, kept)
-    return cotangents, accumulate_tick(grads, tick_grads, t)
-
-  def tick(carry, t):
-    forward, cotangents, kept, (layer_grads, other_grads), loss_sum = carry
-    # The fill's P - 1 ticks run no backward, the drain's P - 1 no forward.
+  def forward_tick(t, forward, kept):
+    """Tick t's forwards (none in the drain's P - 1 ticks): (the stages' outputs, kept)."""
     if keep_outside_forward:
       inputs = stage_inputs(t, forward)
       kept = keep_inputs(t, inputs, kept)
-      outputs = jax.lax.cond(t < M + P - 1, forward_half, lambda t, x: x, t, inputs)
-    else:
-      outputs, kept = jax.lax.cond(
-        t < M + P - 1, forward_and_keep, lambda t, f, k: (f, k), t, forward, kept
-      )
+      return jax.lax.cond(t < M + P - 1, forward_half, lambda t, x: x, t, inputs), kept
+    return jax.lax.cond(t < M + P - 1, forward_and_keep, lambda t, f, k: (f, k), t, forward, kept)
+
+  def fill_tick(carry, t):
+    forward, kept = carry
+    inputs = stage_inputs(t, forward)
+    outputs = forward_half(t, inputs)
+    kept = keep_inputs(t, inputs, kept)
+    return (jnp.roll(outputs, 1, axis=0), kept), None
+
+  def tick(carry, t):
+    forward, cotangents, kept, (layer_grads, other_grads), loss_sum = carry
+    outputs, kept = forward_tick(t, forward, kept)
     m_out = t - (P - 1)
     leaving = jax.lax.dynamic_index_in_dim(batch, jnp.clip(m_out, 0, M - 1), 0, False)
     loss, head_grads, last_cotangent = jax.lax.cond(
@@ -822,34 +845,32 @@ def one_f_one_b_loss_and_grads(
     )
     cotangents = cotangents.at[P - 1].set(last_cotangent.astype(sched.dtype))
     grads = (layer_grads, other_grads)
-    if own_gradient:
-      # The head's gradient added before the stages' backward, not beside it (XLA's schedule
-      # otherwise keeps it: tr11 0.7 GiB more, at MBS 4 1.6).
-      grads, cotangents = jax.lax.optimization_barrier((grads, cotangents))
-      cotangents, tick_grads = jax.lax.cond(
-        t >= P - 1, backward_half, no_backward, t, cotangents, kept
-      )
-      grads = accumulate_tick(grads, tick_grads, t)
-    else:
-      cotangents, grads = jax.lax.cond(
-        t >= P - 1, backward_into, lambda t, c, k, g: (c, g), t, cotangents, kept, grads
-      )
+    # The head's gradient added before the stages' backward reads its kept inputs, not beside
+    # the recomputed forward (XLA's schedule otherwise keeps it: 13B on 64 H100s under 'step'
+    # 1.2 GiB more, tr11 under 'tick' 0.5).
+    grads, cotangents, kept = jax.lax.optimization_barrier((grads, cotangents, kept))
+    cotangents, grads = backward_half(t, cotangents, kept, grads)
     return (jnp.roll(outputs, 1, axis=0), cotangents, kept, grads, loss_sum + loss), None
 
-  fp32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
   kept = ctx.constrain(
     jnp.zeros((P, slots) + sched.activation_shape, sched.dtype),
     ('stages', None) + ctx.residual_names,
   )
+  # The fill's P - 1 ticks run forwards only, in a scan of their own, before the accumulators
+  # exist; every tick after them runs the stages' backward.
+  (forward, kept), _ = jax.lax.scan(
+    fill_tick, (sched.zero_buffer(P), kept), jnp.arange(P - 1), unroll=cfg.model.scan_unroll
+  )
+  fp32_zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
   carry = (
-    sched.zero_buffer(P),
+    forward,
     sched.zero_buffer(P),
     kept,
     (fp32_zeros(masters), fp32_zeros(embedding_master)),
     jnp.float32(0.0),
   )
   (_, _, _, (layer_grads, other_grads), loss_sum), _ = jax.lax.scan(
-    tick, carry, jnp.arange(M + 2 * P - 2), unroll=cfg.model.scan_unroll
+    tick, carry, jnp.arange(P - 1, M + 2 * P - 2), unroll=cfg.model.scan_unroll
   )
   layer_grads = jax.tree.map(lambda g, p: g.reshape(p.shape), layer_grads, params['layers'])
   grads = dict(other_grads, layers=layer_grads)
