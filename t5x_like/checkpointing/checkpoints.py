@@ -582,6 +582,7 @@ class Checkpointer:
     # A failed save makes each of Orbax's writer threads log its traceback; the SaveError says
     # it once instead.
     self._writer_errors = _OrbaxWriterErrors()
+    self._save_failed = False
     if jax.process_index() == 0:
       self._discard_interrupted_saves()
     self.kept_steps = set(kept_steps)  # kept whatever the keep policy says (`keep_last_before`)
@@ -656,6 +657,7 @@ class Checkpointer:
     return True
 
   def _save_error(self, step: int | None, error: BaseException) -> SaveError:
+    self._save_failed = True
     complete = [s for s in available_steps(self.root) if s != step]
     others = self._writer_errors.count
     # TensorStore names the operating system's error (no space left, file too large, permission
@@ -742,7 +744,11 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except
       if error is None:
         error = self._save_error(self._in_flight, e)
-    self._writer_errors.detach()
+    if not self._save_failed:
+      # After a failed save Orbax's writer threads can still report it once the manager is
+      # closed (a full disk: its signalling thread's traceback, after the SaveError): their
+      # reports stay counted, not printed, for the rest of the process.
+      self._writer_errors.detach()
     if error is not None:
       raise error
     if self._purger is not None:
