@@ -792,7 +792,8 @@ def one_f_one_b_loss_and_grads(
     return ctx.constrain(outputs, sched.buffer_names)
 
   def forward_and_keep(t, forward, kept):
-    """`forward_half` and `keep_inputs` in the forward's conditional (inside a shard_map)."""
+    """`forward_half` and `keep_inputs` together: a fill tick, and the forward's conditional
+    inside a shard_map."""
     inputs = stage_inputs(t, forward)
     return forward_half(t, inputs), keep_inputs(t, inputs, kept)
 
@@ -826,10 +827,10 @@ def one_f_one_b_loss_and_grads(
     return jax.lax.cond(t < M + P - 1, forward_and_keep, lambda t, f, k: (f, k), t, forward, kept)
 
   def fill_tick(carry, t):
-    forward, kept = carry
-    inputs = stage_inputs(t, forward)
-    outputs = forward_half(t, inputs)
-    kept = keep_inputs(t, inputs, kept)
+    # No conditional: a fill tick always runs its forwards. With P = 2 XLA inlines the one fill
+    # tick, and inside a conditional its forward read the ZeRO-1 gather's buffer while the tick
+    # loop read a transposed copy, both live (13B on 64 H100s: 10.8 GiB more; docs/benchmarks.md).
+    outputs, kept = forward_and_keep(t, *carry)
     return (jnp.roll(outputs, 1, axis=0), kept), None
 
   def tick(carry, t):
@@ -856,8 +857,8 @@ def one_f_one_b_loss_and_grads(
     jnp.zeros((P, slots) + sched.activation_shape, sched.dtype),
     ('stages', None) + ctx.residual_names,
   )
-  # The fill's P - 1 ticks run forwards only, in a scan of their own, before the accumulators
-  # exist; every tick after them runs the stages' backward.
+  # The fill's P - 1 ticks run forwards only, in a scan of their own; every tick after them runs
+  # the stages' backward.
   (forward, kept), _ = jax.lax.scan(
     fill_tick, (sched.zero_buffer(P), kept), jnp.arange(P - 1), unroll=cfg.model.scan_unroll
   )
