@@ -1,7 +1,14 @@
 """A 1.3B BLOOM (BigScience's tr11b-1B3-ml shape: 24 layers, hidden 2048, 16 heads, 250k vocab).
 
 BigScience names it by its non-embedding parameters (1.21B); with the 250,880-row embedding the
-model has 1.72B parameters. bf16 on 16 GPUs: data 8 x pipeline 2.
+model has 1.72B parameters. bf16 on 16 GPUs, data parallelism over all 16 (ZeRO-1) without a
+pipeline: XLA's H100 compile needs 14.3 GiB per GPU. Until 2026-11-28 it ran data 8 x pipeline 2
+in the GPipe order, which under save_dots keeps every layer's saved matmul outputs of all 17 ticks
+in flight: 77.5 GiB per GPU, more than an 80 GB GPU gives JAX (docs/benchmarks.md). Each rank
+runs the step the GPU suite measures on one GPU (micro-batches of 4, the chunked loss).
+`python -m t5x_like.plan --config configs/bloom_1b3.py --search --gpus 16 --gpu h100-80gb` ranks
+micro-batches of 16 with the fused loss first (1.50 s a step estimated against 1.90); the GPU
+suite's `tune` stage measures the fused loss at 8.
 """
 
 import ml_collections
@@ -20,9 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
     attention_dropout=0.0,
     init_std=0.0127,  # sqrt(1 / (3 * 2048))
     dtype='bfloat16',
-    # Per device (plan, CPU compile, 2026-11-24): chunked + save_dots peak 26.4 GiB (dense 32.5),
-    # chunked + full 12.3 (dense 23.1). save_dots skips the layers' recomputation: 15.8% fewer
-    # FLOPs than dense + full (plan --unroll); chunked + full costs 5.9% more (global batch 64).
+    # save_dots keeps the layers' matmul outputs instead of recomputing them.
     cross_entropy_impl='chunked',
     remat_policy='save_dots',
   )
@@ -46,7 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
     decay_samples=200_000_000,
     decay_style='cosine',
   )
-  c.mesh = dict(data=8, pipeline=2, tensor=1)
+  c.mesh = dict(data=16, pipeline=1, tensor=1)
   c.eval = dict(interval=1000, iters=1)  # --eval-interval 1000, on the split's validation share
   c.checkpoint = dict(save_interval=500, max_to_keep=3, init_from='')
   # SLURM's 20 h limit as in tr8/tr11 (--exit-duration-in-mins 1190), and no progress for 30

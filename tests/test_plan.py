@@ -317,6 +317,24 @@ def test_bloom_176b_fits_an_a100_80gb_by_xlas_gpu_compile():
   assert tables.count('f32[62720,14336]') == 1 and 'bf16[62720,14336]' not in tables, tables
 
 
+def test_bloom_1b3_fits_its_16_h100s_by_xlas_gpu_compile():
+  """configs/bloom_1b3.py on its own mesh (16 GPUs) compiled for H100s by XLA's GPU compiler on
+  this CPU fits the 60 GiB JAX takes of one (14.3 GiB here), and the cost model agrees. Until
+  2026-11-28 it ran data 8 x pipeline 2 in the GPipe order under save_dots, which keeps every
+  layer's saved matmul outputs of all 17 ticks: 77.5 GiB, while the cost model said 13.5."""
+  command = ['-m', 't5x_like.plan', '--config', 'configs/bloom_1b3.py', '--gpu', 'h100-80gb']
+  r = run_cli([*command, '--json'], env={'XLA_PYTHON_CLIENT_MEM_FRACTION': ''})
+  assert r.returncode == 0, r.stderr[-3000:]
+  report = json.loads(r.stdout.strip().splitlines()[-1])
+  assert report['compiled_for'] == 'h100-80gb' and report['fits'], report
+  assert report['peak_gib'] < 0.5 * report['usable_gib'], report
+  from t5x_like.config import load_config_file
+  from t5x_like.planning import cost_model
+
+  estimate = cost_model.estimate(load_config_file('configs/bloom_1b3.py'), 'h100-80gb')
+  assert estimate['fits'] and abs(estimate['estimated_memory_gib'] / report['peak_gib'] - 1) < 0.06
+
+
 def shrunk_a100_compile(config: str, grad_sync: str = 'auto', num_layers: int = 0, **train):
   """`plan --gpu a100-80gb --breakdown --json` of configs/`config` on its own mesh, its layers
   shrunk to hidden 256, 4 heads and seq 64 (and `num_layers` where given), without the ramp-up:

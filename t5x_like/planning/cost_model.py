@@ -533,37 +533,47 @@ def memory_bytes(
   out['master weights (fp32 params)'] = 4 * state / g
   out['Adam moments'] = adam_bytes_per_param(cfg, stage, embedding) * state / g
   out['batch and step scalars'] = 2 * 4 * cfg.train.global_batch_size / dp * s
+  # What the remat policy keeps of one layer for its backward: under 'full' its input; under
+  # 'save_dots' the matmul outputs without batch dimensions (the saved ones; not the scores' and
+  # the context's, batched over micro-batch and heads) and the layer's input, which the scan
+  # keeps; not the MLP's output projection, which no backward reads (XLA drops it although it
+  # is named: its GPU compiles of bloom_1b3's step keep QKV, h -> 4h and two [24, 4, 2048,
+  # 2048] stacks). Our fused kernels' output and float32 log-sum-exp are kept too, by name.
+  # Under 'none', everything.
+  if m.remat_policy == 'full':
+    layer_keep = activation / split_seq
+  elif m.remat_policy == 'save_dots':
+    layer_keep = saved_matmuls
+    if keeps_attention_residuals(impl, residuals_kept):
+      layer_keep += activation / t + b * heads * s * 4
+  else:
+    layer_keep = dots + 3 * scores * compute_bytes
+  ticks_1f1b = one_f_one_b(cfg)
   if p > 1:
-    if cfg.pipeline.schedule == '1f1b':
+    if ticks_1f1b:
       kept = 2 * p - 1
     else:
       group = cfg.pipeline.microbatch_group or cfg.num_microbatches
       kept = group * cfg.pipeline.repeats + p - 1
     out['kept stage inputs'] = kept * activation / split_seq
-  elif m.remat_policy == 'full':
-    out['kept activations'] = m.num_layers * activation / split_seq  # each layer's input
-  if p > 1 or m.remat_policy == 'full':
+    if not ticks_1f1b and m.remat_policy != 'full':
+      # GPipe differentiates its whole schedule: only under 'full' does a tick recompute its
+      # stage from the kept input; under the other policies every tick in flight keeps what
+      # the policy keeps of each layer of its stage (XLA's GPU compile of configs/bloom_1b3.py,
+      # 17 ticks of 12 layers under save_dots: 77.5 GiB per H100; docs/benchmarks.md).
+      out['kept activations'] = kept * slots * layer_keep
+      # and the backward's copy of one tick's, sliced from those stacks.
+      out['backward workspace'] += slots * layer_keep
+  else:
+    out['kept activations'] = m.num_layers * layer_keep
+  if p > 1 and (ticks_1f1b or m.remat_policy == 'full'):
     # The backward of a tick recomputes its stage's forward keeping every layer's saved matmul
     # outputs, stacked by the layer scan (XLA's GPU compiles of tr11 and the chronicles' rows
-    # hold exactly these [slots, ...] stacks at their peaks); without a pipeline, 'full' keeps
-    # none of them.
-    out['recomputation workspace'] = (slots if p > 1 else 0) * saved_matmuls
-  elif m.remat_policy == 'save_dots':
-    # The matmul outputs without batch dimensions (the saved ones; not the scores' and the
-    # context's, batched over micro-batch and heads) and each layer's input, which the scan
-    # keeps; not the MLP's output projection, which no backward reads (XLA drops it although it
-    # is named: its GPU compiles of bloom_1b3's step keep QKV, h -> 4h and two [24, 4, 2048,
-    # 2048] stacks). Our fused kernels' output and float32 log-sum-exp are kept too, by name.
-    keep = saved_matmuls
-    if keeps_attention_residuals(impl, residuals_kept):
-      keep += activation / t + b * heads * s * 4
-    out['kept activations'] = m.num_layers * keep
-  else:
-    out['kept activations'] = m.num_layers * (dots + 3 * scores * compute_bytes)
+    # hold exactly these [slots, ...] stacks at their peaks).
+    out['recomputation workspace'] = slots * saved_matmuls
   # fp32 gradients in the ZeRO layout, and with a pipeline the embedding's whole before its
   # reduction (not under 1F1B, whose embedding backward scatters its rows into the accumulator);
   # under ZeRO-3 also one layer's whole gradient before its reduce-scatter.
-  ticks_1f1b = one_f_one_b(cfg)
   whole_embedding = 0.0 if ticks_1f1b or p == 1 else 4 * embedding
   out['gradient accumulators'] = 4 * state / g + whole_embedding
   if per_rank_pipeline(cfg, framework) or (ticks_1f1b and dp == 1):
@@ -578,6 +588,15 @@ def memory_bytes(
     # backward adds into it in place (XLA's GPU compiles of tr11 under ZeRO-1, ZeRO-3 and
     # hybrid ZeRO-1, the chronicles' rows, and 13B and 70B under ZeRO-3; docs/benchmarks.md).
     out['gradient accumulators'] = 4 * state / g
+  gpipe = p > 1 and not ticks_1f1b
+  if gpipe and m.remat_policy == 'full':
+    # A conditional skips the head before the first micro-batch leaves; its transpose returns
+    # the head's whole fp32 table gradient beside the accumulators.
+    out['gradient accumulators'] += 4 * embedding
+  if gpipe and 0 < cfg.pipeline.microbatch_group < cfg.num_microbatches:
+    # A schedule per group of micro-batches: each returns its fp32 gradient, which the step
+    # adds to its own accumulator after (training/step.py's `schedules_loss_and_grads`).
+    out['gradient accumulators'] += 4 * state / (1 if per_rank_pipeline(cfg, framework) else g)
   # One layer's backward: its matmul outputs, and the softmax's f32 probabilities, their
   # gradient and the dropout mask's ('xla'; 2.93 GiB of the 49.07 GiB the H100 measured for
   # bloom_1b3's step against pallas's 46.14). cuDNN's ALiBi is a materialised [heads, s, s]
