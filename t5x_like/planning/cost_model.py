@@ -539,15 +539,24 @@ def memory_bytes(
   # keeps; not the MLP's output projection, which no backward reads (XLA drops it although it
   # is named: its GPU compiles of bloom_1b3's step keep QKV, h -> 4h and two [24, 4, 2048,
   # 2048] stacks). Our fused kernels' output and float32 log-sum-exp are kept too, by name.
-  # Under 'none', everything.
-  if m.remat_policy == 'full':
+  # Under 'none', everything: the MLP's tanh-GeLU leaves nine [tokens, ffn] intermediates, QKV
+  # and the attention's output four [tokens, h / TP], the LayerNorms, the output projection and
+  # the residual four [tokens, h], and a materialised softmax its fp32 scores and bf16
+  # probabilities (XLA's GPU compiles of bloom_1b3's step with pallas and xla attention).
+  # ZeRO-3 without a pipeline keeps the matmul outputs under 'none' too: its layers gather their
+  # weights again in the backward pass (model/transformer.py).
+  policy = m.remat_policy
+  if policy == 'none' and zero.stage == 3 and p == 1:
+    policy = 'save_dots'
+  if policy == 'full':
     layer_keep = activation / split_seq
-  elif m.remat_policy == 'save_dots':
+  elif policy == 'save_dots':
     layer_keep = saved_matmuls
     if keeps_attention_residuals(impl, residuals_kept):
       layer_keep += activation / t + b * heads * s * 4
   else:
-    layer_keep = dots + 3 * scores * compute_bytes
+    ffn = m.ffn_size / h / t
+    layer_keep = activation * (9 * ffn + 4 / t + 4 / split_seq) + 3 * scores * compute_bytes
   ticks_1f1b = one_f_one_b(cfg)
   if p > 1:
     if ticks_1f1b:
@@ -562,6 +571,9 @@ def memory_bytes(
       # the policy keeps of each layer of its stage (XLA's GPU compile of configs/bloom_1b3.py,
       # 17 ticks of 12 layers under save_dots: 77.5 GiB per H100; docs/benchmarks.md).
       out['kept activations'] = kept * slots * layer_keep
+      if m.remat_policy == 'none':
+        # and, no layer checkpointed, its stage's weights in the compute dtype
+        out['kept activations'] += kept * compute_bytes * stage
       # and the backward's copy of one tick's, sliced from those stacks.
       out['backward workspace'] += slots * layer_keep
   else:
@@ -569,8 +581,11 @@ def memory_bytes(
   if p > 1 and (ticks_1f1b or m.remat_policy == 'full'):
     # The backward of a tick recomputes its stage's forward keeping every layer's saved matmul
     # outputs, stacked by the layer scan (XLA's GPU compiles of tr11 and the chronicles' rows
-    # hold exactly these [slots, ...] stacks at their peaks).
+    # hold exactly these [slots, ...] stacks at their peaks); under 'none' everything it keeps,
+    # the stage's weights in the compute dtype among it (no layer is checkpointed).
     out['recomputation workspace'] = slots * saved_matmuls
+    if m.remat_policy == 'none':
+      out['recomputation workspace'] = slots * layer_keep + compute_bytes * stage
   # fp32 gradients in the ZeRO layout, and with a pipeline the embedding's whole before its
   # reduction (not under 1F1B, whose embedding backward scatters its rows into the accumulator);
   # under ZeRO-3 also one layer's whole gradient before its reduce-scatter.
