@@ -346,13 +346,24 @@ def test_tensor_parallel_collectives_at_measured_bus_bandwidths():
     assert math.isclose(r['tensor_parallel_bytes_per_gpu'], 128 * 6 * 3 * per_layer_pass)
 
 
-def tr11_cases(grad_sync: str):
-  """tr11 under `grad_sync`, at MBS 2 with its ramp-up and at MBS 4, with XLA's GPU peaks."""
+def chronicles_and_tr11_cases(grad_sync: str):
+  """(config, XLA's A100 peak GiB) under `grad_sync`: the chronicles' eight topologies, then tr11
+  at MBS 2 with its ramp-up and at MBS 4."""
+  sync = {'pipeline': {'grad_sync': grad_sync}}
+  column = ('tick', 'step').index(grad_sync)
+  cases = [
+    (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**sync), peaks[column])
+    for row, *peaks in PLAN_PEAK_GIB
+  ]
   tr11 = load_config_file(
     os.path.join(REPO, 'configs', 'bloom_176b.py'), {'pipeline.grad_sync': grad_sync}
   )
   mbs4 = tr11.replace(train={'micro_batch_size': 4, 'rampup_batch_size': ()})
-  return list(zip((tr11, mbs4), GPU_TR11_PEAK_GIB[grad_sync]))
+  return cases + list(zip((tr11, mbs4), GPU_TR11_PEAK_GIB[grad_sync]))
+
+
+def tr8_104b_case():
+  return load_config_file(os.path.join(REPO, 'configs', 'tr8_104b.py')), GPU_TR8_104B_PEAK_GIB
 
 
 def test_memory_under_grad_sync_tick_is_consistent_with_xlas_gpu_compiles():
@@ -364,16 +375,7 @@ def test_memory_under_grad_sync_tick_is_consistent_with_xlas_gpu_compiles():
   in place; until 2026-11-28 XLA held the layers' twice and a tick's gradient of the stage
   beside it), no fp32 gather of the embedding, and where the vocabulary per tensor rank is large
   (tensor 2) the head's whole gradient of the token table, the peak there."""
-  tick = {'pipeline': {'grad_sync': 'tick'}}
-  cases = [
-    (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**tick), xla)
-    for row, xla, _ in PLAN_PEAK_GIB
-  ]
-  cases += tr11_cases('tick')
-  cases.append(
-    (load_config_file(os.path.join(REPO, 'configs', 'tr8_104b.py')), GPU_TR8_104B_PEAK_GIB)
-  )
-  for cfg, xla in cases:
+  for cfg, xla in [*chronicles_and_tr11_cases('tick'), tr8_104b_case()]:
     estimated = cost_model.estimate(cfg, 'a100-80gb')['estimated_memory_gib']
     low = -0.05 if cfg.mesh.data == 1 else -0.02
     assert low < estimated / xla - 1 < 0.03, (cfg.mesh, estimated, xla)
@@ -389,14 +391,8 @@ def test_memory_under_grad_sync_step_is_consistent_with_xlas_gpu_compiles():
   saved matmul outputs of every layer of the stage (the projections' split over tensor by
   sequence parallelism), and no whole-table gradient of the embedding (1F1B scatters each
   tick's rows into its accumulator)."""
-  step = {'pipeline': {'grad_sync': 'step'}}
-  cases = [
-    (fit_planner.chronicles_config(72, 14336, 64, *row).replace(**step), xla)
-    for row, _, xla in PLAN_PEAK_GIB
-  ]
   assert load_config_file(os.path.join(REPO, 'configs', 'bloom_176b.py')).grad_sync == 'step'
-  cases += tr11_cases('step')
-  for cfg, xla in cases:
+  for cfg, xla in chronicles_and_tr11_cases('step'):
     estimated = cost_model.estimate(cfg, 'a100-80gb')['estimated_memory_gib']
     assert -0.02 < estimated / xla - 1 < 0.03, (
       cfg.mesh,
@@ -1302,21 +1298,18 @@ GPU_NO_PIPELINE_PEAK_GIB = [
 
 def pipeline_compiles():
   """(config, GPU kind, XLA's GPU peak GiB) of every pipelined compile this file holds."""
-  bloom = lambda overrides: load_config_file(
-    os.path.join(REPO, 'configs', 'bloom_176b.py'), overrides
-  )
+  config = lambda name, overrides: load_config_file(os.path.join(REPO, 'configs', name), overrides)
   cases = [
-    (fit_planner.chronicles_config(72, 14336, 64, *row).replace(pipeline={'grad_sync': sync}), xla)
-    for row, *peaks in PLAN_PEAK_GIB
-    for sync, xla in zip(('tick', 'step'), peaks)
+    *chronicles_and_tr11_cases('tick'),
+    *chronicles_and_tr11_cases('step'),
+    tr8_104b_case(),
   ]
-  cases += tr11_cases('tick') + tr11_cases('step')
-  cases.append(
-    (load_config_file(os.path.join(REPO, 'configs', 'tr8_104b.py')), GPU_TR8_104B_PEAK_GIB)
-  )
   rows = [(cfg, 'a100-80gb', xla) for cfg, xla in cases]
   for overrides, gpu, xla in GPU_PIPELINE_PEAK_GIB + GPU_ZERO3_1F1B_PEAK_GIB:
-    rows.append((bloom(overrides), gpu, xla))
+    rows.append((config('bloom_176b.py', overrides), gpu, xla))
+  pipelined = [row for row in GPU_NO_RECOMPUTATION_PEAK_GIB if 'mesh.pipeline' in row[0]]
+  for overrides, xla in GPU_GPIPE_PEAK_GIB + pipelined:
+    rows.append((config('bloom_1b3.py', overrides), 'h100-80gb', xla))
   return rows
 
 

@@ -426,7 +426,7 @@ def test_full_recomputation_keeps_bf16_inputs_as_bits_and_matches_autodiff():
   w = jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)
   x = jnp.asarray(rng.normal(size=(4, 16)), jnp.bfloat16)
   scale, t = jnp.asarray([0.5, 2.0], jnp.float32), jnp.int32(1)
-  recomputed = pipeline._recompute_in_backward(tick, jnp.bfloat16)
+  recomputed = pipeline.recompute_in_backward(tick, jnp.bfloat16)
   want, want_vjp = jax.vjp(tick, w, x, scale, t)
   got, got_vjp = jax.vjp(recomputed, w, x, scale, t)
   jax.tree.map(np.testing.assert_array_equal, got, want)

@@ -26,7 +26,7 @@ is skipped; otherwise it runs on placeholder activations and its result is dropp
 more head work, against [T, rows, S, h] activations kept).
 
 Memory under remat_policy='full'. Only each tick's stage inputs are kept (as raw bits, see
-`_recompute_in_backward`); the backward pass recomputes the tick, and inside that recomputation
+`recompute_in_backward`); the backward pass recomputes the tick, and inside that recomputation
 each layer keeps only its matmul outputs, not all `chunk` layers' attention probabilities.
 """
 
@@ -222,7 +222,7 @@ def _never_save_weights(policy):
   return partitioning.never_save(['stage_weights', partitioning.GATHERED_WEIGHTS], policy)
 
 
-def _recompute_in_backward(fn, dtype):
+def recompute_in_backward(fn, dtype):
   """`jax.checkpoint(fn, policy=nothing_saveable)` written as a custom VJP: fn's inputs are kept,
   and the backward pass runs fn again from them. fn must take every traced value it uses as an
   argument (a custom VJP cannot close over them). Inputs in a 16-bit compute dtype are kept as
@@ -571,7 +571,7 @@ def pipeline_loss(
     # Megatron's full recomputation: keep only each stage's input per tick and recompute the
     # stage's forward (and the head's) once in the backward pass. (A custom VJP cannot close
     # over traced values, so the tick takes them all as arguments.)
-    stage_tick = _recompute_in_backward(stage_tick, sched.dtype)
+    stage_tick = recompute_in_backward(stage_tick, sched.dtype)
 
   def tick(carry, t):
     buffer, waiting = carry
