@@ -969,3 +969,29 @@ def test_a_later_job_loads_its_programs_from_the_compilation_cache(tmp_path):
     for k, v in before.items():
       jax.config.update(k, v)
     compilation_cache.reset_cache()  # the next compilation opens the restored directory
+
+
+def test_a_step_that_needs_more_memory_than_the_device_gives_is_one_error(tmp_path, monkeypatch):
+  """On an accelerator, a compiled step whose XLA peak is more than JAX may allocate on one
+  device ends the run before its first iteration with one ConfigError naming the figures and
+  the fixes, not XLA's out-of-memory report at the first allocation; within the limit it runs."""
+  from t5x_like.training import trainer as trainer_lib
+
+  monkeypatch.setattr(trainer_lib, 'accelerator_memory', lambda: (2**20, 'Small GPU'))
+  cfg = corpus_config(train={'steps': 2}, mesh={'data': 1, 'tensor': 1})
+  trainer = Trainer(cfg, str(tmp_path / 'small'))
+  with pytest.raises(ConfigError) as found:
+    trainer.run()
+  message = str(found.value)
+  assert re.match(
+    r'the train step for 4 micro-batch\(es\) of 2x33 tokens needs [\d.]+ GiB per device '
+    r"\(XLA's figure\), more than the 0\.00 GiB JAX may use of one Small GPU\. Lower "
+    r'train\.micro_batch_size \(2\)',
+    message,
+  ), message
+  assert 'python -m t5x_like.plan --config CFG --search' in message
+  assert not os.path.exists(tmp_path / 'small' / 'metrics.jsonl')  # no iteration ran
+  monkeypatch.setattr(trainer_lib, 'accelerator_memory', lambda: (2**40, 'Large GPU'))
+  trainer = Trainer(cfg, str(tmp_path / 'large'))
+  trainer.run()
+  assert [r['iteration'] for r in read_metrics(str(tmp_path / 'large'))] == [1, 2]

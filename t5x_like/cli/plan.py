@@ -123,13 +123,7 @@ def plan(cfg: Config, gpu: str | None = None, breakdown: bool = False) -> dict:
     'argument_gib': memory.argument_size_in_bytes / gib,
     'output_gib': memory.output_size_in_bytes / gib,
     'temp_gib': memory.temp_size_in_bytes / gib,
-    'peak_gib': (
-      memory.argument_size_in_bytes
-      + memory.output_size_in_bytes
-      + memory.temp_size_in_bytes
-      - memory.alias_size_in_bytes
-    )
-    / gib,
+    'peak_gib': memory_report.peak_bytes(memory) / gib,
     # ZeRO-1 leaves these params' fp32 copy and Adam moments whole on every `data` rank (only
     # ones with no dim to pad: every dim split by the rules, or smaller than `data`).
     'replicated_over_data': layout.replicated_over_data(),

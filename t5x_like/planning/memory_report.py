@@ -144,6 +144,18 @@ _DUMP_OPTIONS = {
 }
 
 
+def peak_bytes(memory) -> int:
+  """XLA's peak per device of a compiled program from its `memory_analysis()`: the arguments,
+  outputs and temporaries, less the outputs that reuse (alias) donated arguments. On a GPU the
+  allocator's measured peak equals it (docs/benchmarks.md)."""
+  return (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    + memory.temp_size_in_bytes
+    - memory.alias_size_in_bytes
+  )
+
+
 def compile_with_buffer_dump(lowered, options: dict | None = None, compile=None):
   """(compiled, dump directory) for `lowered` compiled with XLA's dump on (and `options`, more
   compiler options); the caller removes the directory (a `tempfile.TemporaryDirectory`'s name is
@@ -674,12 +686,7 @@ def breakdown(
     if b.main.dtype == 'f32' and any(v.converts_from_bf16 for v in b.values):
       widened += b.size // 2
   totals['heap packing (not live at the peak)'] = temp.size - live_bytes
-  peak = (
-    memory.argument_size_in_bytes
-    + memory.output_size_in_bytes
-    + memory.temp_size_in_bytes
-    - memory.alias_size_in_bytes
-  )
+  peak = peak_bytes(memory)
   largest = sorted(buffers, key=lambda b: -b.size)[:top]
   return {
     'bytes': totals,

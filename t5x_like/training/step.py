@@ -25,13 +25,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5x_like.config import Config
+from t5x_like.config import Config, ConfigError
 from t5x_like.mesh import partitioning
 from t5x_like.model import losses
 from t5x_like.model import transformer as model_lib
 from t5x_like.optim import adamw as optim
 from t5x_like.parallel import pipeline
 from t5x_like.parallel.train_state import StateLayout, TrainState
+from t5x_like.planning import memory_report
 from t5x_like.training import batches, schedule
 
 
@@ -523,10 +524,19 @@ def lower_train_step(
   )
 
 
+def accelerator_memory() -> tuple[int, str] | None:
+  """(bytes, device kind) that JAX may allocate on one local accelerator (its memory fraction,
+  75% by default); None on CPU, whose devices share the host's memory."""
+  device = jax.local_devices()[0]
+  limit = (device.memory_stats() or {}).get('bytes_limit')
+  return (int(limit), device.device_kind) if limit else None
+
+
 class CompiledSteps:
   """The run's compiled train steps: one per (micro-batch count the step runs with,
   `schedule.step_microbatches`, and sequence length), compiled when first needed, each
-  compilation's time logged."""
+  compilation's time logged. A step that needs more memory than `memory_limit` (bytes, device
+  kind: `accelerator_memory()`) is a ConfigError naming the fixes, before it runs."""
 
   def __init__(
     self,
@@ -534,9 +544,11 @@ class CompiledSteps:
     layout: StateLayout,
     log: Callable[[str], None],
     compiling: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    memory_limit: tuple[int, str] | None = None,
   ):
     # `compiling`: the context a compilation runs in (the trainer's: its hang watchdog paused).
     self.cfg, self.layout, self.log, self.compiling = cfg, layout, log, compiling
+    self.memory_limit = memory_limit
     self.programs: dict[tuple[int, int], Any] = {}  # (micro-batches, length + 1) -> compiled
 
   def get(self, global_batch_size: int, seq_len: int):
@@ -565,4 +577,27 @@ class CompiledSteps:
       f'{batch_shape[1]}x{batch_shape[2]} tokens in {time.perf_counter() - start:.1f} s'
       f'{bubble}'
     )
+    self.check_fits(compiled, batch_shape)
     return compiled
+
+  def check_fits(self, compiled, batch_shape: tuple[int, int, int]) -> None:
+    """A ConfigError when XLA's peak for the compiled step is more than `memory_limit`: the run
+    would otherwise fail at the step's first allocation with XLA's out-of-memory report."""
+    memory = compiled.memory_analysis()
+    if self.memory_limit is None or memory is None:
+      return
+    limit, kind = self.memory_limit
+    peak = memory_report.peak_bytes(memory)
+    if peak <= limit:
+      return
+    cfg = self.cfg
+    gib = 2**30
+    raise ConfigError(
+      f'the train step for {batch_shape[0]} micro-batch(es) of {batch_shape[1]}x'
+      f"{batch_shape[2]} tokens needs {peak / gib:.2f} GiB per device (XLA's figure), more "
+      f'than the {limit / gib:.2f} GiB JAX may use of one {kind}. Lower '
+      f'train.micro_batch_size ({cfg.train.micro_batch_size}), recompute more '
+      f"(model.remat_policy='full'), run the pipeline in pipeline.schedule='1f1b' (GPipe keeps "
+      'every micro-batch in flight), or spread the model over more devices; python -m '
+      't5x_like.plan --config CFG --search --gpus N --gpu KIND ranks the layouts that fit'
+    )

@@ -37,7 +37,7 @@ from t5x_like.training.evaluation import TrainingEvaluator
 from t5x_like.training.hooks import Hooks, StepInfo
 from t5x_like.training.iteration import TrainIteration
 from t5x_like.training.run_checkpoints import RunCheckpoints
-from t5x_like.training.step import CompiledSteps, batch_sharding
+from t5x_like.training.step import CompiledSteps, accelerator_memory, batch_sharding
 
 
 class Trainer:
@@ -76,7 +76,9 @@ class Trainer:
       )
       self.profiler = startup.run_profiler(cfg, self.workdir, self.writer, self.is_writer)
       self.watchdog = startup.run_watchdog(cfg, self.writer, self.alerts, self.is_writer)
-      self.steps = CompiledSteps(cfg, self.layout, self.writer.info, self.watchdog.suspended)
+      self.steps = CompiledSteps(
+        cfg, self.layout, self.writer.info, self.watchdog.suspended, accelerator_memory()
+      )
       self.skipped = batches.SkippedIterations(cfg, self.writer.info)
       r = self.resumption
       self.watches = watches.RunWatches(cfg, r.software, r.meta.get('throughput'), r.progress)
