@@ -985,13 +985,30 @@ def test_a_step_that_needs_more_memory_than_the_device_gives_is_one_error(tmp_pa
   message = str(found.value)
   assert re.match(
     r'the train step for 4 micro-batch\(es\) of 2x33 tokens needs [\d.]+ GiB per device '
-    r"\(XLA's figure\), more than the 0\.00 GiB JAX may use of one Small GPU\. Lower "
-    r'train\.micro_batch_size \(2\)',
+    r"\(XLA's figure\), more than the 0\.00 GiB JAX may use of one Small GPU\. Use a smaller "
+    r"train\.micro_batch_size \(now 2\), model\.remat_policy='full', more devices ",
     message,
   ), message
+  assert '1f1b' not in message  # no pipeline here
   assert 'python -m t5x_like.plan --config CFG --search' in message
   assert not os.path.exists(tmp_path / 'small' / 'metrics.jsonl')  # no iteration ran
   monkeypatch.setattr(trainer_lib, 'accelerator_memory', lambda: (2**40, 'Large GPU'))
   trainer = Trainer(cfg, str(tmp_path / 'large'))
   trainer.run()
   assert [r['iteration'] for r in read_metrics(str(tmp_path / 'large'))] == [1, 2]
+
+
+def test_the_memory_error_names_the_fixes_that_apply():
+  """A GPipe pipeline under full recomputation: the fixes name 1F1B, not 'full' again."""
+  from t5x_like.training.step import CompiledSteps
+
+  cfg = corpus_config(
+    mesh={'data': 1, 'tensor': 1, 'pipeline': 2}, model={'remat_policy': 'full'}
+  ).validate()
+  layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
+  steps = CompiledSteps(cfg, layout, lambda line: None, memory_limit=(2**20, 'Small GPU'))
+  with pytest.raises(ConfigError) as found:
+    steps.get(cfg.train.global_batch_size, cfg.train.seq_len)
+  message = str(found.value)
+  assert "pipeline.schedule='1f1b' (GPipe keeps every micro-batch in flight)" in message
+  assert "remat_policy='full'" not in message, message

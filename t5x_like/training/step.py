@@ -591,13 +591,17 @@ class CompiledSteps:
     if peak <= limit:
       return
     cfg = self.cfg
+    fixes = [f'a smaller train.micro_batch_size (now {cfg.train.micro_batch_size})']
+    if cfg.model.remat_policy != 'full':
+      fixes.append("model.remat_policy='full'")
+    if cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == 'gpipe':
+      fixes.append("pipeline.schedule='1f1b' (GPipe keeps every micro-batch in flight)")
+    fixes.append('more devices (mesh.tensor, mesh.pipeline, or mesh.zero_stage=3 over mesh.data)')
     gib = 2**30
     raise ConfigError(
       f'the train step for {batch_shape[0]} micro-batch(es) of {batch_shape[1]}x'
       f"{batch_shape[2]} tokens needs {peak / gib:.2f} GiB per device (XLA's figure), more "
-      f'than the {limit / gib:.2f} GiB JAX may use of one {kind}. Lower '
-      f'train.micro_batch_size ({cfg.train.micro_batch_size}), recompute more '
-      f"(model.remat_policy='full'), run the pipeline in pipeline.schedule='1f1b' (GPipe keeps "
-      'every micro-batch in flight), or spread the model over more devices; python -m '
-      't5x_like.plan --config CFG --search --gpus N --gpu KIND ranks the layouts that fit'
+      f'than the {limit / gib:.2f} GiB JAX may use of one {kind}. Use '
+      f'{", ".join(fixes)}; python -m t5x_like.plan --config CFG --search --gpus N --gpu KIND '
+      'ranks the layouts that fit'
     )
