@@ -277,7 +277,7 @@ def compile_for(
   from t5x_like.config import load_config_file
   from t5x_like.mesh import partitioning
   from t5x_like.parallel.train_state import make_layout
-  from t5x_like.planning import memory_report
+  from t5x_like.training import device_memory
   from t5x_like.training import step as step_lib
 
   settings = dict(overrides)
@@ -296,7 +296,7 @@ def compile_for(
   layout = make_layout(cfg, mesh)
   lowered = step_lib.lower_train_step(cfg, layout, cfg.num_microbatches)
   compiled, _ = gpu_target.compile_without_cache(lowered, gpu)
-  return compiled.as_text(), memory_report.peak_bytes(compiled.memory_analysis())
+  return compiled.as_text(), device_memory.peak_bytes(compiled.memory_analysis())
 
 
 def read_text(path: str) -> str:

@@ -54,8 +54,7 @@ from t5x_like.config import ConfigError, allowed_values, load_config_file, parse
 from t5x_like.mesh import partitioning
 from t5x_like.model import attention as attention_lib
 from t5x_like.parallel.train_state import make_layout
-from t5x_like.planning import memory_report
-from t5x_like.training import accounting, schedule, startup
+from t5x_like.training import accounting, device_memory, schedule, startup
 from t5x_like.training import step as step_lib
 
 WARMUP = 2
@@ -110,7 +109,7 @@ def measure(
     'remat_policy': cfg.model.remat_policy,
     'unroll_layers': cfg.model.unroll_layers,
     'compile_s': compile_s,
-    'xla_peak_bytes': memory_report.peak_bytes(memory),
+    'xla_peak_bytes': device_memory.peak_bytes(memory),
     'measured_peak_bytes': device_stats.get('peak_bytes_in_use'),
     'losses': losses,
     'warmup_steps': warmup,

@@ -101,11 +101,11 @@ def generation_memory(
 def device_memory(tensor: int) -> tuple[int, str]:
   """(bytes, whose) one device of a 1 x 1 x `tensor` mesh may use: what JAX may allocate on an
   accelerator; on CPU the host's memory, which the mesh's virtual devices share."""
-  import jax
+  from t5x_like.training.device_memory import accelerator_memory
 
-  stats = jax.devices()[0].memory_stats() or {}
-  if stats.get('bytes_limit'):
-    return stats['bytes_limit'], f'JAX may use of one {jax.devices()[0].device_kind}'
+  accelerator = accelerator_memory()
+  if accelerator:
+    return accelerator[0], f'JAX may use of one {accelerator[1]}'
   host = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
   return host // tensor, (
     "of this host's memory"

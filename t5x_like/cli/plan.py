@@ -53,7 +53,7 @@ import time
 
 from t5x_like.config import Config, ConfigError, load_config_file, parse_overrides
 from t5x_like.planning import cost_model, gpu_target, memory_report
-from t5x_like.training import schedule, startup
+from t5x_like.training import device_memory, schedule, startup
 
 
 def plan(cfg: Config, gpu: str | None = None, breakdown: bool = False) -> dict:
@@ -123,7 +123,7 @@ def plan(cfg: Config, gpu: str | None = None, breakdown: bool = False) -> dict:
     'argument_gib': memory.argument_size_in_bytes / gib,
     'output_gib': memory.output_size_in_bytes / gib,
     'temp_gib': memory.temp_size_in_bytes / gib,
-    'peak_gib': memory_report.peak_bytes(memory) / gib,
+    'peak_gib': device_memory.peak_bytes(memory) / gib,
     # ZeRO-1 leaves these params' fp32 copy and Adam moments whole on every `data` rank (only
     # ones with no dim to pad: every dim split by the rules, or smaller than `data`).
     'replicated_over_data': layout.replicated_over_data(),

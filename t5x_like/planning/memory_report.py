@@ -49,6 +49,7 @@ import typing
 import numpy as np
 
 from t5x_like.planning import hlo_text
+from t5x_like.training import device_memory
 
 # The files of one module's dump; the step is the module with the largest buffer assignment.
 _ASSIGNMENT = '-buffer-assignment.txt'
@@ -142,18 +143,6 @@ _DUMP_OPTIONS = {
   # 495) and refuses it; it prints the same form by itself.
   'xla_dump_compact_gte': False,
 }
-
-
-def peak_bytes(memory) -> int:
-  """XLA's peak per device of a compiled program from its `memory_analysis()`: the arguments,
-  outputs and temporaries, less the outputs that reuse (alias) donated arguments. On a GPU the
-  allocator's measured peak equals it (docs/benchmarks.md)."""
-  return (
-    memory.argument_size_in_bytes
-    + memory.output_size_in_bytes
-    + memory.temp_size_in_bytes
-    - memory.alias_size_in_bytes
-  )
 
 
 def compile_with_buffer_dump(lowered, options: dict | None = None, compile=None):
@@ -686,7 +675,7 @@ def breakdown(
     if b.main.dtype == 'f32' and any(v.converts_from_bf16 for v in b.values):
       widened += b.size // 2
   totals['heap packing (not live at the peak)'] = temp.size - live_bytes
-  peak = peak_bytes(memory)
+  peak = device_memory.peak_bytes(memory)
   largest = sorted(buffers, key=lambda b: -b.size)[:top]
   return {
     'bytes': totals,

@@ -32,8 +32,7 @@ from t5x_like.model import transformer as model_lib
 from t5x_like.optim import adamw as optim
 from t5x_like.parallel import pipeline
 from t5x_like.parallel.train_state import StateLayout, TrainState
-from t5x_like.planning import memory_report
-from t5x_like.training import batches, schedule
+from t5x_like.training import batches, device_memory, schedule
 
 
 def compute_params_of(params, layout: StateLayout, dtype):
@@ -524,19 +523,11 @@ def lower_train_step(
   )
 
 
-def accelerator_memory() -> tuple[int, str] | None:
-  """(bytes, device kind) that JAX may allocate on one local accelerator (its memory fraction,
-  75% by default); None on CPU, whose devices share the host's memory."""
-  device = jax.local_devices()[0]
-  limit = (device.memory_stats() or {}).get('bytes_limit')
-  return (int(limit), device.device_kind) if limit else None
-
-
 class CompiledSteps:
   """The run's compiled train steps: one per (micro-batch count the step runs with,
   `schedule.step_microbatches`, and sequence length), compiled when first needed, each
   compilation's time logged. A step that needs more memory than `memory_limit` (bytes, device
-  kind: `accelerator_memory()`) is a ConfigError naming the fixes, before it runs."""
+  kind: `device_memory.accelerator_memory()`) is a ConfigError naming the fixes, before it runs."""
 
   def __init__(
     self,
@@ -587,7 +578,7 @@ class CompiledSteps:
     if self.memory_limit is None or memory is None:
       return
     limit, kind = self.memory_limit
-    peak = memory_report.peak_bytes(memory)
+    peak = device_memory.peak_bytes(memory)
     if peak <= limit:
       return
     cfg = self.cfg

@@ -33,11 +33,12 @@ from t5x_like.training import (
   watches,
 )
 from t5x_like.training import workdir as workdir_lib
+from t5x_like.training.device_memory import accelerator_memory
 from t5x_like.training.evaluation import TrainingEvaluator
 from t5x_like.training.hooks import Hooks, StepInfo
 from t5x_like.training.iteration import TrainIteration
 from t5x_like.training.run_checkpoints import RunCheckpoints
-from t5x_like.training.step import CompiledSteps, accelerator_memory, batch_sharding
+from t5x_like.training.step import CompiledSteps, batch_sharding
 
 
 class Trainer:
