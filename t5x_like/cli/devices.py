@@ -64,11 +64,13 @@ def measure_device(device, size: int, dtype: str, repeats: int) -> float:
 def check_size_fits(size: int, dtype: str) -> None:
   """One ConfigError when the n x n matmul and its product would not fit in a local device's
   memory (the host's, for CPU devices, which hold one matrix at a time)."""
-  import jax
+  from t5x_like.training.device_memory import accelerator_memory
 
   needed = 2 * size * size * (2 if dtype == 'bfloat16' else 4)
-  stats = jax.local_devices()[0].memory_stats() or {}
-  limit = stats.get('bytes_limit') or os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  accelerator = accelerator_memory()
+  limit = (
+    accelerator[0] if accelerator else os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  )
   if needed > limit:
     raise ConfigError(
       f'--size {size}: the {size} x {size} {dtype} matrix and its product need '
