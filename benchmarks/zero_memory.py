@@ -56,6 +56,9 @@ def case_overrides(shape: str | None, mesh, global_batch: int, stage: int, group
     f'--config.mesh.zero_stage={stage}',
     f'--config.mesh.zero_group={group}',
     f'--config.train.global_batch_size={global_batch}',
+    # bloom_1b3.py names 'step'; these rows are each ZeRO layout's own sum ('tick' without a
+    # pipeline, 'step' with one under ZeRO-1).
+    '--config.pipeline.grad_sync=auto',
   ]
   if shape is not None:
     model = SHAPES[shape]

@@ -133,10 +133,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh = dict(data=8, pipeline=12, tensor=4)
   # 1F1B: a stage keeps 23 micro-batches' inputs, not 139 (peak 34.50 vs 40.98 GiB per device
   # with grad_sync='tick', plan, CPU compile, 2026-11-24), at GPipe's bubble and, under 'full',
-  # GPipe's FLOPs. grad_sync='step': each data rank sums its own gradients, which cross the data
-  # ranks once an iteration, not at each of the 150 ticks (plan --estimate on tr11's cluster:
-  # 114 s an iteration against 2,231), for 58.45 GiB per device instead of 31.36 (2026-11-26).
-  c.pipeline = dict(repeats=1, microbatch_group=0, schedule='1f1b', grad_sync='step')
+  # GPipe's FLOPs. grad_sync 'auto' is 'step' for this ZeRO-1 pipeline: each data rank sums its
+  # own gradients, which cross the data ranks once an iteration, not at each of the 150 ticks
+  # (plan --estimate on tr11's cluster: 114 s an iteration against 2,231), for 58.45 GiB per
+  # device instead of 31.36 (2026-11-26).
+  c.pipeline = dict(repeats=1, microbatch_group=0, schedule='1f1b', grad_sync='auto')
   c.checkpoint = dict(
     save_interval=100,
     max_to_keep=3,

@@ -314,16 +314,20 @@ class PipelineConfig:
   # backward always recomputes the stage's forward from its input (as remat_policy='full' does).
   # One repeat only.
   schedule: Literal['gpipe', '1f1b'] = 'gpipe'
-  # When the data ranks' gradients are summed, with data parallelism (docs/pipeline.md).
-  # 'step' (ZeRO-1): each data rank runs its own schedule on its rows and adds its micro-batches'
-  # gradients up in fp32, the stage's whole gradient on every rank (Megatron-DeepSpeed's fp32
-  # gradient accumulation), and the ranks' sums are reduce-scattered once a step. 'tick': one
-  # schedule over all ranks, each tick's gradient all-reduced over the data ranks (XLA's
-  # partitioning of it), into an accumulator split over them. For tr11 on its cluster: an
-  # estimated 114 s an iteration against 2,231, for 58.5 GiB per GPU against 31.4. ZeRO-3
-  # gathers each layer over `data` where it is used, inside one schedule: 'tick' only. 'auto':
-  # 'step' under ZeRO-1, 'tick' under ZeRO-3 (`Config.grad_sync`). Hybrid sharding's copies
-  # (mesh.zero_group) each run their own schedule and are summed once a step under either.
+  # When the data ranks' gradients are summed, with data parallelism, with or without a pipeline
+  # (docs/pipeline.md, docs/parallelism.md). 'step' (ZeRO-1): each data rank runs its own
+  # micro-batch loop or schedule on its rows and adds its micro-batches' gradients up in fp32,
+  # the whole gradient (a stage's) on every rank (Megatron-DeepSpeed's fp32 gradient
+  # accumulation), and the ranks' sums are reduce-scattered once a step. 'tick': one loop or
+  # schedule over all ranks, each micro-batch's gradient reduce-scattered into an accumulator
+  # split over them (with a pipeline each tick's all-reduced: XLA's partitioning of it); less
+  # memory, more traffic. For tr11 on its cluster: an estimated 114 s an iteration against
+  # 2,231, for 58.5 GiB per GPU against 31.4. ZeRO-3 gathers each layer over `data` where it is
+  # used, inside one loop: 'tick' only. 'auto': 'step' for a ZeRO-1 pipeline, else 'tick'
+  # (`Config.grad_sync`): without a pipeline 'step' holds the whole model's fp32 gradient on
+  # every rank, which a config asks for where it fits (configs/bloom_1b3.py). Hybrid sharding's
+  # copies (mesh.zero_group) each run their own loop or schedule and are summed once a step
+  # under either.
   grad_sync: Literal['auto', 'step', 'tick'] = 'auto'
 
 
@@ -489,10 +493,12 @@ class Config:
 
   @property
   def grad_sync(self) -> str:
-    """pipeline.grad_sync resolved: 'step' or 'tick'."""
+    """pipeline.grad_sync resolved: 'step' or 'tick'. 'auto' is 'step' for a ZeRO-1 pipeline,
+    whose data ranks then each hold their stage's whole fp32 gradient, and 'tick' otherwise:
+    without a pipeline 'step' holds the whole model's on every rank (4 bytes a parameter)."""
     if self.pipeline.grad_sync != 'auto':
       return self.pipeline.grad_sync
-    return 'step' if self.mesh.zero_stage == 1 else 'tick'
+    return 'step' if self.mesh.zero_stage == 1 and self.mesh.pipeline > 1 else 'tick'
 
   def validate(self) -> Config:
     """Checks each key (check_values) and the constraints between keys that this module can
@@ -629,14 +635,14 @@ class Config:
         f'pipeline.repeats={r} does not fit {m.num_layers} layers on {p} stages: every stage '
         f'would hold more than one padding slot; repeats that fit: {fits}',
       )
-    if p == 1:
-      return
     _need(
       self.mesh.zero_stage == 1 or pl.grad_sync != 'step',
       "pipeline.grad_sync='step' needs mesh.zero_stage=1: ZeRO-3 gathers each layer's weights "
-      'over `data` where it is used, inside one schedule over all the data ranks; set '
+      'over `data` where it is used, inside one loop over all the data ranks; set '
       "pipeline.grad_sync='tick', or mesh.zero_stage=1",
     )
+    if p == 1:
+      return
     if pl.schedule == '1f1b':
       _need(
         r == 1,

@@ -505,7 +505,8 @@ def test_gpipe_memory_is_xlas():
 
 # XLA's H100 peak per device (GiB) under remat_policy='none', compiled the same way: (overrides
 # of configs/bloom_1b3.py, peak): one GPU with pallas and with xla attention, data 16 under ZeRO-1
-# and ZeRO-3, and data 8 x pipeline 2 in both orders.
+# (grad_sync 'step' as shipped; 39.65 under 'tick') and ZeRO-3, and data 8 x pipeline 2 in both
+# orders.
 NONE = {'model.remat_policy': 'none', 'model.attention_impl': 'pallas'}
 ONE_GPU = {'mesh.data': 1, 'train.global_batch_size': 16}
 GPU_NO_RECOMPUTATION_PEAK_GIB = [
@@ -520,8 +521,8 @@ GPU_NO_RECOMPUTATION_PEAK_GIB = [
     },
     68.36,
   ),
-  ({**NONE}, 39.65),
-  ({**NONE, 'mesh.zero_stage': 3}, 11.74),
+  ({**NONE}, 47.74),
+  ({**NONE, 'mesh.zero_stage': 3, 'pipeline.grad_sync': 'tick'}, 11.74),
   ({**NONE, **GPIPE_1B3, 'train.global_batch_size': 64}, 79.56),
   ({**NONE, **GPIPE_1B3, 'pipeline.schedule': '1f1b'}, 24.62),
 ]
@@ -762,7 +763,7 @@ def test_estimate_and_search_start_no_jax_backend():
 
 
 def _bloom(
-  layers, hidden, heads, data, pipeline=1, tensor=1, micro=1, stage=1, group=0, sync='step'
+  layers, hidden, heads, data, pipeline=1, tensor=1, micro=1, stage=1, group=0, sync='auto'
 ):
   """A BLOOM-shaped model (bloom_176b.py's vocabulary, seq 2048, bf16, full recomputation) at
   global batch 2048 on a mesh and ZeRO layout (and pipeline.grad_sync)."""
@@ -824,15 +825,18 @@ def test_zero3_memory_holds_a_gathered_layer_instead_of_the_whole_copy():
 
 def test_zero3_gathers_every_layer_twice_and_scatters_its_gradient_every_micro_batch():
   """Per micro-batch and layer: the bf16 weights all-gathered for the forward and again for the
-  recomputing backward, the fp32 gradient reduce-scattered; the embedding likewise. Over NVLink
-  (A100: 235 GB/s) when the group is inside a node, else over the node's network (Jean Zay:
-  135 Gb/s), all of it when the node's 8 GPUs are in the group, 1/8 when each is in another."""
+  recomputing backward, the gradient reduce-scattered (without a pipeline as the backward
+  computes it: a layer's in bf16, the embedding's in bf16 from the logits and in fp32 from the
+  lookup, as XLA's GPU compile of 13B on 64 H100s does); the embedding gathered likewise. Over
+  NVLink (A100: 235 GB/s) when the group is inside a node, else over the node's network (Jean
+  Zay: 135 Gb/s), all of it when the node's 8 GPUs are in the group, 1/8 when each is in
+  another."""
   cfg = _bloom(40, 5120, 40, 64, micro=4, stage=3)
   layer = cost_model.layer_params(cfg)
   _, embedding = cost_model.local_params(cfg)
   r = cost_model.estimate(cfg, 'a100-80gb')
   micro = 2048 // (64 * 4)
-  per_tick = 40 * (2 * 2 * layer + 4 * layer) + (2 * 2 * embedding + 4 * embedding)
+  per_tick = 40 * (2 * 2 * layer + 2 * layer) + (2 * 2 * embedding + (2 + 4) * embedding)
   assert math.isclose(r['zero3_bytes_per_gpu'], micro * 63 / 64 * per_tick)
   assert r['data_parallel_s'] == 0 and r['replica_allreduce_s'] == 0
 
@@ -841,9 +845,9 @@ def test_zero3_gathers_every_layer_twice_and_scatters_its_gradient_every_micro_b
       count
       * (
         2 * _ring_s('all-gather', 2 * size, ranks, bus)
-        + _ring_s('reduce-scatter', 4 * size, ranks, bus)
+        + _ring_s('reduce-scatter', grad_bytes * size, ranks, bus)
       )
-      for size, count in ((layer, 40), (embedding, 1))
+      for size, count, grad_bytes in ((layer, 40, 2), (embedding, 1, 2 + 4))
     )
 
   network = 135 / 8
@@ -859,9 +863,9 @@ def test_zero3_gathers_every_layer_twice_and_scatters_its_gradient_every_micro_b
     count
     * (
       2 * _ring_s('all-gather', 2 * size, 8, network / 8)
-      + _ring_s('reduce-scatter', 4 * size, 8, network / 8)
+      + _ring_s('reduce-scatter', grad_bytes * size, 8, network / 8)
     )
-    for size, count in ((per, 40), (emb, 1))
+    for size, count, grad_bytes in ((per, 40, 2), (emb, 1, 2 + 4))
   )
   assert math.isclose(t['zero3_gather_s'], expected)
   # Not overlapped: the bound if it were hidden behind the compute is reported beside.
@@ -873,7 +877,7 @@ def test_hybrid_sharding_all_reduces_the_gradient_shards_across_the_copies(dropo
   """G = 8 of data 64 (one node's ranks): ZeRO-1's reduce-scatter and all-gather inside the node,
   then each rank's 1/8 fp32 gradient shard all-reduced across the 8 copies over the network
   (one rank of each node in a copy's ring: 1/8 of the node's network): once a step
-  (step.per_copy_loss_and_grads), with dropout (bloom_176b's 0.1) or without."""
+  (step.per_rank_loss_and_grads), with dropout (bloom_176b's 0.1) or without."""
   cfg = _bloom(40, 5120, 40, 64, micro=4, group=8)
   cfg = cfg.replace(model={'hidden_dropout': dropout, 'attention_dropout': dropout}).validate()
   stage, embedding = cost_model.local_params(cfg)
@@ -883,18 +887,21 @@ def test_hybrid_sharding_all_reduces_the_gradient_shards_across_the_copies(dropo
   shard = 4 * state / 8
   assert math.isclose(r['replica_allreduce_bytes_per_gpu'], 2 * 7 / 8 * shard)
   assert math.isclose(r['replica_allreduce_s'], _ring_s('all-reduce', shard, 8, 135 / 8 / 8))
-  # Without a pipeline each micro-batch's gradient is reduce-scattered into the split accumulator
-  # (step.add_grads), the bf16 weights all-gathered once.
-  assert math.isclose(r['data_parallel_bytes_per_gpu'], 7 / 8 * (micro * 4 * state + 2 * state))
+  # Without a pipeline under grad_sync 'tick' each micro-batch's gradient is reduce-scattered
+  # into the split accumulator as the backward computes it: the layers' in bf16, the embedding's
+  # in bf16 (from the logits) and fp32 (from the lookup); the bf16 weights all-gathered once.
+  assert r['grad_sync'] == 'tick'
+  reduced = 2 * stage + (2 + 4) * embedding
+  assert math.isclose(r['data_parallel_bytes_per_gpu'], 7 / 8 * (micro * reduced + 2 * state))
   assert math.isclose(
     r['data_parallel_s'],
-    micro * _ring_s('reduce-scatter', 4 * state, 8, 235) + _ring_s('all-gather', 2 * state, 8, 235),
+    micro * _ring_s('reduce-scatter', reduced, 8, 235) + _ring_s('all-gather', 2 * state, 8, 235),
   )
 
 
 @pytest.mark.parametrize('stage, sync', [(1, 'step'), (1, 'tick'), (3, 'tick')])
 def test_hybrid_copies_with_a_pipeline_all_reduce_their_shards_once_a_step(stage, sync):
-  """With a pipeline each copy runs its own schedule (step.own_schedule_axes) whatever
+  """With a pipeline each copy runs its own schedule (step.own_gradient_axes) whatever
   grad_sync: 13B as DP16 PP2 TP2 in groups of 2 (8 copies) all-reduces each rank's 1/2 gradient
   shard across the copies once a step, not at each of the schedule's ticks."""
   cfg = _bloom(40, 5120, 40, 16, pipeline=2, tensor=2, micro=4, stage=stage, group=2, sync=sync)
@@ -940,18 +947,21 @@ def test_search_ranks_zero_stages_and_groups_with_the_mesh_and_says_why_each_los
 
 
 def test_search_ranks_tick_where_a_pipeline_summing_once_a_step_does_not_fit():
-  """BLOOM-176B on 384 A100s under grad_sync 'auto': the ZeRO-1 pipelines whose 'step' (each
-  data rank's whole fp32 gradient) does not fit come again with 'tick', and those fit; no other
-  row is repeated. A config that names 'step' is ranked as it is."""
+  """BLOOM-176B on 384 A100s under grad_sync 'auto' (bloom_176b.py's): the ZeRO-1 pipelines
+  whose 'step' (each data rank's whole fp32 gradient) does not fit come again with 'tick', and
+  those fit; no other row is repeated (without a pipeline no 'step' fits this model). A config
+  that names 'step' is ranked as it is."""
   cfg = load_config_file(os.path.join(REPO, 'configs', 'bloom_176b.py'))
-  found = cost_model.search(cfg.replace(pipeline={'grad_sync': 'auto'}), 384, 'a100-80gb')
+  assert cfg.pipeline.grad_sync == 'auto'
+  found = cost_model.search(cfg, 384, 'a100-80gb')
   key = lambda r: (*r['mesh'], r['micro_batch_size'], r['zero_group'])
-  once = {key(r): r for r in found if r['zero_stage'] == 1 and r['grad_sync'] == 'step'}
-  again = [r for r in found if r['zero_stage'] == 1 and r['grad_sync'] == 'tick']
+  pipelined = [r for r in found if r['zero_stage'] == 1 and r['mesh'][1] > 1]
+  once = {key(r): r for r in pipelined if r['grad_sync'] == 'step'}
+  again = [r for r in pipelined if r['grad_sync'] == 'tick']
   assert {key(r) for r in again} == {k for k, r in once.items() if not r['fits']} != set()
   assert all(r['fits'] for r in again)
-  assert {r['grad_sync'] for r in found if r['zero_stage'] == 3} == {'tick'}
-  named = cost_model.search(cfg, 384, 'a100-80gb')
+  assert {r['grad_sync'] for r in found if r['zero_stage'] == 3 or r['mesh'][1] == 1} == {'tick'}
+  named = cost_model.search(cfg.replace(pipeline={'grad_sync': 'step'}), 384, 'a100-80gb')
   assert not any(r['zero_stage'] == 1 and r['grad_sync'] == 'tick' for r in named)
   assert len(named) == len(found) - len(again)
 
@@ -976,7 +986,7 @@ def test_cli_search_prints_the_zero_layout_and_why_each_loses(capsys):
   assert plan.main(args) == 0
   lines = capsys.readouterr().out.splitlines()
   assert lines[1].split()[:9] == ['rank', 'DP', 'PP', 'TP', 'ZeRO', 'G', 'MBS', 'sync', 's/it']
-  assert lines[2].split()[:8] == ['1', '64', '1', '1', '3', '64', '16', '-']
+  assert lines[2].split()[:8] == ['1', '64', '1', '1', '3', '64', '16', 'tick']
   # 57.6 GiB estimated of the 59.7 usable (XLA's GPU compile: 59.41).
   assert lines[2].endswith('yes, near the limit')
   assert all('vs rank 1:' in line for line in lines[3:5]), lines
@@ -1239,8 +1249,16 @@ def _no_pipeline(layers, hidden, heads, data, tensor, stage, group=0, impl='mosa
     'mesh.tensor': tensor,
     'mesh.zero_stage': stage,
     'mesh.zero_group': group,
+    'pipeline.grad_sync': 'auto',  # bloom_1b3.py's 'step' holds the whole gradient per rank
     **more,
   }
+  return load_config_file(os.path.join(REPO, 'configs', 'bloom_1b3.py'), overrides).validate()
+
+
+STEP = {'pipeline.grad_sync': 'step'}
+
+
+def _shipped_1b3(**overrides):
   return load_config_file(os.path.join(REPO, 'configs', 'bloom_1b3.py'), overrides).validate()
 
 
@@ -1282,7 +1300,8 @@ GPU_NO_PIPELINE_PEAK_GIB = [
   (lambda: _bloom(*_13B, 64, micro=8, stage=1), 58.31),
   (lambda: _bloom(*_13B, 64, micro=8, stage=3), 33.08),
   (lambda: _bloom(*_13B, 64, micro=4, stage=1), 45.15),
-  # The GPU suite's bloom_1b3 step (one GPU, micro-batch 4, save_dots), and on 8 GPUs as shipped.
+  # The GPU suite's bloom_1b3 step (one GPU, micro-batch 4, save_dots), and on 8 GPUs as shipped
+  # (grad_sync 'step', each rank's whole fp32 gradient: 15.95 under 'tick').
   (lambda: _suite_step('xla'), 42.58),
   (lambda: _suite_step('pallas'), 40.38),
   (lambda: _suite_step('mosaic'), 40.38),
@@ -1292,8 +1311,24 @@ GPU_NO_PIPELINE_PEAK_GIB = [
       os.path.join(REPO, 'configs', 'bloom_1b3.py'),
       {'model.attention_impl': 'mosaic', 'mesh.pipeline': 1, 'mesh.data': 8},
     ).validate(),
-    15.95,
+    23.54,
   ),
+  # grad_sync 'step': each data rank adds its own micro-batches' gradients up, whole, and the
+  # ranks' sums are reduce-scattered once a step (step.per_rank_loss_and_grads). bloom_1b3.py
+  # as shipped, in hybrid groups of 8, with the fused loss at micro-batch 8 and with xla
+  # attention; 7B on 8 GPUs in hybrid groups of 2 and at tensor 4; 13B at data 8 x tensor 8.
+  (lambda: _shipped_1b3(), 22.33),
+  (lambda: _shipped_1b3(**{'mesh.zero_group': 8}), 23.53),
+  (
+    lambda: _shipped_1b3(**{'model.cross_entropy_impl': 'fused', 'train.micro_batch_size': 8}),
+    35.78,
+  ),
+  (lambda: _shipped_1b3(**{'model.attention_impl': 'xla'}), 24.54),
+  (lambda: _no_pipeline(*_7B, 4, 2, 1, 2, **STEP), 48.90),
+  (lambda: _no_pipeline(*_7B, 2, 4, 1, **STEP), 24.77),
+  (lambda: _no_pipeline(*_13B, 8, 8, 1, **STEP), 17.03),
+  # The first row of plan --search for 13B on Jean Zay's 64 A100s (docs/planner.md), for H100s.
+  (lambda: _bloom(*_13B, 16, tensor=4, micro=32, sync='step'), 55.37),
 ]
 
 

@@ -252,21 +252,24 @@ def collectives_across_data(cfg):
   return layout, places
 
 
-@pytest.mark.parametrize('schedule_name', ['gpipe', '1f1b'])
+@pytest.mark.parametrize('schedule_name', ['gpipe', '1f1b', 'no_pipeline'])
 def test_grad_sync_step_crosses_the_data_ranks_once_a_step(schedule_name):
-  """pipeline.grad_sync='step': each data rank runs its own schedule and adds its
-  micro-batches' gradients up on its own. Inside the ticks only each micro-batch's target count
-  (a scalar) crosses the data ranks; after the schedule each param's gradient is
-  reduce-scattered once, each device its own pipeline and tensor block. Under 'tick' (one
-  schedule over all the ranks) XLA all-reduces each layer's gradient over them at every tick."""
+  """pipeline.grad_sync='step': each data rank runs its own schedule (or micro-batch loop) and
+  adds its micro-batches' gradients up on its own. Inside the loops only each micro-batch's
+  target count (a scalar) crosses the data ranks (without a pipeline nothing at all); after the
+  loop each param's gradient is reduce-scattered once, each device its own pipeline and tensor
+  block. Under 'tick' (one schedule or loop over all the ranks) XLA all-reduces each layer's
+  gradient over them at every tick (with a pipeline) or micro-batch (without)."""
+  stages = 1 if schedule_name == 'no_pipeline' else 2
+  order = {} if stages == 1 else dict(schedule=schedule_name)
   base = dict(
     model=dict(num_layers=4),
     train=dict(global_batch_size=16, micro_batch_size=2),
-    mesh=dict(data=2, pipeline=2, tensor=1),
+    mesh=dict(data=2, pipeline=stages, tensor=1),
   )
-  cfg = small_config(**base, pipeline=dict(schedule=schedule_name, grad_sync='step')).validate()
+  cfg = small_config(**base, pipeline=dict(order, grad_sync='step')).validate()
   layout, places = collectives_across_data(cfg)
-  assert set(places['loop', 'all-reduce']) == {'f32[]'}, places
+  assert set(places['loop', 'all-reduce']) <= {'f32[]'}, places
   assert not places['loop', 'all-gather'] and not places['loop', 'reduce-scatter']
   scattered = collections.Counter(places['outside', 'reduce-scatter'])
   # Each param's gradient: its stage's (pipeline-split) block, halved over `data` on the dim
@@ -276,11 +279,11 @@ def test_grad_sync_step_crosses_the_data_ranks_once_a_step(schedule_name):
   ):
     shape = f'f32[{",".join(map(str, sharding.shard_shape(param.shape)))}]'
     assert scattered[shape] >= 1, (shape, scattered)
-  if schedule_name == '1f1b':
-    tick = small_config(**base, pipeline=dict(schedule=schedule_name, grad_sync='tick'))
-    tick = tick.validate()
+  if schedule_name != 'gpipe':
+    tick = small_config(**base, pipeline=dict(order, grad_sync='tick')).validate()
     in_loop = collectives_across_data(tick)[1]['loop', 'all-reduce']
-    assert 'f32[1,8,3,8]' in in_loop, in_loop  # a layer's QKV bias gradient, each tick
+    # A layer's QKV bias gradient at each tick, or in each micro-batch's layer loop.
+    assert ('f32[1,8,3,8]' if stages > 1 else 'f32[8,3,8]') in in_loop, in_loop
 
 
 @pytest.mark.parametrize(
@@ -298,6 +301,10 @@ def test_grad_sync_step_crosses_the_data_ranks_once_a_step(schedule_name):
     ),
     # data 3 divides no dim of the small model: ZeRO pads, and each gradient is summed whole.
     (dict(data=3, pipeline=2), {}, dict(global_batch_size=6)),
+    (dict(data=2, tensor=2), {}, {}),
+    (dict(data=4, zero_group=2), {}, dict(global_batch_size=8)),
+    (dict(data=2), {}, dict(rampup_batch_size=(2, 2, 4), rampup_microbatch_multiple=2)),
+    (dict(data=3), {}, dict(global_batch_size=6)),
   ],
   ids=[
     'gpipe_2x2x2',
@@ -307,13 +314,17 @@ def test_grad_sync_step_crosses_the_data_ranks_once_a_step(schedule_name):
     'hybrid_4x2x1',
     '1f1b_padding',
     'zero_padded_3x2x1',
+    'no_pipeline_2x1x2',
+    'no_pipeline_hybrid_4x1x1',
+    'no_pipeline_padding',
+    'no_pipeline_zero_padded_3x1x1',
   ],
 )
 def test_grad_sync_step_trains_as_one_device(references, reference_batch_8, mesh, pipeline, train):
-  """pipeline.grad_sync='step' (each data rank's own schedule, its gradients summed once a
-  step): the same losses, gradient norms and params as one device, in GPipe (and circular) and
-  1F1B, with groups of micro-batches, hybrid sharding's copies and the ramp-up's padding
-  micro-batches."""
+  """pipeline.grad_sync='step' (each data rank's own schedule or micro-batch loop, its
+  gradients summed once a step): the same losses, gradient norms and params as one device, in
+  GPipe (and circular) and 1F1B and without a pipeline, with groups of micro-batches, hybrid
+  sharding's copies, the ramp-up's padding micro-batches and ZeRO's padding."""
   cfg = small_config(
     model=dict(num_layers=4, remat_policy='full'),
     train=dict(dict(global_batch_size=4), **train),
@@ -332,55 +343,69 @@ def test_grad_sync_step_trains_as_one_device(references, reference_batch_8, mesh
   assert_trains_as_reference(cfg, results, reference)
 
 
+@pytest.mark.parametrize('stages', [1, 2], ids=['no_pipeline', 'pipeline'])
 @pytest.mark.parametrize('dropout', [0.0, 0.1])
-def test_grad_sync_step_with_dropout_draws_each_ranks_own_masks(dropout):
+def test_grad_sync_step_with_dropout_draws_each_ranks_own_masks(dropout, stages):
   """Two data ranks given the same rows: with the masks drawn from one key they would train
   exactly as one rank on those rows (the same local shapes, the same keys). Each rank folds its
-  index into the key, so with dropout their masks, and the first loss, differ from the one
-  rank's; without dropout the two runs are the same."""
+  index into the key, so with dropout their masks, and the first gradient norm (2% apart; the
+  untrained model's loss moves by less than 1e-4), differ from the one rank's; without dropout
+  the two runs are the same."""
   model = dict(num_layers=2, hidden_dropout=dropout, attention_dropout=dropout)
   rows = np.random.default_rng(0).integers(0, 256, (2, 17))  # 2 micro-batches of 1 row
   one = small_config(
-    model=model, train=dict(global_batch_size=2, micro_batch_size=1), mesh=dict(pipeline=2)
+    model=model, train=dict(global_batch_size=2, micro_batch_size=1), mesh=dict(pipeline=stages)
   )
   two = small_config(
     model=model,
     train=dict(global_batch_size=4, micro_batch_size=1),
-    mesh=dict(data=2, pipeline=2),
+    mesh=dict(data=2, pipeline=stages),
     pipeline=dict(grad_sync='step'),
   )
   assert one.train.seq_len == 16
-  one_rank = run_steps(one, num_steps=1, tokens=rows)[0]
-  both_ranks = run_steps(two, num_steps=1, tokens=np.repeat(rows, 2, axis=0))[0]
+  one_rank = run_steps(one, num_steps=1, tokens=rows)[1]
+  both_ranks = run_steps(two, num_steps=1, tokens=np.repeat(rows, 2, axis=0))[1]
   assert_draws_its_own_dropout_masks(both_ranks, one_rank, dropout)
 
 
 @pytest.mark.parametrize(
-  'zero_stage, group, sync, says',
+  'stages, zero_stage, group, sync, says',
   [
-    (1, 0, 'auto', "summed once a step (pipeline.grad_sync 'step'"),
-    (1, 0, 'tick', "all-reduced at every tick (pipeline.grad_sync 'tick')"),
-    (3, 0, 'auto', "all-reduced at every tick (pipeline.grad_sync 'tick')"),
-    (3, 2, 'auto', "(pipeline.grad_sync 'tick'), within each of the 2 hybrid copies, whose sums"),
+    (2, 1, 0, 'auto', "summed once a step (pipeline.grad_sync 'step'"),
+    (2, 1, 0, 'tick', "all-reduced at every tick (pipeline.grad_sync 'tick')"),
+    (2, 3, 0, 'auto', "all-reduced at every tick (pipeline.grad_sync 'tick')"),
+    (
+      2,
+      3,
+      2,
+      'auto',
+      "(pipeline.grad_sync 'tick'), within each of the 2 hybrid copies, whose sums",
+    ),
+    (1, 1, 0, 'step', "summed once a step (pipeline.grad_sync 'step'"),
+    (1, 1, 0, 'auto', 'reduce-scattered into the split accumulator at every micro-batch'),
+    (1, 3, 2, 'auto', "every micro-batch (pipeline.grad_sync 'tick'), within each of the 2"),
   ],
 )
 def test_the_start_up_log_says_when_the_data_ranks_gradients_are_summed(
-  zero_stage, group, sync, says
+  stages, zero_stage, group, sync, says
 ):
+  """The pipeline's line says it, and without a pipeline a line of its own."""
   cfg = small_config(
-    mesh=dict(data=2 + group, pipeline=2, zero_stage=zero_stage, zero_group=group),
+    mesh=dict(data=2 + group, pipeline=stages, zero_stage=zero_stage, zero_group=group),
     pipeline=dict(grad_sync=sync),
   ).validate()
   layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
-  described = startup.describe_pipeline(cfg, layout)
-  assert says in described
-  assert ('hybrid copies' in described) == bool(group)
+  lines = startup.schedule_lines(cfg, layout)
+  described = [line for line in lines if says in line]
+  assert described and described[0].startswith('> pipeline:' if stages > 1 else '> gradients:')
+  assert ('hybrid copies' in described[0]) == bool(group)
 
 
-def test_grad_sync_step_under_zero3_is_a_config_error():
+@pytest.mark.parametrize('stages', [1, 2])
+def test_grad_sync_step_under_zero3_is_a_config_error(stages):
   with pytest.raises(ConfigError, match=r"pipeline.grad_sync='step' needs mesh.zero_stage=1"):
     small_config(
-      mesh=dict(data=2, pipeline=2, zero_stage=3), pipeline=dict(grad_sync='step')
+      mesh=dict(data=2, pipeline=stages, zero_stage=3), pipeline=dict(grad_sync='step')
     ).validate()
 
 

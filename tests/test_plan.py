@@ -1,10 +1,13 @@
 """`python -m t5x_like.plan`: ahead-of-time compilation of whole configs on virtual devices."""
 
+import collections
 import json
 import math
+import re
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, small_config
+from test_zero3 import instructions, loop_computations
 
 
 def test_bloom_176b_lowers_and_compiles_on_384_virtual_devices():
@@ -319,7 +322,8 @@ def test_bloom_176b_fits_an_a100_80gb_by_xlas_gpu_compile():
 
 def test_bloom_1b3_fits_its_16_h100s_by_xlas_gpu_compile():
   """configs/bloom_1b3.py on its own mesh (16 GPUs) compiled for H100s by XLA's GPU compiler on
-  this CPU fits the 60 GiB JAX takes of one (14.3 GiB here), and the cost model agrees. Until
+  this CPU fits the 60 GiB JAX takes of one (22.3 GiB here, each rank's whole fp32 gradient
+  among it), and the cost model agrees. Until
   2026-11-28 it ran data 8 x pipeline 2 in the GPipe order under save_dots, which keeps every
   layer's saved matmul outputs of all 17 ticks: 77.5 GiB, while the cost model said 13.5."""
   command = ['-m', 't5x_like.plan', '--config', 'configs/bloom_1b3.py', '--gpu', 'h100-80gb']
@@ -353,6 +357,48 @@ def shrunk_a100_compile(config: str, grad_sync: str = 'auto', num_layers: int = 
   r = run_cli([*command, *flags, '--breakdown', '--json'])
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def gpu_gradient_reductions(cfg, kind: str = 'h100-80gb') -> collections.Counter:
+  """{('loop' or 'outside', dtype): count} of the reduce-scatters and all-reduces of `cfg`'s
+  train step compiled by XLA's GPU compiler for GPUs of `kind` (gpu_target), one per dtype in
+  each (a combined collective's results all count), scalars left out."""
+  from t5x_like.mesh import partitioning
+  from t5x_like.parallel.train_state import make_layout
+  from t5x_like.planning import gpu_target
+  from t5x_like.training import step as step_lib
+
+  m = cfg.mesh
+  gpus = gpu_target.devices(kind, m.num_devices)
+  layout = make_layout(cfg, partitioning.make_mesh(m.data, m.pipeline, m.tensor, gpus))
+  lowered = step_lib.lower_train_step(cfg, layout, cfg.num_microbatches)
+  hlo = gpu_target.compile_without_cache(lowered, kind)[0].as_text()
+  inside = loop_computations(hlo)
+  found: collections.Counter = collections.Counter()
+  for computation, line in instructions(hlo):
+    op = re.search(r'= (.+?) (?:all-reduce|reduce-scatter)(?:-start)?\(', line)
+    if op:
+      for dtype in set(re.findall(r'([a-z]+\d+)\[\d[\d,]*\]', op.group(1))):
+        found['loop' if computation in inside else 'outside', dtype] += 1
+  return found
+
+
+def test_without_a_pipeline_tick_reduces_in_bf16_each_micro_batch_and_step_in_fp32_once():
+  """A bf16 step on 2 data ranks without a pipeline, compiled for H100s. Under grad_sync 'tick'
+  XLA reduce-scatters each micro-batch's layer gradients in bf16 as the backward's layer loop
+  computes them (the LayerNorms' and the lookup's in fp32); under 'step' nothing is reduced
+  inside the loops, and every gradient crosses the ranks once, after them, in fp32 (the
+  planner's data-parallel terms, cost_model.estimate)."""
+  base = dict(
+    model=dict(dtype='bfloat16', num_layers=2, attention_impl='xla'),
+    train=dict(global_batch_size=8),
+    mesh=dict(data=2),
+  )
+  tick = gpu_gradient_reductions(small_config(**base, pipeline=dict(grad_sync='tick')).validate())
+  assert tick['loop', 'bf16'] >= 1 and tick['loop', 'f32'] >= 1, tick
+  assert not tick['outside', 'bf16'], tick
+  step = gpu_gradient_reductions(small_config(**base, pipeline=dict(grad_sync='step')).validate())
+  assert set(step) == {('outside', 'f32')}, step
 
 
 def test_one_f_one_b_under_tick_holds_the_token_tables_gradient_split_and_twice():

@@ -1012,3 +1012,16 @@ def test_the_memory_error_names_the_fixes_that_apply():
   message = str(found.value)
   assert "pipeline.schedule='1f1b' (GPipe keeps every micro-batch in flight)" in message
   assert "remat_policy='full'" not in message, message
+  assert "grad_sync='tick'" not in message, message  # one data rank holds it whole anyway
+
+
+def test_the_memory_error_of_a_step_summed_once_a_step_names_tick():
+  """Data ranks that each hold their whole fp32 gradient (grad_sync 'step', here without a
+  pipeline): the fixes name 'tick', which splits it over them."""
+  from t5x_like.training.step import CompiledSteps
+
+  cfg = corpus_config(mesh={'data': 2, 'tensor': 1}, pipeline={'grad_sync': 'step'}).validate()
+  layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
+  steps = CompiledSteps(cfg, layout, lambda line: None, memory_limit=(2**20, 'Small GPU'))
+  with pytest.raises(ConfigError, match=r"pipeline.grad_sync='tick' \(under 'step' each data"):
+    steps.get(cfg.train.global_batch_size, cfg.train.seq_len)

@@ -332,14 +332,15 @@ def test_hybrid_copies_with_dropout_draw_their_own_masks(dropout):
   they would train exactly as one copy (data 2) on those rows, the same local shapes and keys.
   Each copy folds its index into the key, so with dropout their masks, and the first loss,
   differ from the one copy's; without dropout the two runs are the same. Either way the copies
-  sum their gradients once a step (`per_copy_loss_and_grads`)."""
+  sum their gradients once a step (`step.per_rank_loss_and_grads`)."""
   model = dict(hidden_dropout=dropout, attention_dropout=dropout)
   rows = np.random.default_rng(0).integers(0, 1000, (4, 17))  # 2 micro-batches of 2 rows
   one = small_config(model=model, train=dict(global_batch_size=4), mesh=dict(data=2))
   two = small_config(
     model=model, train=dict(global_batch_size=8), mesh=dict(data=4, zero_group=2)
   ).validate()
-  assert step_lib.reduces_across_copies_once(two, make_layout(two, partitioning.mesh_of(two.mesh)))
+  layout = make_layout(two, partitioning.mesh_of(two.mesh))
+  assert step_lib.own_gradient_axes(two, layout) == ('replica',)
   one_copy = run_steps(one, num_steps=1, tokens=rows)[0]
   # Each micro-batch's 4 rows: copy 0 takes the first 2, copy 1 the last 2.
   both = run_steps(

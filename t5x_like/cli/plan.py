@@ -351,8 +351,8 @@ def run_search(cfg: Config, args) -> int:
   )
   aot = '  XLA peak' if args.aot else ''
   # ZeRO: the stage (1, 3) and the data ranks G that split one copy of the state (hybrid
-  # sharding when G < DP); sync: when a pipeline's data ranks sum their gradients
-  # (pipeline.grad_sync), '-' without a pipeline.
+  # sharding when G < DP); sync: when the data ranks sum their gradients (pipeline.grad_sync),
+  # '-' with one data rank.
   print(
     f'{"rank":>4} {"DP":>4} {"PP":>3} {"TP":>3} {"ZeRO":>4} {"G":>4} {"MBS":>3} {"sync":>4} '
     f'{"s/it":>7} '

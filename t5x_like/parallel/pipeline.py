@@ -286,7 +286,7 @@ class Schedule:
   micro-batches in fp32 while only the compute copy is gathered.
 
   `loss_axes`: inside a shard_map over mesh axes that split the batch's rows (each data rank's
-  or hybrid copy's own schedule, training/step.py's `own_schedule_axes`), those axes: each
+  or hybrid copy's own schedule, training/step.py's `own_gradient_axes`), those axes: each
   micro-batch's loss is then this rank's rows' sum over the targets of all the ranks' rows, so
   that the ranks' losses and gradients sum to the whole batch's.
   """

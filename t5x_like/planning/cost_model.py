@@ -24,18 +24,18 @@
 * pipeline transfers: each tick sends an activation forward and a gradient back, 1/TP of it per
   GPU (Megatron's scatter-gather; sequence parallelism splits it the same way);
 * ZeRO over a group of G data ranks (mesh.zero_stage, mesh.zero_group): ZeRO-1's gradient
-  reduce-scatter (with a pipeline once a step under pipeline.grad_sync 'step', an all-reduce
-  at every tick under 'tick') and weight all-gather, or ZeRO-3's per-layer gathers and
-  reduce-scatters in
-  every micro-batch, over NVLink when the group fits in a node and the network otherwise; with
+  reduce-scatter (once a step in fp32 under pipeline.grad_sync 'step'; under 'tick' each
+  micro-batch's in the compute dtype without a pipeline, an all-reduce at every tick with one)
+  and weight all-gather, or ZeRO-3's per-layer gathers and reduce-scatters in every
+  micro-batch, over NVLink when the group fits in a node and the network otherwise; with
   hybrid sharding (G < data) an all-reduce of the 1/G gradient shards across the data / G
   copies, once a step; and the embedding's gradient summed over the stages that each hold a
   whole copy;
 * the optimizer: Adam reads and writes its shard of the state at HBM bandwidth;
 * memory per GPU in t5x_like/planning/memory_report.py's categories, by the layout t5x_like's step
   uses (the ZeRO-split state, the gathered bf16 copy of the stage under ZeRO-1 or gathered
-  layers under ZeRO-3, fp32 gradients split over the group or, with a pipeline under 'step',
-  whole on every data rank, kept stage inputs, the recomputed layers' matmul outputs, what
+  layers under ZeRO-3, fp32 gradients split over the group or, under grad_sync 'step', whole
+  on every data rank, kept stage inputs, the recomputed layers' matmul outputs, what
   save_dots keeps, one layer's backward, a micro-batch's gradient before it is accumulated;
   without a pipeline the largest of the phases XLA's peak can be in).
 
@@ -268,12 +268,16 @@ def one_f_one_b(cfg: Config) -> bool:
   return cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == '1f1b'
 
 
+def per_rank_gradients(cfg: Config, framework: str = 't5x_like') -> bool:
+  """Whether t5x_like's step runs each data rank's own micro-batch loop or schedule, its fp32
+  gradient (a stage's) whole on every rank and reduced once a step (training/step.py's
+  `own_gradient_axes` under grad_sync 'step')."""
+  return framework == 't5x_like' and cfg.mesh.data > 1 and cfg.grad_sync == 'step'
+
+
 def per_rank_pipeline(cfg: Config, framework: str = 't5x_like') -> bool:
-  """Whether t5x_like's pipeline runs each data rank's own schedule, its fp32 gradient whole
-  on every rank and reduced once a step (training/step.py's `own_schedule_axes` under
-  grad_sync 'step')."""
-  mesh = cfg.mesh
-  return framework == 't5x_like' and mesh.pipeline > 1 and mesh.data > 1 and cfg.grad_sync == 'step'
+  """`per_rank_gradients` with a pipeline."""
+  return cfg.mesh.pipeline > 1 and per_rank_gradients(cfg, framework)
 
 
 def keeps_attention_residuals(impl: str, residuals_kept: bool | None = None) -> bool:
@@ -633,12 +637,22 @@ def memory_bytes(
   if p == 1:
     # Without a pipeline the backward of a micro-batch returns its gradient before it is added to
     # the accumulator: the layers' stacked by the scan in the compute dtype, split over the group
-    # like the accumulator, and the tied embedding's from the logits, whole, in the compute dtype
-    # (the chunked loss's chunks stacked). Both are live through the layers' backward in XLA's
-    # GPU compiles of 1.3B to 70B steps (docs/benchmarks.md); the lookup's scatter-add comes
-    # after it, where less is live.
-    out['backward workspace'] += compute_bytes * (stage / g + embedding)
-    if zero.copies > 1:
+    # like the accumulator (each layer's reduce-scattered as the scan computes it), and the tied
+    # embedding's from the logits, whole, in the compute dtype (the chunked loss's chunks
+    # stacked). Both are live through the layers' backward in XLA's GPU compiles of 1.3B to 70B
+    # steps (docs/benchmarks.md); the lookup's scatter-add comes after it, where less is live.
+    # Under grad_sync 'step' each data rank adds its own gradient up: the layers' whole, and the
+    # accumulator whole beside it.
+    per_rank = per_rank_gradients(cfg, framework)
+    out['backward workspace'] += compute_bytes * (stage / (1 if per_rank else g) + embedding)
+    if per_rank:
+      out['gradient accumulators'] = 4 * state
+      if m.remat_policy == 'full':
+        # Inside each data rank's shard_map XLA fills the lookup's fp32 scatter-add with zeros
+        # before the layers' backward: whole over data, split over tensor (the GPU compiles of
+        # 7B and 13B under 'full'; under save_dots and none their peaks are before the fill).
+        out['gradient accumulators'] += 4 * embedding
+    elif zero.copies > 1:
       # Hybrid sharding: each copy accumulates its own gradient inside a shard_map, where XLA
       # fills the lookup's fp32 scatter-add with zeros before the layers' backward, its rows
       # split over the group, not over tensor.
@@ -757,7 +771,8 @@ def memory_bound_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, fl
   gradients 1 each) + 3 QKV (the q, k, v gradients joined, the bias gradient) + 3 MLP (GeLU's
   backward); the recomputed forward of 'save_dots' 7 + 2 QKV + 2 MLP (LayerNorms, a residual
   add, GeLU: everything but the saved matmuls), of 'full' (and 1F1B ticks) the whole forward.
-  The gradients, split over the ZeRO group as the compile of a 7B on 8 devices splits them: the
+  The gradients, split over the ZeRO group as the compile of a 7B on 8 devices splits them
+  (whole where each data rank adds its own up without a pipeline, grad_sync 'step'): the
   micro-batch's read in the compute dtype and the accumulator's fp32 read and write; the token
   lookup's fp32 scatter-add zero-filled and read; under the chunked loss, whole, its label rows'
   fp32 scatter-add likewise and its chunk gradients concatenated and read (3 x the compute
@@ -784,6 +799,8 @@ def memory_bound_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, fl
   if embedding_split_over_pipeline(cfg, framework):
     vocab /= p
   g = zero_of(cfg, framework).group
+  if p == 1 and per_rank_gradients(cfg, framework):
+    g = 1  # each data rank adds its whole gradient up
   stage, embedding = local_params(cfg, framework)
   gradients = (compute_bytes + 8) * stage / g + (8 + 8) * embedding / g
   if m.cross_entropy_impl == 'chunked':
@@ -1016,16 +1033,26 @@ def estimate(
   # embedding likewise where it is used. Not overlapped with compute (docs/planner.md: a layer
   # gathered inside the scanned layer loop is needed by that iteration's first matmul; only
   # XLA's collective pipelining across iterations could hide it, unverified without GPU HLO).
+  # Without a pipeline the gradients are reduce-scattered as the backward computes them: each
+  # layer's in the compute dtype, the embedding's from the logits in the compute dtype and from
+  # the lookup in fp32 (XLA's GPU compiles of 13B on 64 H100s under ZeRO-1 and ZeRO-3); a
+  # pipeline's stages widen theirs to fp32 first (pipeline.compute_copy).
+  layer_grad_bytes = compute_bytes if p == 1 else 4
+  embedding_grad_bytes = compute_bytes + 4 if p == 1 else 4
   tick_zero3 = 0.0
   zero3_bytes_tick = 0.0
   if zero.stage == 3 and g > 1:
-    for size, count in ((layer, slots), (embedding, 1)):
+    for size, count, grad_bytes in (
+      (layer, slots, layer_grad_bytes),
+      (embedding, 1, embedding_grad_bytes),
+    ):
       tick_zero3 += count * (
-        2 * group_s('all-gather', compute_bytes * size) + group_s('reduce-scatter', 4 * size)
+        2 * group_s('all-gather', compute_bytes * size)
+        + group_s('reduce-scatter', grad_bytes * size)
       )
       zero3_bytes_tick += count * (
         2 * _ring_bytes('all-gather', compute_bytes * size, g)
-        + _ring_bytes('reduce-scatter', 4 * size, g)
+        + _ring_bytes('reduce-scatter', grad_bytes * size, g)
       )
 
   # The schedule: each micro-batch passes each of a stage's R chunks once; P - 1 chunk-ticks of
@@ -1044,24 +1071,26 @@ def estimate(
   )
 
   # ZeRO-1: the fp32 gradients reduce-scattered over the group, the bf16 weights all-gathered
-  # once per step. t5x_like without a pipeline reduce-scatters each micro-batch's gradient into
-  # the split accumulator (step.add_grads); a pipeline under grad_sync='step' (and
-  # Megatron-DeepSpeed) once a step, under grad_sync='tick' it all-reduces each tick's gradient
-  # (what XLA's partitioner makes of one schedule over all data ranks).
+  # once per step: under grad_sync='step' (and in Megatron-DeepSpeed) once a step. Under 'tick'
+  # t5x_like without a pipeline reduce-scatters each micro-batch's gradient as the backward
+  # computes it (layer_grad_bytes, embedding_grad_bytes), and with a pipeline all-reduces each
+  # tick's (what XLA's partitioner makes of one schedule over all data ranks).
   dp_s = dp_bytes = 0.0
   if zero.stage == 1 and g > 1:
-    kind, reductions = 'reduce-scatter', 1
-    if p == 1 and not megatron:
-      reductions = micro
-    elif not megatron and cfg.grad_sync == 'tick':
-      kind, reductions = 'all-reduce', groups * ((micro // groups) * r + p - 1)
-    dp_s = reductions * group_s(kind, 4 * state) + group_s('all-gather', compute_bytes * state)
-    dp_bytes = reductions * _ring_bytes(kind, 4 * state, g) + _ring_bytes(
+    kind, reductions, size = 'reduce-scatter', 1, 4 * state
+    if not megatron and cfg.grad_sync == 'tick':
+      if p == 1:
+        reductions = micro
+        size = layer_grad_bytes * stage + embedding_grad_bytes * embedding
+      else:
+        kind, reductions = 'all-reduce', groups * ((micro // groups) * r + p - 1)
+    dp_s = reductions * group_s(kind, size) + group_s('all-gather', compute_bytes * state)
+    dp_bytes = reductions * _ring_bytes(kind, size, g) + _ring_bytes(
       'all-gather', compute_bytes * state, g
     )
   # Hybrid sharding: each rank's 1/G fp32 gradient shard all-reduced across the R copies (ranks
   # G x pipeline x tensor devices apart), once per step: each copy runs its own micro-batch loop
-  # (step.per_copy_loss_and_grads) or its own schedule (step.own_schedule_axes).
+  # or schedule (step.own_gradient_axes).
   replica_s = replica_bytes = 0.0
   if copies > 1:
     shard = 4 * state / g
@@ -1110,8 +1139,8 @@ def estimate(
     'mesh': [dp, p, t],
     'zero_stage': zero.stage,
     'zero_group': g,
-    # When a pipeline's data ranks sum their gradients (None without a pipeline).
-    'grad_sync': cfg.grad_sync if p > 1 else None,
+    # When the data ranks sum their gradients (None with one data rank).
+    'grad_sync': cfg.grad_sync if dp > 1 else None,
     'attention_impl': impl,
     'micro_batch_size': b,
     'num_microbatches': micro,
@@ -1235,15 +1264,20 @@ def why_behind(best: dict, other: dict, parts: int = 2) -> str:
   return text
 
 
-def also_ranks_tick(cfg: Config) -> bool:
-  """Whether --search also ranks `cfg` under pipeline.grad_sync='tick' when it does not fit:
-  a ZeRO-1 pipeline over several data ranks that 'auto' resolved to 'step' (each rank holds the
-  stage's whole fp32 gradient), which 'tick' trades for an all-reduce at every tick. A config
-  that names 'step' is ranked as it is."""
+def other_grad_sync(cfg: Config, fits: bool) -> str | None:
+  """The pipeline.grad_sync --search also ranks `cfg` under, beside the one 'auto' resolved to
+  (a config that names one is ranked as it is), given whether `cfg` fits: 'tick' for a ZeRO-1
+  pipeline over several data ranks that does not fit under 'step' (each rank holds the stage's
+  whole fp32 gradient; 'tick' trades it for an all-reduce at every tick), and 'step' for a
+  ZeRO-1 step without a pipeline over several data ranks (one fp32 reduce-scatter a step
+  instead of each micro-batch's in the compute dtype, for the whole fp32 gradient on every
+  rank), ranked where it fits too. None otherwise."""
   mesh = cfg.mesh
-  return (
-    cfg.pipeline.grad_sync == 'auto' and cfg.grad_sync == 'step' and mesh.pipeline > 1 < mesh.data
-  )
+  if cfg.pipeline.grad_sync != 'auto' or mesh.zero_stage != 1 or mesh.data == 1:
+    return None
+  if mesh.pipeline > 1:
+    return None if fits else 'tick'
+  return 'step'
 
 
 def search(cfg: Config, gpus: int, gpu: str, nodes_of: int | None = None) -> list[dict]:
@@ -1257,8 +1291,8 @@ def search(cfg: Config, gpus: int, gpu: str, nodes_of: int | None = None) -> lis
   stages with at most one padding slot each; the global batch and every ramp-up batch divide by
   micro-batch x data, into at least as many micro-batches as stages (Config.validate and
   schedule.check decide, as for a run). ZeRO: zero_choices. A ZeRO-1 pipeline that does not fit
-  with grad_sync 'step' is ranked with 'tick' too (also_ranks_tick). More GPUs than `max_gpus`
-  is a ConfigError."""
+  with grad_sync 'step' is ranked with 'tick' too, and a ZeRO-1 step without a pipeline with
+  'step' too where that fits (other_grad_sync). More GPUs than `max_gpus` is a ConfigError."""
   from t5x_like.training import schedule
 
   spec = gpu_spec(gpu, nodes_of)
@@ -1314,9 +1348,13 @@ def search(cfg: Config, gpus: int, gpu: str, nodes_of: int | None = None) -> lis
             continue  # a divisibility the loops above do not check (FFN, vocabulary, groups)
           found = estimate(candidate, gpu, nodes_of=nodes_of)
           results.append(found)
-          if not found['fits'] and also_ranks_tick(candidate):
-            ticked = candidate.replace(pipeline={'grad_sync': 'tick'})
-            results.append(estimate(ticked, gpu, nodes_of=nodes_of))
+          other = other_grad_sync(candidate, found['fits'])
+          if other:
+            synced = estimate(
+              candidate.replace(pipeline={'grad_sync': other}), gpu, nodes_of=nodes_of
+            )
+            if synced['fits'] or other == 'tick':
+              results.append(synced)
   results.sort(key=lambda r: (not r['fits'], r['estimated_step_s']))
   for r in results[1:]:
     r['why_behind'] = why_behind(results[0], r)

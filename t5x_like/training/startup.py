@@ -99,6 +99,8 @@ def schedule_lines(cfg: Config, layout) -> list[str]:
   lines = []
   if cfg.mesh.pipeline > 1:
     lines.append(describe_pipeline(cfg, layout))
+  elif cfg.mesh.data > 1:
+    lines.append(f'> gradients: {describe_grad_sync(cfg, layout)}')
   if cfg.curriculum.enabled:
     lines.append(describe_curriculum(cfg))
   if cfg.curriculum.enabled or cfg.train.rampup_batch_size:
@@ -138,23 +140,38 @@ def describe_pipeline(cfg: Config, layout) -> str:
     if cfg.pipeline.schedule == '1f1b'
     else per_schedule * plan.repeats + plan.stages - 1
   )
-  sync = ''
-  if cfg.mesh.data > 1:
-    sync = (
-      "; the data ranks' gradients summed once a step (pipeline.grad_sync 'step', each rank's "
-      'whole fp32 gradient kept)'
-      if cfg.grad_sync == 'step'
-      else "; the data ranks' gradients all-reduced at every tick (pipeline.grad_sync 'tick')"
-    )
-    copies = layout.mesh.shape.get('replica', 1)
-    if copies > 1 and cfg.grad_sync == 'tick':
-      sync += f', within each of the {copies} hybrid copies, whose sums are added once a step'
+  sync = describe_grad_sync(cfg, layout)
   return (
     f'> pipeline: {plan.describe()}; {cfg.pipeline.schedule} order, each stage keeps '
-    f"{kept} micro-batches' inputs{sync}; parameters per stage (M): "
+    f"{kept} micro-batches' inputs{'; ' + sync if sync else ''}; parameters per stage (M): "
     f'{[round(x, 2) for x in sizes]} (embedding spread over stages: '
     f'{cfg.padded_vocab_size % (cfg.mesh.tensor * plan.stages) == 0})'
   )
+
+
+def describe_grad_sync(cfg: Config, layout) -> str:
+  """When the data ranks' gradients are summed (pipeline.grad_sync, `step.own_gradient_axes`);
+  '' with one data rank."""
+  if cfg.mesh.data == 1:
+    return ''
+  copies = layout.mesh.shape.get('replica', 1)
+  if layout.mesh.shape['data'] == 1:
+    return f"each of the {copies} copies' (mesh.zero_group 1) gradients summed once a step"
+  if cfg.grad_sync == 'step':
+    return (
+      "the data ranks' gradients summed once a step (pipeline.grad_sync 'step', each rank's "
+      'whole fp32 gradient kept)'
+    )
+  if cfg.mesh.pipeline > 1:
+    sync = "the data ranks' gradients all-reduced at every tick (pipeline.grad_sync 'tick')"
+  else:
+    sync = (
+      "the data ranks' gradients reduce-scattered into the split accumulator at every "
+      "micro-batch (pipeline.grad_sync 'tick')"
+    )
+  if copies > 1:
+    sync += f', within each of the {copies} hybrid copies, whose sums are added once a step'
+  return sync
 
 
 def describe_curriculum(cfg: Config) -> str:

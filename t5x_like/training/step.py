@@ -2,11 +2,12 @@
 shardings and donated state, compiled ahead of time by the trainer and by `plan`.
 
 Per iteration: the global batch is split into `num_microbatches` micro-batches of
-`micro_batch_size x data` rows; gradients are accumulated over them in fp32 in the ZeRO
-(data-split) layout (under hybrid sharding each copy accumulates its own and the copies' sums are
-added once, after the micro-batches: `per_copy_loss_and_grads`), clipped at a global norm (the
-pre-clip norm is logged), and AdamW updates the
-fp32 master params with a learning rate the host computes from the consumed samples (or tokens).
+`micro_batch_size x data` rows; gradients are accumulated over them in fp32 (each data rank its
+whole gradient, reduce-scattered into the ZeRO layout once a step, under grad_sync 'step';
+into the ZeRO (data-split) layout each micro-batch under 'tick'; hybrid sharding's copies each
+their own, added once a step: `own_gradient_axes`), clipped at a global norm (the pre-clip norm
+is logged), and AdamW updates the fp32 master params with a learning rate the host computes
+from the consumed samples (or tokens).
 An iteration whose loss or gradient norm is not finite leaves params and Adam state, including
 its step count, unchanged.
 """
@@ -133,7 +134,10 @@ def microbatch_loss_and_grads(model, params, tokens, rng, index, *, deterministi
 
 def microbatched_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rng):
   """No pipeline: the mean loss and gradients of the micro-batches, run one after another from
-  one compute-dtype copy of the params, their gradients accumulated in fp32 in the ZeRO layout."""
+  one compute-dtype copy of the params, their gradients accumulated in fp32. Where ranks add
+  their own gradients up (`own_gradient_axes`: each data rank under grad_sync 'step', each
+  hybrid copy always) the loop runs in a shard_map over them (`per_rank_loss_and_grads`);
+  otherwise each micro-batch's gradient is reduce-scattered into the ZeRO-split accumulator."""
   compute_params = compute_params_of(params, layout, jnp.dtype(cfg.model.dtype))  # once a step
   deterministic = not _has_dropout(cfg)
 
@@ -147,8 +151,11 @@ def microbatched_loss_and_grads(cfg: Config, layout: StateLayout, params, batch,
   if cfg.train.rampup_microbatch_multiple > 0:
     num_real = losses.real_microbatches(batch).sum()
     num_micro = num_real.astype(jnp.float32)
-  if reduces_across_copies_once(cfg, layout):
-    loss_sum, grads = per_copy_loss_and_grads(cfg, layout, compute_params, batch, num_real, rng)
+  axes = own_gradient_axes(cfg, layout)
+  if axes:
+    loss_sum, grads = per_rank_loss_and_grads(
+      cfg, layout, compute_params, batch, num_real, rng, axes
+    )
   else:
     loss_sum, grads = accumulate_grads(
       loss_and_grads,
@@ -161,49 +168,47 @@ def microbatched_loss_and_grads(cfg: Config, layout: StateLayout, params, batch,
   return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grads)
 
 
-def reduces_across_copies_once(cfg: Config, layout: StateLayout) -> bool:
-  """Hybrid sharding (mesh.zero_group): whether the step accumulates each copy's gradients
-  apart and reduces them across the copies once, after the micro-batch loop
-  (`per_copy_loss_and_grads`). Not with a pipeline (each copy runs its own schedule there:
-  `own_schedule_axes`)."""
-  return layout.mesh.shape.get('replica', 1) > 1 and cfg.mesh.pipeline == 1
-
-
-def copy_shares(batch, copies: int):
-  """[M, copies]: each copy's share of each micro-batch's real targets (the copies hold
-  consecutive blocks of the rows); a copy's mean loss weighted by its share sums, over the copies,
-  to the micro-batch's mean (0 where it has no target, as `losses.weighted_mean`)."""
+def rank_shares(batch, ranks: int):
+  """[M, ranks]: each rank's share of each micro-batch's real targets (the ranks hold
+  consecutive blocks of the rows); a rank's mean loss weighted by its share sums, over the
+  ranks, to the micro-batch's mean (0 where it has no target, as `losses.weighted_mean`)."""
   weights = losses.split_tokens(batch)[2]
-  counts = weights.reshape(batch.shape[0], copies, -1).sum(axis=2)
+  counts = weights.reshape(batch.shape[0], ranks, -1).sum(axis=2)
   return counts / jnp.maximum(counts.sum(axis=1, keepdims=True), 1.0)
 
 
-def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, batch, num_real, rng):
-  """Hybrid sharding without a pipeline: (sum of the micro-batches' mean losses, fp32 sum of
-  their gradients, in the ZeRO layout) as `accumulate_grads`, with the gradient reduced across
-  the copies once a step instead of once a micro-batch. The micro-batch loop runs in a
-  shard_map over `replica`: each copy runs the model on its own rows (split over its group's
-  `data` ranks as before), adds each micro-batch's gradient, reduce-scattered within the group
-  only, to its own accumulator (the same ZeRO shard per device as without the shard_map), and
-  after the loop one all-reduce over `replica` sums the copies' accumulators (as torch FSDP's
-  HYBRID_SHARD under no_sync, DeepSpeed's hpZ). Each copy's loss is weighted by its share of the
-  micro-batch's targets (`copy_shares`), so the sums are the one-device run's. With dropout each
-  copy draws its own masks for its rows (independent draws, not the slices of the one-device
-  run's masks: without dropout the run is the one-device run's)."""
+def per_rank_loss_and_grads(
+  cfg: Config, layout: StateLayout, compute_params, batch, num_real, rng, axes: tuple[str, ...]
+):
+  """No pipeline, where the ranks of `axes` add their own gradients up: (sum of the
+  micro-batches' mean losses, fp32 sum of their gradients, in the ZeRO layout) as
+  `accumulate_grads`, with the gradient crossing those ranks once a step instead of once a
+  micro-batch. The micro-batch loop runs in a shard_map over `axes`: each rank runs the model on
+  its own rows and adds each micro-batch's gradient to its own accumulator, and after the loop
+  `sum_over_ranks` sums the ranks' accumulators once. Over `data` (grad_sync 'step', ZeRO-1)
+  each rank holds the whole fp32 gradient (Megatron-DeepSpeed's fp32 gradient accumulation) and
+  the sum is one reduce-scatter into ZeRO's split; over hybrid sharding's `replica` alone each
+  copy's accumulator is split over its group's data ranks as without copies (each micro-batch's
+  gradient reduce-scattered within the group) and the copies' shards are all-reduced (torch
+  FSDP's HYBRID_SHARD under no_sync, DeepSpeed's hpZ). Each rank's loss is weighted by its share
+  of the micro-batch's targets (`rank_shares`), so the sums are the one-device run's. With
+  dropout each rank draws its own masks for its rows (independent draws, not the slices of the
+  one-device run's masks: without dropout the run is the one-device run's)."""
   mesh = layout.mesh
-  inner = partitioning.manual_mesh(mesh, ('replica',))
+  inner = partitioning.manual_mesh(mesh, axes)
   model = layout.model.clone(
     mesh=inner, gathers=None if layout.model.gathers is None else layout.model.gathers.on(inner)
   )
-  shardings = jax.tree.map(lambda s: NamedSharding(inner, s.spec), layout.shardings.params)
-  shares = copy_shares(batch, mesh.shape['replica'])
+  held = held_gradient_shardings(layout, axes)
+  shardings = jax.tree.map(lambda s: NamedSharding(inner, s.spec), held)
+  shares = rank_shares(batch, math.prod(mesh.shape[a] for a in axes))
   num_real = jnp.int32(batch.shape[0]) if num_real is None else num_real
   fori = cfg.train.rampup_microbatch_multiple > 0
   deterministic = not _has_dropout(cfg)
 
   def run(params, batch, shares, num_real, rng):
-    # Dropout: each copy draws its own masks for its own rows (the shapes are the copy's).
-    rng = jax.random.fold_in(rng, jax.lax.axis_index('replica'))
+    # Dropout: each rank draws its own masks for its own rows (the shapes are the rank's).
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
 
     def loss_and_grads(tokens_and_share, index):
       tokens, share = tokens_and_share
@@ -211,7 +216,7 @@ def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, ba
         model, params, tokens, rng, index, deterministic=deterministic, scale=share[0]
       )
 
-    loss, grads = accumulate_grads(
+    return accumulate_grads(
       loss_and_grads,
       params,
       (batch, shares),
@@ -219,77 +224,84 @@ def per_copy_loss_and_grads(cfg: Config, layout: StateLayout, compute_params, ba
       num_real=num_real if fori else None,
       unroll=cfg.model.scan_unroll,
     )
-    return jax.lax.psum((loss, grads), 'replica')  # once a step
 
-  copies = P(None, 'replica')
-  # check_vma=False: inside, the params are each device's own values and their gradient is the
-  # copy's own. (With the varying-axes check the gradient with respect to params that are the
-  # same on every copy is summed over `replica` at once, each micro-batch; and the losses'
-  # nested shard_maps fail to lower.) The outputs are psums, the same on every copy.
-  return jax.shard_map(
-    run,
-    mesh=mesh,
-    in_specs=(P(), copies, copies, P(), P()),
-    out_specs=P(),
-    axis_names={'replica'},
+  ranks = P(None, axes)
+  return summed_over_ranks(
+    layout, axes, run, (compute_params, batch, shares, num_real, rng), (P(), ranks, ranks, P(), P())
+  )
+
+
+def held_gradient_shardings(layout: StateLayout, axes: tuple[str, ...]):
+  """Where each of the ranks of `axes` (`own_gradient_axes`) holds its own fp32 gradient: the
+  whole (the rule sharding) where they include `data`, else in the ZeRO split over its copy's
+  data ranks."""
+  return layout.step_compute_shardings if 'data' in axes else layout.shardings.params
+
+
+def summed_over_ranks(layout: StateLayout, axes: tuple[str, ...], run: Callable, args, in_specs):
+  """(loss, fp32 gradients in the ZeRO layout) of `run(*args)`, which returns one rank's
+  (loss, gradient sum in `held_gradient_shardings`), run in a shard_map over `axes`: the losses
+  and gradients summed over the ranks once (`sum_over_ranks`)."""
+  held = held_gradient_shardings(layout, axes)
+
+  def rank_sums(*args):
+    loss, grads = run(*args)
+    # Each rank's own sum, stacked over the ranks: summed once, below.
+    return jax.lax.psum(loss, axes), jax.tree.map(lambda g: g[None], grads)
+
+  # check_vma=False: inside, the params are each rank's own values and their gradient is the
+  # rank's own (with the varying-axes check the gradient with respect to params that are the
+  # same on every rank would be summed over the ranks at once, at each use).
+  loss, stacked = jax.shard_map(
+    rank_sums,
+    mesh=layout.mesh,
+    in_specs=in_specs,
+    out_specs=(P(), P(axes)),
+    axis_names=set(axes),
     check_vma=False,
-  )(compute_params, batch, shares, num_real, rng)
+  )(*args)
+  grads = jax.tree.map(
+    functools.partial(sum_over_ranks, layout.mesh, axes), stacked, held, layout.shardings.params
+  )
+  return loss, grads
 
 
 def pipelined_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rng):
   """Pipeline: one schedule over all micro-batches (`pipeline.loss_and_grads`, GPipe or 1F1B as
   pipeline.schedule says), or, with pipeline.microbatch_group = G, one per group of G
   micro-batches, one group after another, accumulated as `accumulate_grads` does. Where ranks run
-  schedules of their own (`own_schedule_axes`: each data rank under grad_sync 'step', each
+  schedules of their own (`own_gradient_axes`: each data rank under grad_sync 'step', each
   hybrid copy always) their gradients cross those ranks once a step."""
   compute = compute_bits_of(params, layout, jnp.dtype(cfg.model.dtype))
   gathered = gathered_params(params, layout)  # once per step, not per group
-  axes = own_schedule_axes(cfg, layout)
-  if axes:
-    inner = partitioning.manual_mesh(layout.mesh, axes)
-    # Each rank's gradient: the stage's whole under 'step' (its data ranks run apart), else in
-    # the ZeRO split over its copy's data ranks.
-    held = layout.step_compute_shardings if 'data' in axes else layout.shardings.params
-    shardings = jax.tree.map(lambda s: NamedSharding(inner, s.spec), held)
-
-    def run(gathered, compute, batch, rng):
-      # Dropout: each rank draws its own masks for its own rows (the shapes are the rank's).
-      rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
-      loss, grads = schedules_loss_and_grads(
-        cfg, layout, inner, gathered, compute, batch, rng, shardings, axes
-      )
-      # Each rank's own sum, stacked over the ranks: summed once a step, below.
-      return jax.lax.psum(loss, axes), jax.tree.map(lambda g: g[None], grads)
-
-    # check_vma=False: inside, the params are each rank's own values and their gradient is the
-    # rank's own (with the varying-axes check it would be summed over the ranks at once, each
-    # tick, as without the shard_map).
-    loss, stacked = jax.shard_map(
-      run,
-      mesh=layout.mesh,
-      in_specs=(P(), P(), P(None, axes), P()),
-      out_specs=(P(), P(axes)),
-      axis_names=set(axes),
-      check_vma=False,
-    )(gathered, compute, batch, rng)
-    grads = jax.tree.map(
-      functools.partial(sum_over_ranks, layout.mesh, axes),
-      stacked,
-      held,
-      layout.shardings.params,
-    )
-  else:
+  axes = own_gradient_axes(cfg, layout)
+  if not axes:
     loss, grads = schedules_loss_and_grads(
       cfg, layout, layout.mesh, gathered, compute, batch, rng, layout.shardings.params, ()
     )
-  return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings.params)
+    return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings.params)
+  inner = partitioning.manual_mesh(layout.mesh, axes)
+  shardings = jax.tree.map(
+    lambda s: NamedSharding(inner, s.spec), held_gradient_shardings(layout, axes)
+  )
+
+  def run(gathered, compute, batch, rng):
+    # Dropout: each rank draws its own masks for its own rows (the shapes are the rank's).
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+    return schedules_loss_and_grads(
+      cfg, layout, inner, gathered, compute, batch, rng, shardings, axes
+    )
+
+  return summed_over_ranks(
+    layout, axes, run, (gathered, compute, batch, rng), (P(), P(), P(None, axes), P())
+  )
 
 
 def sum_over_ranks(mesh, axes: tuple[str, ...], stacked, held: NamedSharding, zero: NamedSharding):
   """The sum of `stacked` [ranks, ...] (each rank's gradient, in the `held` layout otherwise) in
-  the `zero` layout. Over hybrid sharding's copies an all-reduce; over `data` (grad_sync 'step')
-  a reduce-scatter into the dim that ZeRO splits over it, each device reducing its own pipeline
-  and tensor block (after the copies' sum)."""
+  the `zero` layout. Over `data` (grad_sync 'step') a reduce-scatter into the dim that ZeRO
+  splits over it, each device reducing its own pipeline and tensor block; over hybrid sharding's
+  copies then an all-reduce of each device's shard."""
   spec = tuple(held.spec) + (None,) * (stacked.ndim - 1 - len(held.spec))
   axes_of = lambda entry: entry if isinstance(entry, tuple) else (entry,) if entry else ()
   out, dim = list(spec), None
@@ -305,13 +317,13 @@ def sum_over_ranks(mesh, axes: tuple[str, ...], stacked, held: NamedSharding, ze
 
   def reduce(block):
     block = block[0]
-    if 'replica' in axes:
-      block = jax.lax.psum(block, 'replica')
-    if 'data' not in axes:
-      return block
-    if dim is None:
-      return jax.lax.psum(block, 'data')
-    return jax.lax.psum_scatter(block, 'data', scatter_dimension=dim, tiled=True)
+    if 'data' in axes:
+      if dim is None:
+        block = jax.lax.psum(block, 'data')
+      else:
+        block = jax.lax.psum_scatter(block, 'data', scatter_dimension=dim, tiled=True)
+    # The copies' sum after the data ranks' scatter: each device all-reduces its own shard.
+    return jax.lax.psum(block, 'replica') if 'replica' in axes else block
 
   summed = jax.shard_map(
     reduce, mesh=mesh, in_specs=P(axes, *spec), out_specs=P(*out), check_vma=False
@@ -319,19 +331,21 @@ def sum_over_ranks(mesh, axes: tuple[str, ...], stacked, held: NamedSharding, ze
   return jax.lax.with_sharding_constraint(summed, zero)
 
 
-def own_schedule_axes(cfg: Config, layout: StateLayout) -> tuple[str, ...]:
-  """The mesh axes whose ranks each run the pipeline's schedule on their own rows (in a
-  shard_map over them) and add their micro-batches' fp32 gradients up on their own, the ranks'
-  sums added once, after the schedule (`sum_over_ranks`); () for one schedule over the mesh.
+def own_gradient_axes(cfg: Config, layout: StateLayout) -> tuple[str, ...]:
+  """The mesh axes whose ranks each run the micro-batch loop (or the pipeline's schedule) on
+  their own rows, in a shard_map over them, and add their micro-batches' fp32 gradients up on
+  their own, the ranks' sums added once, after the loop (`summed_over_ranks`); () for one loop
+  over the mesh.
 
-  - pipeline.grad_sync 'step' (ZeRO-1) with more than one data rank: the batch axes, `data` and
-    `replica` (Megatron-DeepSpeed's fp32 gradient accumulation, reduced once an iteration). The
-    data ranks then hold the stage's whole fp32 gradient, where XLA's partitioner of the whole
-    schedule all-reduced each tick's gradient over them (BLOOM-176B: 150 ticks a step).
-  - Otherwise, under hybrid sharding (`replica` > 1): `replica`. Each copy's data ranks share one
-    schedule and its ZeRO split as without copies (ZeRO-3 gathers each layer over them where it
-    is used), the copies' accumulators are all-reduced once a step instead of each tick's
-    gradient across them: the same memory, fewer collectives.
+  - grad_sync 'step' (ZeRO-1) with more than one data rank: the batch axes, `data` and
+    `replica` (Megatron-DeepSpeed's fp32 gradient accumulation, reduced once an iteration).
+    The data ranks then hold the whole fp32 gradient (a pipeline stage's), where one loop
+    over the mesh reduce-scatters each micro-batch's gradient over them, and one schedule
+    all-reduces each tick's (BLOOM-176B: 150 ticks a step).
+  - Otherwise, under hybrid sharding (`replica` > 1): `replica`. Each copy's data ranks share
+    one loop or schedule and its ZeRO split as without copies (ZeRO-3 gathers each layer over
+    them where it is used), the copies' accumulators are all-reduced once a step instead of
+    each micro-batch's or tick's gradient across them: the same memory, fewer collectives.
 
   With dropout each rank draws its own masks for its rows (independent draws, not the slices of
   the one-device run's masks: without dropout the run is the one-device run's)."""
@@ -346,7 +360,7 @@ def schedules_loss_and_grads(
   cfg: Config, layout: StateLayout, mesh, gathered, compute, batch, rng, shardings, loss_axes
 ):
   """The pipeline's (loss, fp32 gradients) of `batch` on `mesh` (the step's, or inside
-  `own_schedule_axes`' shard_map its copy with those axes manual): one schedule, or one per
+  `own_gradient_axes`' shard_map its copy with those axes manual): one schedule, or one per
   group of micro-batches accumulated in `shardings`."""
   # ZeRO-3: the top-level weights (embedding, norms) gathered at use; the stages' layers are
   # gathered by the partitioner where their matmuls need them.
@@ -587,6 +601,10 @@ class CompiledSteps:
       fixes.append("model.remat_policy='full'")
     if cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == 'gpipe':
       fixes.append("pipeline.schedule='1f1b' (GPipe keeps every micro-batch in flight)")
+    if 'data' in own_gradient_axes(cfg, self.layout):
+      fixes.append(
+        "pipeline.grad_sync='tick' (under 'step' each data rank holds its whole fp32 gradient)"
+      )
     fixes.append('more devices (mesh.tensor, mesh.pipeline, or mesh.zero_stage=3 over mesh.data)')
     gib = 2**30
     raise ConfigError(
