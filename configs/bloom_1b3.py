@@ -8,8 +8,8 @@ layer's saved matmul outputs of all 17 ticks in flight: 77.5 GiB per GPU, more t
 gives JAX (docs/benchmarks.md). Each rank runs the step the GPU suite measures on one GPU
 (micro-batches of 4, the chunked loss).
 `python -m t5x_like.plan --config configs/bloom_1b3.py --search --gpus 16 --gpu h100-80gb` ranks
-micro-batches of 16 with the fused loss first (1.50 s a step estimated against 1.90); the GPU
-suite's `tune` stage measures the fused loss at 8.
+micro-batches of 16 first (1.63 s a step estimated against 1.83; XLA's compile 47.3 GiB); they
+wait for a GPU's measurement (the GPU suite's `tune` stage measures the fused loss at 8).
 """
 
 import ml_collections

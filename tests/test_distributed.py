@@ -148,6 +148,25 @@ def test_two_processes_train_exactly_like_one_and_one_process_resumes_their_chec
     assert x['lm_loss'] == pytest.approx(y['lm_loss'], rel=1e-6), x
 
 
+def test_two_processes_summing_gradients_once_a_step_train_exactly_like_one(tmp_path):
+  """pipeline.grad_sync='step' without a pipeline: each data rank's micro-batch loop runs in a
+  shard_map over `data`, here one rank per process, and the ranks' sums cross the processes
+  once a step (gloo): the same losses and gradient norms as one process."""
+  multi, single = str(tmp_path / 'multi'), str(tmp_path / 'single')
+  args = ['--config.train.steps=3', '--config.pipeline.grad_sync=step']
+  results = finish(
+    two_processes_by_flags([*args, '--workdir', multi]) + [start([*args, '--workdir', single])]
+  )
+  for code, _, stderr in results:
+    assert code == 0, stderr[-3000:]
+  assert "summed once a step (pipeline.grad_sync 'step'" in results[0][1]
+  a, b = metrics(multi), metrics(single)
+  assert [r['iteration'] for r in a] == [r['iteration'] for r in b] == [1, 2, 3]
+  for x, y in zip(a, b):
+    for key in ('lm_loss', 'grad_norm'):
+      assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-7), (x['iteration'], key)
+
+
 def test_a_signal_to_one_slurm_task_stops_both_at_the_same_iteration_and_they_resume(tmp_path):
   """SLURM's pre-timeout signal may reach one task first; if only that one stopped, the other
   would wait in the next step's collectives forever (a hang). Both stop at one iteration, save
