@@ -194,21 +194,14 @@ def per_rank_loss_and_grads(
   of the micro-batch's targets (`rank_shares`), so the sums are the one-device run's. With
   dropout each rank draws its own masks for its rows (independent draws, not the slices of the
   one-device run's masks: without dropout the run is the one-device run's)."""
-  mesh = layout.mesh
-  inner = partitioning.manual_mesh(mesh, axes)
-  model = layout.model.clone(
-    mesh=inner, gathers=None if layout.model.gathers is None else layout.model.gathers.on(inner)
-  )
-  held = held_gradient_shardings(layout, axes)
-  shardings = jax.tree.map(lambda s: NamedSharding(inner, s.spec), held)
-  shares = rank_shares(batch, math.prod(mesh.shape[a] for a in axes))
+  shares = rank_shares(batch, math.prod(layout.mesh.shape[a] for a in axes))
   num_real = jnp.int32(batch.shape[0]) if num_real is None else num_real
   fori = cfg.train.rampup_microbatch_multiple > 0
   deterministic = not _has_dropout(cfg)
 
-  def run(params, batch, shares, num_real, rng):
-    # Dropout: each rank draws its own masks for its own rows (the shapes are the rank's).
-    rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+  def run(inner, shardings, rng, params, batch, shares, num_real):
+    gathers = layout.model.gathers
+    model = layout.model.clone(mesh=inner, gathers=None if gathers is None else gathers.on(inner))
 
     def loss_and_grads(tokens_and_share, index):
       tokens, share = tokens_and_share
@@ -227,25 +220,26 @@ def per_rank_loss_and_grads(
 
   ranks = P(None, axes)
   return summed_over_ranks(
-    layout, axes, run, (compute_params, batch, shares, num_real, rng), (P(), ranks, ranks, P(), P())
+    layout, axes, run, rng, (compute_params, batch, shares, num_real), (P(), ranks, ranks, P())
   )
 
 
-def held_gradient_shardings(layout: StateLayout, axes: tuple[str, ...]):
-  """Where each of the ranks of `axes` (`own_gradient_axes`) holds its own fp32 gradient: the
-  whole (the rule sharding) where they include `data`, else in the ZeRO split over its copy's
-  data ranks."""
-  return layout.step_compute_shardings if 'data' in axes else layout.shardings.params
+def summed_over_ranks(
+  layout: StateLayout, axes: tuple[str, ...], run: Callable, rng, args, in_specs
+):
+  """(loss, fp32 gradients in the ZeRO layout) of `run(inner, shardings, rng, *args)` run in a
+  shard_map over `axes` (`args` split by `in_specs`), which returns one rank's (loss, gradient
+  sum in `shardings`): `inner` is the mesh with `axes` manual, `shardings` where each rank
+  holds its gradient on it (the whole, the rule sharding, where `axes` include `data`; else the
+  ZeRO split over its copy's data ranks), and `rng` is folded with the rank's index, so that with
+  dropout each rank draws its own masks for its own rows. The losses and gradients are summed
+  over the ranks once (`sum_over_ranks`)."""
+  held = layout.step_compute_shardings if 'data' in axes else layout.shardings.params
+  inner = partitioning.manual_mesh(layout.mesh, axes)
+  shardings = jax.tree.map(lambda s: NamedSharding(inner, s.spec), held)
 
-
-def summed_over_ranks(layout: StateLayout, axes: tuple[str, ...], run: Callable, args, in_specs):
-  """(loss, fp32 gradients in the ZeRO layout) of `run(*args)`, which returns one rank's
-  (loss, gradient sum in `held_gradient_shardings`), run in a shard_map over `axes`: the losses
-  and gradients summed over the ranks once (`sum_over_ranks`)."""
-  held = held_gradient_shardings(layout, axes)
-
-  def rank_sums(*args):
-    loss, grads = run(*args)
+  def rank_sums(rng, *args):
+    loss, grads = run(inner, shardings, jax.random.fold_in(rng, jax.lax.axis_index(axes)), *args)
     # Each rank's own sum, stacked over the ranks: summed once, below.
     return jax.lax.psum(loss, axes), jax.tree.map(lambda g: g[None], grads)
 
@@ -255,11 +249,11 @@ def summed_over_ranks(layout: StateLayout, axes: tuple[str, ...], run: Callable,
   loss, stacked = jax.shard_map(
     rank_sums,
     mesh=layout.mesh,
-    in_specs=in_specs,
+    in_specs=(P(), *in_specs),
     out_specs=(P(), P(axes)),
     axis_names=set(axes),
     check_vma=False,
-  )(*args)
+  )(rng, *args)
   grads = jax.tree.map(
     functools.partial(sum_over_ranks, layout.mesh, axes), stacked, held, layout.shardings.params
   )
@@ -280,20 +274,14 @@ def pipelined_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rn
       cfg, layout, layout.mesh, gathered, compute, batch, rng, layout.shardings.params, ()
     )
     return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings.params)
-  inner = partitioning.manual_mesh(layout.mesh, axes)
-  shardings = jax.tree.map(
-    lambda s: NamedSharding(inner, s.spec), held_gradient_shardings(layout, axes)
-  )
 
-  def run(gathered, compute, batch, rng):
-    # Dropout: each rank draws its own masks for its own rows (the shapes are the rank's).
-    rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+  def run(inner, shardings, rng, gathered, compute, batch):
     return schedules_loss_and_grads(
       cfg, layout, inner, gathered, compute, batch, rng, shardings, axes
     )
 
   return summed_over_ranks(
-    layout, axes, run, (gathered, compute, batch, rng), (P(), P(), P(None, axes), P())
+    layout, axes, run, rng, (gathered, compute, batch), (P(), P(), P(None, axes))
   )
 
 
