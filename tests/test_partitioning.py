@@ -272,3 +272,21 @@ def test_zero1_start_up_line_names_what_stays_replicated_over_data():
   assert "['word_embeddings']" in line  # padded: 1,024 rows / tensor 2 = 512, not a multiple of 3
   line = describe_zero(make_layout(small_config(), partitioning.make_mesh(1, 1, 1)))
   assert line == '> ZeRO-1: mesh.data is 1, nothing to split'
+
+
+def test_never_save_keeps_the_named_values_out_of_any_policy():
+  """`never_save(names, policy)` saves no value named in `names`, whatever `policy` (or, with
+  none, everything else) saves; jax 0.10.2's save_anything_except_these_names saved them all."""
+  from jax.ad_checkpoint import checkpoint_name
+
+  def named(name):
+    (eqn,) = jax.make_jaxpr(lambda x: checkpoint_name(x, name))(1.0).eqns
+    return eqn.primitive, eqn.params
+
+  keep_both = jax.checkpoint_policies.save_only_these_names('weights', 'activations')
+  for policy in (None, keep_both):
+    saveable = partitioning.never_save(['weights'], policy)
+    primitive, params = named('weights')
+    assert not saveable(primitive, **params)
+    primitive, params = named('activations')
+    assert saveable(primitive, **params)

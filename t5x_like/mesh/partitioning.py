@@ -485,13 +485,16 @@ class WeightGathers:
 
 def never_save(names: Sequence[str], policy=None):
   """A remat policy: `policy`'s choice (None: save everything) except the values named `names`
-  (jax.ad_checkpoint.checkpoint_name), which the backward pass computes again."""
-  exclude = jax.checkpoint_policies.save_anything_except_these_names(*names)
-  if policy is None:
-    return exclude
-  return lambda prim, *args, **params: (
-    exclude(prim, *args, **params) and policy(prim, *args, **params)
-  )
+  (jax.ad_checkpoint.checkpoint_name), which the backward pass computes again. (Not jax's
+  `save_anything_except_these_names`, which in jax 0.10.2 saves everything, named or not.)"""
+  excluded = frozenset(names)
+
+  def saveable(prim, *args, **params) -> bool:
+    if prim.name == 'name' and params.get('name') in excluded:  # checkpoint_name's primitive
+      return False
+    return True if policy is None else bool(policy(prim, *args, **params))
+
+  return saveable
 
 
 def make_mesh(data: int, pipeline: int, tensor: int, devices=None, zero_group: int = 0) -> Mesh:
