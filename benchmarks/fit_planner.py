@@ -61,6 +61,10 @@ FRAMEWORK = 'megatron-deepspeed'  # what the chronicles ran
 # that code held (zero_count_fill_gib).
 H100_STEP = [('pallas', 0.951, 46.14), ('cudnn', 0.997, 46.85), ('xla', 1.528, 49.07)]
 H100_STEP_RESIDUALS_KEPT = False
+# Nor did it add each micro-batch's gradients into the accumulator in place (since 2026-11-28,
+# cost_model.adds_gradients_in_place): the layers' gradient came out stacked in bf16, and the
+# lookup's fp32 table gradient was zero-filled each micro-batch.
+H100_STEP_GRADIENTS_IN_PLACE = False
 H100_FIT_IMPL = 'pallas'  # the fit's row; 'auto' runs it on Hopper
 
 
@@ -96,7 +100,11 @@ def fit_measured_half_work(impl: str = H100_FIT_IMPL) -> float:
 
   def error(half: float) -> float:
     step = cost_model.estimate(
-      cfg, 'h100-80gb', measured_half_work=half, residuals_kept=H100_STEP_RESIDUALS_KEPT
+      cfg,
+      'h100-80gb',
+      measured_half_work=half,
+      residuals_kept=H100_STEP_RESIDUALS_KEPT,
+      gradients_in_place=H100_STEP_GRADIENTS_IN_PLACE,
     )['estimated_step_s']
     return step - measured
 
@@ -193,6 +201,7 @@ def main(argv=None) -> None:
       'h100-80gb',
       measured_half_work=half,
       residuals_kept=H100_STEP_RESIDUALS_KEPT,
+      gradients_in_place=H100_STEP_GRADIENTS_IN_PLACE,
     )
     estimated_gib = r['estimated_memory_gib'] + zero_count_fill_gib(h100_step_config(impl))
     h100.append(

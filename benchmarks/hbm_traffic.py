@@ -76,11 +76,11 @@ _IN_PLACE = {'dynamic-update-slice': 1, 'scatter': 2}
 def _fusion_traffic(
   module: Module, computation: str, result_type: str, loop: bool
 ) -> tuple[int, int]:
-  """(bytes read, bytes written) of a fused computation: each parameter read whole, or by its
-  slices where only slicing ops use it, or not at all where it is only the buffer a
-  dynamic-update-slice or scatter writes into (in place); the result written whole, less what
-  those leave untouched. A `loop` fusion (kLoop: no reduction) computes each element of its
-  largest output once and, unless it reduces (XLA emits small reductions, such as a split-K
+  """(bytes read, bytes written) of a fused computation: each parameter read whole, or by its slices
+  where only slicing ops use it, or not at all where it is only the buffer a dynamic-update-slice or
+  scatter writes into (in place; by its slices where they read it too); the result written whole,
+  less what those leave untouched. A `loop` fusion (kLoop: no reduction) computes each element of
+  its largest output once and, unless it reduces (XLA emits small reductions, such as a split-K
   matmul's partial sums, as loops too), reads at most one element of each parameter for it (an
   elementwise op ahead of a gather or slice reads only what these keep)."""
   body = module.computations[computation]
@@ -95,11 +95,11 @@ def _fusion_traffic(
     if instruction.opcode != 'parameter':
       continue
     uses = users.get(instruction.name, [])
-    sliced = [u.opcode in _SLICES and u.operands[0] == instruction.name for u in uses]
-    if uses and all(sliced):
-      read += sum(array_bytes(u.type) for u in uses)
-    elif uses and all(u.opcode in _IN_PLACE and u.operands[0] == instruction.name for u in uses):
-      continue
+    of_it = [u.operands[0] == instruction.name for u in uses]
+    if uses and all(o and u.opcode in _SLICES | _IN_PLACE.keys() for u, o in zip(uses, of_it)):
+      # Sliced, or the buffer an update writes into, or both (a layer's slice of a stacked
+      # accumulator read, added to and written back in place): only the slices are read.
+      read += sum(array_bytes(u.type) for u in uses if u.opcode in _SLICES)
     elif loop and outputs:
       (dtype, shape), *_ = arrays(instruction.type) or [('pred', ())]
       read += DTYPE_BYTES[dtype] * min(math.prod(shape), max(outputs))

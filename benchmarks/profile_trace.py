@@ -232,7 +232,13 @@ def region_of(op: Op | None, kernel: str, args: dict) -> tuple[str | None, str]:
     if 'cross_entropy' in op_name:
       return 'loss', 'op name'
     jvp = _innermost_jvp(op_name)
-    if jvp is not None and jvp in ('', '<lambda>', 'loss_fn', 'mean_loss'):
+    # The loss function's own ops; not a layer's inside the in-place loop's differentiated
+    # forward (training/step.py's add_microbatch_grads: 'jvp()/.../layers/mlp/...').
+    if (
+      jvp is not None
+      and jvp in ('', '<lambda>', 'loss_fn', 'mean_loss')
+      and 'layers' not in segments
+    ):
       return 'loss', 'op name'
     if any(
       s in ('ln1', 'ln2', 'final_ln', 'embed_ln') or s.startswith('LayerNorm') for s in segments

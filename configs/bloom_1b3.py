@@ -2,13 +2,13 @@
 
 BigScience names it by its non-embedding parameters (1.21B); with the 250,880-row embedding the
 model has 1.72B parameters. bf16 on 16 GPUs, data parallelism over all 16 (ZeRO-1) without a
-pipeline, the gradients summed once a step: XLA's H100 compile needs 22.3 GiB per GPU. Until
+pipeline, the gradients summed once a step: XLA's H100 compile needs 20.0 GiB per GPU. Until
 2026-11-28 it ran data 8 x pipeline 2 in the GPipe order, which under save_dots keeps every
 layer's saved matmul outputs of all 17 ticks in flight: 77.5 GiB per GPU, more than an 80 GB GPU
 gives JAX (docs/benchmarks.md). Each rank runs the step the GPU suite measures on one GPU
 (micro-batches of 4, the chunked loss).
 `python -m t5x_like.plan --config configs/bloom_1b3.py --search --gpus 16 --gpu h100-80gb` ranks
-micro-batches of 16 first (1.63 s a step estimated against 1.83; XLA's compile 47.3 GiB); they
+micro-batches of 16 first (1.63 s a step estimated against 1.82; XLA's compile 45.0 GiB); they
 wait for a GPU's measurement (the GPU suite's `tune` stage measures the fused loss at 8).
 """
 
@@ -55,7 +55,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh = dict(data=16, pipeline=1, tensor=1)
   # Each data rank adds its micro-batches' gradients up in fp32 and the ranks' sums cross once a
   # step, in fp32 (tr11's fp32 gradient accumulation), for the whole fp32 gradient on every
-  # rank: 22.3 GiB per GPU by XLA's H100 compile against 14.3 under 'tick', whose
+  # rank: 20.0 GiB per GPU by XLA's H100 compile against 14.3 under 'tick', whose
   # reduce-scatter of every micro-batch's gradient runs in bf16.
   c.pipeline = dict(grad_sync='step')
   c.eval = dict(interval=1000, iters=1)  # --eval-interval 1000, on the split's validation share

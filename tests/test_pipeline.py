@@ -793,7 +793,9 @@ def recomputed_matmuls(schedule_name: str, remat_policy: str) -> collections.Cou
   )
   layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
   hlo = step_lib.lower_train_step(cfg, layout, cfg.num_microbatches).compile().as_text()
-  names = re.findall(r'op_name="[^"]*rematted_computation/Block/\w+/([a-z,\->]+)/dot_general"', hlo)
+  names = re.findall(
+    r'op_name="[^"]*rematted_computation/layers/\w+/([a-z,\->]+)/dot_general"', hlo
+  )
   return collections.Counter(names)
 
 

@@ -260,33 +260,35 @@ class RecordedStep:
     return new_state, stats
 
 
-def poisoned_mean_loss(mean_loss, nan_loss_rows, inf_grad_rows):
-  """losses.mean_loss, except on micro-batches holding a row of `nan_loss_rows` (the loss is
-  NaN) or of `inf_grad_rows` (the loss is the real, finite one; its gradient is the real one
-  times inf): what an overflow in the forward or only in the backward pass gives. A custom_vjp
-  so that the backward pass alone is non-finite."""
-  nan_rows, inf_rows = jnp.asarray(nan_loss_rows), jnp.asarray(inf_grad_rows)
+def poisoned_head_loss(head_loss, nan_loss_rows, inf_grad_rows):
+  """losses.head_loss (the loss of one micro-batch from the last layer's output), except on
+  micro-batches holding a row of `nan_loss_rows` (the loss is NaN) or of `inf_grad_rows` (the
+  loss is the real, finite one; its gradient is the real one times inf), told by their labels
+  (the rows' tokens after the first): what an overflow in the forward or only in the backward
+  pass gives. A custom_vjp so that the backward pass alone is non-finite."""
+  nan_rows, inf_rows = (jnp.asarray(rows)[:, 1:] for rows in (nan_loss_rows, inf_grad_rows))
 
-  def holds(tokens, rows):
-    return jnp.any(jnp.all(tokens[:, None, :] == rows[None, :, :], axis=-1))
+  def holds(labels, rows):
+    return jnp.any(jnp.all(labels[:, None, :] == rows[None, :, :], axis=-1))
 
-  def patched(model, params, tokens, **kwargs):
+  def patched(head_params, x, labels, weights, count, cfg, ctx):
+    real = lambda head_params, x: head_loss(head_params, x, labels, weights, count, cfg, ctx)
+
     @jax.custom_vjp
-    def loss(params, tokens):
-      return jnp.where(holds(tokens, nan_rows), jnp.nan, mean_loss(model, params, tokens, **kwargs))
+    def loss(head_params, x):
+      return jnp.where(holds(labels, nan_rows), jnp.nan, real(head_params, x))
 
-    def forward(params, tokens):
-      value, vjp = jax.vjp(lambda p: mean_loss(model, p, tokens, **kwargs), params)
-      return jnp.where(holds(tokens, nan_rows), jnp.nan, value), (vjp, holds(tokens, inf_rows))
+    def forward(head_params, x):
+      value, vjp = jax.vjp(real, head_params, x)
+      return jnp.where(holds(labels, nan_rows), jnp.nan, value), (vjp, holds(labels, inf_rows))
 
     def backward(residuals, cotangent):
       vjp, inf_grad = residuals
-      (grads,) = vjp(cotangent)
       scale = jnp.where(inf_grad, jnp.inf, 1.0)
-      return jax.tree.map(lambda g: g * scale.astype(g.dtype), grads), None
+      return jax.tree.map(lambda g: g * scale.astype(g.dtype), vjp(cotangent))
 
     loss.defvjp(forward, backward)
-    return loss(params, tokens)
+    return loss(head_params, x)
 
   return patched
 
@@ -295,7 +297,7 @@ def test_a_run_skips_and_counts_non_finite_iterations(tmp_path, monkeypatch):
   """Through a real run: iteration 2's loss is NaN (skipped and a nan iteration), iteration 4's
   loss is finite but its gradient is not (skipped, not a nan iteration); neither changes the
   params or the Adam state (its step count included), and metrics.jsonl and the log carry the
-  counters. The non-finite values come from `poisoned_mean_loss` in place of the loss the step
+  counters. The non-finite values come from `poisoned_head_loss` in place of the loss the step
   traces, chosen by the rows of those iterations' batches (as the data replay rebuilds them)."""
   from t5x_like.model import losses
   from t5x_like.training import replay
@@ -304,7 +306,7 @@ def test_a_run_skips_and_counts_non_finite_iterations(tmp_path, monkeypatch):
     train=dict(steps=5), mesh=dict(data=1, tensor=1), runtime=dict(replica_check_interval=0)
   )
   rows = {i: replay.iteration_batch(cfg, cfg.train.seed, i).rows for i in (2, 4)}
-  monkeypatch.setattr(losses, 'mean_loss', poisoned_mean_loss(losses.mean_loss, rows[2], rows[4]))
+  monkeypatch.setattr(losses, 'head_loss', poisoned_head_loss(losses.head_loss, rows[2], rows[4]))
   workdir = str(tmp_path / 'run')
   trainer = Trainer(cfg, workdir)
   steps = []

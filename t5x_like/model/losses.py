@@ -64,6 +64,24 @@ def mean_loss(
   return fused_loss_sum(hidden, embedding, labels, shares, model.cfg, model.mesh)
 
 
+def head_loss(head_params, x, labels, weights, count, cfg: ModelConfig, ctx: model_lib.Context):
+  """sum(weights x the per-token losses) / count (at least 1) of the last layer's output x
+  [B, S, h] through the final LayerNorm and the tied embedding, by `cfg.cross_entropy_impl`:
+  the functional twin of `mean_loss`'s output side, on a param tree that holds `final_ln` and
+  `word_embeddings` (the pipeline's last stage; the no-pipeline loop that adds its gradients
+  in place). count: the real targets the mean is over (a micro-batch's, all its ranks')."""
+  count = jnp.maximum(count, 1.0)
+  impl = cfg.cross_entropy_impl
+  if impl == 'dense':
+    logits = model_lib.output_logits(head_params, x, cfg, ctx)
+    return (model_lib.cross_entropy(logits, labels) * weights).sum() / count
+  hidden = model_lib.final_norm(head_params, x, cfg, ctx)
+  embedding = head_params['word_embeddings'].astype(hidden.dtype)
+  if impl == 'fused':
+    return fused_loss_sum(hidden, embedding, labels, weights / count, cfg, ctx.mesh)
+  return (chunked_token_losses(hidden, embedding, labels, cfg, ctx.mesh) * weights).sum() / count
+
+
 def fused_loss_sum(hidden, embedding, labels, shares, cfg: ModelConfig, mesh: Mesh | None):
   """sum(shares x the per-token losses) of hidden [B, S, h] against embedding [V_pad, h] by
   the fused cross-entropy (its gradient computed in the forward pass), per shard; shares [B, S]

@@ -461,11 +461,21 @@ def output_logits(params, x, cfg: ModelConfig, ctx: Context):
 
 def apply_block(layer_params, x, ctx: Context, deterministic: bool = True, dropout_rng=None):
   """One transformer block (params of a single layer, unstacked; gathered here under ZeRO-3)
-  on x."""
+  on x. Named as the Flax model's scanned blocks are: its ops' names read '.../layers/attn/...'
+  in either, which the step profiles go by (benchmarks/train_throughput.py)."""
   rngs = {'dropout': dropout_rng} if dropout_rng is not None else {}
   variables = ctx.gather_layer({'params': layer_params})
-  y, _ = Block(ctx, deterministic).apply(variables, x, None, rngs=rngs)
+  y, _ = Block(ctx, deterministic, name='layers').apply(variables, x, None, rngs=rngs)
   return y
+
+
+def dropout(x, rate: float, rng):
+  """x with each element zeroed with probability `rate` (the rest scaled by 1 / (1 - rate)),
+  drawn from `rng`; x itself at rate 0 or without an rng (deterministic)."""
+  if rate <= 0 or rng is None:
+    return x
+  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
 # Decoding with a KV cache: the keys and values of every layer at every position written so far,

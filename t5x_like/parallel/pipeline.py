@@ -269,13 +269,6 @@ def recompute_in_backward(fn, dtype):
 _EMBED_DROPOUT_ID = 1 << 20  # rng stream of the embedding dropout, apart from the layers' ids
 
 
-def _dropout(x, rate: float, rng):
-  if rate <= 0 or rng is None:
-    return x
-  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
-  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
-
-
 class Schedule:
   """What both schedules share: the layer placement, the master params and their compute copy in
   storage layout, and the functions a tick runs (a stage, the embedding, the head and loss).
@@ -421,27 +414,16 @@ class Schedule:
     table."""
     embedding = self.ctx.gather_top(self.read(*embedding_params))
     x = model_lib.embed_rows(embedding, rows, self.cfg.model, self.ctx)
-    return _dropout(x, self.hidden_dropout, self.keyed(self.rng, m, _EMBED_DROPOUT_ID))
+    return model_lib.dropout(x, self.hidden_dropout, self.keyed(self.rng, m, _EMBED_DROPOUT_ID))
 
   def head_loss(self, head_params, x, tokens):
     """The mean loss of the micro-batch `tokens` from the last stage's output x."""
-    cfg, ctx = self.cfg, self.ctx
-    head_params = ctx.gather_top(self.read(*head_params))
     _, labels, weights = losses.split_tokens(tokens)
     count = weights.sum()
     if self.loss_axes:  # one scalar all-reduce per micro-batch: the targets of all its rows
       count = jax.lax.psum(count, self.loss_axes)
-    count = jnp.maximum(count, 1.0)
-    impl = cfg.model.cross_entropy_impl
-    if impl == 'dense':
-      logits = model_lib.output_logits(head_params, x, cfg.model, ctx)
-      return (model_lib.cross_entropy(logits, labels) * weights).sum() / count
-    hidden = model_lib.final_norm(head_params, x, cfg.model, ctx)
-    embedding = head_params['word_embeddings'].astype(hidden.dtype)
-    if impl == 'fused':
-      return losses.fused_loss_sum(hidden, embedding, labels, weights / count, cfg.model, ctx.mesh)
-    token_losses = losses.chunked_token_losses(hidden, embedding, labels, cfg.model, ctx.mesh)
-    return (token_losses * weights).sum() / count
+    head_params = self.ctx.gather_top(self.read(*head_params))
+    return losses.head_loss(head_params, x, labels, weights, count, self.cfg.model, self.ctx)
 
   def loss_denominator(self):
     """Micro-batches the step's mean is over: the real ones under the ramp-up's padding (those

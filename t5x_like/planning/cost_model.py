@@ -275,6 +275,20 @@ def per_rank_gradients(cfg: Config, framework: str = 't5x_like') -> bool:
   return framework == 't5x_like' and cfg.mesh.data > 1 and cfg.grad_sync == 'step'
 
 
+def adds_gradients_in_place(
+  cfg: Config, framework: str = 't5x_like', in_place: bool | None = None
+) -> bool:
+  """Whether t5x_like's no-pipeline loop adds each micro-batch's gradients into its fp32
+  accumulator in place, no stacked gradient of the layers beside it, and scatters the looked-up
+  rows' into the token table's (training/step.py's `holds_whole_gradient`): ZeRO-1 where the
+  accumulator is whole, on one data rank or on each under grad_sync 'step'. `in_place` False:
+  as the steps measured before 2026-11-28 ran (fit_planner.H100_STEP_GRADIENTS_IN_PLACE)."""
+  mesh = cfg.mesh
+  whole = mesh.data == 1 or per_rank_gradients(cfg, framework)
+  can = framework == 't5x_like' and mesh.pipeline == 1 and mesh.zero_stage == 1 and whole
+  return can and in_place is not False
+
+
 def per_rank_pipeline(cfg: Config, framework: str = 't5x_like') -> bool:
   """`per_rank_gradients` with a pipeline."""
   return cfg.mesh.pipeline > 1 and per_rank_gradients(cfg, framework)
@@ -485,12 +499,14 @@ def memory_bytes(
   framework: str = 't5x_like',
   gpu: str | None = None,
   residuals_kept: bool | None = None,
+  gradients_in_place: bool | None = None,
 ) -> dict[str, float]:
   """Bytes per GPU by memory_report's categories, for t5x_like's step on a GPU of kind `gpu` (its
   attention_impl='auto' resolved there: attention_impl_on), or, under
   framework='megatron-deepspeed', for Megatron-DeepSpeed's as the chronicles ran it.
   `residuals_kept`: whether 'save_dots' keeps the attention kernel's output and log-sum-exp
-  (None: as this code does, keeps_attention_residuals; False: as a step measured before it did)."""
+  (None: as this code does, keeps_attention_residuals; False: as a step measured before it did).
+  `gradients_in_place`: False as a step measured before `adds_gradients_in_place` did."""
   _check_framework(framework)
   if framework == 'megatron-deepspeed':
     return _megatron_memory_bytes(cfg)
@@ -635,23 +651,19 @@ def memory_bytes(
     mlp_gradients = (compute_bytes + 4) * 2 * h * m.ffn_size / t
     out['backward workspace'] = max(out['backward workspace'], mlp_gradients)
   if p == 1:
-    # Without a pipeline the backward of a micro-batch returns its gradient before it is added to
-    # the accumulator: the layers' stacked by the scan in the compute dtype, split over the group
-    # like the accumulator (each layer's reduce-scattered as the scan computes it), and the tied
-    # embedding's from the logits, whole, in the compute dtype (the chunked loss's chunks
-    # stacked). Both are live through the layers' backward in XLA's GPU compiles of 1.3B to 70B
-    # steps (docs/benchmarks.md); the lookup's scatter-add comes after it, where less is live.
-    # Under grad_sync 'step' each data rank adds its own gradient up: the layers' whole, and the
-    # accumulator whole beside it.
-    per_rank = per_rank_gradients(cfg, framework)
-    out['backward workspace'] += compute_bytes * (stage / (1 if per_rank else g) + embedding)
-    if per_rank:
+    # Without a pipeline the backward of a micro-batch returns the tied embedding's gradient from
+    # the logits, whole, in the compute dtype (the chunked loss's chunks stacked), before it is
+    # added to the accumulator; and, unless the loop adds in place (`adds_gradients_in_place`),
+    # the layers' stacked by the scan in the compute dtype, split over the group like the
+    # accumulator (each layer's reduce-scattered as the scan computes it). Both are live
+    # through the layers' backward in XLA's GPU compiles of 1.3B to 70B steps
+    # (docs/benchmarks.md); the lookup's scatter-add comes after it, where less is live.
+    # Under grad_sync 'step' each data rank adds its own gradient up: the accumulator whole.
+    in_place = adds_gradients_in_place(cfg, framework, gradients_in_place)
+    layers_gradient = 0.0 if in_place else stage / g
+    out['backward workspace'] += compute_bytes * (layers_gradient + embedding)
+    if per_rank_gradients(cfg, framework):
       out['gradient accumulators'] = 4 * state
-      if m.remat_policy == 'full':
-        # Inside each data rank's shard_map XLA fills the lookup's fp32 scatter-add with zeros
-        # before the layers' backward: whole over data, split over tensor (the GPU compiles of
-        # 7B and 13B under 'full'; under save_dots and none their peaks are before the fill).
-        out['gradient accumulators'] += 4 * embedding
     elif zero.copies > 1:
       # Hybrid sharding: each copy accumulates its own gradient inside a shard_map, where XLA
       # fills the lookup's fp32 scatter-add with zeros before the layers' backward, its rows
@@ -757,7 +769,9 @@ def _no_pipeline_peak(
 LOGITS_BYTES = {'chunked': 14.0, 'dense': 16.0, 'fused': 10.0}
 
 
-def memory_bound_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, float]:
+def memory_bound_bytes(
+  cfg: Config, framework: str = 't5x_like', gradients_in_place: bool | None = None
+) -> dict[str, float]:
   """HBM bytes per GPU of the step's memory-bound kernels (with measured kernel rates only:
   `estimate` runs them at HBM bandwidth): 'layers', the elementwise kernels of a micro-batch
   through the stage's layers; 'logits', the loss's per micro-batch (LOGITS_BYTES); 'gradients',
@@ -771,12 +785,13 @@ def memory_bound_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, fl
   gradients 1 each) + 3 QKV (the q, k, v gradients joined, the bias gradient) + 3 MLP (GeLU's
   backward); the recomputed forward of 'save_dots' 7 + 2 QKV + 2 MLP (LayerNorms, a residual
   add, GeLU: everything but the saved matmuls), of 'full' (and 1F1B ticks) the whole forward.
-  The gradients, split over the ZeRO group as the compile of a 7B on 8 devices splits them
-  (whole where each data rank adds its own up without a pipeline, grad_sync 'step'): the
-  micro-batch's read in the compute dtype and the accumulator's fp32 read and write; the token
-  lookup's fp32 scatter-add zero-filled and read; under the chunked loss, whole, its label rows'
-  fp32 scatter-add likewise and its chunk gradients concatenated and read (3 x the compute
-  dtype): the loss of the H100 step this model is fitted on. The chunked loss now makes neither
+  The gradients, split over the ZeRO group as the compile of a 7B on 8 devices splits them (whole
+  where each data rank adds its own up without a pipeline, grad_sync 'step'): the micro-batch's read
+  in the compute dtype and the accumulator's fp32 read and write; the token lookup's fp32
+  scatter-add zero-filled and read (none where the loop adds in place, `adds_gradients_in_place`:
+  its rows are scattered into the accumulator); under the chunked loss, whole, its label rows' fp32
+  scatter-add likewise and its chunk gradients concatenated and read (3 x the compute dtype): the
+  loss of the H100 step this model is fitted on. The chunked loss now makes neither
   (kernels/cross_entropy.py); the term goes when a GPU step measures that (docs/planner.md).
   The step: the bf16 weight copy cast from the master (4 + 2 bytes per param), clipping's norm
   and the accumulator's zeroing (4 each)."""
@@ -802,7 +817,10 @@ def memory_bound_bytes(cfg: Config, framework: str = 't5x_like') -> dict[str, fl
   if p == 1 and per_rank_gradients(cfg, framework):
     g = 1  # each data rank adds its whole gradient up
   stage, embedding = local_params(cfg, framework)
-  gradients = (compute_bytes + 8) * stage / g + (8 + 8) * embedding / g
+  # The token table's: in place, the head's gradient read in the compute dtype (its rows'
+  # scatter-add into the accumulator is small); else the lookup's fp32 scatter-add too.
+  table = compute_bytes if adds_gradients_in_place(cfg, framework, gradients_in_place) else 8
+  gradients = (compute_bytes + 8) * stage / g + (table + 8) * embedding / g
   if m.cross_entropy_impl == 'chunked':
     gradients += (8 + 3 * compute_bytes) * embedding
   return {
@@ -905,6 +923,7 @@ def estimate(
   framework: str = 't5x_like',
   measured_half_work: float = MEASURED_HALF_WORK,
   residuals_kept: bool | None = None,
+  gradients_in_place: bool | None = None,
 ) -> dict:
   """The cost of one iteration of `cfg`'s step (at its full global batch) on its mesh of GPUs
   of kind `gpu` (`nodes_of` GPUs per node; None: the kind's): times in seconds, bytes per GPU per
@@ -914,7 +933,8 @@ def estimate(
   Megatron-DeepSpeed, `measured_half_work` t5x_like's matmuls on one with them.
   `residuals_kept`: whether remat_policy='save_dots' keeps the attention kernel's output and
   log-sum-exp, sparing the backward its forward (None: as this code does for the implementation,
-  keeps_attention_residuals; False: as the steps measured before it did, fit_planner.H100_STEP)."""
+  keeps_attention_residuals; False: as the steps measured before it did, fit_planner.H100_STEP).
+  `gradients_in_place`: likewise for `adds_gradients_in_place` (False: as those steps ran)."""
   _check_framework(framework)
   spec = gpu_spec(gpu, nodes_of)
   check_topology(cfg, spec)
@@ -990,7 +1010,7 @@ def estimate(
       flops_per_second
     ) + (attention_forward if recompute_attention else 0.0)
     score_bytes_tick = 0.0
-    traffic = memory_bound_bytes(cfg, framework)
+    traffic = memory_bound_bytes(cfg, framework, gradients_in_place)
     memory_bytes_tick = traffic['layers'] + traffic['logits']
     tick_memory = memory_bytes_tick / (spec.hbm_gb_s * 1e9)
   tick_scores = score_bytes_tick / (spec.hbm_gb_s * 1e9)
@@ -1127,7 +1147,7 @@ def estimate(
     'optimizer_s': optimizer_bytes / (spec.hbm_gb_s * 1e9),
   }
   step = sum(parts.values())
-  memory = memory_bytes(cfg, framework, gpu, residuals_kept)
+  memory = memory_bytes(cfg, framework, gpu, residuals_kept, gradients_in_place)
   memory_gib = sum(memory.values()) / GIB
   # A PyTorch process may use the whole device; JAX takes its fraction.
   fraction = 1.0 if megatron else jax_memory_fraction()

@@ -5,9 +5,10 @@ Per iteration: the global batch is split into `num_microbatches` micro-batches o
 `micro_batch_size x data` rows; gradients are accumulated over them in fp32 (each data rank its
 whole gradient, reduce-scattered into the ZeRO layout once a step, under grad_sync 'step';
 into the ZeRO (data-split) layout each micro-batch under 'tick'; hybrid sharding's copies each
-their own, added once a step: `own_gradient_axes`), clipped at a global norm (the pre-clip norm
-is logged), and AdamW updates the fp32 master params with a learning rate the host computes
-from the consumed samples (or tokens).
+their own, added once a step: `own_gradient_axes`; added in place where a loop without a
+pipeline holds its whole gradient: `add_microbatch_grads`), clipped at a global norm (the
+pre-clip norm is logged), and AdamW updates the fp32 master params with a learning rate the host
+computes from the consumed samples (or tokens).
 An iteration whose loss or gradient norm is not finite leaves params and Adam state, including
 its step count, unchanged.
 """
@@ -23,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -85,11 +87,12 @@ def add_grads(accumulated, grads, shardings):
 
 
 def accumulate_grads(
-  loss_and_grads: Callable, params, xs, *, shardings, num_real=None, unroll: bool = False
+  grads_into: Callable, params, xs, *, shardings, num_real=None, unroll: bool = False
 ):
-  """(sum of the losses, fp32 sum of the gradients) of `loss_and_grads(x, index)` over the
-  leading dim of `xs` (a tree: the micro-batches, or the pipeline's groups of them), accumulated
-  in `shardings` (the ZeRO layout).
+  """(sum of the losses, fp32 sum of the gradients) over the leading dim of `xs` (a tree: the
+  micro-batches, or the pipeline's groups of them), accumulated in `shardings` (the ZeRO
+  layout): `grads_into(x, index, grads)` returns x's loss and `grads` plus x's gradients
+  (`adding` makes one of a function that returns them).
 
   num_real: None runs them all (a scan); a traced count runs only the first num_real (a
   fori_loop): under the ramp-up's rounded-up micro-batch count (train.rampup_microbatch_multiple)
@@ -99,8 +102,9 @@ def accumulate_grads(
 
   def add(index, x, carry):
     grads_acc, loss_acc = carry
-    loss, grads = loss_and_grads(x, index)
-    return add_grads(grads_acc, grads, shardings), loss_acc + loss
+    loss, grads = grads_into(x, index, grads_acc)
+    constrain = lambda g, s: jax.lax.with_sharding_constraint(g, s)
+    return jax.tree.map(constrain, grads, shardings), loss_acc + loss
 
   carry = (fp32_zeros(params, shardings), jnp.float32(0.0))
   if num_real is not None:
@@ -112,6 +116,17 @@ def accumulate_grads(
       lambda c, index_x: (add(*index_x, c), None), carry, (jnp.arange(count), xs), unroll=unroll
     )
   return loss, grads
+
+
+def adding(loss_and_grads: Callable, shardings) -> Callable:
+  """`accumulate_grads`' grads_into from `loss_and_grads(x, index)` -> (loss, gradients): each
+  gradient added to the accumulator in fp32 (`add_grads`)."""
+
+  def grads_into(x, index, grads):
+    loss, x_grads = loss_and_grads(x, index)
+    return loss, add_grads(grads, x_grads, shardings)
+
+  return grads_into
 
 
 def microbatch_loss_and_grads(model, params, tokens, rng, index, *, deterministic, scale=None):
@@ -132,6 +147,95 @@ def microbatch_loss_and_grads(model, params, tokens, rng, index, *, deterministi
   return jax.value_and_grad(loss_fn)(params)
 
 
+def holds_whole_gradient(layout: StateLayout, axes: tuple[str, ...]) -> bool:
+  """Whether the no-pipeline loop adds each micro-batch's gradients into its fp32 accumulator
+  in place (`add_microbatch_grads`): where the loop's accumulator is not split over `data` (one
+  data rank, or each rank its own loop under grad_sync 'step'), and no weight is gathered where
+  it is used (ZeRO-3 runs the Flax model, `microbatch_loss_and_grads`)."""
+  return layout.model.gathers is None and ('data' in axes or layout.mesh.shape['data'] == 1)
+
+
+# The primitives that read a layer's weights from the stacked compute copy, `jnp` indexing and
+# `pipeline.compute_copy`: under remat_policy 'none' the in-place loop saves none of their
+# outputs for the backward pass (it recomputes them from the copy, which is not stacked again).
+_WEIGHT_READS = frozenset({'dynamic_slice', 'squeeze', 'custom_vjp_call'})
+
+
+def add_microbatch_grads(
+  ctx: model_lib.Context, compute_params, grads, tokens, rng, *, deterministic: bool, scale=None
+):
+  """(the mean loss of the micro-batch `tokens` (times `scale`, where given), `grads` (the fp32
+  accumulators) plus its gradients), the gradients added in place: the layer scan carries
+  the accumulator of the stacked layers, so that its transpose adds each layer's gradient into
+  it (`pipeline.compute_copy` widens it to fp32), and the looked-up rows' cotangents are
+  scattered into the token table's (as 1F1B does). The other weights' gradients (the
+  LayerNorms, the table's use by the head) come out in the compute dtype and are widened as
+  they are added. Returned stacked in bf16 and added after, the layers' gradient cost
+  bloom_1b3 2.25 GiB per GPU beside the accumulator, and the lookup's fp32 table gradient a
+  zero-filled [vocab, hidden] buffer each micro-batch (docs/benchmarks.md). The functions are
+  the Flax model's (`model_lib.apply_block`, `losses.head_loss`); with dropout the masks are
+  drawn per layer from `rng` (not the Flax model's stream)."""
+  mcfg = ctx.cfg
+  inputs, labels, weights = losses.split_tokens(tokens)
+  compute_layers = compute_params['layers']
+  others = {k: v for k, v in compute_params.items() if k != 'layers'}
+  rows = model_lib.lookup_tokens(others, inputs, ctx)
+  dropout_key = lambda stream: None if deterministic else jax.random.fold_in(rng, stream)
+
+  def layer(masters, x, i):
+    # Named so that no remat policy saves them (not even remat_policy 'none'): the scan would
+    # stack a copy of every layer's weights for the backward pass.
+    master, compute = checkpoint_name(
+      jax.tree.map(lambda a: a[i], (masters, compute_layers)), 'layer_weights'
+    )
+    weights = checkpoint_name(
+      jax.tree.map(lambda m, c: pipeline.compute_copy(m, c, ctx.dtype), master, compute),
+      'layer_weights',
+    )
+    return model_lib.apply_block(weights, x, ctx, deterministic, dropout_key(i))
+
+  policy = model_lib.remat_policy(mcfg.remat_policy)
+  if policy is None:
+    # 'none': every value but the reads of the layer's weights from the compute copy, whose
+    # every step (the slice, the squeeze, the widening custom VJP, the name) would otherwise be
+    # saved: a stacked copy of the weights.
+    policy = lambda prim, *_, **__: prim.name not in _WEIGHT_READS
+  policy = partitioning.never_save(['layer_weights'], policy)
+  layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+
+  def forward(masters, others, rows):
+    x = model_lib.embed_rows(others, rows, mcfg, ctx)
+    x = model_lib.dropout(
+      x, 0.0 if deterministic else mcfg.hidden_dropout, dropout_key(mcfg.num_layers)
+    )
+
+    def one_layer(carry, i):
+      x, masters = carry
+      # Through a barrier: a carry passed through unchanged is forwarded past the scan by JAX,
+      # and its gradient then summed from zeros and added to the accumulator afterwards.
+      return (layer(masters, x, i), jax.lax.optimization_barrier(masters)), None
+
+    unroll = mcfg.scan_unroll or mcfg.unroll_layers
+    (x, masters), _ = jax.lax.scan(
+      one_layer, (x, masters), jnp.arange(mcfg.num_layers), unroll=unroll
+    )
+    loss = losses.head_loss(others, x, labels, weights, weights.sum(), mcfg, ctx)
+    return (loss if scale is None else scale * loss), masters
+
+  (loss, _), pullback = jax.vjp(forward, grads['layers'], others, rows)
+  layer_grads, other_grads, row_cotangents = pullback((jnp.ones_like(loss), grads['layers']))
+  widened_sum = lambda total, g: total + g.astype(total.dtype)
+  grads = dict(
+    grads,
+    layers=layer_grads,
+    **{k: jax.tree.map(widened_sum, grads[k], g) for k, g in other_grads.items()},
+  )
+  table = grads['word_embeddings']
+  # Each use of a row adds its fp32 cotangent, as `model_lib.lookup_rows`' own gradient does.
+  grads['word_embeddings'] = table.at[inputs].add(row_cotangents.astype(table.dtype))
+  return loss, grads
+
+
 def microbatched_loss_and_grads(cfg: Config, layout: StateLayout, params, batch, rng):
   """No pipeline: the mean loss and gradients of the micro-batches, run one after another from
   one compute-dtype copy of the params, their gradients accumulated in fp32. Where ranks add
@@ -139,13 +243,6 @@ def microbatched_loss_and_grads(cfg: Config, layout: StateLayout, params, batch,
   hybrid copy always) the loop runs in a shard_map over them (`per_rank_loss_and_grads`);
   otherwise each micro-batch's gradient is reduce-scattered into the ZeRO-split accumulator."""
   compute_params = compute_params_of(params, layout, jnp.dtype(cfg.model.dtype))  # once a step
-  deterministic = not _has_dropout(cfg)
-
-  def loss_and_grads(tokens, index):
-    return microbatch_loss_and_grads(
-      layout.model, compute_params, tokens, rng, index, deterministic=deterministic
-    )
-
   num_real = None
   num_micro = batch.shape[0]
   if cfg.train.rampup_microbatch_multiple > 0:
@@ -157,15 +254,48 @@ def microbatched_loss_and_grads(cfg: Config, layout: StateLayout, params, batch,
       cfg, layout, compute_params, batch, num_real, rng, axes
     )
   else:
+    shardings = layout.shardings.params
     loss_sum, grads = accumulate_grads(
-      loss_and_grads,
+      microbatch_grads_into(cfg, layout, layout.mesh, compute_params, rng, shardings, axes),
       params,
-      batch,
-      shardings=layout.shardings.params,
+      (batch, None),
+      shardings=shardings,
       num_real=num_real,
       unroll=cfg.model.scan_unroll,
     )
   return loss_sum / num_micro, jax.tree.map(lambda g: g / num_micro, grads)
+
+
+def microbatch_grads_into(
+  cfg: Config, layout: StateLayout, mesh, compute_params, rng, shardings, axes: tuple[str, ...]
+) -> Callable:
+  """The no-pipeline loop's `accumulate_grads` grads_into on `mesh` (the step's, or inside
+  `per_rank_loss_and_grads`' shard_map the mesh with `axes` manual), for x = (a micro-batch's
+  tokens, the scale of its loss or None): added in place where the loop holds its whole
+  gradient (`add_microbatch_grads`), else the Flax model's gradient added to the accumulator in
+  `shardings`."""
+  deterministic = not _has_dropout(cfg)
+  if holds_whole_gradient(layout, axes):
+    ctx = model_lib.Context(cfg.model, mesh)
+
+    def grads_into(tokens_and_scale, index, grads):
+      tokens, scale = tokens_and_scale
+      rng_m = jax.random.fold_in(rng, index)
+      return add_microbatch_grads(
+        ctx, compute_params, grads, tokens, rng_m, deterministic=deterministic, scale=scale
+      )
+
+    return grads_into
+  gathers = layout.model.gathers
+  model = layout.model.clone(mesh=mesh, gathers=None if gathers is None else gathers.on(mesh))
+
+  def loss_and_grads(tokens_and_scale, index):
+    tokens, scale = tokens_and_scale
+    return microbatch_loss_and_grads(
+      model, compute_params, tokens, rng, index, deterministic=deterministic, scale=scale
+    )
+
+  return adding(loss_and_grads, shardings)
 
 
 def rank_shares(batch, ranks: int):
@@ -197,22 +327,12 @@ def per_rank_loss_and_grads(
   shares = rank_shares(batch, math.prod(layout.mesh.shape[a] for a in axes))
   num_real = jnp.int32(batch.shape[0]) if num_real is None else num_real
   fori = cfg.train.rampup_microbatch_multiple > 0
-  deterministic = not _has_dropout(cfg)
 
   def run(inner, shardings, rng, params, batch, shares, num_real):
-    gathers = layout.model.gathers
-    model = layout.model.clone(mesh=inner, gathers=None if gathers is None else gathers.on(inner))
-
-    def loss_and_grads(tokens_and_share, index):
-      tokens, share = tokens_and_share
-      return microbatch_loss_and_grads(
-        model, params, tokens, rng, index, deterministic=deterministic, scale=share[0]
-      )
-
     return accumulate_grads(
-      loss_and_grads,
+      microbatch_grads_into(cfg, layout, inner, params, rng, shardings, axes),
       params,
-      (batch, shares),
+      (batch, shares[:, 0]),
       shardings=shardings,
       num_real=num_real if fori else None,
       unroll=cfg.model.scan_unroll,
@@ -384,7 +504,7 @@ def schedules_loss_and_grads(
     )
 
   return accumulate_grads(
-    loss_and_grads,
+    adding(loss_and_grads, shardings),
     gathered,
     (groups, weights),
     shardings=shardings,

@@ -539,6 +539,14 @@ def test_without_source_frames_the_op_names_decide():
   kernels = {op: kernel for kernel, op, _d, _c in KERNELS}
   for name, category in expected.items():
     assert profile_trace.categorise(kernels[name], {}, ops[name])[0] == category, name
+  # Only an op name: a layer's elementwise work inside the differentiated forward of the loop
+  # that adds its gradients in place (step.add_microbatch_grads, a jvp() of its own) is not the
+  # loss's; that forward's own reduction is.
+  in_place = 'jit(step)/while/body/closed_call/jvp()/while/body/closed_call'
+  layer = {'op_name': f'{in_place}/layers/mlp/mul'}
+  assert profile_trace.categorise('loop_multiply_fusion', layer, None)[0] != 'loss'
+  loss = {'op_name': 'jit(step)/while/body/closed_call/jvp()/reduce_sum'}
+  assert profile_trace.categorise('input_reduce_fusion', loss, None)[0] == 'loss'
   # No HLO at all: the kernel names alone.
   assert profile_trace.categorise('ampere_bf16_s16816gemm', {}, None)[0] == 'matmul'
   assert profile_trace.categorise('cudnn_sdpa_flash_fprop', {}, None)[0] == 'attention'

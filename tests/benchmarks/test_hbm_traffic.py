@@ -185,6 +185,24 @@ def test_the_smoke_step_compiled_for_an_h100_has_the_models_flops_and_updates_in
   ]
   assert copies == []
   assert not any(i.opcode == 'conditional' for c in module.computations.values() for i in c)
+  # One GPU adds each layer's gradient into its slice of the stacked fp32 accumulator in place
+  # (training/step.py's add_microbatch_grads): each such kernel, per layer and micro-batch,
+  # reads the slice and the gradient it adds, and writes the slice; not the whole stack.
+  stacked = [f'f32[{LAYERS},{HIDDEN},{FFN}]', f'f32[{LAYERS},{FFN},{HIDDEN}]']
+  adds = [
+    x
+    for x in hbm_traffic.launches(module)
+    if x.instruction.type.split('{')[0] in stacked and op_name(x).startswith('jit(step)/while/')
+  ]
+  assert len(adds) == 2 and {x.count for x in adds} == {LAYERS * MICRO_BATCHES}
+  layer_slice = HIDDEN * FFN * 4
+  for x in adds:
+    accumulator, *added = x.instruction.operands
+    assert module.type_of(accumulator).split('{')[0] in stacked
+    assert x.written == layer_slice
+    added_bytes = [hbm_traffic.array_bytes(module.type_of(o)) for o in added]
+    # The gradient whole (the matmul's, or its split-K partial sums), its indices by their slice.
+    assert max(added_bytes) <= x.read - layer_slice <= sum(added_bytes)
 
 
 def test_meshes_of_more_than_8_gpus_fill_nodes_of_8():
