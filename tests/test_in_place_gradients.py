@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import small_config
 
+from t5x_like.config import ConfigError
 from t5x_like.mesh import partitioning
 from t5x_like.model import losses
 from t5x_like.model import transformer as model_lib
@@ -116,3 +117,32 @@ def test_the_layers_backward_adds_into_the_fp32_accumulator_and_stacks_no_gradie
   assert layers_backward, loops
   for shapes in loops:
     assert shapes.count(f'bf16{stacked_mlp}') <= 1, shapes
+
+
+def test_mosaic_emulation_on_cpu_traces_without_a_checkpoint():
+  """On CPU model.attention_impl='mosaic' runs in Mosaic GPU's interpret mode, whose ordered
+  callbacks jax.checkpoint cannot hold ('Effects not supported in partial-eval'), so it runs
+  only under remat_policy='none': there the in-place loop leaves its layers unchecked, and the
+  step traces and lowers."""
+  from t5x_like.training import startup
+
+  cfg = small_config(
+    model=dict(
+      num_layers=2,
+      hidden_size=256,
+      num_heads=2,
+      dtype='bfloat16',
+      attention_impl='mosaic',
+      remat_policy='none',
+    ),
+    train=dict(global_batch_size=2, seq_len=128),
+  ).validate()
+  with pytest.raises(
+    ConfigError, match="rematerialisation cannot replay: model.remat_policy='full'"
+  ):
+    startup.check_config(cfg.replace(model={'remat_policy': 'full'}))
+  cfg = startup.check_config(cfg)
+  layout = make_layout(cfg, partitioning.mesh_of(cfg.mesh))
+  assert step_lib.holds_whole_gradient(layout, step_lib.own_gradient_axes(cfg, layout))
+  lowered = step_lib.lower_train_step(cfg, layout, cfg.num_microbatches)
+  assert 'xla_ffi_python_cpu_callback' in lowered.as_text()  # the interpreted kernels

@@ -251,7 +251,7 @@ def choose(cfg: ModelConfig, device: Device | str | None) -> tuple[str, str]:
   if impl == 'auto':
     return _auto(cfg, device, constraints)
   problems = constraints(impl)
-  if impl == 'mosaic' and platform == 'cpu' and cfg.remat_policy != 'none':
+  if not rematerialisable(impl, platform) and cfg.remat_policy != 'none':
     problems.append(
       f"on CPU the Mosaic GPU kernels run in interpret mode, whose callbacks JAX's "
       f"rematerialisation cannot replay: model.remat_policy={cfg.remat_policy!r} needs 'none' there"
@@ -268,6 +268,13 @@ def choose(cfg: ModelConfig, device: Device | str | None) -> tuple[str, str]:
     'xla',
     f"{message}; running model.attention_impl='xla' instead (model.attention_fallback=True)",
   )
+
+
+def rematerialisable(impl: str, platform: str | None) -> bool:
+  """Whether `impl`'s kernel can run inside `jax.checkpoint` on `platform`: not Mosaic GPU's
+  interpret mode on CPU, whose ordered callbacks JAX's rematerialisation cannot replay (jax
+  0.10.2: 'Effects not supported in partial-eval of `checkpoint`/`remat`')."""
+  return not (impl == 'mosaic' and platform == 'cpu')
 
 
 def _auto(cfg: ModelConfig, device: Device | None, constraints) -> tuple[str, str]:

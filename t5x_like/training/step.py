@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5x_like.config import Config, ConfigError
 from t5x_like.mesh import partitioning
+from t5x_like.model import attention as attention_lib
 from t5x_like.model import losses
 from t5x_like.model import transformer as model_lib
 from t5x_like.optim import adamw as optim
@@ -200,8 +201,17 @@ def add_microbatch_grads(
     # every step (the slice, the squeeze, the widening custom VJP, the name) would otherwise be
     # saved: a stacked copy of the weights.
     policy = lambda prim, *_, **__: prim.name not in _WEIGHT_READS
-  policy = partitioning.never_save(['layer_weights'], policy)
-  layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+  device = attention_lib.Device.of(
+    jax.devices()[0] if ctx.mesh is None else ctx.mesh.devices.flat[0]
+  )
+  # Mosaic GPU's emulation on CPU cannot be checkpointed (there only 'none' runs, and the
+  # weights' copy is stacked).
+  if attention_lib.rematerialisable(
+    attention_lib.resolve_impl(mcfg, device, quiet=True), device.platform
+  ):
+    layer = jax.checkpoint(
+      layer, policy=partitioning.never_save(['layer_weights'], policy), prevent_cse=False
+    )
 
   def forward(masters, others, rows):
     x = model_lib.embed_rows(others, rows, mcfg, ctx)
