@@ -281,10 +281,11 @@ def adds_gradients_in_place(
   """Whether t5x_like's no-pipeline loop adds each micro-batch's gradients into its fp32
   accumulator in place, no stacked gradient of the layers beside it, and scatters the looked-up
   rows' into the token table's (training/step.py's `holds_whole_gradient`): ZeRO-1 where the
-  accumulator is whole, on one data rank or on each under grad_sync 'step'. `in_place` False:
-  as the steps measured before 2026-11-28 ran (fit_planner.H100_STEP_GRADIENTS_IN_PLACE)."""
+  accumulator is whole, under grad_sync 'step' or where one rank holds a copy of the state (one
+  data rank, or hybrid groups of one). `in_place` False: as the steps measured before
+  2026-11-28 ran (fit_planner.H100_STEP_GRADIENTS_IN_PLACE)."""
   mesh = cfg.mesh
-  whole = mesh.data == 1 or per_rank_gradients(cfg, framework)
+  whole = mesh.zero_group_size == 1 or per_rank_gradients(cfg, framework)
   can = framework == 't5x_like' and mesh.pipeline == 1 and mesh.zero_stage == 1 and whole
   return can and in_place is not False
 
@@ -664,7 +665,7 @@ def memory_bytes(
     out['backward workspace'] += compute_bytes * (layers_gradient + embedding)
     if per_rank_gradients(cfg, framework):
       out['gradient accumulators'] = 4 * state
-    elif zero.copies > 1:
+    elif zero.copies > 1 and not in_place:
       # Hybrid sharding: each copy accumulates its own gradient inside a shard_map, where XLA
       # fills the lookup's fp32 scatter-add with zeros before the layers' backward, its rows
       # split over the group, not over tensor.

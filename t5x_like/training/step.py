@@ -151,8 +151,9 @@ def microbatch_loss_and_grads(model, params, tokens, rng, index, *, deterministi
 def holds_whole_gradient(layout: StateLayout, axes: tuple[str, ...]) -> bool:
   """Whether the no-pipeline loop adds each micro-batch's gradients into its fp32 accumulator
   in place (`add_microbatch_grads`): where the loop's accumulator is not split over `data` (one
-  data rank, or each rank its own loop under grad_sync 'step'), and no weight is gathered where
-  it is used (ZeRO-3 runs the Flax model, `microbatch_loss_and_grads`)."""
+  data rank, or one in each hybrid copy, or each rank its own loop under grad_sync 'step'), and
+  no weight is gathered where it is used (ZeRO-3 runs the Flax model,
+  `microbatch_loss_and_grads`)."""
   return layout.model.gathers is None and ('data' in axes or layout.mesh.shape['data'] == 1)
 
 
