@@ -158,9 +158,10 @@ def holds_whole_gradient(layout: StateLayout, axes: tuple[str, ...]) -> bool:
 
 
 # The primitives that read a layer's weights from the stacked compute copy, `jnp` indexing and
-# `pipeline.compute_copy`: under remat_policy 'none' the in-place loop saves none of their
+# `pipeline.compute_copy` (a custom VJP, whose primitive jax has named custom_vjp_call_jaxpr
+# and custom_vjp_call): under remat_policy 'none' the in-place loop saves none of their
 # outputs for the backward pass (it recomputes them from the copy, which is not stacked again).
-_WEIGHT_READS = frozenset({'dynamic_slice', 'squeeze', 'custom_vjp_call'})
+_WEIGHT_READS = ('dynamic_slice', 'squeeze', 'custom_vjp_call')
 
 
 def add_microbatch_grads(
@@ -201,7 +202,7 @@ def add_microbatch_grads(
     # 'none': every value but the reads of the layer's weights from the compute copy, whose
     # every step (the slice, the squeeze, the widening custom VJP, the name) would otherwise be
     # saved: a stacked copy of the weights.
-    policy = lambda prim, *_, **__: prim.name not in _WEIGHT_READS
+    policy = lambda prim, *_, **__: not prim.name.startswith(_WEIGHT_READS)
   device = attention_lib.Device.of(
     jax.devices()[0] if ctx.mesh is None else ctx.mesh.devices.flat[0]
   )
