@@ -68,8 +68,14 @@ H100_STEP_GRADIENTS_IN_PLACE = False
 H100_FIT_IMPL = 'pallas'  # the fit's row; 'auto' runs it on Hopper
 
 
+# The model settings of configs/bloom_1b3.py until 2026-11-28, which every H100 measurement ran
+# (the config now sets the fused loss and unrolled layers, measured on an H200).
+MEASURED_MODEL = {'model.cross_entropy_impl': 'chunked', 'model.unroll_layers': False}
+
+
 def h100_step_config(impl: str) -> Config:
-  """The suite's step: benchmarks/step_throughput.py's overrides of configs/bloom_1b3.py."""
+  """The suite's step as the H100 measured it: benchmarks/step_throughput.py's overrides of
+  configs/bloom_1b3.py, with MEASURED_MODEL."""
   return load_config_file(
     os.path.join(REPO, 'configs', 'bloom_1b3.py'),
     {
@@ -78,6 +84,7 @@ def h100_step_config(impl: str) -> Config:
       'mesh.tensor': 1,
       'train.global_batch_size': 16,
       'model.attention_impl': impl,
+      **MEASURED_MODEL,
     },
   ).validate()
 

@@ -36,7 +36,8 @@ Stages, in the order they run, with their time limits and their wall time on an 
    forward+backward TFLOP/s and % of peak (10 timed runs). With `--smoke` (CPU) mosaic runs in
    Mosaic GPU's interpret mode, checked against the reference but not timed (about 15 s).
 4. `step` (limit 90 s per implementation; 28-38 s each, auto 3 s: about 135 s): the BLOOM-1.3B
-   train step (configs/bloom_1b3.py, global batch 16 = 4 micro-batches of 4 x 2048) per
+   reference train step (configs/bloom_1b3.py with REFERENCE_STEP: the chunked loss, the layers
+   scanned; global batch 16 = 4 micro-batches of 4 x 2048) per
    attention implementation, xla, pallas, tokamax, mosaic and auto, each in its own process
    (`step_throughput.py`, 2 warm-up + 5 timed steps): MFU, tokens/s, the first loss against
    xla's, XLA's compiled memory and the allocator's measured peak; then 2 steps under
@@ -48,7 +49,7 @@ Stages, in the order they run, with their time limits and their wall time on an 
    in interpret mode, about a minute a step).
 5. `loss` (limit 75 s per variant, about 30 s): the step with the fastest attention (of those
    whose first loss agrees with xla's) and model.cross_entropy_impl 'fused' (2 warm-up + 3
-   timed steps; 'chunked', the config's, is the step stage's row).
+   timed steps; 'chunked', the reference step's, is the step stage's row).
 6. `shard176b` (limit 120 s, 40 s): `benchmarks/shard_176b.py`, one tensor-parallel rank's
    share of 4 BLOOM-176B layers as tr11 split them (28 heads of 128, FFN 14336, micro-batch 2 x
    2048, full recomputation), pallas and tokamax: TFLOP/s per GPU by tr11's count beside its 150
@@ -60,8 +61,9 @@ Stages, in the order they run, with their time limits and their wall time on an 
    full precision (JAX_DEFAULT_MATMUL_PRECISION=highest). The rest of tests/kernels (lowering
    checks, constraints, configs) runs in the CPU suite. Not run with `--smoke` (CI runs them in
    interpret mode) or `--no-tests`.
-8. `tune` (limit 100 s per variant; about 25 s each, an estimated 35 s with the layers
-   unrolled, about 90 s): the step with the fastest attention (the step stage's row is the base;
+8. `tune` (limit 100 s per variant; about 30 s a process with the layers scanned, 75 s
+   unrolled on the H200, whose first variant took 78 s of the stage): the step with the fastest
+   attention (the step stage's row is the base;
    `--base_attention` names it when the step stage is not in the same call, and the base is then
    measured too) under each of TUNE_VARIANTS, 2 warm-up + 3 timed steps. Each row gives its
    speed-up over the base and its first loss against the base's; a variant that does not run
@@ -99,37 +101,35 @@ STAGES = ('plan', 'matmul', 'attention', 'step', 'loss', 'shard176b', 'tests', '
 # Not cudnn (2026-11-27: its attention at 15% of the peak, its step the slowest fused one); its
 # attention rows stay, and `--step_impls` runs it.
 STEP_IMPLS = ('xla', 'pallas', 'tokamax', 'mosaic', 'auto')
+# The step the step and loss stages measure, the one every GPU run of this project measured:
+# configs/bloom_1b3.py's model before 2026-11-28, the chunked loss with the layers scanned (its
+# unrolled layers take a process 75 s on an H200 against 30, too long for five implementations
+# in the suite's budget). The config's own step is `tune`'s first variant.
+REFERENCE_MODEL = {'model.cross_entropy_impl': 'chunked', 'model.unroll_layers': False}
+REFERENCE_STEP = tuple(f'--config.{key}={value}' for key, value in REFERENCE_MODEL.items())
 # Not 'dense' (2026-11-27: 4% slower than 'chunked' and 11 GiB more).
 LOSS_VARIANTS = ('chunked', 'fused')
 # The `tune` stage: the step with the fastest attention under settings that may speed it up, each
 # in its own process: {name: (config overrides, XLA_FLAGS)}, the likeliest first (the stage is
-# the last and runs out of budget first). The fused cross-entropy with the layer scan unrolled:
-# of the settings measured statically (benchmarks/hbm_traffic.py, 2026-11-27: the step compiled
-# for an H100 here), the one with the least HBM traffic, 236 GB a step less than the config's
-# chunked loss in a scan, at 60 GiB; then fewer micro-batches (8 sequences each instead of 4:
-# fewer weight casts and gradient additions, more activations; the cost model: fused 786 ms and
-# 61.7 GiB); then the unrolled layers with the config's loss. (Settled on 2026-11-27:
-# remat_policy='none' does not fit, cuBLASLt changes nothing, no Triton GEMMs is 5% slower,
-# cuDNN LayerNorm crashes jaxlib 0.11.2's XLA; one micro-batch of 16, 78.8 GiB by the cost
-# model, was never reached.)
+# the last and runs out of budget first). First the fused cross-entropy with the layer scan
+# unrolled, configs/bloom_1b3.py as shipped since 2026-11-28 (on an H200 50.8% MFU, 1.22x the
+# reference step: docs/benchmarks.md); then the same in micro-batches of 8 instead of 4 (fewer
+# weight casts and gradient additions, more activations); then the unrolled layers with the
+# chunked loss. (Settled on 2026-11-27: remat_policy='none' does not fit, cuBLASLt changes
+# nothing, no Triton GEMMs is 5% slower, cuDNN LayerNorm crashes jaxlib 0.11.2's XLA.)
+FUSED_UNROLLED = ('--config.model.cross_entropy_impl=fused', '--config.model.unroll_layers=True')
 TUNE_VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
-  'fused-unrolled': (
-    ('--config.model.cross_entropy_impl=fused', '--config.model.unroll_layers=True'),
+  'fused-unrolled': (FUSED_UNROLLED, ''),
+  'fused-unrolled-mbs8': (('--config.train.micro_batch_size=8', *FUSED_UNROLLED), ''),
+  'unrolled': (
+    ('--config.model.cross_entropy_impl=chunked', '--config.model.unroll_layers=True'),
     '',
   ),
-  'fused-mbs8': (
-    ('--config.train.micro_batch_size=8', '--config.model.cross_entropy_impl=fused'),
-    '',
-  ),
-  'unrolled': (('--config.model.unroll_layers=True',), ''),
 }
 # --smoke (global batch 4 in micro-batches of 2): the first two variants at its scale.
 SMOKE_TUNE_VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
   'fused-unrolled': TUNE_VARIANTS['fused-unrolled'],
-  'fused-mbs8': (
-    ('--config.train.micro_batch_size=4', '--config.model.cross_entropy_impl=fused'),
-    '',
-  ),
+  'fused-unrolled-mbs8': (('--config.train.micro_batch_size=4', *FUSED_UNROLLED), ''),
 }
 ATTENTION_SEQS = '2048,4096,8192'
 # tokamax: the model's tokamax_attention (a direct tokamax call where this checkout has none).
@@ -167,9 +167,11 @@ LIMITS = {
 }
 SMOKE_LIMIT = 600
 TESTS_NEED_S = 90  # the tests stage starts only with this much of the budget left
-STEP_ARGS = ['--global_batch', '16', '--warmup', '2', '--steps', '5', '--profile_steps', '2']
+STEP_ARGS = [
+  '--global_batch', '16', '--warmup', '2', '--steps', '5', '--profile_steps', '2', *REFERENCE_STEP
+]  # fmt: skip
 SMOKE_STEP_ARGS = ['--smoke', '--global_batch', '4', '--warmup', '1', '--steps', '2']
-SMOKE_STEP_ARGS += ['--profile_steps', '1']
+SMOKE_STEP_ARGS += ['--profile_steps', '1', *REFERENCE_STEP]
 # tests/kernels' cases that run a kernel on the device (pytest -k): against the fp32 reference or
 # xla, the models through each kernel, what only a GPU decides (cuDNN, Hopper, long sequences).
 GPU_TESTS = (
@@ -291,8 +293,8 @@ def default_backend() -> tuple[str, str]:
 
 def step_config_overrides(smoke: bool) -> dict:
   """The config overrides of the suite's step: step_throughput.py's (its SMOKE model with
-  --smoke), on one device, at the suite's global batch."""
-  overrides: dict = {}
+  --smoke), on one device, at the suite's global batch, the reference step's model."""
+  overrides: dict = dict(REFERENCE_MODEL)
   if smoke:
     sys.path.insert(0, BENCHMARKS)
     import step_throughput
@@ -599,11 +601,14 @@ def losses(smoke: bool, workdir: str, clock: Clock, step_results: dict, default_
       results[variant] = {**base, 'from': 'the step stage'}
     else:
       todo.append(variant)
-  extra = (
-    ['--smoke', '--global_batch', '4', '--warmup', '1', '--steps', '1']
-    if smoke
-    else ['--global_batch', '16', '--warmup', '2', '--steps', '3']
-  )
+  extra = [
+    *(
+      ['--smoke', '--global_batch', '4', '--warmup', '1', '--steps', '1']
+      if smoke
+      else ['--global_batch', '16', '--warmup', '2', '--steps', '3']
+    ),
+    *REFERENCE_STEP,  # its loss replaced by each variant's (IMPL:LOSS)
+  ]
   groups = [todo] if smoke else [[variant] for variant in todo]
   for group in groups:
     limit = min(SMOKE_LIMIT if smoke else LIMITS['loss'], clock.left())
@@ -640,7 +645,7 @@ def tune(smoke: bool, workdir: str, clock: Clock, step_results: dict, default_im
   if 'step_s_median' in base:
     results['base'] = {**base, 'from': 'the step stage'}
   else:
-    todo['base'] = ((), '')
+    todo['base'] = (REFERENCE_STEP, '')
   todo.update(SMOKE_TUNE_VARIANTS if smoke else TUNE_VARIANTS)
   for name, (overrides, flags) in todo.items():
     limit = min(SMOKE_LIMIT if smoke else LIMITS['tune'], clock.left())

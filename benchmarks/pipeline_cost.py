@@ -51,6 +51,7 @@ for stages in (1, 2, 4):
         # vocabulary chunks, whose FLOPs XLA would count once.
         'model.remat_policy': 'full',
         'model.cross_entropy_impl': 'dense',
+        'model.unroll_layers': False,  # `plan --unroll` unrolls every scan; 'full' refuses it
       },
     )
   )

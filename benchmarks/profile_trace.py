@@ -17,7 +17,10 @@ the step's wall time. Which events are the device's:
   whose events enclose their bodies' ops.
 
 Each event is matched by `hlo_op` to its instruction in the optimized HLO (`compiled.as_text()`,
-the same program): its opcode, custom-call target, fused body and metadata. A category is then,
+the same program), or, where `hlo_op` names a command buffer (XLA:GPU runs most of a step as CUDA
+graphs), by its kernel's name, the instruction's with '.' and '-' made '_' (`kernel_names`): its
+opcode, custom-call target, fused body and metadata. cuBLAS's and custom kernels' names name no
+instruction; their names decide. A category is then,
 in this order:
 
 1. `collective`: an all-reduce/all-gather/reduce-scatter/all-to-all/collective-permute (or its
@@ -187,6 +190,22 @@ def parse_hlo(text: str) -> tuple[str, dict[str, Op]]:
         op.op_name, op.source = donor.op_name, donor.source
         break
   return module.name, ops
+
+
+def kernel_names(ops: dict[str, Op]) -> dict[str, Op]:
+  """Instruction by the name XLA:GPU gives its kernel: the instruction's name with every
+  character but letters, digits and '_' replaced by '_' ('loop_add_fusion.1' runs as
+  'loop_add_fusion_1'). Inside a command buffer (CUDA graphs) every kernel's `hlo_op` names the
+  buffer ('command_buffer_91'), not an instruction: the kernel's name is what is left to go by.
+  Names that two instructions share after the replacement are left out."""
+  found: dict[str, Op] = {}
+  shared: set[str] = set()
+  for name, op in ops.items():
+    kernel = re.sub(r'[^A-Za-z0-9_]', '_', name)
+    if kernel in found:
+      shared.add(kernel)
+    found[kernel] = op
+  return {k: op for k, op in found.items() if k not in shared}
 
 
 def _innermost_jvp(op_name: str) -> str | None:
@@ -431,8 +450,9 @@ def summarise(trace: dict, hlo_text: str, steps: int, step_s: float | None) -> d
   unmatched: dict[str, dict] = {}  # kernel name -> an example of its event's arguments
   bare: dict[str, str] = {}  # instructions matched but without a source or an op name
   matched = 0
+  by_kernel = kernel_names(ops)
   for e in events:
-    op = ops.get(str(e.args.get('hlo_op', '')))
+    op = ops.get(str(e.args.get('hlo_op', ''))) or by_kernel.get(e.name)
     matched += op is not None
     if op is None and len(unmatched) < 8:
       unmatched.setdefault(e.name, {k: str(v)[:120] for k, v in e.args.items()})

@@ -2,14 +2,14 @@
 
 BigScience names it by its non-embedding parameters (1.21B); with the 250,880-row embedding the
 model has 1.72B parameters. bf16 on 16 GPUs, data parallelism over all 16 (ZeRO-1) without a
-pipeline, the gradients summed once a step: XLA's H100 compile needs 20.0 GiB per GPU. Until
-2026-11-28 it ran data 8 x pipeline 2 in the GPipe order, which under save_dots keeps every
-layer's saved matmul outputs of all 17 ticks in flight: 77.5 GiB per GPU, more than an 80 GB GPU
-gives JAX (docs/benchmarks.md). Each rank runs the step the GPU suite measures on one GPU
-(micro-batches of 4, the chunked loss).
+pipeline, the gradients summed once a step. Each rank runs micro-batches of 4 with the fused
+cross-entropy and its layers unrolled: on one H200 that step ran at 50.8% MFU, 1.22x the chunked
+loss with scanned layers (docs/benchmarks.md, 2026-11-28), for 39.7 GiB per GPU by XLA's H100
+compile (20.0 with those). Until 2026-11-28 it ran data 8 x pipeline 2 in the GPipe order, which
+under save_dots keeps every layer's saved matmul outputs of all 17 ticks in flight: 77.5 GiB per
+GPU, more than an 80 GB GPU gives JAX.
 `python -m t5x_like.plan --config configs/bloom_1b3.py --search --gpus 16 --gpu h100-80gb` ranks
-micro-batches of 16 first (1.63 s a step estimated against 1.82; XLA's compile 45.0 GiB); they
-wait for a GPU's measurement (the GPU suite's `tune` stage measures the fused loss at 8).
+the topologies of 16 H100s with this model (docs/planner.md).
 """
 
 import ml_collections
@@ -28,9 +28,13 @@ def get_config() -> ml_collections.ConfigDict:
     attention_dropout=0.0,
     init_std=0.0127,  # sqrt(1 / (3 * 2048))
     dtype='bfloat16',
-    # save_dots keeps the layers' matmul outputs instead of recomputing them.
-    cross_entropy_impl='chunked',
+    # The loss and its gradient in one pass over the vocabulary (kernels/cross_entropy.py).
+    cross_entropy_impl='fused',
+    # save_dots keeps the layers' matmul outputs instead of recomputing them; with the layers
+    # unrolled XLA keeps what the rest of their recomputation would compute too (GeLU's and the
+    # LayerNorms' outputs), so the backward recomputes nothing.
     remat_policy='save_dots',
+    unroll_layers=True,
   )
   c.train = dict(
     steps=0,
@@ -55,8 +59,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh = dict(data=16, pipeline=1, tensor=1)
   # Each data rank adds its micro-batches' gradients up in fp32 and the ranks' sums cross once a
   # step, in fp32 (tr11's fp32 gradient accumulation), for the whole fp32 gradient on every
-  # rank: 20.0 GiB per GPU by XLA's H100 compile against 14.3 under 'tick', whose
-  # reduce-scatter of every micro-batch's gradient runs in bf16.
+  # rank: 6 GiB more per GPU than under 'tick' (XLA's H100 compiles with the chunked loss and
+  # scanned layers: 20.0 against 14.3), whose reduce-scatter of every micro-batch's gradient
+  # runs in bf16.
   c.pipeline = dict(grad_sync='step')
   c.eval = dict(interval=1000, iters=1)  # --eval-interval 1000, on the split's validation share
   c.checkpoint = dict(save_interval=500, max_to_keep=3, init_from='')

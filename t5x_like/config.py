@@ -87,8 +87,9 @@ class ModelConfig:
   scan_unroll: bool = False
   # Unroll the layer scan only, in training (the params keep their stacked layout; the
   # micro-batch and pipeline loops stay loops). XLA then drops the scan's per-layer slices of the
-  # weights, its stacked residuals and their zero fills: on an H100 the 1.3B step moves 220 GB
-  # less through HBM for 7 GiB more memory (benchmarks/hbm_traffic.py); compiling takes longer.
+  # weights, its stacked residuals and their zero fills, and merges the layers' recomputation
+  # into their forward (so 'full' is refused with it): on an H200 the 1.3B step ran 1.10x faster
+  # for 9.7 GiB more memory (docs/benchmarks.md, "The GPU suite"); compiling takes longer.
   unroll_layers: bool = False
   # Megatron-LM's sequence parallelism: between the tensor-parallel matmuls the residual stream,
   # LayerNorms and dropout (and the pipeline's kept stage inputs) are split over mesh.tensor
@@ -566,6 +567,15 @@ class Config:
       f"model.attention_dropout={m.attention_dropout} needs model.attention_impl='xla' (or "
       f"'auto', which then runs xla): the fused {m.attention_impl!r} attention has no dropout; "
       'set model.attention_dropout=0',
+    )
+    # Unrolled, the layers' checkpoints (prevent_cse=False, safe in a scan only) no longer keep
+    # XLA from merging the backward's recomputed forward into the forward.
+    _need(
+      not (m.unroll_layers and m.remat_policy == 'full'),
+      "model.unroll_layers=True under model.remat_policy='full' recomputes nothing: XLA merges "
+      "the recomputed forward into the forward and keeps what 'save_dots' keeps (XLA's H100 "
+      'compile of configs/bloom_1b3.py: 29.4 GiB per GPU, against 13.5 with its layers '
+      "scanned); use remat_policy='save_dots' with unrolled layers, or scanned layers for 'full'",
     )
     _need(
       m.architecture != 'gpt2' or t.seq_len <= m.max_position_embeddings,

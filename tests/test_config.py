@@ -488,3 +488,16 @@ def test_a_shipped_split_for_the_embedded_corpus_does_not_block_other_sources(ov
 def test_data_that_the_split_cuts_still_conflicts_with_other_sources(overrides, message):
   with pytest.raises(ConfigError, match=message):
     startup.check_config(load_config_file(cfg_path('tiny.py'), overrides))
+
+
+def test_unrolled_layers_under_full_recomputation_are_refused():
+  # XLA merges an unrolled layer's recomputed forward into its forward: 'full' would keep what
+  # 'save_dots' keeps (XLA's H100 compiles of configs/bloom_1b3.py, docs/benchmarks.md).
+  unrolled = Config().replace(
+    train={'steps': 1}, model={'unroll_layers': True, 'remat_policy': 'full'}
+  )
+  with pytest.raises(ConfigError, match="unroll_layers=True under model.remat_policy='full'"):
+    unrolled.validate()
+  for policy in ('save_dots', 'none'):
+    unrolled.replace(model={'remat_policy': policy}).validate()
+  unrolled.replace(model={'unroll_layers': False}).validate()

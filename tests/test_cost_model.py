@@ -475,8 +475,16 @@ def test_zero3_one_f_one_b_memory_is_xlas():
 # XLA's H100 peak per device (GiB) of bloom_1b3.py's model in the GPipe order, compiled the same
 # way (`plan --gpu h100-80gb`, jax 0.10.2, 2026-11-28; pallas attention, micro-batches of 4, the
 # chunked loss): (overrides of configs/bloom_1b3.py, peak). The first is the config as shipped
-# until then: data 8 x pipeline 2, 16 micro-batches, save_dots.
-GPIPE_1B3 = {'mesh.data': 8, 'mesh.pipeline': 2, 'model.attention_impl': 'pallas'}
+# until then: data 8 x pipeline 2, 16 micro-batches, save_dots. Every compile of this file ran
+# the config's model as it was until 2026-11-28 (fit_planner.MEASURED_MODEL: the chunked loss,
+# the layers scanned).
+MEASURED_1B3 = fit_planner.MEASURED_MODEL
+GPIPE_1B3 = {
+  'mesh.data': 8,
+  'mesh.pipeline': 2,
+  'model.attention_impl': 'pallas',
+  **MEASURED_1B3,
+}
 GPU_GPIPE_PEAK_GIB = [
   ({**GPIPE_1B3}, 77.51),
   ({**GPIPE_1B3, 'train.global_batch_size': 64}, 25.42),
@@ -507,7 +515,7 @@ def test_gpipe_memory_is_xlas():
 # of configs/bloom_1b3.py, peak): one GPU with pallas and with xla attention, data 16 under ZeRO-1
 # (grad_sync 'step' as shipped; 39.65 under 'tick') and ZeRO-3, and data 8 x pipeline 2 in both
 # orders.
-NONE = {'model.remat_policy': 'none', 'model.attention_impl': 'pallas'}
+NONE = {'model.remat_policy': 'none', 'model.attention_impl': 'pallas', **MEASURED_1B3}
 ONE_GPU = {'mesh.data': 1, 'train.global_batch_size': 16}
 GPU_NO_RECOMPUTATION_PEAK_GIB = [
   ({**NONE, **ONE_GPU}, 64.16),
@@ -1108,6 +1116,46 @@ def test_h100_estimate_of_the_step_measured_with_residuals_kept():
   assert auto['estimated_step_s'] == step_s['mosaic']
 
 
+# The GPU suite on one NVIDIA H200 (docs/benchmarks.md, "The GPU suite", 2026-11-28, jax 0.11.2):
+# H100_BLOOM_1B3's step as this code runs it (no zero count's fill, each micro-batch's gradient
+# added in place, save_dots keeping our kernels' residuals), 2 + 5 steps (2 + 3 for the loss and
+# tune stages' rows). The H200 has the H100's bf16 peak and 1.43x its HBM bandwidth; the cost
+# model prices it with the H100's measured kernel rates. {(attention_impl, cross_entropy_impl,
+# unroll_layers): (ms per step, XLA's peak bytes, which the allocator's peak matched)}.
+H200_BLOOM_1B3 = {
+  ('xla', 'chunked', False): (1346.3, 43_273_504_582),
+  ('pallas', 'chunked', False): (867.5, 40_778_423_878),
+  ('tokamax', 'chunked', False): (874.7, 40_623_884_358),
+  ('mosaic', 'chunked', False): (856.4, 40_903_854_150),
+  ('mosaic', 'fused', False): (772.2, 49_513_637_702),
+  ('mosaic', 'fused', True): (701.6, 59_949_954_118),
+}
+
+
+def test_h200_estimate_of_the_measured_steps():
+  """Each row within H100_TIME_ERROR and H100_MEMORY_ERROR, estimated as this code runs it: time
+  +4.8% (xla), -0.1%, +2.7%, +1.3%, +3.0% and -1.2% (the unrolled layers: +11.3% with the
+  scanned layers' per-pass fixed cost, cost_model.unrolled_layers); memory +0.2%, -0.9%, -1.2%,
+  -1.1%, +3.8% and +3.3% (the unrolled layers: -14.2% without what XLA merges into their forward,
+  cost_model.merges_recomputation)."""
+  estimates = {}
+  for (impl, loss, unroll), (ms, peak_bytes) in H200_BLOOM_1B3.items():
+    cfg = _bloom_1b3_step(impl).replace(model={'cross_entropy_impl': loss, 'unroll_layers': unroll})
+    estimates[impl, loss, unroll] = r = cost_model.estimate(cfg, 'h200')
+    time = r['estimated_step_s'] * 1e3 / ms - 1
+    memory = r['estimated_memory_gib'] * 2**30 / peak_bytes - 1
+    assert abs(time) < H100_TIME_ERROR and abs(memory) < H100_MEMORY_ERROR, (
+      (impl, loss, unroll),
+      f'{time:+.1%}',
+      f'{memory:+.1%}',
+    )
+  # The measured order of the loss and layer variants, in time and in memory.
+  variants = [('mosaic', 'fused', True), ('mosaic', 'fused', False), ('mosaic', 'chunked', False)]
+  step_s = [estimates[v]['estimated_step_s'] for v in variants]
+  memory_gib = [estimates[v]['estimated_memory_gib'] for v in variants]
+  assert step_s == sorted(step_s) and memory_gib == sorted(memory_gib, reverse=True)
+
+
 # The suite's loss stage in the same run: the mosaic step with the other cross-entropies
 # ({cross_entropy_impl: (ms per step, XLA's peak bytes)}; chunked is H100_BLOOM_1B3_KEPT's row).
 H100_BLOOM_1B3_LOSSES = {'dense': (976, 62_441_841_998), 'fused': (860, 58_457_431_374)}
@@ -1259,6 +1307,7 @@ def _no_pipeline(layers, hidden, heads, data, tensor, stage, group=0, impl='mosa
     'mesh.zero_stage': stage,
     'mesh.zero_group': group,
     'pipeline.grad_sync': 'auto',  # bloom_1b3.py's 'step' holds the whole gradient per rank
+    **MEASURED_1B3,
     **more,
   }
   return load_config_file(os.path.join(REPO, 'configs', 'bloom_1b3.py'), overrides).validate()
@@ -1268,7 +1317,11 @@ STEP = {'pipeline.grad_sync': 'step'}
 
 
 def _shipped_1b3(**overrides):
-  return load_config_file(os.path.join(REPO, 'configs', 'bloom_1b3.py'), overrides).validate()
+  """configs/bloom_1b3.py's topology (data 16, 'step') with its model as compiled here
+  (MEASURED_1B3), and `overrides`."""
+  return load_config_file(
+    os.path.join(REPO, 'configs', 'bloom_1b3.py'), {**MEASURED_1B3, **overrides}
+  ).validate()
 
 
 def _suite_step(impl='mosaic', **model):
@@ -1318,7 +1371,7 @@ GPU_NO_PIPELINE_PEAK_GIB = [
   (
     lambda: load_config_file(
       os.path.join(REPO, 'configs', 'bloom_1b3.py'),
-      {'model.attention_impl': 'mosaic', 'mesh.pipeline': 1, 'mesh.data': 8},
+      {'model.attention_impl': 'mosaic', 'mesh.pipeline': 1, 'mesh.data': 8, **MEASURED_1B3},
     ).validate(),
     21.25,
   ),
@@ -1343,7 +1396,54 @@ GPU_NO_PIPELINE_PEAK_GIB = [
   (lambda: _no_pipeline(*_13B, 8, 8, 1, **STEP), 13.38),
   # The first row of plan --search for 13B on Jean Zay's 64 A100s (docs/planner.md), for H100s.
   (lambda: _bloom(*_13B, 16, tensor=4, micro=32, sync='step'), 48.31),
+  # The layers unrolled (model.unroll_layers), where XLA merges their recomputed forward into
+  # the forward (cost_model.merges_recomputation): the suite's step, bloom_1b3.py's topology,
+  # with the fused loss (the config as shipped since 2026-11-28), and under 'tick'.
+  (lambda: _suite_step(unroll_layers=True), 47.41),
+  (lambda: _shipped_1b3(**{'model.unroll_layers': True}), 29.37),
+  (
+    lambda: _shipped_1b3(**{'model.unroll_layers': True, 'model.cross_entropy_impl': 'fused'}),
+    39.70,
+  ),
+  (lambda: _shipped_1b3(**{'model.unroll_layers': True, 'pipeline.grad_sync': 'tick'}), 23.69),
 ]
+
+
+def test_unrolled_layers_keep_what_their_backward_would_recompute():
+  """Unrolled under save_dots, each layer also keeps the tanh-GeLU's two [tokens, ffn] products
+  and both LayerNorms' outputs, and under ZeRO-1 its weights as sliced from the compute copy: XLA's
+  GPU compiles of configs/bloom_1b3.py hold 9.3 GiB more than scanned (29.37 GiB against 20.05;
+  GPU_NO_PIPELINE_PEAK_GIB's rows are within 1%). Under ZeRO-3 XLA keeps 6.3 GiB more (18.03
+  against 11.74): +6.6%, counted without the weights, which ZeRO-3 gathers where it uses them."""
+  for sync, stage, xla in (('step', 1, 29.37), ('tick', 3, 18.03)):
+    scanned, unrolled = (
+      _shipped_1b3(
+        **{'mesh.zero_stage': stage, 'pipeline.grad_sync': sync, 'model.unroll_layers': unroll}
+      )
+      for unroll in (False, True)
+    )
+    assert cost_model.merges_recomputation(unrolled) and not cost_model.merges_recomputation(
+      scanned
+    )
+    more = [
+      cost_model.memory_bytes(unrolled, gpu='h100-80gb')[k]
+      - cost_model.memory_bytes(scanned, gpu='h100-80gb')[k]
+      for k in ('kept activations', 'weight copies')
+    ]
+    tokens = 4 * 2048
+    assert more[0] == 24 * 2 * tokens * (2 * 8192 + 2 * 2048)
+    stage_params, _ = cost_model.local_params(unrolled)
+    assert more[1] == (2 * stage_params if stage == 1 else 0)
+    estimate = cost_model.estimate(unrolled, 'h100-80gb')['estimated_memory_gib']
+    assert abs(estimate / xla - 1) < (0.01 if stage == 1 else 0.07), (stage, estimate)
+  # Scanned, or in a pipeline's stages, nothing is merged.
+  assert not cost_model.merges_recomputation(
+    _shipped_1b3(**{'model.unroll_layers': True, 'model.remat_policy': 'none'})
+  )
+  piped = {'mesh.data': 8, 'mesh.pipeline': 2, 'pipeline.schedule': '1f1b'}
+  assert not cost_model.merges_recomputation(
+    _shipped_1b3(**{**piped, 'model.unroll_layers': True, 'pipeline.grad_sync': 'auto'})
+  )
 
 
 def pipeline_compiles():

@@ -19,16 +19,17 @@ from t5x_like.training import step as step_lib
 
 
 @pytest.mark.parametrize(
-  'architecture, cross_entropy_impl, remat_policy',
+  'architecture, cross_entropy_impl, remat_policy, unroll_layers',
   [
-    ('bloom', 'chunked', 'save_dots'),
-    ('bloom', 'dense', 'none'),
-    ('bloom', 'fused', 'full'),
-    ('gpt2', 'chunked', 'none'),
+    ('bloom', 'chunked', 'save_dots', False),
+    ('bloom', 'dense', 'none', False),
+    ('bloom', 'fused', 'full', False),
+    ('gpt2', 'chunked', 'none', False),
+    ('bloom', 'fused', 'save_dots', True),  # configs/bloom_1b3.py's
   ],
 )
 def test_adding_in_place_gives_the_accumulator_plus_the_flax_models_gradients(
-  architecture, cross_entropy_impl, remat_policy
+  architecture, cross_entropy_impl, remat_policy, unroll_layers
 ):
   """The accumulator plus `scale` x the gradient of the Flax model's mean loss, for every
   parameter: the layers' (added by the layer scan's transpose), the token table's (its use by
@@ -39,6 +40,7 @@ def test_adding_in_place_gives_the_accumulator_plus_the_flax_models_gradients(
       architecture=architecture,
       cross_entropy_impl=cross_entropy_impl,
       remat_policy=remat_policy,
+      unroll_layers=unroll_layers,
       cross_entropy_chunk=16,
     )
   ).validate()

@@ -322,16 +322,17 @@ def test_bloom_176b_fits_an_a100_80gb_by_xlas_gpu_compile():
 
 def test_bloom_1b3_fits_its_16_h100s_by_xlas_gpu_compile():
   """configs/bloom_1b3.py on its own mesh (16 GPUs) compiled for H100s by XLA's GPU compiler on
-  this CPU fits the 60 GiB JAX takes of one (22.3 GiB here, each rank's whole fp32 gradient
-  among it), and the cost model agrees. Until
-  2026-11-28 it ran data 8 x pipeline 2 in the GPipe order under save_dots, which keeps every
-  layer's saved matmul outputs of all 17 ticks: 77.5 GiB, while the cost model said 13.5."""
+  this CPU fits the 60 GiB JAX takes of one (39.7 GiB here: each rank's whole fp32 gradient, the
+  fused loss's tiles and what the unrolled layers keep for their backward among it), and the
+  cost model agrees (-0.3%). Until 2026-11-28 it ran data 8 x pipeline 2 in the GPipe order
+  under save_dots, which keeps every layer's saved matmul outputs of all 17 ticks: 77.5 GiB,
+  while the cost model said 13.5."""
   command = ['-m', 't5x_like.plan', '--config', 'configs/bloom_1b3.py', '--gpu', 'h100-80gb']
   r = run_cli([*command, '--json'], env={'XLA_PYTHON_CLIENT_MEM_FRACTION': ''})
   assert r.returncode == 0, r.stderr[-3000:]
   report = json.loads(r.stdout.strip().splitlines()[-1])
   assert report['compiled_for'] == 'h100-80gb' and report['fits'], report
-  assert report['peak_gib'] < 0.5 * report['usable_gib'], report
+  assert report['peak_gib'] < 0.7 * report['usable_gib'], report
   from t5x_like.config import load_config_file
   from t5x_like.planning import cost_model
 

@@ -75,9 +75,10 @@ KEEPS_RESIDUALS_UNDER_SAVE_DOTS = ('pallas', 'mosaic')
 AUTO_ORDER: dict[str, tuple[tuple[str, ...], str]] = {
   'hopper': (
     ('mosaic', 'pallas', 'tokamax', 'cudnn', 'xla'),
-    'H100, BLOOM-1.3B step (docs/benchmarks.md, 2026-11-27): mosaic 937 ms, pallas 943, '
-    'tokamax 955, cudnn 1009, xla 1544; attention fwd+bwd at seq 4096, head_dim 128, causal + '
-    'ALiBi: mosaic 315 TFLOP/s, tokamax 281, pallas 257, cudnn 149',
+    'H200, BLOOM-1.3B step (docs/benchmarks.md, 2026-11-28): mosaic 856 ms, pallas 868, '
+    'tokamax 875, xla 1346 (H100, 2026-11-27: cudnn 1009 against mosaic 937); attention '
+    'fwd+bwd at seq 4096, head_dim 128, causal + ALiBi: mosaic 402 TFLOP/s, tokamax 278, '
+    'pallas 255, cudnn 163',
   ),
   'ampere': (
     ('pallas', 'xla'),

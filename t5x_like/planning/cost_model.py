@@ -290,6 +290,22 @@ def adds_gradients_in_place(
   return can and in_place is not False
 
 
+def unrolled_layers(cfg: Config, framework: str = 't5x_like') -> bool:
+  """Whether t5x_like's step runs its layers unrolled (model.unroll_layers) without a pipeline:
+  no layer scan, so no per-pass fixed cost (MEASURED_HALF_WORK, fitted on scanned steps: the
+  H200's unrolled 1.3B step, 702 ms, is estimated at 693 without it, 781 with it;
+  docs/benchmarks.md). A pipeline's unrolled stages are not modelled."""
+  return framework == 't5x_like' and cfg.model.unroll_layers and cfg.mesh.pipeline == 1
+
+
+def merges_recomputation(cfg: Config, framework: str = 't5x_like') -> bool:
+  """Whether XLA merges the layers' recomputed forward into the forward: `unrolled_layers` under
+  'save_dots'. The layers' checkpoints' prevent_cse=False is safe in a scan only; unrolled, each
+  layer keeps what its backward would have recomputed (XLA's GPU compiles of configs/bloom_1b3.py:
+  within 1% under ZeRO-1, +6.6% under ZeRO-3; docs/benchmarks.md)."""
+  return unrolled_layers(cfg, framework) and cfg.model.remat_policy == 'save_dots'
+
+
 def per_rank_pipeline(cfg: Config, framework: str = 't5x_like') -> bool:
   """`per_rank_gradients` with a pipeline."""
   return cfg.mesh.pipeline > 1 and per_rank_gradients(cfg, framework)
@@ -575,6 +591,10 @@ def memory_bytes(
     layer_keep = saved_matmuls
     if keeps_attention_residuals(impl, residuals_kept):
       layer_keep += activation / t + b * heads * s * 4
+    if merges_recomputation(cfg, framework):
+      # Unrolled, also what the backward would have recomputed: the tanh-GeLU's two [tokens,
+      # ffn] products and both LayerNorms' outputs.
+      layer_keep += activation * (2 * m.ffn_size / h / t + 2 / split_seq)
   else:
     ffn = m.ffn_size / h / t
     layer_keep = activation * (9 * ffn + 4 / t + 4 / split_seq) + 3 * scores * compute_bytes
@@ -694,6 +714,10 @@ def memory_bytes(
     # 1F1B or without a pipeline either, where it is gone before the peak).
     gathered = 4 * embedding if g > 1 and not ticks_1f1b and p > 1 else 0
     out['weight copies'] = compute_bytes * state + gathered
+  if merges_recomputation(cfg, framework) and zero.stage == 1:
+    # and each layer's weights as sliced from the compute copy's stacks, kept for its backward
+    # (ZeRO-3 gathers a layer's where it is used).
+    out['weight copies'] += compute_bytes * stage
   vocab = cfg.padded_vocab_size / t
   if embedding_split_over_pipeline(cfg, framework):
     vocab /= mesh.pipeline  # each stage's head computes its rows' logits
@@ -785,7 +809,8 @@ def memory_bound_bytes(
   and GeLU); backward 12 (two LayerNorm backwards with the residual gradient 5 each, two bias
   gradients 1 each) + 3 QKV (the q, k, v gradients joined, the bias gradient) + 3 MLP (GeLU's
   backward); the recomputed forward of 'save_dots' 7 + 2 QKV + 2 MLP (LayerNorms, a residual
-  add, GeLU: everything but the saved matmuls), of 'full' (and 1F1B ticks) the whole forward.
+  add, GeLU: everything but the saved matmuls; none where XLA merges it into the forward,
+  `merges_recomputation`), of 'full' (and 1F1B ticks) the whole forward.
   The gradients, split over the ZeRO group as the compile of a 7B on 8 devices splits them (whole
   where each data rank adds its own up without a pipeline, grad_sync 'step'): the micro-batch's read
   in the compute dtype and the accumulator's fp32 read and write; the token lookup's fp32
@@ -807,7 +832,7 @@ def memory_bound_bytes(
   backward = 12 * hidden + 3 * qkv + 3 * mlp
   if m.remat_policy == 'full' or one_f_one_b(cfg):
     recomputed = forward
-  elif m.remat_policy == 'save_dots':
+  elif m.remat_policy == 'save_dots' and not merges_recomputation(cfg, framework):
     recomputed = 7 * hidden + 2 * qkv + 2 * mlp
   else:
     recomputed = 0.0
@@ -998,6 +1023,8 @@ def estimate(
     # (MEASURED_HALF_WORK), attention at its implementation's measured kernel rates (the
     # materialised scores' traffic of 'xla' included), the memory-bound kernels at HBM bandwidth.
     gemm_work = matmul / slots
+    if unrolled_layers(cfg, framework):
+      measured_half_work = 0.0
     compute_efficiency = (
       measured.matmul_tflops / spec.peak_bf16_tflops * gemm_work / (gemm_work + measured_half_work)
     )
