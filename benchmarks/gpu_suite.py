@@ -65,8 +65,9 @@ Stages, in the order they run, with their time limits and their wall time on an 
    unrolled on the H200, whose first variant took 78 s of the stage): the step with the fastest
    attention (the step stage's row is the base;
    `--base_attention` names it when the step stage is not in the same call, and the base is then
-   measured too) under each of TUNE_VARIANTS, 2 warm-up + 3 timed steps. Each row gives its
-   speed-up over the base and its first loss against the base's; a variant that does not run
+   measured too) under each of TUNE_VARIANTS, 2 warm-up + 3 timed steps, the first (the config's
+   own step) then 2 under `jax.profiler`, its trace and HLO kept in OUT's folder's `tune/`. Each
+   row gives its speed-up over the base and its first loss against the base's; a variant that does not run
    (an XLA flag this XLA lacks, activations that do not fit) is reported, a loss off the base's
    fails the stage.
 
@@ -628,11 +629,20 @@ def losses(smoke: bool, workdir: str, clock: Clock, step_results: dict, default_
   return {'attention': impl, 'results': results, 'ok': ok}
 
 
-def tune(smoke: bool, workdir: str, clock: Clock, step_results: dict, default_impl: str) -> dict:
+def tune(
+  smoke: bool,
+  workdir: str,
+  clock: Clock,
+  step_results: dict,
+  default_impl: str,
+  keep_dir: str = '',
+) -> dict:
   """The step with the fastest attention under each of TUNE_VARIANTS, one process each, against
   the step stage's row of that attention (the base; measured here when the step stage did not
   run). A variant that does not run (a flag this XLA does not know, activations that do not
-  fit) is reported, not a failure; one whose first loss is off the base's fails the stage."""
+  fit) is reported, not a failure; one whose first loss is off the base's fails the stage. The
+  first variant (configs/bloom_1b3.py's own step) is profiled too, its trace and HLO kept under
+  `keep_dir`/tune (step_throughput.py --keep_profile)."""
   impl = fastest(step_results) or default_impl
   extra = (
     ['--smoke', '--global_batch', '4', '--warmup', '1', '--steps', '1']
@@ -646,7 +656,9 @@ def tune(smoke: bool, workdir: str, clock: Clock, step_results: dict, default_im
     results['base'] = {**base, 'from': 'the step stage'}
   else:
     todo['base'] = (REFERENCE_STEP, '')
-  todo.update(SMOKE_TUNE_VARIANTS if smoke else TUNE_VARIANTS)
+  variants = SMOKE_TUNE_VARIANTS if smoke else TUNE_VARIANTS
+  todo.update(variants)
+  profiled = next(iter(variants))
   for name, (overrides, flags) in todo.items():
     limit = min(SMOKE_LIMIT if smoke else LIMITS['tune'], clock.left())
     if limit < 10:
@@ -655,7 +667,15 @@ def tune(smoke: bool, workdir: str, clock: Clock, step_results: dict, default_im
     env = None
     if flags:
       env = {'XLA_FLAGS': ' '.join(f for f in (os.environ.get('XLA_FLAGS', ''), flags) if f)}
-    found = step_child([impl], workdir, limit, [*extra, *overrides], env=env, tag=f'tune_{name}')
+    profile = []
+    if name == profiled:
+      profile = ['--profile_steps', '1' if smoke else '2']
+      if keep_dir:
+        os.makedirs(os.path.join(keep_dir, 'tune'), exist_ok=True)
+        profile += ['--keep_profile', os.path.join(keep_dir, 'tune')]
+    found = step_child(
+      [impl], workdir, limit, [*extra, *overrides, *profile], env=env, tag=f'tune_{name}'
+    )
     results[name] = {**found[impl], 'overrides': list(overrides), 'xla_flags': flags}
   ok = True
   reference = results.get('base', {})
@@ -844,7 +864,8 @@ def run_suite(args: argparse.Namespace) -> int:
       elif stage == 'tune':
         step_results = stages.get('step', {}).get('results', {})
         default = 'xla' if args.smoke else args.base_attention
-        finish(stage, tune(args.smoke, workdir, clock, step_results, default), started)
+        keep_dir = os.path.dirname(os.path.abspath(args.json))
+        finish(stage, tune(args.smoke, workdir, clock, step_results, default, keep_dir), started)
       elif stage == 'tests':
         finish(stage, kernel_tests(limit(stage)), started)
     device = next(
@@ -1051,6 +1072,9 @@ def summary(report: dict) -> str:
     setting = ' '.join([*r.get('overrides', []), r.get('xla_flags', '')]).strip()
     label = f'tune {variant} ({tuned["attention"]} attention{"; " + setting if setting else ""})'
     lines.append(step_line(label, r, tuned['attention']))
+  lines += profile_lines(
+    {f'tune {variant}': r for variant, r in tuned.get('results', {}).items() if 'from' not in r}
+  )
   shard = stages.get('shard176b', {})
   if shard.get('results'):
     import shard_176b  # (BENCHMARKS is on sys.path: summary's caller put it there)

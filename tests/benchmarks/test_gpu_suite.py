@@ -110,6 +110,11 @@ def test_smoke_run_reports_every_stage(tmp_path, capsys, monkeypatch):
   assert '--config.train.micro_batch_size=4' in fused['overrides']
   for variant in (unrolled, fused):
     assert variant['first_loss_vs_base'] <= 2e-2 and variant['speedup_vs_base'] > 0
+  # The config's own step is profiled, its trace and HLO kept apart from the step stage's.
+  assert 'profile' in unrolled and 'profile' not in fused
+  assert unrolled['profile']['ms_per_step']['loss'] > 0
+  kept = tmp_path / 'tune' / f'profile_{tuned["attention"]}'
+  assert os.path.exists(f'{kept}.trace.json.gz') and os.path.exists(f'{kept}.hlo.txt.gz')
 
   # BLOOM-176B's shard: three FLOP counts and the planner's all-reduces for two GPU kinds.
   shard = stages['shard176b']['results']
