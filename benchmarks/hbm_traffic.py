@@ -4,8 +4,10 @@
         [--config_mesh] [--config.KEY=VALUE ...] [--save_hlo step.hlo.txt.gz] [--json OUT]
     python benchmarks/hbm_traffic.py --hlo profile_mosaic.hlo.txt.gz [--gpu h100-80gb]
 
-The first form compiles the GPU suite's step (step_throughput.py's: the config on one device, a
-global batch of 16) for the GPU without one, as `plan --gpu` does (t5x_like/planning/
+The first form compiles step_throughput.py's step (the config on one device, a global batch of
+16: configs/bloom_1b3.py's fused loss with unrolled layers; the GPU suite's reference step with
+`--config.model.cross_entropy_impl=chunked --config.model.unroll_layers=False`) for the GPU
+without one, as `plan --gpu` does (t5x_like/planning/
 gpu_target.py: XLA's GPU compiler on this CPU, jax's CUDA plugin installed). It is the program
 the GPU runs, less autotuning's choices: on 2026-11-27 its memory figure for the suite's pallas
 step was 46.856 GiB against 46.86 measured on an H100. `--config_mesh` compiles the config's own
