@@ -67,9 +67,9 @@ Stages, in the order they run, with their time limits and their wall time on an 
    `--base_attention` names it when the step stage is not in the same call, and the base is then
    measured too) under each of TUNE_VARIANTS, 2 warm-up + 3 timed steps, the first (the config's
    own step) then 2 under `jax.profiler`, its trace and HLO kept in OUT's folder's `tune/`. Each
-   row gives its speed-up over the base and its first loss against the base's; a variant that does not run
-   (an XLA flag this XLA lacks, activations that do not fit) is reported, a loss off the base's
-   fails the stage.
+   row gives its speed-up over the base and its first loss against the base's; a variant that
+   does not run (an XLA flag this XLA lacks, activations that do not fit) is reported, a loss
+   off the base's fails the stage.
 
 About 410 s to the end of the tests (plan beside them), so under the default budget `tune` is
 the stage left out: a second call runs it, `--only tune --base_attention IMPL` with the fastest
