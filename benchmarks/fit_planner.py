@@ -30,6 +30,9 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+
+from gpu_suite import REFERENCE_MODEL
 
 from t5x_like.config import Config, load_config_file
 from t5x_like.planning import cost_model
@@ -68,14 +71,10 @@ H100_STEP_GRADIENTS_IN_PLACE = False
 H100_FIT_IMPL = 'pallas'  # the fit's row; 'auto' runs it on Hopper
 
 
-# The model settings of configs/bloom_1b3.py until 2026-11-28, which every H100 measurement ran
-# (the config now sets the fused loss and unrolled layers, measured on an H200).
-MEASURED_MODEL = {'model.cross_entropy_impl': 'chunked', 'model.unroll_layers': False}
-
-
 def h100_step_config(impl: str) -> Config:
   """The suite's step as the H100 measured it: benchmarks/step_throughput.py's overrides of
-  configs/bloom_1b3.py, with MEASURED_MODEL."""
+  configs/bloom_1b3.py, with the suite's REFERENCE_MODEL (the config's model until 2026-11-28,
+  which every H100 measurement ran; the config now sets the fused loss and unrolled layers)."""
   return load_config_file(
     os.path.join(REPO, 'configs', 'bloom_1b3.py'),
     {
@@ -84,7 +83,7 @@ def h100_step_config(impl: str) -> Config:
       'mesh.tensor': 1,
       'train.global_batch_size': 16,
       'model.attention_impl': impl,
-      **MEASURED_MODEL,
+      **REFERENCE_MODEL,
     },
   ).validate()
 

@@ -20,10 +20,10 @@ only issues copies into a ring of `stages` buffers, so loads overlap the matmuls
   The log-sum-exp the forward saves is of those shifted scores; the backward adds the same rows,
   so its probabilities are the forward's.
 * Causal: key tiles above the diagonal are never loaded, and only tiles that cross it are masked.
-* `MosaicBlocks` also holds three options, off until a GPU run measures them: a persistent
-  forward (a program per SM running a sequence of query tiles through one key ring), an earlier
-  hand-over of the tensor cores between the forward's math warpgroups, and the backward's
-  independent products issued in pairs.
+* `MosaicBlocks` also holds four options, off until a GPU run shows one faster: a persistent
+  forward (a program per SM running a sequence of query tiles through one key ring), two orders
+  of the hand-over of the tensor cores between the forward's math warpgroups (`early_handoff`,
+  `issue_handoff`), and the backward's independent products issued in pairs.
 * Backward (`jax.custom_vjp`): the forward saves the output and the log-sum-exp (named
   `residuals.ATTENTION_RESIDUALS`, so that remat_policy='save_dots' keeps them). One kernel
   computes dK and dV (a program per key tile, looping over the query tiles from the diagonal),
@@ -108,7 +108,12 @@ class MosaicBlocks:
   and waits for the next key tile while its P V runs (the order of jax's Hopper attention
   example). paired_backward: dQ issues Q K^T and dO V^T together and waits once, dK/dV
   dV += P^T dO and V dO^T (as jax's example does), where otherwise each product is waited for
-  before the next is issued. All off: the kernels first measured on an H100 (docs/benchmarks.md).
+  before the next is issued. issue_handoff (forward, tokamax's sm90 order): a math warpgroup
+  signals its turn over once its QK^T is issued, loads the ALiBi row and builds the diagonal
+  mask while QK^T runs, and waits for the other warpgroup only after QK^T ends, so one product
+  is always queued on the tensor cores; the copy warpgroup refills a slot's keys and ALiBi row
+  as soon as they are free, before waiting for its values to be. All off: the kernels first
+  measured on an H100 (docs/benchmarks.md).
   """
 
   block_q: int = 64
@@ -122,6 +127,7 @@ class MosaicBlocks:
   persistent: bool = False
   early_handoff: bool = False
   paired_backward: bool = False
+  issue_handoff: bool = False
 
   @property
   def multiple(self) -> int:
@@ -146,6 +152,11 @@ class MosaicBlocks:
       found.append(f'MosaicBlocks.stages={self.stages} must be at least 2')
     if self.compute_wgs not in (1, 2):
       found.append(f'MosaicBlocks.compute_wgs={self.compute_wgs} must be 1 or 2')
+    if self.early_handoff and self.issue_handoff:
+      found.append(
+        'MosaicBlocks.early_handoff and issue_handoff are two orders of the same hand-over: '
+        'set one of them'
+      )
     return found
 
 
@@ -256,20 +267,22 @@ def _tile_smem(shape, dtype):
 def mma(a, b, interpret: bool, transpose_b: bool = False, while_running=None):
   """A fresh float32 a @ b (a @ b^T with transpose_b) of [M, K] and [K, N] (or [N, K]) tiles in
   shared memory, into registers; `while_running()` runs between the wgmma's issue and its end."""
+  return mma_while(a, b, interpret, while_running or (lambda: None), transpose_b)[0]
+
+
+def mma_while(a, b, interpret: bool, while_running, transpose_b: bool = False):
+  """(`mma`'s a @ b, what `while_running()` returns): it runs between the wgmma's issue and its
+  end, so what it computes is ready when the product is."""
   if interpret:
     rhs = b[...].T if transpose_b else b[...]
-    result = jnp.dot(a[...], rhs, preferred_element_type=jnp.float32)
-    if while_running is not None:
-      while_running()
-    return result
+    return jnp.dot(a[...], rhs, preferred_element_type=jnp.float32), while_running()
   if transpose_b:
     b = plgpu.transpose_ref(b, (1, 0))
 
   def run(acc_ref):
     plgpu.wgmma(acc_ref, a, b)
-    if while_running is not None:
-      while_running()
-    return acc_ref[...]  # waits for the wgmma
+    meanwhile = while_running()
+    return acc_ref[...], meanwhile  # reading the accumulator waits for the wgmma
 
   return pl.run_scoped(run, plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32))
 
@@ -378,16 +391,20 @@ def _wait_consumed(consumed, ring_step, stages: int) -> None:
     plgpu.barrier_wait(barrier.at[lax.rem(ring_step, stages)])
 
 
-def _stream(step_count, stages, consumed, issue, start=0, ring_base=0):
+def _stream(step_count, stages, consumed, issue, start=0, ring_base=0, then=()):
   """The copy warpgroup's loop: for steps [start, start + step_count), the ring's ring_base-th
   tile on, it waits until the ring slot's previous tile is consumed, then `issue(step, slot)`
-  starts the next copies."""
+  starts the next copies. then: further (consumed, issue) pairs, each waited for and issued in
+  turn after the first, so a buffer freed early is refilled without waiting for the others."""
 
   @pl.loop(0, step_count)
   def _(i):
     ring_step = ring_base + i
-    pl.when(ring_step >= stages)(lambda: _wait_consumed(consumed, ring_step - stages, stages))
-    issue(start + i, lax.rem(ring_step, stages))
+    for barriers, copies in ((consumed, issue), *then):
+      pl.when(ring_step >= stages)(
+        lambda barriers=barriers: _wait_consumed(barriers, ring_step - stages, stages)
+      )
+      copies(start + i, lax.rem(ring_step, stages))
 
 
 def _wait_last_consumed(ring_steps, stages, consumed) -> None:
@@ -440,19 +457,42 @@ class KeyRing:
     return cls(*buffers, *barriers)
 
   def fill(
-    self, k_ref, v_ref, bias_ref, b, h, block_kv: int, steps, stages: int, ring_base=0
+    self,
+    k_ref,
+    v_ref,
+    bias_ref,
+    b,
+    h,
+    block_kv: int,
+    steps,
+    stages: int,
+    ring_base=0,
+    keys_first: bool = False,
   ) -> None:
     """The copy warpgroup: key tiles [0, steps) of batch row b, head h, into the ring from its
-    ring_base-th tile on."""
+    ring_base-th tile on. keys_first: a slot's keys and ALiBi row are copied once they are free,
+    before its values are (the math frees the keys a P V earlier than the values)."""
 
-    def issue(step, slot):
+    def copy_keys(step, slot):
       keys = (b, pl.ds(step * block_kv, block_kv), h)
       plgpu.copy_gmem_to_smem(k_ref.at[keys], self.k.at[slot], self.k_ready.at[slot])
       row = bias_ref.at[h, pl.ds(step * block_kv, block_kv)]
       plgpu.copy_gmem_to_smem(row, self.bias.at[slot], self.bias_ready.at[slot])
+
+    def copy_values(step, slot):
+      keys = (b, pl.ds(step * block_kv, block_kv), h)
       plgpu.copy_gmem_to_smem(v_ref.at[keys], self.v.at[slot], self.v_ready.at[slot])
 
-    _stream(steps, stages, (self.k_free, self.v_free), issue, ring_base=ring_base)
+    if keys_first:
+      then = (((self.v_free,), copy_values),)
+      _stream(steps, stages, (self.k_free,), copy_keys, ring_base=ring_base, then=then)
+    else:
+
+      def copy_both(step, slot):
+        copy_keys(step, slot)
+        copy_values(step, slot)
+
+      _stream(steps, stages, (self.k_free, self.v_free), copy_both, ring_base=ring_base)
 
   def wait_all_free(self, ring_steps, stages: int) -> None:
     """The copy warpgroup's end, after `fill`s of ring_steps tiles in all."""
@@ -541,6 +581,9 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
       return run(0, 0)
     return lax.fori_loop(0, count, run, 0)
 
+  # Both orders wait for the next key tile while P V runs, not before its QK^T.
+  handed_over_early = blocks.early_handoff or blocks.issue_handoff
+
   def item_steps(tile):  # key tiles an item's program needs: up to its last query's diagonal
     return pl.cdiv((tile + 1) * span, block_kv)
 
@@ -587,9 +630,28 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           if blocks.persistent:
             pl.when((step == steps - 1) & (index + 1 < count))(lambda: load_query(index + 1))
 
-        def kv_step(step, carry, masked: bool):
-          acc, row_max, row_sum = carry
-          slot = slot_of(step)
+        def diagonal_mask(step):
+          shape = (block_q, block_kv)
+          return causal_mask(shape, q_start, step * block_kv, True, interpret)
+
+        def scores_of(step, slot, masked: bool):
+          """(Q K^T, the ALiBi row, the diagonal mask or None), with the tensor cores handed
+          over as the options say; the key slot is freed."""
+          if blocks.issue_handoff:
+
+            def while_issued():
+              bias = ring.key_bias(slot, interpret)
+              if wgs > 1:
+                plgpu.barrier_arrive(schedule)
+              return bias, diagonal_mask(step) if masked else None
+
+            scores, (bias, visible) = mma_while(
+              q_tile_smem, ring.k.at[slot], interpret, while_issued, transpose_b=True
+            )
+            plgpu.barrier_arrive(ring.k_free.at[slot])
+            if wgs > 1:
+              plgpu.barrier_wait(schedule)
+            return scores, bias, visible
           if blocks.early_handoff:
             scores = mma(
               q_tile_smem, ring.k.at[slot], interpret, transpose_b=True, while_running=rendezvous
@@ -598,13 +660,18 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
             plgpu.barrier_wait(ring.k_ready.at[slot])
             scores = mma(q_tile_smem, ring.k.at[slot], interpret, transpose_b=True)
             rendezvous()
-          if masked:
-            query_tile_done(step)
           bias = ring.key_bias(slot, interpret)
           plgpu.barrier_arrive(ring.k_free.at[slot])
-          scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [1])
+          return scores, bias, diagonal_mask(step) if masked else None
+
+        def kv_step(step, carry, masked: bool):
+          acc, row_max, row_sum = carry
+          slot = slot_of(step)
+          scores, bias, visible = scores_of(step, slot, masked)
           if masked:
-            visible = causal_mask(scores.shape, q_start, step * block_kv, True, interpret)
+            query_tile_done(step)
+          scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [1])
+          if visible is not None:
             scores = jnp.where(visible, scores, -jnp.inf)
           new_max = jnp.maximum(row_max, scores.max(axis=1))
           correction = jnp.exp2(row_max - new_max)
@@ -612,7 +679,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           row_sum = row_sum * correction + probs.sum(axis=1)
           acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
           probs = probs.astype(dtype)
-          if blocks.early_handoff:  # keep the softmax before the turn (jax's Hopper attention)
+          if handed_over_early:  # keep the softmax before the turn (jax's Hopper attention)
             acc, row_sum, new_max, probs = lax.optimization_barrier((acc, row_sum, new_max, probs))
           if wgs > 1:
             plgpu.barrier_arrive(schedule)
@@ -629,7 +696,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
             probs,
             ring.v.at[slot],
             interpret,
-            while_running=next_keys if blocks.early_handoff else None,
+            while_running=next_keys if handed_over_early else None,
           )
           plgpu.barrier_arrive(ring.v_free.at[slot])
           return acc, new_max, row_sum
@@ -644,7 +711,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           full_rows(-jnp.inf, block_q, interpret),
           full_rows(0.0, block_q, interpret),
         )
-        if blocks.early_handoff:
+        if handed_over_early:
           plgpu.barrier_wait(ring.k_ready.at[slot_of(0)])
         pl.when(wg == 1)(rendezvous)
         carry = lax.fori_loop(0, unmasked_steps, functools.partial(kv_step, masked=False), carry)
@@ -671,7 +738,18 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
       def fill_item(index, ring_base):
         b, h, tile = item(index)
         steps = item_steps(tile)
-        ring.fill(k_ref, v_ref, bias_ref, b, h, block_kv, steps, stages, ring_base=ring_base)
+        ring.fill(
+          k_ref,
+          v_ref,
+          bias_ref,
+          b,
+          h,
+          block_kv,
+          steps,
+          stages,
+          ring_base=ring_base,
+          keys_first=blocks.issue_handoff,
+        )
         return ring_base + steps
 
       plgpu.set_max_registers(40, action='decrease')

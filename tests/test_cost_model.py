@@ -27,7 +27,8 @@ from t5x_like.planning import cost_model
 from t5x_like.training import accounting, schedule
 
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
-import fit_planner  # noqa: E402  (a script, not a package module)
+import fit_planner  # noqa: E402  (scripts, not package modules)
+import gpu_suite  # noqa: E402
 
 MEGATRON = 'megatron-deepspeed'
 OOM = 'OOM'  # the chronicles' memory column when the row did not run
@@ -476,9 +477,9 @@ def test_zero3_one_f_one_b_memory_is_xlas():
 # way (`plan --gpu h100-80gb`, jax 0.10.2, 2026-11-28; pallas attention, micro-batches of 4, the
 # chunked loss): (overrides of configs/bloom_1b3.py, peak). The first is the config as shipped
 # until then: data 8 x pipeline 2, 16 micro-batches, save_dots. Every compile of this file ran
-# the config's model as it was until 2026-11-28 (fit_planner.MEASURED_MODEL: the chunked loss,
+# the config's model as it was until 2026-11-28 (gpu_suite.REFERENCE_MODEL: the chunked loss,
 # the layers scanned).
-MEASURED_1B3 = fit_planner.MEASURED_MODEL
+MEASURED_1B3 = gpu_suite.REFERENCE_MODEL
 GPIPE_1B3 = {
   'mesh.data': 8,
   'mesh.pipeline': 2,
@@ -1154,6 +1155,22 @@ def test_h200_estimate_of_the_measured_steps():
   step_s = [estimates[v]['estimated_step_s'] for v in variants]
   memory_gib = [estimates[v]['estimated_memory_gib'] for v in variants]
   assert step_s == sorted(step_s) and memory_gib == sorted(memory_gib, reverse=True)
+
+
+def test_an_explicit_fixed_cost_per_layer_pass_applies_to_unrolled_layers_too():
+  """By default unrolled layers pay no per-pass fixed cost; a caller's explicit
+  measured_half_work is used as given, unrolled or not (the scanned cost on the H200's unrolled
+  row is its +11.3%)."""
+  cfg = _bloom_1b3_step('mosaic').replace(model={'cross_entropy_impl': 'fused'})
+  unrolled = cfg.replace(model={'unroll_layers': True})
+
+  def step_s(c, **kwargs):
+    return cost_model.estimate(c, 'h200', **kwargs)['estimated_step_s']
+
+  assert step_s(unrolled) == step_s(unrolled, measured_half_work=0.0)
+  fixed = cost_model.MEASURED_HALF_WORK
+  assert step_s(unrolled, measured_half_work=fixed) > 1.1 * step_s(unrolled)
+  assert step_s(cfg) == step_s(cfg, measured_half_work=fixed)
 
 
 # The suite's loss stage in the same run: the mosaic step with the other cross-entropies

@@ -947,7 +947,7 @@ def estimate(
   fitted: Fitted = FITTED,
   nodes_of: int | None = None,
   framework: str = 't5x_like',
-  measured_half_work: float = MEASURED_HALF_WORK,
+  measured_half_work: float | None = None,
   residuals_kept: bool | None = None,
   gradients_in_place: bool | None = None,
 ) -> dict:
@@ -956,7 +956,8 @@ def estimate(
   iteration. `cfg` is a validated config (Config.validate, schedule.check). `framework`:
   FRAMEWORKS, t5x_like's step or Megatron-DeepSpeed's as the chronicles measured it.
   `fitted` prices the kernels on a GPU without measured rates (Gpu.measured) or under
-  Megatron-DeepSpeed, `measured_half_work` t5x_like's matmuls on one with them.
+  Megatron-DeepSpeed, `measured_half_work` t5x_like's matmuls on one with them (None: the
+  fitted MEASURED_HALF_WORK per layer pass, none for `unrolled_layers`).
   `residuals_kept`: whether remat_policy='save_dots' keeps the attention kernel's output and
   log-sum-exp, sparing the backward its forward (None: as this code does for the implementation,
   keeps_attention_residuals; False: as the steps measured before it did, fit_planner.H100_STEP).
@@ -1023,8 +1024,8 @@ def estimate(
     # (MEASURED_HALF_WORK), attention at its implementation's measured kernel rates (the
     # materialised scores' traffic of 'xla' included), the memory-bound kernels at HBM bandwidth.
     gemm_work = matmul / slots
-    if unrolled_layers(cfg, framework):
-      measured_half_work = 0.0
+    if measured_half_work is None:
+      measured_half_work = 0.0 if unrolled_layers(cfg, framework) else MEASURED_HALF_WORK
     compute_efficiency = (
       measured.matmul_tflops / spec.peak_bf16_tflops * gemm_work / (gemm_work + measured_half_work)
     )

@@ -43,6 +43,8 @@ ONE_WARPGROUP = MosaicBlocks(compute_wgs=1, block_kv=64)
 OPTIONS = dataclasses.replace(
   SMALL, stages=3, persistent=True, early_handoff=True, paired_backward=True
 )
+# tokamax's order of the hand-over and the refills, on the same items and ring.
+ISSUE_HANDOFF = dataclasses.replace(SMALL, stages=3, persistent=True, issue_handoff=True)
 B200 = Device('gpu', 'NVIDIA B200', '10.0')
 
 
@@ -55,6 +57,10 @@ B200 = Device('gpu', 'NVIDIA B200', '10.0')
     pytest.param(200, 64, 'float16', True, None, id='default-blocks-tail'),
     pytest.param(128, 128, 'bfloat16', False, ONE_WARPGROUP, id='one-warpgroup-d128-no-alibi'),
     pytest.param(256, 64, 'bfloat16', True, OPTIONS, id='persistent-early-handoff-paired'),
+    pytest.param(256, 64, 'bfloat16', True, ISSUE_HANDOFF, id='persistent-issue-handoff'),
+    pytest.param(
+      200, 64, 'bfloat16', True, MosaicBlocks(issue_handoff=True), id='issue-handoff-tail'
+    ),
   ],
 )
 def test_forward_and_gradients_match_the_reference(seq, head_dim, dtype, alibi, blocks):
@@ -108,15 +114,26 @@ def test_the_bf16_model_through_mosaic_matches_xla():
 # ------------------------------------------------------------ the GPU path, lowered for CUDA
 
 
-def test_the_gpu_kernels_lower_for_cuda_with_alibi_as_key_rows():
+@pytest.mark.parametrize(
+  'blocks',
+  [
+    pytest.param(None, id='defaults'),
+    # At head_dim 128 the forward's buffers leave room for 2 stages of 128-key tiles, not 3.
+    pytest.param(dataclasses.replace(OPTIONS, stages=2), id='early-handoff-options'),
+    pytest.param(dataclasses.replace(ISSUE_HANDOFF, stages=2), id='issue-handoff-persistent'),
+    pytest.param(MosaicBlocks(issue_handoff=True), id='issue-handoff'),
+  ],
+)
+def test_the_gpu_kernels_lower_for_cuda_with_alibi_as_key_rows(blocks):
   """Forward, dQ and dK/dV: three Mosaic GPU kernels (wgmma, TMA, the register layouts: none of
-  interpret mode's stand-ins). ALiBi reaches them as a float32 [heads, seq] row per key, the
-  forward saves a float32 [batch, heads, seq] log-sum-exp, and no [seq, seq] tensor exists."""
+  interpret mode's stand-ins), with every option. ALiBi reaches them as a float32 [heads, seq]
+  row per key, the forward saves a float32 [batch, heads, seq] log-sum-exp, and no [seq, seq]
+  tensor exists."""
   x = jax.ShapeDtypeStruct((1, 384, 2, 128), jnp.bfloat16)
   slopes = np.array([LARGE_SLOPE, 0.5], np.float32)
 
   def loss(q, k, v):
-    return mosaic_attention(q, k, v, alibi_slopes=slopes).astype(jnp.float32).sum()
+    return mosaic_attention(q, k, v, alibi_slopes=slopes, blocks=blocks).astype(jnp.float32).sum()
 
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   text = grads.trace(x, x, x).lower(lowering_platforms=('cuda',)).as_text()
@@ -143,6 +160,13 @@ def test_the_gpu_kernels_lower_for_cuda_with_alibi_as_key_rows():
       (1, 128, 2, 64), jnp.bfloat16, MosaicBlocks(block_kv=96), 'multiple of 64', id='block'
     ),
     pytest.param((1, 128, 2, 64), jnp.bfloat16, MosaicBlocks(stages=1), 'at least 2', id='stages'),
+    pytest.param(
+      (1, 128, 2, 64),
+      jnp.bfloat16,
+      MosaicBlocks(early_handoff=True, issue_handoff=True),
+      'two orders of the same hand-over',
+      id='two-handoffs',
+    ),
   ],
 )
 def test_unsupported_inputs_name_the_rule_before_tracing(shape, dtype, blocks, rule):
