@@ -299,11 +299,17 @@ def unrolled_layers(cfg: Config, framework: str = 't5x_like') -> bool:
 
 
 def merges_recomputation(cfg: Config, framework: str = 't5x_like') -> bool:
-  """Whether XLA merges the layers' recomputed forward into the forward: `unrolled_layers` under
-  'save_dots'. The layers' checkpoints' prevent_cse=False is safe in a scan only; unrolled, each
-  layer keeps what its backward would have recomputed (XLA's GPU compiles of configs/bloom_1b3.py:
-  within 1% under ZeRO-1, +6.6% under ZeRO-3; docs/benchmarks.md)."""
-  return unrolled_layers(cfg, framework) and cfg.model.remat_policy == 'save_dots'
+  """Whether XLA merges the layers' recomputed forward into a forward: layers unrolled
+  (model.unroll_layers) under 'save_dots', without a pipeline (into the forward) or in the 1F1B
+  schedule (into the stage's forward each backward tick recomputes). The layers' checkpoints'
+  prevent_cse=False is safe in a scan only; unrolled, each layer keeps what its backward would
+  have recomputed. GPipe's ticks, differentiated as a scan, keep it apart. XLA's GPU compiles of
+  configs/bloom_1b3.py (docs/benchmarks.md): without a pipeline within 1% under ZeRO-1, +6.6%
+  under ZeRO-3; see tests/test_cost_model.py for the 1F1B rows."""
+  m = cfg.model
+  if framework != 't5x_like' or not m.unroll_layers or m.remat_policy != 'save_dots':
+    return False
+  return cfg.mesh.pipeline == 1 or one_f_one_b(cfg)
 
 
 def per_rank_pipeline(cfg: Config, framework: str = 't5x_like') -> bool:
@@ -585,16 +591,19 @@ def memory_bytes(
   policy = m.remat_policy
   if policy == 'none' and zero.stage == 3 and p == 1:
     policy = 'save_dots'
+  # Unrolled, what a layer's backward would have recomputed is kept with what it saves
+  # (`merges_recomputation`): the tanh-GeLU's two [tokens, ffn] products and both LayerNorms'
+  # outputs.
+  merged = 0.0
+  if merges_recomputation(cfg, framework):
+    merged = activation * (2 * m.ffn_size / h / t + 2 / split_seq)
   if policy == 'full':
     layer_keep = activation / split_seq
   elif policy == 'save_dots':
     layer_keep = saved_matmuls
     if keeps_attention_residuals(impl, residuals_kept):
       layer_keep += activation / t + b * heads * s * 4
-    if merges_recomputation(cfg, framework):
-      # Unrolled, also what the backward would have recomputed: the tanh-GeLU's two [tokens,
-      # ffn] products and both LayerNorms' outputs.
-      layer_keep += activation * (2 * m.ffn_size / h / t + 2 / split_seq)
+    layer_keep += merged
   else:
     ffn = m.ffn_size / h / t
     layer_keep = activation * (9 * ffn + 4 / t + 4 / split_seq) + 3 * scores * compute_bytes
@@ -624,7 +633,7 @@ def memory_bytes(
     # outputs, stacked by the layer scan (XLA's GPU compiles of tr11 and the chronicles' rows
     # hold exactly these [slots, ...] stacks at their peaks); under 'none' everything it keeps,
     # the stage's weights in the compute dtype among it (no layer is checkpointed).
-    out['recomputation workspace'] = slots * saved_matmuls
+    out['recomputation workspace'] = slots * (saved_matmuls + merged)
     if m.remat_policy == 'none':
       out['recomputation workspace'] = slots * layer_keep + compute_bytes * stage
   # fp32 gradients in the ZeRO layout, and with a pipeline the embedding's whole before its
@@ -741,6 +750,11 @@ def memory_bytes(
     head = (compute_bytes + 4 / g) * embedding
     layers = out['recomputation workspace'] + out['backward workspace']
     out['other temporaries'] += max(0.0, head - layers)
+  if p > 1 and merges_recomputation(cfg, framework):
+    # The recomputed stage's merged products and weight slices are live in a layer's backward,
+    # the loss's temporaries in the loss: the peak is the larger of the two, not their sum.
+    slices = compute_bytes * stage if zero.stage == 1 else 0.0
+    out['other temporaries'] = max(0.0, out['other temporaries'] - slots * merged - slices)
   return out
 
 
