@@ -191,6 +191,22 @@ def as_bits(tree, dtype):
   return jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint16), tree)
 
 
+def scan_carrying_masters(layer, masters, x, count: int, unroll: bool):
+  """(x after layer(masters, x, i) for i in [0, count), masters): the layers scanned with the
+  masters passed through the carry, so that the transposed scan's cotangent of the masters is
+  an accumulator: a pullback handed the fp32 accumulator as that cotangent adds each layer's
+  gradient into it in place (1F1B's ticks and the loop without a pipeline)."""
+
+  def one_layer(carry, i):
+    x, masters = carry
+    # Through a barrier: a carry passed through unchanged is forwarded past the scan by JAX,
+    # and its gradient is then summed from zeros and added to the accumulator afterwards.
+    return (layer(masters, x, i), jax.lax.optimization_barrier(masters)), None
+
+  (x, masters), _ = jax.lax.scan(one_layer, (x, masters), jnp.arange(count), unroll=unroll)
+  return x, masters
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def compute_copy(master, compute, dtype):
   """`compute` (a compute-dtype copy of `master`, possibly as `as_bits`) for the forward pass;
@@ -328,6 +344,7 @@ class Schedule:
     # probabilities and dropout bits of all `chunk` layers at once.
     self.policy = model_lib.remat_policy('save_dots' if self.full else cfg.model.remat_policy)
     self.hidden_dropout = 0.0 if deterministic else cfg.model.hidden_dropout
+    self.unroll = cfg.model.scan_unroll or cfg.model.unroll_layers  # the stage's layer scan
     self.buffer_names = ('stages',) + ctx.residual_names  # split along seq under sequence_parallel
     # All stages at once: the stage dim is split over `pipeline`.
     vmap_stages = lambda run: jax.vmap(
@@ -349,7 +366,8 @@ class Schedule:
     """One stage's `chunk` layers of its `repeat` on x, the activations of `injection`."""
     masters, computes = stage_layers
     layer = self._layer(computes, repeat, injection, stage_real, stage_ids, rng)
-    x, _ = self._scan_layers(lambda x, i: (layer(masters, x, i), None), x)
+    body = lambda x, i: (layer(masters, x, i), None)
+    x, _ = jax.lax.scan(body, x, jnp.arange(self.placement.chunk), unroll=self.unroll)
     return x
 
   def run_stage_carrying_masters(
@@ -359,17 +377,9 @@ class Schedule:
     cotangent of that carry is the transposed scan's gradient accumulator: a pullback handed
     the fp32 accumulator as the masters' cotangent adds each layer's gradient into it in
     place, and no stage-sized gradient of the tick is held beside it."""
-    computes = stage_layers[1]
+    masters, computes = stage_layers
     layer = self._layer(computes, repeat, injection, stage_real, stage_ids, rng)
-
-    def one_layer(carry, i):
-      x, masters = carry
-      # Through a barrier: a carry passed through unchanged is forwarded past the scan by JAX,
-      # and its gradient is then summed from zeros and added to the accumulator afterwards.
-      return (layer(masters, x, i), jax.lax.optimization_barrier(masters)), None
-
-    (x, masters), _ = self._scan_layers(one_layer, (x, stage_layers[0]))
-    return x, masters
+    return scan_carrying_masters(layer, masters, x, self.placement.chunk, self.unroll)
 
   def _layer(self, computes, repeat, injection, stage_real, stage_ids, rng):
     """(masters, x, i) -> layer i of the stage's `repeat` on x, recomputed in the backward
@@ -391,10 +401,6 @@ class Schedule:
     if self.cfg.model.remat_policy == 'none':
       return layer
     return jax.checkpoint(layer, policy=_never_save_weights(self.policy), prevent_cse=False)
-
-  def _scan_layers(self, body, carry):
-    unroll = self.cfg.model.scan_unroll or self.cfg.model.unroll_layers
-    return jax.lax.scan(body, carry, jnp.arange(self.placement.chunk), unroll=unroll)
 
   def input_tokens(self, m):
     """Micro-batch m's input token ids [rows, S]."""

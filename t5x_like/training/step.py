@@ -221,16 +221,8 @@ def add_microbatch_grads(
       x, 0.0 if deterministic else mcfg.hidden_dropout, dropout_key(mcfg.num_layers)
     )
 
-    def one_layer(carry, i):
-      x, masters = carry
-      # Through a barrier: a carry passed through unchanged is forwarded past the scan by JAX,
-      # and its gradient then summed from zeros and added to the accumulator afterwards.
-      return (layer(masters, x, i), jax.lax.optimization_barrier(masters)), None
-
     unroll = mcfg.scan_unroll or mcfg.unroll_layers
-    (x, masters), _ = jax.lax.scan(
-      one_layer, (x, masters), jnp.arange(mcfg.num_layers), unroll=unroll
-    )
+    x, masters = pipeline.scan_carrying_masters(layer, masters, x, mcfg.num_layers, unroll)
     loss = losses.head_loss(others, x, labels, weights, weights.sum(), mcfg, ctx)
     return (loss if scale is None else scale * loss), masters
 
