@@ -683,3 +683,27 @@ def test_the_mosaic_sweep_candidates_are_valid_tiles_and_reach_the_kernel():
   args.mosaic_blocks = '64,96,64,64,64,64,1,2,0,0,0,0'
   (row,) = attention_benchmark.run(args)['results']
   assert 'MosaicBlocks.block_kv=96 must be a multiple of 64' in row['failed'], row
+
+
+def test_attention_timing_divides_back_to_back_calls_waited_for_once(monkeypatch):
+  """A sample of `back_to_back` calls is waited for once and counted per call: on a fake clock
+  that each call advances by one second (and each wait by a tenth, the host's sync), five calls
+  back to back give 1.02 s a call, a single call 1.1 s; the warm-up calls are not timed."""
+  clock = {'now': 0.0, 'calls': 0, 'waits': 0}
+
+  def call():
+    clock['now'] += 1.0
+    clock['calls'] += 1
+    return clock['calls']
+
+  def wait(value):
+    clock['now'] += 0.1
+    clock['waits'] += 1
+    return value
+
+  monkeypatch.setattr(attention_benchmark.time, 'perf_counter', lambda: clock['now'])
+  monkeypatch.setattr(attention_benchmark.jax, 'block_until_ready', wait)
+  per_call = attention_benchmark.median_seconds(call, (), iters=3, warmup=2, back_to_back=5)
+  assert per_call == pytest.approx(1.02)
+  assert (clock['calls'], clock['waits']) == (2 + 3 * 5, 2 + 3)
+  assert attention_benchmark.median_seconds(call, (), iters=3, warmup=0) == pytest.approx(1.1)
