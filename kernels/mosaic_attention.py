@@ -20,10 +20,11 @@ only issues copies into a ring of `stages` buffers, so loads overlap the matmuls
   The log-sum-exp the forward saves is of those shifted scores; the backward adds the same rows,
   so its probabilities are the forward's.
 * Causal: key tiles above the diagonal are never loaded, and only tiles that cross it are masked.
-* `MosaicBlocks` also holds four options, off until a GPU run shows one faster: a persistent
-  forward (a program per SM running a sequence of query tiles through one key ring), two orders
-  of the hand-over of the tensor cores between the forward's math warpgroups (`early_handoff`,
-  `issue_handoff`), and the backward's independent products issued in pairs.
+* `MosaicBlocks` also holds options, off until a GPU run shows one faster: a persistent forward
+  (a program per SM running a sequence of query tiles through one key ring), orders of the
+  hand-over of the tensor cores between the forward's math warpgroups (`early_handoff`,
+  `issue_handoff`, `own_turn_barriers`), and the backward's independent products issued in
+  pairs.
 * Backward (`jax.custom_vjp`): the forward saves the output and the log-sum-exp (named
   `residuals.ATTENTION_RESIDUALS`, so that remat_policy='save_dots' keeps them). One kernel
   computes dK and dV (a program per key tile, looping over the query tiles from the diagonal),
@@ -112,8 +113,10 @@ class MosaicBlocks:
   signals its turn over once its QK^T is issued, loads the ALiBi row and builds the diagonal
   mask while QK^T runs, and waits for the other warpgroup only after QK^T ends, so one product
   is always queued on the tensor cores; the copy warpgroup refills a slot's keys and ALiBi row
-  as soon as they are free, before waiting for its values to be. All off: the kernels first
-  measured on an H100 (docs/benchmarks.md).
+  as soon as they are free, before waiting for its values to be. own_turn_barriers (with
+  issue_handoff, tokamax 0.0.17's form of it): each math warpgroup has a barrier of its own, at
+  which the other arrives once its QK^T is issued; a warpgroup waits at it only before its P V,
+  never after its QK^T. All off: the kernels first measured on an H100 (docs/benchmarks.md).
   """
 
   block_q: int = 64
@@ -128,6 +131,7 @@ class MosaicBlocks:
   early_handoff: bool = False
   paired_backward: bool = False
   issue_handoff: bool = False
+  own_turn_barriers: bool = False
 
   @property
   def multiple(self) -> int:
@@ -157,6 +161,12 @@ class MosaicBlocks:
         'MosaicBlocks.early_handoff and issue_handoff are two orders of the same hand-over: '
         'set one of them'
       )
+    if self.own_turn_barriers and not self.issue_handoff:
+      found.append('MosaicBlocks.own_turn_barriers is a form of issue_handoff: set both')
+    if self.own_turn_barriers and self.persistent:
+      # An item's last turn and the next item's first could both reach the other warpgroup's
+      # barrier before it waits, two phases at once.
+      found.append('MosaicBlocks.own_turn_barriers does not run with persistent: set one of them')
     return found
 
 
@@ -583,6 +593,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
 
   # Both orders wait for the next key tile while P V runs, not before its QK^T.
   handed_over_early = blocks.early_handoff or blocks.issue_handoff
+  own_turns = blocks.own_turn_barriers and wgs > 1
 
   def item_steps(tile):  # key tiles an item's program needs: up to its last query's diagonal
     return pl.cdiv((tile + 1) * span, block_kv)
@@ -600,6 +611,14 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
       if wgs > 1:
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
+
+    # own_turn_barriers: schedule is a barrier per math warpgroup; the other warpgroup arrives
+    # at a warpgroup's once its QK^T is issued, and the warpgroup waits at its own before P V.
+    def pass_turn():
+      plgpu.barrier_arrive(schedule.at[1 - wg] if own_turns else schedule)
+
+    def take_turn():
+      plgpu.barrier_wait(schedule.at[wg] if own_turns else schedule)
 
     @pl.when(wg < wgs)
     def _math():
@@ -642,15 +661,15 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
             def while_issued():
               bias = ring.key_bias(slot, interpret)
               if wgs > 1:
-                plgpu.barrier_arrive(schedule)
+                pass_turn()
               return bias, diagonal_mask(step) if masked else None
 
             scores, (bias, visible) = mma_while(
               q_tile_smem, ring.k.at[slot], interpret, while_issued, transpose_b=True
             )
             plgpu.barrier_arrive(ring.k_free.at[slot])
-            if wgs > 1:
-              plgpu.barrier_wait(schedule)
+            if wgs > 1 and not own_turns:
+              take_turn()
             return scores, bias, visible
           if blocks.early_handoff:
             scores = mma(
@@ -681,11 +700,11 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           probs = probs.astype(dtype)
           if handed_over_early:  # keep the softmax before the turn (jax's Hopper attention)
             acc, row_sum, new_max, probs = lax.optimization_barrier((acc, row_sum, new_max, probs))
-          if wgs > 1:
-            plgpu.barrier_arrive(schedule)
+          if wgs > 1 and not own_turns:
+            pass_turn()
           plgpu.barrier_wait(ring.v_ready.at[slot])
           if wgs > 1:
-            plgpu.barrier_wait(schedule)
+            take_turn()
 
           def next_keys():  # while P V runs
             next_slot = slot_of(step + 1)
@@ -703,8 +722,12 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
 
         def drain(step, _):  # key tiles another warpgroup needed: release them, keep the turns
           ring.release(slot_of(step))
-          rendezvous()
-          rendezvous()
+          if own_turns:
+            pass_turn()
+            take_turn()
+          else:
+            rendezvous()
+            rendezvous()
 
         carry = (
           zeros_tile((block_q, head_dim), interpret),
@@ -713,11 +736,13 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
         )
         if handed_over_early:
           plgpu.barrier_wait(ring.k_ready.at[slot_of(0)])
-        pl.when(wg == 1)(rendezvous)
+        # The first warpgroup goes first: the second waits for its first QK^T, and at the end
+        # the first lets the second's last P V go.
+        pl.when(wg == 1)(take_turn if own_turns else rendezvous)
         carry = lax.fori_loop(0, unmasked_steps, functools.partial(kv_step, masked=False), carry)
         carry = lax.fori_loop(unmasked_steps, steps, functools.partial(kv_step, masked=True), carry)
         lax.fori_loop(steps, program_steps, drain, None)
-        pl.when(wg == 0)(rendezvous)
+        pl.when(wg == 0)(pass_turn if own_turns else rendezvous)
         acc, row_max, row_sum = carry
         out = acc / lax.broadcast_in_dim(row_sum, acc.shape, [0])
         if blocks.persistent:  # the previous item's output has left the buffers
@@ -762,8 +787,10 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
     plgpu.SMEM((wgs, block_q), jnp.float32),
     ring_buffers,
   )
-  # The query tiles' copies, and the math warpgroups' turns on the tensor cores.
-  barriers = (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_arrivals=wgs), ring_barriers)
+  # The query tiles' copies, and the math warpgroups' turns on the tensor cores: one barrier
+  # both arrive at, or one of each's own that the other arrives at.
+  turns = plgpu.Barrier(num_barriers=2) if own_turns else plgpu.Barrier(num_arrivals=wgs)
+  barriers = (plgpu.Barrier(num_barriers=wgs), turns, ring_barriers)
   out_type = (
     jax.ShapeDtypeStruct(q.shape, dtype),
     jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32),

@@ -43,8 +43,10 @@ ONE_WARPGROUP = MosaicBlocks(compute_wgs=1, block_kv=64)
 OPTIONS = dataclasses.replace(
   SMALL, stages=3, persistent=True, early_handoff=True, paired_backward=True
 )
-# tokamax's order of the hand-over and the refills, on the same items and ring.
+# tokamax's order of the hand-over and the refills, on the same items and ring; and its 0.0.17
+# form, a turn barrier per warpgroup, on SMALL's unequal warpgroups (their drain keeps turns).
 ISSUE_HANDOFF = dataclasses.replace(SMALL, stages=3, persistent=True, issue_handoff=True)
+OWN_TURNS = dataclasses.replace(SMALL, issue_handoff=True, own_turn_barriers=True)
 B200 = Device('gpu', 'NVIDIA B200', '10.0')
 
 
@@ -61,6 +63,7 @@ B200 = Device('gpu', 'NVIDIA B200', '10.0')
     pytest.param(
       200, 64, 'bfloat16', True, MosaicBlocks(issue_handoff=True), id='issue-handoff-tail'
     ),
+    pytest.param(256, 64, 'bfloat16', True, OWN_TURNS, id='own-turn-barriers'),
   ],
 )
 def test_forward_and_gradients_match_the_reference(seq, head_dim, dtype, alibi, blocks):
@@ -122,6 +125,7 @@ def test_the_bf16_model_through_mosaic_matches_xla():
     pytest.param(dataclasses.replace(OPTIONS, stages=2), id='early-handoff-options'),
     pytest.param(dataclasses.replace(ISSUE_HANDOFF, stages=2), id='issue-handoff-persistent'),
     pytest.param(MosaicBlocks(issue_handoff=True), id='issue-handoff'),
+    pytest.param(MosaicBlocks(issue_handoff=True, own_turn_barriers=True), id='own-turns'),
   ],
 )
 def test_the_gpu_kernels_lower_for_cuda_with_alibi_as_key_rows(blocks):
@@ -166,6 +170,20 @@ def test_the_gpu_kernels_lower_for_cuda_with_alibi_as_key_rows(blocks):
       MosaicBlocks(early_handoff=True, issue_handoff=True),
       'two orders of the same hand-over',
       id='two-handoffs',
+    ),
+    pytest.param(
+      (1, 128, 2, 64),
+      jnp.bfloat16,
+      MosaicBlocks(own_turn_barriers=True),
+      'a form of issue_handoff',
+      id='own-turns-alone',
+    ),
+    pytest.param(
+      (1, 128, 2, 64),
+      jnp.bfloat16,
+      MosaicBlocks(issue_handoff=True, own_turn_barriers=True, persistent=True),
+      'does not run with persistent',
+      id='own-turns-persistent',
     ),
   ],
 )
