@@ -593,10 +593,12 @@ def memory_bytes(
     policy = 'save_dots'
   # Unrolled, what a layer's backward would have recomputed is kept with what it saves
   # (`merges_recomputation`): the tanh-GeLU's two [tokens, ffn] products and both LayerNorms'
-  # outputs.
-  merged = 0.0
+  # outputs; and under ZeRO-1 each layer's weights as sliced from the compute copy's stacks
+  # (ZeRO-3 gathers a layer's where it is used).
+  merged = merged_slices = 0.0
   if merges_recomputation(cfg, framework):
     merged = activation * (2 * m.ffn_size / h / t + 2 / split_seq)
+    merged_slices = compute_bytes * stage if zero.stage == 1 else 0.0
   if policy == 'full':
     layer_keep = activation / split_seq
   elif policy == 'save_dots':
@@ -723,10 +725,7 @@ def memory_bytes(
     # 1F1B or without a pipeline either, where it is gone before the peak).
     gathered = 4 * embedding if g > 1 and not ticks_1f1b and p > 1 else 0
     out['weight copies'] = compute_bytes * state + gathered
-  if merges_recomputation(cfg, framework) and zero.stage == 1:
-    # and each layer's weights as sliced from the compute copy's stacks, kept for its backward
-    # (ZeRO-3 gathers a layer's where it is used).
-    out['weight copies'] += compute_bytes * stage
+  out['weight copies'] += merged_slices
   vocab = cfg.padded_vocab_size / t
   if embedding_split_over_pipeline(cfg, framework):
     vocab /= mesh.pipeline  # each stage's head computes its rows' logits
@@ -753,8 +752,7 @@ def memory_bytes(
   if p > 1 and merges_recomputation(cfg, framework):
     # The recomputed stage's merged products and weight slices are live in a layer's backward,
     # the loss's temporaries in the loss: the peak is the larger of the two, not their sum.
-    slices = compute_bytes * stage if zero.stage == 1 else 0.0
-    out['other temporaries'] = max(0.0, out['other temporaries'] - slots * merged - slices)
+    out['other temporaries'] = max(0.0, out['other temporaries'] - slots * merged - merged_slices)
   return out
 
 
