@@ -116,7 +116,11 @@ class MosaicBlocks:
   as soon as they are free, before waiting for its values to be. own_turn_barriers (with
   issue_handoff, tokamax 0.0.17's form of it): each math warpgroup has a barrier of its own, at
   which the other arrives once its QK^T is issued; a warpgroup waits at it only before its P V,
-  never after its QK^T. All off: the kernels first measured on an H100 (docs/benchmarks.md).
+  never after its QK^T. no_auto_barriers (every kernel, tokamax's setting): Mosaic GPU inserts
+  no warpgroup barrier of its own around shared-memory stores and before each copy a warpgroup
+  issues (the copy warpgroup's three a key tile); the kernels' only stores are their epilogues,
+  each followed by `commit_smem` (a fence and a warpgroup barrier) before the copy that reads it.
+  All off: the kernels first measured on an H100 (docs/benchmarks.md).
   """
 
   block_q: int = 64
@@ -132,6 +136,7 @@ class MosaicBlocks:
   paired_backward: bool = False
   issue_handoff: bool = False
   own_turn_barriers: bool = False
+  no_auto_barriers: bool = False
 
   @property
   def multiple(self) -> int:
@@ -795,12 +800,12 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
     jax.ShapeDtypeStruct(q.shape, dtype),
     jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32),
   )
-  call = _kernel_call(body, out_type, scratch, barriers, grid, grid_names, wgs, interpret)
+  call = _kernel_call(body, out_type, scratch, barriers, grid, grid_names, wgs, blocks, interpret)
   out, lse = call(q, k, v, key_bias)
   return out, lse
 
 
-def _kernel_call(body, out_type, scratch, barriers, grid, grid_names, wgs, interpret):
+def _kernel_call(body, out_type, scratch, barriers, grid, grid_names, wgs, blocks, interpret):
   return plgpu.kernel(
     body,
     out_type=out_type,
@@ -809,7 +814,9 @@ def _kernel_call(body, out_type, scratch, barriers, grid, grid_names, wgs, inter
     grid_names=grid_names,
     num_threads=wgs + 1,
     thread_name='wg',
-    compiler_params=plgpu.CompilerParams(approx_math=True),
+    compiler_params=plgpu.CompilerParams(
+      approx_math=True, unsafe_no_auto_barriers=blocks.no_auto_barriers
+    ),
     interpret=_interpret_params(interpret),
   )
 
@@ -920,6 +927,7 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
     (heads, seq // span, batch),
     ('heads', 'q_tile', 'batch'),
     wgs,
+    blocks,
     interpret,
   )
   return call(q, k, v, d_out, key_bias, lse, delta)
@@ -1056,6 +1064,7 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
     (heads, seq // span, batch),
     ('heads', 'kv_tile', 'batch'),
     wgs,
+    blocks,
     interpret,
   )
   return call(q, k, v, d_out, key_bias, lse, delta)

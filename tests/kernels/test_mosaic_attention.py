@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.mlir import ir as mlir_ir
+from jax.interpreters import mlir as jax_mlir
 from test_flash_attention import TOLERANCE, inputs
 from test_model_integration import check_bf16_model_against_xla
 from test_tokamax_attention import A100, H100, LARGE_SLOPE, check_against_reference
@@ -39,9 +41,15 @@ ONE_WARPGROUP = MosaicBlocks(compute_wgs=1, block_kv=64)
 # The options of the kernels (MosaicBlocks' docstring) on top of SMALL's unequal warpgroups. At seq
 # 256 the persistent forward has 4 items (2 query tiles x 2 heads) for INTERPRET_PROGRAMS = 3
 # programs: the first runs two (4 key tiles, then 2 from the key ring's second slot of 3), the
-# others one each.
+# others one each. (no_auto_barriers changes only the compiled kernels: on a GPU this case runs
+# the persistent forward, whose output buffer is reused, without Mosaic GPU's own barriers.)
 OPTIONS = dataclasses.replace(
-  SMALL, stages=3, persistent=True, early_handoff=True, paired_backward=True
+  SMALL,
+  stages=3,
+  persistent=True,
+  early_handoff=True,
+  paired_backward=True,
+  no_auto_barriers=True,
 )
 # tokamax's order of the hand-over and the refills, on the same items and ring; and its 0.0.17
 # form, a turn barrier per warpgroup, on SMALL's unequal warpgroups (their drain keeps turns).
@@ -150,6 +158,56 @@ def test_the_gpu_kernels_lower_for_cuda_with_alibi_as_key_rows(blocks):
   assert dq[4:] == ['tensor<2x384xf32>', 'tensor<1x2x384xf32>', 'tensor<1x2x384xf32>', qkv]
   assert dkv[-1] == f'({qkv}, {qkv})'
   assert not re.search(r'tensor<[^>]*384x384', text)
+
+
+def kernel_texts(lowered) -> list[str]:
+  """The MLIR text of each Mosaic GPU kernel in a lowered program, in program order: the module
+  each `mosaic_gpu_v2` custom call carries (MLIR bytecode in its backend config; its Mosaic GPU
+  ops print in the generic form, LLVM's and NVVM's as they are)."""
+  calls: list = []
+
+  def visit(op) -> None:
+    for region in op.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          if inner.operation.name == 'stablehlo.custom_call':
+            calls.append(inner)
+          visit(inner.operation)
+
+  visit(lowered.compiler_ir('stablehlo').operation)
+  context = jax_mlir.make_ir_context()
+  context.allow_unregistered_dialects = True
+  texts = []
+  for call in calls:
+    config = mlir_ir.DictAttr(call.attributes['mhlo.backend_config'])
+    with context, mlir_ir.Location.unknown():
+      module = mlir_ir.Module.parse(mlir_ir.StringAttr(config['module']).value_bytes)
+      texts.append(str(module))
+  return texts
+
+
+def test_no_auto_barriers_leaves_each_kernel_only_the_barriers_it_asks_for():
+  """With MosaicBlocks.no_auto_barriers each kernel keeps two warpgroup barriers (`bar.sync`,
+  128 threads), the epilogue's own: `commit_smem` before the output's copy and the wait for that
+  copy; by default Mosaic GPU adds its own around every shared-memory store and before each copy
+  a warpgroup issues."""
+  x = jax.ShapeDtypeStruct((1, 384, 2, 128), jnp.bfloat16)
+  slopes = np.ones(2, np.float32)
+
+  def barriers(blocks):
+    def loss(q, k, v):
+      return mosaic_attention(q, k, v, alibi_slopes=slopes, blocks=blocks).astype(jnp.float32).sum()
+
+    lowered = (
+      jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(lowering_platforms=('cuda',))
+    )
+    return [text.count('"bar.sync $0, 128;"') for text in kernel_texts(lowered)]
+
+  with_auto = barriers(MosaicBlocks(issue_handoff=True, own_turn_barriers=True))
+  assert len(with_auto) == 3 and min(with_auto) > 2, with_auto
+  assert barriers(
+    MosaicBlocks(issue_handoff=True, own_turn_barriers=True, no_auto_barriers=True)
+  ) == [2, 2, 2]
 
 
 # ------------------------------------------------------------------------------ constraints
