@@ -57,7 +57,7 @@ so); `cudnn` and `pallas` on a platform that cannot run them are reported as ski
 reason; a row that fails is reported with its error and the others still run. `--json` is
 rewritten after each row (a run cut short keeps its rows). `--blocks` and
 `--num_warps/--num_stages` override the Pallas tile sizes and `--mosaic_blocks` the Mosaic GPU
-kernels' `MosaicBlocks` (tuning: `attention_sweep.sh`, `mosaic_sweep.sh`).
+kernels' `MosaicBlocks` (tuning: `attention_sweep.sh`, `mosaic_sweep.py`).
 """
 
 from __future__ import annotations
@@ -485,7 +485,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument(
     '--mosaic_blocks',
     default='',
-    help='mosaic tiles: ' + ','.join(MOSAIC_BLOCK_FIELDS) + ' (benchmarks/mosaic_sweep.sh)',
+    help='mosaic tiles: ' + ','.join(MOSAIC_BLOCK_FIELDS) + ' (benchmarks/mosaic_sweep.py)',
   )
   parser.add_argument('--num_warps', type=int, default=0)
   parser.add_argument('--num_stages', type=int, default=0)

@@ -20,6 +20,7 @@ from t5x_like.kernels import MosaicBlocks, mosaic_attention
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
 import attention as attention_benchmark  # noqa: E402  (scripts, not package modules)
 import gpu_suite  # noqa: E402
+import mosaic_sweep  # noqa: E402
 import profile_trace  # noqa: E402
 
 
@@ -651,27 +652,26 @@ def test_a_real_cpu_profile_reads_the_same_from_its_json_and_its_xspace(tmp_path
 
 
 def test_the_mosaic_sweep_candidates_are_valid_tiles_and_reach_the_kernel():
-  """Every candidate of benchmarks/mosaic_sweep.sh parses into MosaicBlocks without a problem
-  and its kernels lower for CUDA, within Hopper's shared memory (a typo or a ring too large
-  would cost GPU time); the defaults are among them, and --mosaic_blocks is what the mosaic row
-  runs with (here in interpret mode, one warpgroup of 64-row tiles)."""
-  with open(os.path.join(REPO, 'benchmarks', 'mosaic_sweep.sh')) as f:
-    text = f.read()
-  lines = text.split("<<'CANDIDATES'\n")[1].split('CANDIDATES')[0].split()
-  candidates = [attention_benchmark.parse_mosaic_blocks(line) for line in lines]
-  assert MosaicBlocks() in candidates and len(set(candidates)) == len(candidates)
+  """Every candidate of benchmarks/mosaic_sweep.py is MosaicBlocks without a problem and its
+  kernels lower for CUDA, within Hopper's shared memory (a typo or a ring too large would cost
+  GPU time); 'default' is the defaults. --mosaic_blocks is what attention.py's mosaic row runs
+  with (here in interpret mode, one warpgroup of 64-row tiles)."""
+  assert mosaic_sweep.blocks_of('default') == MosaicBlocks()
   x = jax.ShapeDtypeStruct((1, 512, 1, 128), jnp.bfloat16)
-  for blocks in candidates:
-    assert blocks.problems() == [], blocks
+  for name in mosaic_sweep.CANDIDATES:
+    blocks = mosaic_sweep.blocks_of(name)
+    assert blocks.problems() == [], name
 
     def loss(q, k, v, blocks=blocks):
       return mosaic_attention(q, k, v, alibi_slopes=np.ones(1, np.float32), blocks=blocks).sum()
 
     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(lowering_platforms=('cuda',))
-  with pytest.raises(SystemExit, match='--mosaic_blocks needs 13 integers'):
+  with pytest.raises(SystemExit, match='unknown candidate'):
+    mosaic_sweep.parse_args(['--only', 'own_turn'])
+  with pytest.raises(SystemExit, match='--mosaic_blocks needs 14 integers'):
     attention_benchmark.parse_mosaic_blocks('64,128')
 
-  one_warpgroup = '64,64,64,64,64,64,1,2,0,0,0,0,0'
+  one_warpgroup = '64,64,64,64,64,64,1,2,0,0,0,0,0,0'
   args = attention_benchmark.parse_args(
     ['--smoke', '--seqs', '64', '--impls', 'mosaic', '--mosaic_blocks', one_warpgroup]
   )
@@ -680,9 +680,71 @@ def test_the_mosaic_sweep_candidates_are_valid_tiles_and_reach_the_kernel():
   (row,) = report['results']
   assert row['correct'], row
   # Tiles the kernel refuses: the row's error is the kernel's, so the option reached it.
-  args.mosaic_blocks = '64,96,64,64,64,64,1,2,0,0,0,0,0'
+  args.mosaic_blocks = '64,96,64,64,64,64,1,2,0,0,0,0,0,0'
   (row,) = attention_benchmark.run(args)['results']
   assert 'MosaicBlocks.block_kv=96 must be a multiple of 64' in row['failed'], row
+
+
+def test_the_sweep_compares_each_round_against_the_default_timed_in_it():
+  """Rounds interleave the candidates, the order rotated each round, and a speed-up is the
+  default's time over the candidate's in the same round: on a clock that slows 1.5x a round, a
+  kernel 10% faster is faster in every round (where comparing the rounds' medians across
+  candidates would depend on who ran when), one that alternates is within the spread."""
+  calls = []
+  rounds = 4
+
+  def timer(name, seconds):
+    def time_it():
+      calls.append(name)
+      drift = 1.5 ** ((len(calls) - 1) // 3)  # the machine slows from round to round
+      return seconds(len([c for c in calls if c == name])) * drift
+
+    return time_it
+
+  timers = {
+    'default': timer('default', lambda n: 1.0),
+    'quick': timer('quick', lambda n: 0.9),
+    'noisy': timer('noisy', lambda n: 0.95 if n % 2 else 1.05),
+  }
+  result = mosaic_sweep.interleaved_rounds(timers, rounds, 'default')
+  assert calls[:3] == ['default', 'quick', 'noisy'] and calls[3:6] == ['quick', 'noisy', 'default']
+  assert len(calls) == 3 * rounds
+  assert result['quick']['speedups'] == pytest.approx([1 / 0.9] * rounds)
+  assert result['quick']['verdict'] == 'faster'
+  assert result['noisy']['verdict'] == 'within'
+  assert result['default']['verdict'] == 'baseline'
+  assert mosaic_sweep.verdict([0.97, 0.99]) == 'slower'
+
+  def row(candidate, seq, fwd, fwd_bwd):
+    return {
+      'candidate': candidate,
+      'seq': seq,
+      'fwd': {'verdict': fwd},
+      'fwd_bwd': {'verdict': fwd_bwd},
+    }
+
+  rows = [row('a', 2048, 'within', 'faster'), row('a', 4096, 'faster', 'faster')]
+  assert mosaic_sweep.adoptable(rows, 'a', [2048, 4096])
+  assert not mosaic_sweep.adoptable(rows, 'a', [2048, 4096, 8192])  # a length not measured
+  rows.append(row('b', 2048, 'slower', 'faster'))
+  rows.append(row('b', 4096, 'faster', 'faster'))
+  assert not mosaic_sweep.adoptable(rows, 'b', [2048, 4096])  # its forward slower at 2048
+
+
+def test_the_sweep_smoke_run_checks_every_candidate_and_reports_a_broken_one(monkeypatch):
+  """--smoke on CPU: each candidate in interpret mode against the fp32 reference, not timed; a
+  candidate that cannot run is reported with the kernel's error, and the run fails."""
+  report = mosaic_sweep.run(mosaic_sweep.parse_args(['--smoke', '--seqs', '64']))
+  rows = {row['candidate']: row for row in report['rows']}
+  assert set(rows) == set(mosaic_sweep.SMOKE_CANDIDATES)
+  assert all(row['correct'] and 'fwd' not in row for row in rows.values()), rows
+  assert mosaic_sweep.failures(report) == []
+
+  monkeypatch.setitem(mosaic_sweep.CANDIDATES, 'kv96', {'block_kv': 96})
+  report = mosaic_sweep.run(mosaic_sweep.parse_args(['--smoke', '--seqs', '64', '--only', 'kv96']))
+  (broken,) = mosaic_sweep.failures(report)
+  assert broken['candidate'] == 'kv96'
+  assert 'MosaicBlocks.block_kv=96 must be a multiple of 64' in broken['failed']
 
 
 def test_attention_timing_divides_back_to_back_calls_waited_for_once(monkeypatch):
