@@ -247,7 +247,7 @@ def _fused_forward(hidden, embedding, local_labels, valid_rows, scale, chunk: in
     in_shard = (labels_chunk >= 0) & (labels_chunk < local_rows)
     label_rows = jnp.where(in_shard, labels_chunk, 0)
     label_logit = jnp.take_along_axis(logits, label_rows[:, None], axis=1)[:, 0]
-    label_logit = jnp.where(in_shard, label_logit, 0.0)
+    label_logit = local_label_logit = jnp.where(in_shard, label_logit, 0.0)
     if axis_name is not None:
       total = jax.lax.psum(total, axis_name)
       label_logit = jax.lax.psum(label_logit, axis_name)
@@ -264,21 +264,31 @@ def _fused_forward(hidden, embedding, local_labels, valid_rows, scale, chunk: in
     d_embedding = jnp.einsum(
       'nv,ne->ve', d_logits, hidden_chunk, preferred_element_type=jnp.float32
     )
-    return loss_sum, d_hidden.astype(hidden.dtype), d_embedding
+    return loss_sum, d_hidden.astype(hidden.dtype), d_embedding, local_label_logit
 
   hidden_chunks = hidden.reshape(num_tokens // chunk, chunk, width)
   label_chunks = local_labels.reshape(num_tokens // chunk, chunk)
   scale_chunks = scale.reshape(num_tokens // chunk, chunk)
   # The first chunk outside the scan seeds the carries with the inputs' varying-axes types.
-  loss_sum, d_first, d_embedding = tile(hidden_chunks[0], label_chunks[0], scale_chunks[0])
+  loss_sum, d_first, d_embedding, label_logit = tile(
+    hidden_chunks[0], label_chunks[0], scale_chunks[0]
+  )
+  # The other chunks start once the first chunk's gradients and label logits (the last reads
+  # of its fp32 tile) are done: XLA's GPU compiler unrolls a loop of one iteration (two chunks)
+  # and ran both chunks side by side, two fp32 tiles at once (3.8 GiB more at the peak of
+  # configs/bloom_1b3.py's step on an H100). In a longer loop one iteration ends before the
+  # next begins.
+  d_first, d_embedding, rest, _ = jax.lax.optimization_barrier(
+    (d_first, d_embedding, hidden_chunks[1:], label_logit)
+  )
 
   def visit(carry, xs):
     loss_sum, d_embedding = carry
-    chunk_loss, d_hidden, chunk_d_embedding = tile(*xs)
+    chunk_loss, d_hidden, chunk_d_embedding, _ = tile(*xs)
     return (loss_sum + chunk_loss, d_embedding + chunk_d_embedding), d_hidden
 
   (loss_sum, d_embedding), d_rest = jax.lax.scan(
-    visit, (loss_sum, d_embedding), (hidden_chunks[1:], label_chunks[1:], scale_chunks[1:])
+    visit, (loss_sum, d_embedding), (rest, label_chunks[1:], scale_chunks[1:])
   )
   d_hidden = jnp.concatenate([d_first[None], d_rest]).reshape(num_tokens, width)
   return loss_sum, (d_hidden, d_embedding.astype(embedding.dtype))
