@@ -4,12 +4,12 @@ BigScience names it by its non-embedding parameters (1.21B); with the 250,880-ro
 model has 1.72B parameters. bf16 on 16 GPUs, data parallelism over all 16 (ZeRO-1) without a
 pipeline, the gradients summed once a step. Each rank runs micro-batches of 4 with the fused
 cross-entropy and its layers unrolled: on one H200 that step ran at 50.8% MFU, 1.22x the chunked
-loss with scanned layers (docs/benchmarks.md, 2026-11-28), for 39.7 GiB per GPU by XLA's H100
+loss with scanned layers (docs/benchmarks.md, 2026-11-28), for 35.9 GiB per GPU by XLA's H100
 compile (20.0 with those). Until 2026-11-28 it ran data 8 x pipeline 2 in the GPipe order, which
 under save_dots keeps every layer's saved matmul outputs of all 17 ticks in flight: 77.5 GiB per
 GPU, more than an 80 GB GPU gives JAX.
 `python -m t5x_like.plan --config configs/bloom_1b3.py --search --gpus 16 --gpu h100-80gb` ranks
-micro-batches of 8 first (1.4% ahead by its estimate, 54.6 GiB per GPU); the config keeps the
+micro-batches of 8 first (1.4% ahead by its estimate, 50.8 GiB per GPU); the config keeps the
 micro-batches of 4 that a GPU measured.
 """
 

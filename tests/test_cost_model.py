@@ -524,7 +524,7 @@ GPU_1F1B_1B3_PEAK_GIB = [
   ({**ONE_F_ONE_B_1B3, **CHUNKED, 'train.micro_batch_size': 2}, 11.06),
   ({**ONE_F_ONE_B_1B3, **CHUNKED, 'mesh.data': 4, 'mesh.pipeline': 4}, 8.39),
   ({**ONE_F_ONE_B_1B3, **CHUNKED, 'mesh.zero_stage': 3, 'pipeline.grad_sync': 'tick'}, 9.30),
-  ({**ONE_F_ONE_B_1B3, **SCANNED}, 14.60),
+  ({**ONE_F_ONE_B_1B3, **SCANNED}, 12.70),  # 14.60 with the fused loss's chunks side by side
   ({**ONE_F_ONE_B_1B3, **CHUNKED, **SCANNED}, 10.51),
   ({**ONE_F_ONE_B_1B3, **CHUNKED, **SCANNED, 'mesh.data': 4, 'mesh.pipeline': 4}, 6.34),
 ]
@@ -538,8 +538,10 @@ def test_one_f_one_b_with_unrolled_layers_memory_is_xlas():
   LayerNorm outputs and (ZeRO-1) weight slices, 4.6 GiB more than scanned under the chunked loss
   (15.10 against 10.51), where the model said 10.05 for both until 2026-11-29. Those are live in
   a layer's backward, the fused loss's tiles in the loss: the peak is the larger, so the fused
-  loss's unrolled step holds what the chunked one does. GPipe's ticks, differentiated as a scan,
-  merge nothing (78.43 GiB unrolled against 77.51 scanned; the model: 77.76 for both)."""
+  loss's unrolled step holds what the chunked one does. With the layers scanned the fused loss's
+  peak is the head's, beside the stage's stacked QKV and h -> 4h outputs only (12.70 GiB; 14.60
+  when its two token chunks ran side by side). GPipe's ticks, differentiated as a scan, merge
+  nothing (78.43 GiB unrolled against 77.51 scanned; the model: 77.76 for both)."""
   for overrides, xla in GPU_1F1B_1B3_PEAK_GIB:
     cfg = load_config_file(os.path.join(REPO, 'configs', 'bloom_1b3.py'), overrides)
     estimated = cost_model.estimate(cfg, 'h100-80gb')
@@ -1083,10 +1085,19 @@ def _as_measured(impl: str) -> dict:
 
 def _as_run_before_in_place(cfg) -> dict:
   """The estimate of `cfg`'s step as the code of the GPU suite's measurements before 2026-11-28
-  ran it: its gradients not added in place (fit_planner.H100_STEP_GRADIENTS_IN_PLACE)."""
+  ran it: its gradients not added in place (fit_planner.H100_STEP_GRADIENTS_IN_PLACE), and a
+  fused loss's two chunks side by side (FUSED_CHUNKS_AT_ONCE_MEASURED)."""
   return cost_model.estimate(
-    cfg, 'h100-80gb', gradients_in_place=fit_planner.H100_STEP_GRADIENTS_IN_PLACE
+    cfg,
+    'h100-80gb',
+    gradients_in_place=fit_planner.H100_STEP_GRADIENTS_IN_PLACE,
+    fused_chunks_at_once=FUSED_CHUNKS_AT_ONCE_MEASURED,
   )
+
+
+# Every GPU measurement of the fused loss (2026-11-27 and 28) ran a micro-batch's two token
+# chunks side by side (cost_model.fused_loss_bytes); since 2026-11-29 one chunk at a time.
+FUSED_CHUNKS_AT_ONCE_MEASURED = 2
 
 
 def _measured_code_gib(estimate: dict, cfg) -> float:
@@ -1186,7 +1197,9 @@ def test_h200_estimate_of_the_measured_steps():
   estimates = {}
   for (impl, loss, unroll), (ms, peak_bytes) in H200_BLOOM_1B3.items():
     cfg = _bloom_1b3_step(impl).replace(model={'cross_entropy_impl': loss, 'unroll_layers': unroll})
-    estimates[impl, loss, unroll] = r = cost_model.estimate(cfg, 'h200')
+    estimates[impl, loss, unroll] = r = cost_model.estimate(
+      cfg, 'h200', fused_chunks_at_once=FUSED_CHUNKS_AT_ONCE_MEASURED
+    )
     time = r['estimated_step_s'] * 1e3 / ms - 1
     memory = r['estimated_memory_gib'] * 2**30 / peak_bytes - 1
     assert abs(time) < H100_TIME_ERROR and abs(memory) < H100_MEMORY_ERROR, (
@@ -1223,8 +1236,9 @@ H100_BLOOM_1B3_LOSSES = {'dense': (976, 62_441_841_998), 'fused': (860, 58_457_4
 
 
 def test_h100_estimate_of_the_loss_variants():
-  """The fused loss's memory: without a pipeline its peak is in the loss, two [token chunk,
-  vocabulary] tiles in fp32 and two in bf16 (-0.3%, with the zero count's fill), and its time
+  """The fused loss's memory: without a pipeline its peak is in the loss, where that code held
+  two [token chunk, vocabulary] tiles in fp32 and two in bf16, its two chunks side by side
+  (-0.3%, with the zero count's fill; cost_model.fused_loss_bytes), and its time
   (-2.1%). The dense loss's memory: all the fp32 logits and their gradient (+1.6%; XLA's compile
   without a GPU holds one of the two); its time is not within reach (-12.2%: the model's open
   error, docs/benchmarks.md)."""
@@ -1428,7 +1442,8 @@ GPU_NO_PIPELINE_PEAK_GIB = [
   (lambda: _suite_step('xla'), 40.30),
   (lambda: _suite_step('pallas'), 38.10),
   (lambda: _suite_step('mosaic'), 38.10),
-  (lambda: _suite_step(cross_entropy_impl='fused'), 48.03),
+  # The fused loss one token chunk at a time (48.03 when XLA ran the two side by side).
+  (lambda: _suite_step(cross_entropy_impl='fused'), 44.21),
   (
     lambda: load_config_file(
       os.path.join(REPO, 'configs', 'bloom_1b3.py'),
@@ -1444,7 +1459,7 @@ GPU_NO_PIPELINE_PEAK_GIB = [
   (lambda: _shipped_1b3(**{'mesh.zero_group': 8}), 21.25),
   (
     lambda: _shipped_1b3(**{'model.cross_entropy_impl': 'fused', 'train.micro_batch_size': 8}),
-    35.78,
+    33.88,  # 35.78 before the fused loss's first chunk ended before the others began
   ),
   (lambda: _shipped_1b3(**{'model.attention_impl': 'xla'}), 22.26),
   # Hybrid groups of one under 'tick': each rank its own copy, whose loop adds in place.
@@ -1464,7 +1479,7 @@ GPU_NO_PIPELINE_PEAK_GIB = [
   (lambda: _shipped_1b3(**{'model.unroll_layers': True}), 29.37),
   (
     lambda: _shipped_1b3(**{'model.unroll_layers': True, 'model.cross_entropy_impl': 'fused'}),
-    39.70,
+    35.89,  # 39.70 with the fused loss's two chunks side by side
   ),
   (lambda: _shipped_1b3(**{'model.unroll_layers': True, 'pipeline.grad_sync': 'tick'}), 23.69),
 ]

@@ -322,9 +322,9 @@ def test_bloom_176b_fits_an_a100_80gb_by_xlas_gpu_compile():
 
 def test_bloom_1b3_fits_its_16_h100s_by_xlas_gpu_compile():
   """configs/bloom_1b3.py on its own mesh (16 GPUs) compiled for H100s by XLA's GPU compiler on
-  this CPU fits the 60 GiB JAX takes of one (39.7 GiB here: each rank's whole fp32 gradient, the
+  this CPU fits the 60 GiB JAX takes of one (35.9 GiB here: each rank's whole fp32 gradient, the
   fused loss's tiles and what the unrolled layers keep for their backward among it), and the
-  cost model agrees (-0.3%). Until 2026-11-28 it ran data 8 x pipeline 2 in the GPipe order
+  cost model agrees (-0.4%). Until 2026-11-28 it ran data 8 x pipeline 2 in the GPipe order
   under save_dots, which keeps every layer's saved matmul outputs of all 17 ticks: 77.5 GiB,
   while the cost model said 13.5."""
   command = ['-m', 't5x_like.plan', '--config', 'configs/bloom_1b3.py', '--gpu', 'h100-80gb']

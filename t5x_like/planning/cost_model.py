@@ -523,13 +523,16 @@ def memory_bytes(
   gpu: str | None = None,
   residuals_kept: bool | None = None,
   gradients_in_place: bool | None = None,
+  fused_chunks_at_once: int = 1,
 ) -> dict[str, float]:
   """Bytes per GPU by memory_report's categories, for t5x_like's step on a GPU of kind `gpu` (its
   attention_impl='auto' resolved there: attention_impl_on), or, under
   framework='megatron-deepspeed', for Megatron-DeepSpeed's as the chronicles ran it.
   `residuals_kept`: whether 'save_dots' keeps the attention kernel's output and log-sum-exp
   (None: as this code does, keeps_attention_residuals; False: as a step measured before it did).
-  `gradients_in_place`: False as a step measured before `adds_gradients_in_place` did."""
+  `gradients_in_place`: False as a step measured before `adds_gradients_in_place` did.
+  `fused_chunks_at_once`: 2 as the steps measured before 2026-11-29 ran the fused loss
+  (`fused_loss_bytes`)."""
   _check_framework(framework)
   if framework == 'megatron-deepspeed':
     return _megatron_memory_bytes(cfg)
@@ -732,15 +735,12 @@ def memory_bytes(
   if m.cross_entropy_impl == 'dense':
     logits = 2 * 4 * b * s * vocab  # fp32 logits and their gradient
   elif m.cross_entropy_impl == 'fused':
-    # Tokens in chunks: a [chunk, V] fp32 tile of logits and one of their exponentials, and the
-    # fp32 embedding gradient the forward computes and keeps for the backward (as the H100's
-    # bloom_1b3 step was first read; without a pipeline _no_pipeline_peak counts what XLA holds).
-    logits = 2 * 4 * min(b * s, m.cross_entropy_chunk) * vocab + 4 * embedding
+    logits = fused_loss_bytes(cfg, compute_bytes, vocab, embedding, fused_chunks_at_once)
   else:
     logits = 2 * 4 * b * s * min(vocab, m.cross_entropy_chunk)
   out['other temporaries'] = logits
   if p == 1:
-    _no_pipeline_peak(cfg, out, zero, compute_bytes, vocab, stage, embedding, scores)
+    _no_pipeline_peak(cfg, out, zero, compute_bytes, stage, embedding, scores)
   elif ticks_1f1b and zero.stage == 1 and not per_rank_pipeline(cfg, framework) and dp > 1:
     # Where the data ranks share the schedule, the head's gradient of the token table comes
     # whole in the compute dtype before its reduce-scatter, beside a second copy of the table's
@@ -749,6 +749,12 @@ def memory_bytes(
     head = (compute_bytes + 4 / g) * embedding
     layers = out['recomputation workspace'] + out['backward workspace']
     out['other temporaries'] += max(0.0, head - layers)
+  if p > 1 and m.cross_entropy_impl == 'fused' and not merges_recomputation(cfg, framework):
+    # The fused loss's peak is in the head, where the recomputed stage holds its stacked QKV and
+    # h -> 4h outputs but neither its output projections' nor a layer's backward workspace
+    # (XLA's H100 compile of bloom_1b3 at data 8 x pipeline 2, 1F1B, layers scanned: 12.70 GiB).
+    idle = slots * activation * 2 / split_seq + out['backward workspace']
+    out['other temporaries'] = max(0.0, out['other temporaries'] - idle)
   if p > 1 and merges_recomputation(cfg, framework):
     # The recomputed stage's merged products and weight slices are live in a layer's backward,
     # the loss's temporaries in the loss: the peak is the larger of the two, not their sum.
@@ -756,12 +762,27 @@ def memory_bytes(
   return out
 
 
+def fused_loss_bytes(
+  cfg: Config, compute_bytes: int, vocab: float, embedding: float, chunks_at_once: int = 1
+) -> float:
+  """What the fused cross-entropy holds at its peak (a token chunk's logits converted to its
+  gradient): the chunk's [chunk, V] tile in fp32 and in the compute dtype, and the fp32
+  embedding gradient of the chunks before it. `chunks_at_once` 2: as the fused loss ran until
+  2026-11-29, when XLA's GPU compiler unrolled its loop of one iteration and ran a micro-batch's
+  two chunks side by side (two tiles of each, no gradient yet)."""
+  m, tokens = cfg.model, cfg.train.micro_batch_size * cfg.train.seq_len
+  chunk = min(tokens, m.cross_entropy_chunk)
+  chunks = -(-tokens // chunk)
+  held = min(chunks_at_once, chunks)
+  earlier = 4 * embedding if chunks > held else 0.0
+  return held * (4 + compute_bytes) * chunk * vocab + earlier
+
+
 def _no_pipeline_peak(
   cfg: Config,
   out: dict[str, float],
   zero: Zero,
   compute_bytes: int,
-  vocab: float,
   stage: float,
   embedding: float,
   scores: float,
@@ -774,10 +795,9 @@ def _no_pipeline_peak(
   layout the layers read, so an MLP weight's stack is held twice, with its own shard; where that
   is more than the kept activations and the later phases hold, the difference is in 'weight
   copies'."""
-  m, b, s = cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len
+  m = cfg.model
   if m.cross_entropy_impl == 'fused':
-    # Two [token chunk, vocabulary] tiles in fp32 and two in the compute dtype.
-    loss = 2 * (4 + compute_bytes) * min(b * s, m.cross_entropy_chunk) * vocab
+    loss = out['other temporaries']  # fused_loss_bytes
   else:
     # The logits' fp32 tiles (the dense loss: all of them and their gradient; the H100 held
     # both, where XLA's compile without a GPU holds one) and the embedding's gradient from them.
@@ -962,6 +982,7 @@ def estimate(
   measured_half_work: float | None = None,
   residuals_kept: bool | None = None,
   gradients_in_place: bool | None = None,
+  fused_chunks_at_once: int = 1,
 ) -> dict:
   """The cost of one iteration of `cfg`'s step (at its full global batch) on its mesh of GPUs
   of kind `gpu` (`nodes_of` GPUs per node; None: the kind's): times in seconds, bytes per GPU per
@@ -973,7 +994,8 @@ def estimate(
   `residuals_kept`: whether remat_policy='save_dots' keeps the attention kernel's output and
   log-sum-exp, sparing the backward its forward (None: as this code does for the implementation,
   keeps_attention_residuals; False: as the steps measured before it did, fit_planner.H100_STEP).
-  `gradients_in_place`: likewise for `adds_gradients_in_place` (False: as those steps ran)."""
+  `gradients_in_place`: likewise for `adds_gradients_in_place` (False: as those steps ran).
+  `fused_chunks_at_once`: memory_bytes'."""
   _check_framework(framework)
   spec = gpu_spec(gpu, nodes_of)
   check_topology(cfg, spec)
@@ -1188,7 +1210,9 @@ def estimate(
     'optimizer_s': optimizer_bytes / (spec.hbm_gb_s * 1e9),
   }
   step = sum(parts.values())
-  memory = memory_bytes(cfg, framework, gpu, residuals_kept, gradients_in_place)
+  memory = memory_bytes(
+    cfg, framework, gpu, residuals_kept, gradients_in_place, fused_chunks_at_once
+  )
   memory_gib = sum(memory.values()) / GIB
   # A PyTorch process may use the whole device; JAX takes its fraction.
   fraction = 1.0 if megatron else jax_memory_fraction()
