@@ -300,9 +300,9 @@ def test_the_step_stage_fails_on_core_failures_and_the_loss_stage_skips_a_wrong_
 def test_a_tune_variant_that_does_not_run_is_reported_and_a_wrong_loss_fails(monkeypatch, tmp_path):
   """The tune stage measures its base when the step stage did not run in the same call (the
   attention --base_attention names), passes each variant's config overrides and XLA flags (in
-  its environment), reports a variant that does not run without failing, and fails on a first
-  loss off the base's."""
-  calls = []
+  its environment, with TUNE_MEM_FRACTION), reports a variant that does not run without failing,
+  and fails on a first loss off the base's."""
+  calls, fractions = [], []
   loss = {'base': 2.0, 'fused-unrolled-mbs8': 2.0, 'a-flag': 2.0}
   variants = {
     'fused-unrolled-mbs8': gpu_suite.TUNE_VARIANTS['fused-unrolled-mbs8'],
@@ -313,6 +313,7 @@ def test_a_tune_variant_that_does_not_run_is_reported_and_a_wrong_loss_fails(mon
   def step_child(specs, workdir, limit_s, extra, env=None, tag='step'):
     name = tag.removeprefix('tune_')
     calls.append((specs, name, (env or {}).get('XLA_FLAGS', ''), extra))
+    fractions.append((env or {}).get('XLA_PYTHON_CLIENT_MEM_FRACTION'))
     if name == 'unknown-flag':
       return {specs[0]: {'failed': 'exit 1; output ends: Unknown flags in XLA_FLAGS'}}
     return {specs[0]: {'losses': [loss[name]], 'step_s_median': 0.5 if name == 'base' else 0.4}}
@@ -320,7 +321,10 @@ def test_a_tune_variant_that_does_not_run_is_reported_and_a_wrong_loss_fails(mon
   monkeypatch.setattr(gpu_suite, 'step_child', step_child)
   monkeypatch.setattr(gpu_suite, 'TUNE_VARIANTS', variants)
   monkeypatch.setenv('XLA_FLAGS', '--xla_dump_to=somewhere')
+  monkeypatch.delenv('XLA_PYTHON_CLIENT_MEM_FRACTION', raising=False)
   stage = gpu_suite.tune(False, str(tmp_path), gpu_suite.Clock(1000.0), {}, 'mosaic')
+  # Micro-batches of 8 need more than JAX's default share of an H100; the user's share wins.
+  assert fractions == [gpu_suite.TUNE_MEM_FRACTION] * len(calls)
   assert stage['ok'] and stage['attention'] == 'mosaic'
   assert [name for _, name, _, _ in calls] == ['base', *variants]
   assert all(specs == ['mosaic'] for specs, *_ in calls)
@@ -335,11 +339,14 @@ def test_a_tune_variant_that_does_not_run_is_reported_and_a_wrong_loss_fails(mon
   assert 'Unknown flags' in stage['results']['unknown-flag']['failed']
   loss['a-flag'] = 2.5
   calls.clear()
+  fractions.clear()
+  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.8')
   step_rows = {'pallas': {'losses': [2.0], 'step_s_median': 0.5}}
   stage = gpu_suite.tune(False, str(tmp_path), gpu_suite.Clock(1000.0), step_rows, 'mosaic')
   assert not stage['ok'] and stage['results']['a-flag']['first_loss_vs_base'] == 0.25
   assert stage['attention'] == 'pallas' and stage['results']['base']['from'] == 'the step stage'
   assert 'base' not in [name for _, name, _, _ in calls]
+  assert fractions == ['0.8'] * len(calls)
 
 
 def test_the_tests_stage_runs_the_kernel_tests_and_names_each_outcome(monkeypatch):
