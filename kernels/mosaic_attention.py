@@ -120,7 +120,11 @@ class MosaicBlocks:
   no warpgroup barrier of its own around shared-memory stores and before each copy a warpgroup
   issues (the copy warpgroup's three a key tile); the kernels' only stores are their epilogues,
   each followed by `commit_smem` (a fence and a warpgroup barrier) before the copy that reads it.
-  All off: the kernels first measured on an H100 (docs/benchmarks.md).
+  intra_overlap (forward, FlashAttention-3's intra-warpgroup overlap): a math warpgroup issues
+  the next key tile's Q K^T before the current tile's softmax and P V, so the tensor cores run
+  it beneath them, in place of the turns the warpgroups otherwise take (a second [block_q,
+  block_kv] float32 tile in registers). All off: the kernels first measured on an H100
+  (docs/benchmarks.md).
   """
 
   block_q: int = 64
@@ -137,6 +141,7 @@ class MosaicBlocks:
   issue_handoff: bool = False
   own_turn_barriers: bool = False
   no_auto_barriers: bool = False
+  intra_overlap: bool = False
 
   @property
   def multiple(self) -> int:
@@ -168,6 +173,13 @@ class MosaicBlocks:
       )
     if self.own_turn_barriers and not self.issue_handoff:
       found.append('MosaicBlocks.own_turn_barriers is a form of issue_handoff: set both')
+    if self.intra_overlap and (
+      self.early_handoff or self.issue_handoff or self.own_turn_barriers or self.persistent
+    ):
+      found.append(
+        'MosaicBlocks.intra_overlap runs without turns on the tensor cores and without '
+        'persistent programs: unset early_handoff, issue_handoff, own_turn_barriers and persistent'
+      )
     if self.own_turn_barriers and self.persistent:
       # An item's last turn and the next item's first could both reach the other warpgroup's
       # barrier before it waits, two phases at once.
@@ -688,12 +700,10 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           plgpu.barrier_arrive(ring.k_free.at[slot])
           return scores, bias, diagonal_mask(step) if masked else None
 
-        def kv_step(step, carry, masked: bool):
+        def softmax(scores, bias, visible, carry):
+          """The online softmax of a key tile's scores: (the rescaled accumulator, the new row
+          maxima and sums, the probabilities in the inputs' dtype)."""
           acc, row_max, row_sum = carry
-          slot = slot_of(step)
-          scores, bias, visible = scores_of(step, slot, masked)
-          if masked:
-            query_tile_done(step)
           scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [1])
           if visible is not None:
             scores = jnp.where(visible, scores, -jnp.inf)
@@ -702,7 +712,14 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))
           row_sum = row_sum * correction + probs.sum(axis=1)
           acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-          probs = probs.astype(dtype)
+          return acc, new_max, row_sum, probs.astype(dtype)
+
+        def kv_step(step, carry, masked: bool):
+          slot = slot_of(step)
+          scores, bias, visible = scores_of(step, slot, masked)
+          if masked:
+            query_tile_done(step)
+          acc, new_max, row_sum, probs = softmax(scores, bias, visible, carry)
           if handed_over_early:  # keep the softmax before the turn (jax's Hopper attention)
             acc, row_sum, new_max, probs = lax.optimization_barrier((acc, row_sum, new_max, probs))
           if wgs > 1 and not own_turns:
@@ -725,8 +742,66 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           plgpu.barrier_arrive(ring.v_free.at[slot])
           return acc, new_max, row_sum
 
+        def key_scores(step):
+          """(Q K^T of key tile `step`, its ALiBi row), waited for; the key slot is freed."""
+          slot = slot_of(step)
+          plgpu.barrier_wait(ring.k_ready.at[slot])
+          scores = mma(q_tile_smem, ring.k.at[slot], interpret, transpose_b=True)
+          bias = ring.key_bias(slot, interpret)
+          plgpu.barrier_arrive(ring.k_free.at[slot])
+          return scores, bias
+
+        def values_step(step, probs, acc):
+          """acc + P V with key tile `step`'s values; the value slot is freed."""
+          slot = slot_of(step)
+          plgpu.barrier_wait(ring.v_ready.at[slot])
+          acc = mma_accumulate(acc, probs, ring.v.at[slot], interpret)
+          plgpu.barrier_arrive(ring.v_free.at[slot])
+          return acc
+
+        def overlapped_step(step, carry, masked: bool):
+          """intra_overlap: key tile `step`'s softmax and P V while the tensor cores run the
+          next tile's Q K^T (FlashAttention-3's intra-warpgroup overlap)."""
+          acc, row_max, row_sum, scores, bias = carry
+          next_slot = slot_of(step + 1)
+          plgpu.barrier_wait(ring.k_ready.at[next_slot])
+
+          def softmax_and_values():
+            visible = diagonal_mask(step) if masked else None
+            acc_, new_max, row_sum_, probs = softmax(scores, bias, visible, (acc, row_max, row_sum))
+            return values_step(step, probs, acc_), new_max, row_sum_
+
+          next_scores, (acc, row_max, row_sum) = mma_while(
+            q_tile_smem, ring.k.at[next_slot], interpret, softmax_and_values, transpose_b=True
+          )
+          next_bias = ring.key_bias(next_slot, interpret)
+          plgpu.barrier_arrive(ring.k_free.at[next_slot])
+          return acc, row_max, row_sum, next_scores, next_bias
+
+        def overlapped(carry):
+          """intra_overlap's key loop: the first tile's scores, then each tile's softmax and P V
+          beneath the next one's Q K^T, then the last (diagonal) tile's alone."""
+          carry = (*carry, *key_scores(0))
+          last = steps - 1
+          carry = lax.fori_loop(
+            0,
+            lax.min(unmasked_steps, last),
+            functools.partial(overlapped_step, masked=False),
+            carry,
+          )
+          carry = lax.fori_loop(
+            unmasked_steps, last, functools.partial(overlapped_step, masked=True), carry
+          )
+          acc, row_max, row_sum, scores, bias = carry
+          acc, row_max, row_sum, probs = softmax(
+            scores, bias, diagonal_mask(last), (acc, row_max, row_sum)
+          )
+          return values_step(last, probs, acc), row_max, row_sum
+
         def drain(step, _):  # key tiles another warpgroup needed: release them, keep the turns
           ring.release(slot_of(step))
+          if blocks.intra_overlap:
+            return
           if own_turns:
             pass_turn()
             take_turn()
@@ -739,15 +814,21 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           full_rows(-jnp.inf, block_q, interpret),
           full_rows(0.0, block_q, interpret),
         )
-        if handed_over_early:
-          plgpu.barrier_wait(ring.k_ready.at[slot_of(0)])
-        # The first warpgroup goes first: the second waits for its first QK^T, and at the end
-        # the first lets the second's last P V go.
-        pl.when(wg == 1)(take_turn if own_turns else rendezvous)
-        carry = lax.fori_loop(0, unmasked_steps, functools.partial(kv_step, masked=False), carry)
-        carry = lax.fori_loop(unmasked_steps, steps, functools.partial(kv_step, masked=True), carry)
-        lax.fori_loop(steps, program_steps, drain, None)
-        pl.when(wg == 0)(pass_turn if own_turns else rendezvous)
+        if blocks.intra_overlap:  # no turns: each warpgroup overlaps its own softmax
+          carry = overlapped(carry)
+          lax.fori_loop(steps, program_steps, drain, None)
+        else:
+          if handed_over_early:
+            plgpu.barrier_wait(ring.k_ready.at[slot_of(0)])
+          # The first warpgroup goes first: the second waits for its first QK^T, and at the end
+          # the first lets the second's last P V go.
+          pl.when(wg == 1)(take_turn if own_turns else rendezvous)
+          carry = lax.fori_loop(0, unmasked_steps, functools.partial(kv_step, masked=False), carry)
+          carry = lax.fori_loop(
+            unmasked_steps, steps, functools.partial(kv_step, masked=True), carry
+          )
+          lax.fori_loop(steps, program_steps, drain, None)
+          pl.when(wg == 0)(pass_turn if own_turns else rendezvous)
         acc, row_max, row_sum = carry
         out = acc / lax.broadcast_in_dim(row_sum, acc.shape, [0])
         if blocks.persistent:  # the previous item's output has left the buffers

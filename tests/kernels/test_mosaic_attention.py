@@ -55,6 +55,9 @@ OPTIONS = dataclasses.replace(
 # form, a turn barrier per warpgroup, on SMALL's unequal warpgroups (their drain keeps turns).
 ISSUE_HANDOFF = dataclasses.replace(SMALL, stages=3, persistent=True, issue_handoff=True)
 OWN_TURNS = dataclasses.replace(SMALL, issue_handoff=True, own_turn_barriers=True)
+# FlashAttention-3's intra-warpgroup overlap on SMALL's unequal warpgroups, in a ring of 3: each
+# key tile's softmax and P V beneath the next tile's Q K^T, the diagonal tile's alone, the drain.
+INTRA_OVERLAP = dataclasses.replace(SMALL, stages=3, intra_overlap=True)
 B200 = Device('gpu', 'NVIDIA B200', '10.0')
 
 
@@ -72,6 +75,7 @@ B200 = Device('gpu', 'NVIDIA B200', '10.0')
       200, 64, 'bfloat16', True, MosaicBlocks(issue_handoff=True), id='issue-handoff-tail'
     ),
     pytest.param(256, 64, 'bfloat16', True, OWN_TURNS, id='own-turn-barriers'),
+    pytest.param(256, 64, 'bfloat16', True, INTRA_OVERLAP, id='intra-overlap'),
   ],
 )
 def test_forward_and_gradients_match_the_reference(seq, head_dim, dtype, alibi, blocks):
@@ -134,6 +138,7 @@ def test_the_bf16_model_through_mosaic_matches_xla():
     pytest.param(dataclasses.replace(ISSUE_HANDOFF, stages=2), id='issue-handoff-persistent'),
     pytest.param(MosaicBlocks(issue_handoff=True), id='issue-handoff'),
     pytest.param(MosaicBlocks(issue_handoff=True, own_turn_barriers=True), id='own-turns'),
+    pytest.param(MosaicBlocks(intra_overlap=True, no_auto_barriers=True), id='intra-overlap'),
   ],
 )
 def test_the_gpu_kernels_lower_for_cuda_with_alibi_as_key_rows(blocks):
@@ -242,6 +247,13 @@ def test_no_auto_barriers_leaves_each_kernel_only_the_barriers_it_asks_for():
       MosaicBlocks(issue_handoff=True, own_turn_barriers=True, persistent=True),
       'does not run with persistent',
       id='own-turns-persistent',
+    ),
+    pytest.param(
+      (1, 128, 2, 64),
+      jnp.bfloat16,
+      MosaicBlocks(intra_overlap=True, issue_handoff=True),
+      'runs without turns on the tensor cores',
+      id='intra-overlap-with-turns',
     ),
   ],
 )
