@@ -63,7 +63,7 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     'block_kv': 64,
     'stages': 4,
   },
-  'no_auto_barriers': {'no_auto_barriers': True},
+  'intra_overlap': {'intra_overlap': True},
 }
 SMOKE_CANDIDATES = ('default', 'own_turns_no_auto_barriers')
 VERDICTS = ('faster', 'slower', 'within')
