@@ -123,8 +123,9 @@ class MosaicBlocks:
   intra_overlap (forward, FlashAttention-3's intra-warpgroup overlap): a math warpgroup issues
   the next key tile's Q K^T before the current tile's softmax and P V, so the tensor cores run
   it beneath them, in place of the turns the warpgroups otherwise take (a second [block_q,
-  block_kv] float32 tile in registers). All off: the kernels first measured on an H100
-  (docs/benchmarks.md).
+  block_kv] float32 tile in registers); the copy warpgroup refills keys first, as for
+  issue_handoff, since the next tile's keys are read a P V before its values. All off: the
+  kernels first measured on an H100 (docs/benchmarks.md).
   """
 
   block_q: int = 64
@@ -859,7 +860,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           steps,
           stages,
           ring_base=ring_base,
-          keys_first=blocks.issue_handoff,
+          keys_first=blocks.issue_handoff or blocks.intra_overlap,
         )
         return ring_base + steps
 
