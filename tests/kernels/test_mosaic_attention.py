@@ -218,6 +218,13 @@ def test_no_auto_barriers_leaves_each_kernel_only_the_barriers_it_asks_for():
 # ------------------------------------------------------------------------------ constraints
 
 
+def options_refused(blocks: MosaicBlocks, rule: str):
+  """A case of options MosaicBlocks.problems refuses together (the id names them), at a shape
+  they would run."""
+  options = '+'.join(name for name, value in dataclasses.asdict(blocks).items() if value is True)
+  return pytest.param((1, 128, 2, 64), jnp.bfloat16, blocks, rule, id=options)
+
+
 @pytest.mark.parametrize(
   'shape, dtype, blocks, rule',
   [
@@ -227,33 +234,14 @@ def test_no_auto_barriers_leaves_each_kernel_only_the_barriers_it_asks_for():
       (1, 128, 2, 64), jnp.bfloat16, MosaicBlocks(block_kv=96), 'multiple of 64', id='block'
     ),
     pytest.param((1, 128, 2, 64), jnp.bfloat16, MosaicBlocks(stages=1), 'at least 2', id='stages'),
-    pytest.param(
-      (1, 128, 2, 64),
-      jnp.bfloat16,
-      MosaicBlocks(early_handoff=True, issue_handoff=True),
-      'two orders of the same hand-over',
-      id='two-handoffs',
-    ),
-    pytest.param(
-      (1, 128, 2, 64),
-      jnp.bfloat16,
-      MosaicBlocks(own_turn_barriers=True),
-      'a form of issue_handoff',
-      id='own-turns-alone',
-    ),
-    pytest.param(
-      (1, 128, 2, 64),
-      jnp.bfloat16,
+    options_refused(MosaicBlocks(early_handoff=True, issue_handoff=True), 'two orders of the'),
+    options_refused(MosaicBlocks(own_turn_barriers=True), 'a form of issue_handoff'),
+    options_refused(
       MosaicBlocks(issue_handoff=True, own_turn_barriers=True, persistent=True),
       'does not run with persistent',
-      id='own-turns-persistent',
     ),
-    pytest.param(
-      (1, 128, 2, 64),
-      jnp.bfloat16,
-      MosaicBlocks(intra_overlap=True, issue_handoff=True),
-      'runs without turns on the tensor cores',
-      id='intra-overlap-with-turns',
+    options_refused(
+      MosaicBlocks(intra_overlap=True, issue_handoff=True), 'runs without turns on the tensor'
     ),
   ],
 )
