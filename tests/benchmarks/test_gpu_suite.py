@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import FUSION_EMITTERS_OFF, REPO
 
-from t5x_like.kernels import MosaicBlocks, mosaic_attention
+from t5x_like.kernels import MosaicBlocks, attention_reference, mosaic_attention
 
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
 import attention as attention_benchmark  # noqa: E402  (scripts, not package modules)
@@ -752,6 +752,46 @@ def test_the_sweep_smoke_run_checks_every_candidate_and_reports_a_broken_one(mon
   (broken,) = mosaic_sweep.failures(report)
   assert broken['candidate'] == 'kv96'
   assert 'MosaicBlocks.block_kv=96 must be a multiple of 64' in broken['failed']
+
+
+def test_the_sweep_times_and_ranks_the_candidates_where_a_gpu_would(monkeypatch, capsys):
+  """The sweep's GPU path on this CPU, the kernels replaced by the reference (so every candidate
+  runs the same program): each correct candidate is timed in every round, forward and
+  forward+backward, with its TFLOP/s and speed-up over the default in the table and the JSON,
+  and the adoption rule is applied at every length."""
+
+  class Device:
+    platform, device_kind = 'gpu', 'NVIDIA H200'
+
+  def reference(q, k, v, *, alibi_slopes, blocks, interpret):
+    assert not interpret and isinstance(blocks, MosaicBlocks)
+    return attention_reference(q, k, v, alibi_slopes=alibi_slopes, causal=True)
+
+  monkeypatch.setattr(mosaic_sweep.jax, 'devices', lambda: [Device()])
+  monkeypatch.setattr(mosaic_sweep.accounting, 'device_peak_tflops', lambda dtype: (989.0, 'x'))
+  monkeypatch.setattr(mosaic_sweep.attention_benchmark, 'cuda_runtime', lambda: 'CUDA none')
+  monkeypatch.setattr(mosaic_sweep, 'mosaic_attention', reference)
+  args = mosaic_sweep.parse_args(
+    ['--seqs', '64,128', '--only', 'intra_overlap', '--rounds', '3', '--iters', '1']
+  )
+  args.tokens, args.heads, args.head_dim = 128, 2, 64
+  report = mosaic_sweep.run(args)
+  rows = report['rows']
+  assert [(r['candidate'], r['seq']) for r in rows] == [
+    ('default', 64),
+    ('intra_overlap', 64),
+    ('default', 128),
+    ('intra_overlap', 128),
+  ]
+  for row in rows:
+    assert row['correct']
+    for kind in ('fwd', 'fwd_bwd'):
+      figures = row[kind]
+      assert len(figures['seconds']) == len(figures['speedups']) == 3
+      assert figures['tflops'] > 0 and figures['verdict'] in (*mosaic_sweep.VERDICTS, 'baseline')
+  assert report['adoptable'] in ([], ['intra_overlap'])
+  printed = capsys.readouterr().out
+  assert 'seq 128 x batch 1' in printed and 'adoptable' in printed
 
 
 def test_attention_timing_divides_back_to_back_calls_waited_for_once(monkeypatch):
