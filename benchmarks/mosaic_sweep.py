@@ -12,9 +12,9 @@ the comparison. Then the correct ones are timed in `--rounds` interleaved rounds
 times every candidate's forward and forward+backward once (`attention.median_seconds`, `--iters`
 samples of `BACK_TO_BACK` calls), the order rotated from round to round. A candidate's speed-up
 in a round is the default's time over its own in that round, so drift that moves every candidate
-(clocks, temperature, the other processes of a shared machine) cancels; separate processes per
-candidate (`mosaic_sweep.sh` until 2026-11-29) read the same kernel's forward at seq 4096 as
-0.71 ms and 0.84 ms.
+(clocks, temperature, the other processes of a shared machine) cancels; two processes of the
+2026-11-28 H200 run (`mosaic_sweep.sh`'s, a process per candidate until 2026-11-29, and the GPU
+suite's) read the same kernel's forward at seq 4096 as 0.71 ms and 0.84 ms.
 
 The table gives each candidate's median TFLOP/s over the rounds and its median speed-up with the
 rounds' range. A candidate is `faster` at a length when it was faster in every round, `slower`
