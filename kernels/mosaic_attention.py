@@ -419,6 +419,13 @@ def _wait_consumed(consumed, ring_step, stages: int) -> None:
     plgpu.barrier_wait(barrier.at[lax.rem(ring_step, stages)])
 
 
+def wait_output_read() -> None:
+  """A math warpgroup's end: its output copies have read shared memory. Not until they have
+  written HBM: the kernel's end makes its writes visible, and the SM goes to the next program
+  a write's latency sooner (the end of CUTLASS's and tokamax's epilogues)."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _stream(step_count, stages, consumed, issue, start=0, ring_base=0, then=()):
   """The copy warpgroup's loop: for steps [start, start + step_count), the ring's ring_base-th
   tile on, it waits until the ring slot's previous tile is consumed, then `issue(step, slot)`
@@ -843,7 +850,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
 
       load_query(0)
       over_items(count, run_item)
-      plgpu.wait_smem_to_gmem(0)
+      wait_output_read()
 
     @pl.when(wg == wgs)
     def _copies():
@@ -983,7 +990,7 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
       q_smem.at[wg][...] = (dq * scale).astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows])
-      plgpu.wait_smem_to_gmem(0)
+      wait_output_read()
 
     @pl.when(wg == wgs)
     def _copies():
@@ -1105,7 +1112,7 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[keys])
       plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[keys])
-      plgpu.wait_smem_to_gmem(0)
+      wait_output_read()
 
     @pl.when(wg == wgs)
     def _copies():
