@@ -23,8 +23,9 @@ only issues copies into a ring of `stages` buffers, so loads overlap the matmuls
 * `MosaicBlocks` also holds options, off until a GPU run shows one faster: a persistent forward
   (a program per SM running a sequence of query tiles through one key ring), orders of the
   hand-over of the tensor cores between the forward's math warpgroups (`early_handoff`,
-  `issue_handoff`, `own_turn_barriers`), and the backward's independent products issued in
-  pairs.
+  `issue_handoff`, `own_turn_barriers`) or, instead of turns, each warpgroup's softmax beneath
+  its own next product (`intra_overlap`), the backward's independent products issued in pairs,
+  and Mosaic GPU's own barriers left out (`no_auto_barriers`).
 * Backward (`jax.custom_vjp`): the forward saves the output and the log-sum-exp (named
   `residuals.ATTENTION_RESIDUALS`, so that remat_policy='save_dots' keeps them). One kernel
   computes dK and dV (a program per key tile, looping over the query tiles from the diagonal),
@@ -678,6 +679,27 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           shape = (block_q, block_kv)
           return causal_mask(shape, q_start, step * block_kv, True, interpret)
 
+        def key_scores(step, after_product=lambda: None):
+          """(Q K^T of key tile `step`, its ALiBi row), waited for, `after_product()` run once
+          the product is done; the key slot is freed."""
+          slot = slot_of(step)
+          plgpu.barrier_wait(ring.k_ready.at[slot])
+          scores = mma(q_tile_smem, ring.k.at[slot], interpret, transpose_b=True)
+          after_product()
+          bias = ring.key_bias(slot, interpret)
+          plgpu.barrier_arrive(ring.k_free.at[slot])
+          return scores, bias
+
+        def values_step(step, probs, acc, before=lambda: None, while_running=None):
+          """acc + P V with key tile `step`'s values, `before()` run once they are there and
+          `while_running()` beneath the product; the value slot is freed."""
+          slot = slot_of(step)
+          plgpu.barrier_wait(ring.v_ready.at[slot])
+          before()
+          acc = mma_accumulate(acc, probs, ring.v.at[slot], interpret, while_running=while_running)
+          plgpu.barrier_arrive(ring.v_free.at[slot])
+          return acc
+
         def scores_of(step, slot, masked: bool):
           """(Q K^T, the ALiBi row, the diagonal mask or None), with the tensor cores handed
           over as the options say; the key slot is freed."""
@@ -700,12 +722,10 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
             scores = mma(
               q_tile_smem, ring.k.at[slot], interpret, transpose_b=True, while_running=rendezvous
             )
+            bias = ring.key_bias(slot, interpret)
+            plgpu.barrier_arrive(ring.k_free.at[slot])
           else:
-            plgpu.barrier_wait(ring.k_ready.at[slot])
-            scores = mma(q_tile_smem, ring.k.at[slot], interpret, transpose_b=True)
-            rendezvous()
-          bias = ring.key_bias(slot, interpret)
-          plgpu.barrier_arrive(ring.k_free.at[slot])
+            scores, bias = key_scores(step, after_product=rendezvous)
           return scores, bias, diagonal_mask(step) if masked else None
 
         def softmax(scores, bias, visible, carry):
@@ -732,40 +752,19 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
             acc, row_sum, new_max, probs = lax.optimization_barrier((acc, row_sum, new_max, probs))
           if wgs > 1 and not own_turns:
             pass_turn()
-          plgpu.barrier_wait(ring.v_ready.at[slot])
-          if wgs > 1:
-            take_turn()
 
           def next_keys():  # while P V runs
             next_slot = slot_of(step + 1)
             pl.when(step + 1 < steps)(lambda: plgpu.barrier_wait(ring.k_ready.at[next_slot]))
 
-          acc = mma_accumulate(
-            acc,
+          acc = values_step(
+            step,
             probs,
-            ring.v.at[slot],
-            interpret,
+            acc,
+            before=take_turn if wgs > 1 else lambda: None,
             while_running=next_keys if handed_over_early else None,
           )
-          plgpu.barrier_arrive(ring.v_free.at[slot])
           return acc, new_max, row_sum
-
-        def key_scores(step):
-          """(Q K^T of key tile `step`, its ALiBi row), waited for; the key slot is freed."""
-          slot = slot_of(step)
-          plgpu.barrier_wait(ring.k_ready.at[slot])
-          scores = mma(q_tile_smem, ring.k.at[slot], interpret, transpose_b=True)
-          bias = ring.key_bias(slot, interpret)
-          plgpu.barrier_arrive(ring.k_free.at[slot])
-          return scores, bias
-
-        def values_step(step, probs, acc):
-          """acc + P V with key tile `step`'s values; the value slot is freed."""
-          slot = slot_of(step)
-          plgpu.barrier_wait(ring.v_ready.at[slot])
-          acc = mma_accumulate(acc, probs, ring.v.at[slot], interpret)
-          plgpu.barrier_arrive(ring.v_free.at[slot])
-          return acc
 
         def overlapped_step(step, carry, masked: bool):
           """intra_overlap: key tile `step`'s softmax and P V while the tensor cores run the
