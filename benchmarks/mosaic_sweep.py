@@ -57,13 +57,14 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     'no_auto_barriers': True,
   },
   'issue_handoff_persistent': {'issue_handoff': True, 'persistent': True},
-  'own_turns_kv64_ring4': {
+  'intra_overlap': {'intra_overlap': True},
+  'bias_in_product': {'bias_in_product': True},
+  'own_turns_bias_in_product': {
     'issue_handoff': True,
     'own_turn_barriers': True,
-    'block_kv': 64,
-    'stages': 4,
+    'bias_in_product': True,
   },
-  'intra_overlap': {'intra_overlap': True},
+  'intra_overlap_bias_in_product': {'intra_overlap': True, 'bias_in_product': True},
 }
 SMOKE_CANDIDATES = ('default', 'own_turns_no_auto_barriers')
 VERDICTS = ('faster', 'slower', 'within')

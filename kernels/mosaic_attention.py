@@ -12,20 +12,23 @@ only issues copies into a ring of `stages` buffers, so loads overlap the matmuls
   (`unmet_constraints` lists what does not fit). Any seq: it is padded up to a multiple of every
   tile span (`MosaicBlocks.multiple`); causal, so real queries never see the padded keys, and the
   padded rows' zero output gradient gives them no gradient either.
-* ALiBi: the bias slope[h] * (key - query) differs from slope[h] * key by a constant per query,
-  which softmax cancels, so the kernels add a [block_kv] float32 row of slope[h] * key per key
-  tile (copied with the keys) instead of a [seq, seq] tensor. In float32 (bfloat16 would not do:
-  model/attention.py's `alibi_key_bias`) the row, slope * key * log2(e), stays below 16,384 at
-  seq 8192 and rounds by at most 4.9e-4 (half float32's spacing there): 0.03% of a probability.
-  The log-sum-exp the forward saves is of those shifted scores; the backward adds the same rows,
-  so its probabilities are the forward's.
+* ALiBi: the bias slope[h] * (key - query) differs from slope[h] * (key - seq / 2) by a
+  constant per query, which softmax cancels, so the kernels add a [block_kv] float32 row of the
+  latter per key tile (copied with the keys) instead of a [seq, seq] tensor. In float32
+  (bfloat16 would not do: model/attention.py's `alibi_key_bias`) the row, slope * (key - seq /
+  2) * log2(e), stays below 8,192 in magnitude at seq 8192 and rounds by at most 2.4e-4 (half
+  float32's spacing there): 0.017% of a probability. The log-sum-exp the forward saves is of
+  those shifted scores; the backward adds the same rows, so its probabilities are the forward's.
+  With `MosaicBlocks.bias_in_product` the forward's tensor cores add the row instead
+  (`bias_columns`).
 * Causal: key tiles above the diagonal are never loaded, and only tiles that cross it are masked.
 * `MosaicBlocks` also holds options, off until a GPU run shows one faster: a persistent forward
   (a program per SM running a sequence of query tiles through one key ring), orders of the
   hand-over of the tensor cores between the forward's math warpgroups (`early_handoff`,
   `issue_handoff`, `own_turn_barriers`) or, instead of turns, each warpgroup's softmax beneath
   its own next product (`intra_overlap`), the backward's independent products issued in pairs,
-  and Mosaic GPU's own barriers left out (`no_auto_barriers`).
+  Mosaic GPU's own barriers left out (`no_auto_barriers`), and the forward's ALiBi row added by
+  the tensor cores (`bias_in_product`).
 * Backward (`jax.custom_vjp`): the forward saves the output and the log-sum-exp (named
   `residuals.ATTENTION_RESIDUALS`, so that remat_policy='save_dots' keeps them). One kernel
   computes dK and dV (a program per key tile, looping over the query tiles from the diagonal),
@@ -63,6 +66,14 @@ LOG2E = math.log2(math.e)
 # without bank conflicts.
 _TILING = plgpu.TilingTransform((8, 64))
 _SWIZZLE = plgpu.SwizzleTransform(128)
+# bias_in_product: a key tile's ALiBi row rides in a [block_kv, BIAS_COLUMNS] tile of the keys'
+# dtype, row / qk_scale split into BIAS_PARTS parts that sum to it within float32's precision,
+# and the queries' [block_q, BIAS_COLUMNS] partner holds ones in those columns, so that Q K^T's
+# wgmma adds the row. 16 columns: wgmma's K for 16-bit operands (32-byte rows, 32-byte swizzle).
+BIAS_COLUMNS = 16
+BIAS_PARTS = 3
+_BIAS_TILING = plgpu.TilingTransform((8, BIAS_COLUMNS))
+_BIAS_SWIZZLE = plgpu.SwizzleTransform(32)
 # The persistent forward orders its items in groups of (batch row, head) pairs whose keys and
 # values take at most this much: a third of Hopper's 50 MB L2, so the programs running at once
 # read them from L2 while the rest of it holds the outputs and the next group's first tiles.
@@ -125,8 +136,13 @@ class MosaicBlocks:
   the next key tile's Q K^T before the current tile's softmax and P V, so the tensor cores run
   it beneath them, in place of the turns the warpgroups otherwise take (a second [block_q,
   block_kv] float32 tile in registers); the copy warpgroup refills keys first, as for
-  issue_handoff, since the next tile's keys are read a P V before its values. All off: the
-  kernels first measured on an H100 (docs/benchmarks.md).
+  issue_handoff, since the next tile's keys are read a P V before its values. bias_in_product
+  (forward, bfloat16): the ALiBi row is added by the tensor cores, as a second wgmma into Q K^T's
+  accumulator (`bias_columns`: a ninth HGMMA beside Q K^T's eight), so the softmax's float32
+  work per score is tokamax's without a bias: the max of the raw scores and one fused
+  multiply-add into exp2 (where otherwise a multiply-add with the row and a subtraction, and the
+  row's loads from shared memory). All off: the kernels first measured on an H100
+  (docs/benchmarks.md).
   """
 
   block_q: int = 64
@@ -144,6 +160,7 @@ class MosaicBlocks:
   own_turn_barriers: bool = False
   no_auto_barriers: bool = False
   intra_overlap: bool = False
+  bias_in_product: bool = False
 
   @property
   def multiple(self) -> int:
@@ -208,7 +225,13 @@ def unmet_constraints(
     found.append(
       f'q, k and v must be bfloat16 or float16 (wgmma operands), got {jnp.dtype(dtype).name}'
     )
-  return found + (blocks or MosaicBlocks()).problems()
+  blocks = blocks or MosaicBlocks()
+  if blocks.bias_in_product and jnp.dtype(dtype).name != 'bfloat16':
+    found.append(
+      'MosaicBlocks.bias_in_product needs bfloat16 q, k and v (float16 cannot hold the ALiBi '
+      f'row / scale of long sequences), got {jnp.dtype(dtype).name}: unset it'
+    )
+  return found + blocks.problems()
 
 
 def mosaic_attention(
@@ -249,7 +272,10 @@ def mosaic_attention(
     key_bias = jnp.zeros((heads, padded), jnp.float32)
   else:
     slopes = jnp.asarray(alibi_slopes, jnp.float32)
-    key_bias = slopes[:, None] * jnp.arange(padded, dtype=jnp.float32)[None, :]
+    # Keys counted from the middle: a constant per head, which softmax cancels, that halves the
+    # row's largest magnitude and so its rounding.
+    positions = jnp.arange(padded, dtype=jnp.float32) - padded // 2
+    key_bias = slopes[:, None] * positions[None, :]
   # Scores are exponentiated in base 2 (exp2 is one instruction): scale and bias carry log2(e).
   key_bias = lax.stop_gradient(key_bias * LOG2E)
   if padded != seq:
@@ -293,27 +319,59 @@ def _tile_smem(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=(_TILING, _SWIZZLE))
 
 
+def _bias_tile_smem(shape, dtype):
+  return plgpu.SMEM(shape, dtype, transforms=(_BIAS_TILING, _BIAS_SWIZZLE))
+
+
+def bias_columns(key_bias, qk_scale: float, dtype):
+  """bias_in_product's [heads, seq, BIAS_COLUMNS] key-side tiles of a [heads, seq] float32
+  ALiBi row: row / qk_scale in BIAS_PARTS parts of `dtype`, each the rounding of what the parts
+  before it left, then zeros. With the queries' ones (`query_ones`) their product is the row /
+  qk_scale to float32's precision (the tensor cores multiply exactly and add in float32), and
+  the scores times qk_scale carry the row."""
+  rest = key_bias / qk_scale
+  parts = []
+  for _ in range(BIAS_PARTS):
+    part = rest.astype(dtype)
+    parts.append(part)
+    rest = rest - part.astype(jnp.float32)
+  zeros = jnp.zeros((*key_bias.shape, BIAS_COLUMNS - BIAS_PARTS), dtype)
+  return jnp.concatenate([jnp.stack(parts, axis=-1), zeros], axis=-1)
+
+
+def query_ones(block_q: int, dtype):
+  """bias_in_product's query-side partner of `bias_columns`: ones in its parts' columns."""
+  columns = jnp.arange(BIAS_COLUMNS) < BIAS_PARTS
+  return jnp.broadcast_to(columns, (block_q, BIAS_COLUMNS)).astype(dtype)
+
+
 def mma(a, b, interpret: bool, transpose_b: bool = False, while_running=None):
   """A fresh float32 a @ b (a @ b^T with transpose_b) of [M, K] and [K, N] (or [N, K]) tiles in
   shared memory, into registers; `while_running()` runs between the wgmma's issue and its end."""
   return mma_while(a, b, interpret, while_running or (lambda: None), transpose_b)[0]
 
 
-def mma_while(a, b, interpret: bool, while_running, transpose_b: bool = False):
+def mma_while(a, b, interpret: bool, while_running, transpose_b: bool = False, also=()):
   """(`mma`'s a @ b, what `while_running()` returns): it runs between the wgmma's issue and its
-  end, so what it computes is ready when the product is."""
+  end, so what it computes is ready when the product is. also: more (a, b) tile pairs, b
+  transposed as the first is, whose products add to the same accumulator (issued right after)."""
+  pairs = ((a, b), *also)
   if interpret:
-    rhs = b[...].T if transpose_b else b[...]
-    return jnp.dot(a[...], rhs, preferred_element_type=jnp.float32), while_running()
-  if transpose_b:
-    b = plgpu.transpose_ref(b, (1, 0))
+    total = None
+    for left, right in pairs:
+      rhs = right[...].T if transpose_b else right[...]
+      product = jnp.dot(left[...], rhs, preferred_element_type=jnp.float32)
+      total = product if total is None else total + product
+    return total, while_running()
 
   def run(acc_ref):
-    plgpu.wgmma(acc_ref, a, b)
+    for left, right in pairs:
+      plgpu.wgmma(acc_ref, left, plgpu.transpose_ref(right, (1, 0)) if transpose_b else right)
     meanwhile = while_running()
-    return acc_ref[...], meanwhile  # reading the accumulator waits for the wgmma
+    return acc_ref[...], meanwhile  # reading the accumulator waits for the wgmmas
 
-  return pl.run_scoped(run, plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32))
+  columns = b.shape[0] if transpose_b else b.shape[1]
+  return pl.run_scoped(run, plgpu.ACC((a.shape[0], columns), jnp.float32))
 
 
 def mma_accumulate(acc, a, b, interpret: bool, while_running=None):
@@ -458,13 +516,20 @@ def heaviest_first(index, count: int):
   return count - 1 - index
 
 
-def key_ring_types(stages: int, block_kv: int, head_dim: int, dtype, wgs: int):
-  """(shared memory, barriers) of a `KeyRing`: `stages` key tiles, ALiBi rows and value tiles, a
-  ready barrier per buffer and a free barrier per key and value slot (one arrival per math
-  warpgroup)."""
+def key_ring_types(
+  stages: int, block_kv: int, head_dim: int, dtype, wgs: int, bias_in_product: bool = False
+):
+  """(shared memory, barriers) of a `KeyRing`: `stages` key tiles, ALiBi rows (float32, or with
+  bias_in_product `bias_columns` tiles) and value tiles, a ready barrier per buffer and a free
+  barrier per key and value slot (one arrival per math warpgroup)."""
+  bias = (
+    _bias_tile_smem((stages, block_kv, BIAS_COLUMNS), dtype)
+    if bias_in_product
+    else plgpu.SMEM((stages, block_kv), jnp.float32)
+  )
   buffers = (
     _tile_smem((stages, block_kv, head_dim), dtype),
-    plgpu.SMEM((stages, block_kv), jnp.float32),
+    bias,
     _tile_smem((stages, block_kv, head_dim), dtype),
   )
   barriers = (
@@ -624,11 +689,11 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
   def item_steps(tile):  # key tiles an item's program needs: up to its last query's diagonal
     return pl.cdiv((tile + 1) * span, block_kv)
 
-  def body(q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, scratch, barriers):
-    (q_smem, out_smem, lse_smem, ring_buffers), (q_ready, schedule, ring_barriers) = (
-      scratch,
-      barriers,
-    )
+  def attention_forward(
+    q_ref, k_ref, v_ref, bias_ref, ones_ref, out_ref, lse_ref, scratch, barriers
+  ):
+    q_smem, ones_smem, out_smem, lse_smem, ring_buffers = scratch
+    q_ready, ones_ready, schedule, ring_barriers = barriers
     ring = KeyRing.of(ring_buffers, ring_barriers)
     wg = lax.axis_index('wg')
     count, item = program_items()
@@ -659,6 +724,21 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
         rows = (b, pl.ds(tile * span + wg * block_q, block_q), h)
         plgpu.copy_gmem_to_smem(q_ref.at[rows], q_tile_smem, q_ready.at[wg])
 
+      def qk_product(slot, while_running=lambda: None):
+        """(Q K^T of the slot's keys, what `while_running()` returns beneath it); with
+        bias_in_product the ALiBi row's product joins it, once the row is there."""
+        also = ()
+        if blocks.bias_in_product:
+          plgpu.barrier_wait(ring.bias_ready.at[slot])
+          also = ((ones_smem.at[wg], ring.bias.at[slot]),)
+        return mma_while(
+          q_tile_smem, ring.k.at[slot], interpret, while_running, transpose_b=True, also=also
+        )
+
+      def row_bias(slot):
+        """The slot's ALiBi row for the softmax; None where the product added it."""
+        return None if blocks.bias_in_product else ring.key_bias(slot, interpret)
+
       def run_item(index, ring_base):
         b, h, tile = item(index)
         program_steps = item_steps(tile)
@@ -684,9 +764,9 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           the product is done; the key slot is freed."""
           slot = slot_of(step)
           plgpu.barrier_wait(ring.k_ready.at[slot])
-          scores = mma(q_tile_smem, ring.k.at[slot], interpret, transpose_b=True)
+          scores = qk_product(slot)[0]
           after_product()
-          bias = ring.key_bias(slot, interpret)
+          bias = row_bias(slot)
           plgpu.barrier_arrive(ring.k_free.at[slot])
           return scores, bias
 
@@ -706,23 +786,19 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           if blocks.issue_handoff:
 
             def while_issued():
-              bias = ring.key_bias(slot, interpret)
+              bias = row_bias(slot)
               if wgs > 1:
                 pass_turn()
               return bias, diagonal_mask(step) if masked else None
 
-            scores, (bias, visible) = mma_while(
-              q_tile_smem, ring.k.at[slot], interpret, while_issued, transpose_b=True
-            )
+            scores, (bias, visible) = qk_product(slot, while_issued)
             plgpu.barrier_arrive(ring.k_free.at[slot])
             if wgs > 1 and not own_turns:
               take_turn()
             return scores, bias, visible
           if blocks.early_handoff:
-            scores = mma(
-              q_tile_smem, ring.k.at[slot], interpret, transpose_b=True, while_running=rendezvous
-            )
-            bias = ring.key_bias(slot, interpret)
+            scores = qk_product(slot, rendezvous)[0]
+            bias = row_bias(slot)
             plgpu.barrier_arrive(ring.k_free.at[slot])
           else:
             scores, bias = key_scores(step, after_product=rendezvous)
@@ -732,12 +808,20 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           """The online softmax of a key tile's scores: (the rescaled accumulator, the new row
           maxima and sums, the probabilities in the inputs' dtype)."""
           acc, row_max, row_sum = carry
-          scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [1])
-          if visible is not None:
-            scores = jnp.where(visible, scores, -jnp.inf)
-          new_max = jnp.maximum(row_max, scores.max(axis=1))
+          if bias is None:  # bias_in_product: the scores carry the row; qk_scale goes into exp2's
+            # multiply-add, and the maxima of the raw scores are scaled a row at a time
+            if visible is not None:
+              scores = jnp.where(visible, scores, -jnp.inf)
+            new_max = jnp.maximum(row_max, scores.max(axis=1) * qk_scale)
+            exponents = scores * qk_scale - lax.broadcast_in_dim(new_max, scores.shape, [0])
+          else:
+            scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [1])
+            if visible is not None:
+              scores = jnp.where(visible, scores, -jnp.inf)
+            new_max = jnp.maximum(row_max, scores.max(axis=1))
+            exponents = scores - lax.broadcast_in_dim(new_max, scores.shape, [0])
           correction = jnp.exp2(row_max - new_max)
-          probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))
+          probs = jnp.exp2(exponents)
           row_sum = row_sum * correction + probs.sum(axis=1)
           acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
           return acc, new_max, row_sum, probs.astype(dtype)
@@ -778,10 +862,8 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
             acc_, new_max, row_sum_, probs = softmax(scores, bias, visible, (acc, row_max, row_sum))
             return values_step(step, probs, acc_), new_max, row_sum_
 
-          next_scores, (acc, row_max, row_sum) = mma_while(
-            q_tile_smem, ring.k.at[next_slot], interpret, softmax_and_values, transpose_b=True
-          )
-          next_bias = ring.key_bias(next_slot, interpret)
+          next_scores, (acc, row_max, row_sum) = qk_product(next_slot, softmax_and_values)
+          next_bias = row_bias(next_slot)
           plgpu.barrier_arrive(ring.k_free.at[next_slot])
           return acc, row_max, row_sum, next_scores, next_bias
 
@@ -848,6 +930,9 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
         return ring_base + program_steps
 
       load_query(0)
+      if blocks.bias_in_product:  # once a program, beside its first query tile
+        plgpu.copy_gmem_to_smem(ones_ref, ones_smem.at[wg], ones_ready.at[wg])
+        plgpu.barrier_wait(ones_ready.at[wg])
       over_items(count, run_item)
       wait_output_read()
 
@@ -873,9 +958,12 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
       plgpu.set_max_registers(40, action='decrease')
       ring.wait_all_free(over_items(count, fill_item), stages)
 
-  ring_buffers, ring_barriers = key_ring_types(stages, block_kv, head_dim, dtype, wgs)
+  ring_buffers, ring_barriers = key_ring_types(
+    stages, block_kv, head_dim, dtype, wgs, blocks.bias_in_product
+  )
   scratch = (
     _tile_smem((wgs, block_q, head_dim), dtype),
+    _bias_tile_smem((wgs, block_q, BIAS_COLUMNS), dtype) if blocks.bias_in_product else None,
     _tile_smem((wgs, block_q, head_dim), dtype) if blocks.persistent else None,
     plgpu.SMEM((wgs, block_q), jnp.float32),
     ring_buffers,
@@ -883,13 +971,18 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
   # The query tiles' copies, and the math warpgroups' turns on the tensor cores: one barrier
   # both arrive at, or one of each's own that the other arrives at.
   turns = plgpu.Barrier(num_barriers=2) if own_turns else plgpu.Barrier(num_arrivals=wgs)
-  barriers = (plgpu.Barrier(num_barriers=wgs), turns, ring_barriers)
+  ones_ready = plgpu.Barrier(num_barriers=wgs) if blocks.bias_in_product else None
+  barriers = (plgpu.Barrier(num_barriers=wgs), ones_ready, turns, ring_barriers)
   out_type = (
     jax.ShapeDtypeStruct(q.shape, dtype),
     jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32),
   )
-  call = _kernel_call(body, out_type, scratch, barriers, grid, grid_names, wgs, blocks, interpret)
-  out, lse = call(q, k, v, key_bias)
+  call = _kernel_call(
+    attention_forward, out_type, scratch, barriers, grid, grid_names, wgs, blocks, interpret
+  )
+  if blocks.bias_in_product:
+    key_bias = bias_columns(key_bias, qk_scale, dtype)
+  out, lse = call(q, k, v, key_bias, query_ones(block_q, dtype))
   return out, lse
 
 
@@ -922,7 +1015,9 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
   span = wgs * block_q
   qk_scale = scale * LOG2E
 
-  def body(q_ref, k_ref, v_ref, do_ref, bias_ref, lse_ref, delta_ref, dq_ref, scratch, barriers):
+  def attention_dq(
+    q_ref, k_ref, v_ref, do_ref, bias_ref, lse_ref, delta_ref, dq_ref, scratch, barriers
+  ):
     q_smem, do_smem, lse_smem, delta_smem, ring_buffers = scratch
     own_ready, ring_barriers = barriers
     ring = KeyRing.of(ring_buffers, ring_barriers)
@@ -1008,7 +1103,7 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
   # q, dO, lse and delta of a warpgroup arrive on one barrier.
   barriers = (plgpu.Barrier(num_arrivals=4, num_barriers=wgs), ring_barriers)
   call = _kernel_call(
-    body,
+    attention_dq,
     jax.ShapeDtypeStruct(q.shape, dtype),
     scratch,
     barriers,
@@ -1036,7 +1131,7 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
   qk_scale = scale * LOG2E
   q_tiles = seq // block_q
 
-  def body(
+  def attention_dkv(
     q_ref, k_ref, v_ref, do_ref, bias_ref, lse_ref, delta_ref, dk_ref, dv_ref, scratch, barriers
   ):
     k_smem, v_smem, bias_smem, q_smem, do_smem, lse_smem, delta_smem = scratch
@@ -1145,7 +1240,7 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
   )
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
   call = _kernel_call(
-    body,
+    attention_dkv,
     (kv_type, kv_type),
     scratch,
     barriers,

@@ -58,6 +58,10 @@ OWN_TURNS = dataclasses.replace(SMALL, issue_handoff=True, own_turn_barriers=Tru
 # FlashAttention-3's intra-warpgroup overlap on SMALL's unequal warpgroups, in a ring of 3: each
 # key tile's softmax and P V beneath the next tile's Q K^T, the diagonal tile's alone, the drain.
 INTRA_OVERLAP = dataclasses.replace(SMALL, stages=3, intra_overlap=True)
+# The ALiBi row added by the tensor cores, on SMALL's unequal warpgroups, and with the persistent
+# forward's tokamax order (its ones are copied once a program, not once an item).
+BIAS_IN_PRODUCT = dataclasses.replace(SMALL, bias_in_product=True)
+BIAS_IN_PRODUCT_PERSISTENT = dataclasses.replace(ISSUE_HANDOFF, bias_in_product=True)
 B200 = Device('gpu', 'NVIDIA B200', '10.0')
 
 
@@ -76,6 +80,10 @@ B200 = Device('gpu', 'NVIDIA B200', '10.0')
     ),
     pytest.param(256, 64, 'bfloat16', True, OWN_TURNS, id='own-turn-barriers'),
     pytest.param(256, 64, 'bfloat16', True, INTRA_OVERLAP, id='intra-overlap'),
+    pytest.param(256, 64, 'bfloat16', True, BIAS_IN_PRODUCT, id='bias-in-product'),
+    pytest.param(
+      256, 64, 'bfloat16', True, BIAS_IN_PRODUCT_PERSISTENT, id='bias-in-product-persistent'
+    ),
   ],
 )
 def test_forward_and_gradients_match_the_reference(seq, head_dim, dtype, alibi, blocks):
@@ -139,13 +147,23 @@ def test_the_bf16_model_through_mosaic_matches_xla():
     pytest.param(MosaicBlocks(issue_handoff=True), id='issue-handoff'),
     pytest.param(MosaicBlocks(issue_handoff=True, own_turn_barriers=True), id='own-turns'),
     pytest.param(MosaicBlocks(intra_overlap=True, no_auto_barriers=True), id='intra-overlap'),
+    # The ALiBi row's product beside each order's Q K^T: in turns, issued early, overlapped.
+    pytest.param(MosaicBlocks(bias_in_product=True), id='bias-in-product'),
+    pytest.param(
+      dataclasses.replace(OPTIONS, stages=2, bias_in_product=True),
+      id='early-handoff-options-bias-in-product',
+    ),
+    pytest.param(
+      MosaicBlocks(intra_overlap=True, bias_in_product=True), id='intra-overlap-bias-in-product'
+    ),
   ],
 )
 def test_the_gpu_kernels_lower_for_cuda_with_alibi_as_key_rows(blocks):
   """Forward, dQ and dK/dV: three Mosaic GPU kernels (wgmma, TMA, the register layouts: none of
   interpret mode's stand-ins), with every option. ALiBi reaches them as a float32 [heads, seq]
-  row per key, the forward saves a float32 [batch, heads, seq] log-sum-exp, and no [seq, seq]
-  tensor exists."""
+  row per key (the forward's, with bias_in_product, as [heads, seq, 16] bfloat16 parts of it,
+  with a [64, 16] tile of ones for the queries), the forward saves a float32 [batch, heads, seq]
+  log-sum-exp, and no [seq, seq] tensor exists."""
   x = jax.ShapeDtypeStruct((1, 384, 2, 128), jnp.bfloat16)
   slopes = np.array([LARGE_SLOPE, 0.5], np.float32)
 
@@ -158,8 +176,10 @@ def test_the_gpu_kernels_lower_for_cuda_with_alibi_as_key_rows(blocks):
   assert [target for target, *_ in calls] == ['mosaic_gpu_v2'] * 3, text[:2000]
   qkv = 'tensor<1x384x2x128xbf16>'
   forward, dq, dkv = (operands.split(', ') + [results] for _, _, operands, results in calls)
-  assert forward[:4] == [qkv, qkv, qkv, 'tensor<2x384xf32>']
-  assert forward[4] == f'({qkv}, tensor<1x2x384xf32>)'
+  in_product = blocks is not None and blocks.bias_in_product
+  row = 'tensor<2x384x16xbf16>' if in_product else 'tensor<2x384xf32>'
+  assert forward[:5] == [qkv, qkv, qkv, row, 'tensor<64x16xbf16>']
+  assert forward[5] == f'({qkv}, tensor<1x2x384xf32>)'
   assert dq[4:] == ['tensor<2x384xf32>', 'tensor<1x2x384xf32>', 'tensor<1x2x384xf32>', qkv]
   assert dkv[-1] == f'({qkv}, {qkv})'
   assert not re.search(r'tensor<[^>]*384x384', text)
@@ -261,6 +281,13 @@ def options_refused(blocks: MosaicBlocks, rule: str):
     ),
     options_refused(
       MosaicBlocks(intra_overlap=True, issue_handoff=True), 'runs without turns on the tensor'
+    ),
+    pytest.param(
+      (1, 128, 2, 64),
+      jnp.float16,
+      MosaicBlocks(bias_in_product=True),
+      'bias_in_product needs bfloat16',
+      id='bias-in-product-float16',
     ),
   ],
 )
