@@ -348,13 +348,13 @@ def format_table(result: dict) -> str:
     f'{result["gpu"]} ({result["arch"]}), seq {result["seq"]}, jax {result["jax"]}, '
     f'ptxas {result["ptxas"]}',
     'hot loop: one iteration, instructions per thread by kind',
-    f'{"candidate":28s} {"kernel":18s} {"regs":>4s} {"spill":>7s} {"loop":>13s} '
+    f'{"candidate":30s} {"kernel":18s} {"regs":>4s} {"spill":>7s} {"loop":>13s} '
     + ' '.join(f'{k:>7s}' for k in ('total', *TABLE_KINDS)),
   ]
   for row in result['rows']:
     for kernel, info in row['kernels'].items():
       spill = f'{info["spill_store_bytes"]}/{info["spill_load_bytes"]}'
-      head = f'{row["candidate"]:28s} {kernel:18s} {info["registers"]:4d} {spill:>7s}'
+      head = f'{row["candidate"]:30s} {kernel:18s} {info["registers"]:4d} {spill:>7s}'
       for loop in info['hot_loops'] or [None]:
         if loop is None:
           lines.append(f'{head} {"(none)":>13s}')
@@ -364,7 +364,7 @@ def format_table(result: dict) -> str:
         lines.append(f'{head} {span:>13s} {counts}')
         head = ' ' * len(head)
       for warning in info['warnings']:
-        lines.append(f'{"":28s} ptxas: {warning}')
+        lines.append(f'{"":30s} ptxas: {warning}')
   return '\n'.join(lines)
 
 

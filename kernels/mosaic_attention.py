@@ -19,16 +19,15 @@ only issues copies into a ring of `stages` buffers, so loads overlap the matmuls
   2) * log2(e), stays below 8,192 in magnitude at seq 8192 and rounds by at most 2.4e-4 (half
   float32's spacing there): 0.017% of a probability. The log-sum-exp the forward saves is of
   those shifted scores; the backward adds the same rows, so its probabilities are the forward's.
-  With `MosaicBlocks.bias_in_product` the forward's tensor cores add the row instead
-  (`bias_columns`).
+  With `MosaicBlocks.bias_in_product` the tensor cores add the rows instead (`bias_columns`).
 * Causal: key tiles above the diagonal are never loaded, and only tiles that cross it are masked.
 * `MosaicBlocks` also holds options, off until a GPU run shows one faster: a persistent forward
   (a program per SM running a sequence of query tiles through one key ring), orders of the
   hand-over of the tensor cores between the forward's math warpgroups (`early_handoff`,
   `issue_handoff`, `own_turn_barriers`) or, instead of turns, each warpgroup's softmax beneath
   its own next product (`intra_overlap`), the backward's independent products issued in pairs,
-  Mosaic GPU's own barriers left out (`no_auto_barriers`), and the forward's ALiBi row added by
-  the tensor cores (`bias_in_product`).
+  Mosaic GPU's own barriers left out (`no_auto_barriers`), and the ALiBi rows added by the
+  tensor cores (`bias_in_product`).
 * Backward (`jax.custom_vjp`): the forward saves the output and the log-sum-exp (named
   `residuals.ATTENTION_RESIDUALS`, so that remat_policy='save_dots' keeps them). One kernel
   computes dK and dV (a program per key tile, looping over the query tiles from the diagonal),
@@ -68,8 +67,9 @@ _TILING = plgpu.TilingTransform((8, 64))
 _SWIZZLE = plgpu.SwizzleTransform(128)
 # bias_in_product: a key tile's ALiBi row rides in a [block_kv, BIAS_COLUMNS] tile of the keys'
 # dtype, row / qk_scale split into BIAS_PARTS parts that sum to it within float32's precision,
-# and the queries' [block_q, BIAS_COLUMNS] partner holds ones in those columns, so that Q K^T's
-# wgmma adds the row. 16 columns: wgmma's K for 16-bit operands (32-byte rows, 32-byte swizzle).
+# and the queries' [block_q, BIAS_COLUMNS] partner holds ones in those columns, so that the
+# scores' wgmma (Q K^T, or K Q^T in dK/dV) adds the row. 16 columns: wgmma's K for 16-bit
+# operands (32-byte rows, 32-byte swizzle).
 BIAS_COLUMNS = 16
 BIAS_PARTS = 3
 _BIAS_TILING = plgpu.TilingTransform((8, BIAS_COLUMNS))
@@ -137,11 +137,12 @@ class MosaicBlocks:
   it beneath them, in place of the turns the warpgroups otherwise take (a second [block_q,
   block_kv] float32 tile in registers); the copy warpgroup refills keys first, as for
   issue_handoff, since the next tile's keys are read a P V before its values. bias_in_product
-  (forward, bfloat16): the ALiBi row is added by the tensor cores, as a second wgmma into Q K^T's
-  accumulator (`bias_columns`: a ninth HGMMA beside Q K^T's eight), so the softmax's float32
-  work per score is tokamax's without a bias: the max of the raw scores and one fused
-  multiply-add into exp2 (where otherwise a multiply-add with the row and a subtraction, and the
-  row's loads from shared memory). All off: the kernels first measured on an H100
+  (every kernel, bfloat16): the ALiBi rows are added by the tensor cores, as a second wgmma into
+  the scores' accumulator (`bias_columns`: one more HGMMA a tile), so the float32 work per score
+  is what it is without a bias: in the forward the max of the raw scores and one fused
+  multiply-add into exp2, in the backward one fused multiply-add with the log-sum-exp (where
+  otherwise a multiply-add with the row and a subtraction, and the forward's and dQ's rows are
+  read from shared memory each tile). All off: the kernels first measured on an H100
   (docs/benchmarks.md).
   """
 
@@ -345,10 +346,11 @@ def query_ones(block_q: int, dtype):
   return jnp.broadcast_to(columns, (block_q, BIAS_COLUMNS)).astype(dtype)
 
 
-def mma(a, b, interpret: bool, transpose_b: bool = False, while_running=None):
+def mma(a, b, interpret: bool, transpose_b: bool = False, while_running=None, also=()):
   """A fresh float32 a @ b (a @ b^T with transpose_b) of [M, K] and [K, N] (or [N, K]) tiles in
-  shared memory, into registers; `while_running()` runs between the wgmma's issue and its end."""
-  return mma_while(a, b, interpret, while_running or (lambda: None), transpose_b)[0]
+  shared memory, into registers; `while_running()` runs between the wgmma's issue and its end.
+  also: `mma_while`'s."""
+  return mma_while(a, b, interpret, while_running or (lambda: None), transpose_b, also)[0]
 
 
 def mma_while(a, b, interpret: bool, while_running, transpose_b: bool = False, also=()):
@@ -393,11 +395,12 @@ def mma_accumulate(acc, a, b, interpret: bool, while_running=None):
 
 class Fresh(NamedTuple):
   """A product for `mma_together`: float32 a @ b (a @ b^T with transpose_b), a and b tiles in
-  shared memory."""
+  shared memory, plus the products of `also`'s (a, b) pairs (`mma_while`'s)."""
 
   a: Any
   b: Any
   transpose_b: bool = False
+  also: tuple = ()
 
 
 class Accumulate(NamedTuple):
@@ -416,8 +419,12 @@ def mma_together(products, interpret: bool) -> tuple:
     results = []
     for p in products:
       if isinstance(p, Fresh):
-        rhs = p.b[...].T if p.transpose_b else p.b[...]
-        results.append(jnp.dot(p.a[...], rhs, preferred_element_type=jnp.float32))
+        total = None
+        for a, b in ((p.a, p.b), *p.also):
+          rhs = b[...].T if p.transpose_b else b[...]
+          product = jnp.dot(a[...], rhs, preferred_element_type=jnp.float32)
+          total = product if total is None else total + product
+        results.append(total)
       else:
         results.append(p.acc + jnp.dot(p.a, p.b[...], preferred_element_type=jnp.float32))
     return tuple(results)
@@ -430,8 +437,11 @@ def mma_together(products, interpret: bool) -> tuple:
 
   def run(acc_refs):
     for acc_ref, p in zip(acc_refs, products):
-      transposed = isinstance(p, Fresh) and p.transpose_b
-      plgpu.wgmma(acc_ref, p.a, plgpu.transpose_ref(p.b, (1, 0)) if transposed else p.b)
+      if isinstance(p, Accumulate):
+        plgpu.wgmma(acc_ref, p.a, p.b)
+        continue
+      for a, b in ((p.a, p.b), *p.also):
+        plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)) if p.transpose_b else b)
 
   return tuple(pl.run_state(run)(tuple(initial(p) for p in products)))
 
@@ -462,6 +472,21 @@ def causal_mask(shape, row_start, col_start, rows_are_queries: bool, interpret: 
   rows = iota(shape, 0, interpret) + row_start
   cols = iota(shape, 1, interpret) + col_start
   return rows >= cols if rows_are_queries else cols >= rows
+
+
+def exponentiated(scores, bias, lse, qk_scale: float, visible, rows_are_queries: bool):
+  """The backward's probabilities of a tile of raw scores: exp2(scores * qk_scale + the ALiBi
+  row - the log-sum-exp), masked where `visible` (None: nothing masked) is False. bias: the
+  keys' float32 rows, or None where the product added them (bias_in_product); then the scale
+  and the log-sum-exp are one fused multiply-add a score. The keys run along the columns when
+  rows_are_queries (dQ), along the rows otherwise (dK/dV)."""
+  key_axis, query_axis = (1, 0) if rows_are_queries else (0, 1)
+  if bias is not None:
+    scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [key_axis])
+  if visible is not None:
+    scores = jnp.where(visible, scores, -jnp.inf)
+  row_lse = lax.broadcast_in_dim(lse, scores.shape, [query_axis])
+  return jnp.exp2((scores if bias is not None else scores * qk_scale) - row_lse)
 
 
 def full_rows(value, size: int, interpret: bool):
@@ -727,7 +752,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
       def qk_product(slot, while_running=lambda: None):
         """(Q K^T of the slot's keys, what `while_running()` returns beneath it); with
         bias_in_product the ALiBi row's product joins it, once the row is there."""
-        also = ()
+        also: tuple = ()
         if blocks.bias_in_product:
           plgpu.barrier_wait(ring.bias_ready.at[slot])
           also = ((ones_smem.at[wg], ring.bias.at[slot]),)
@@ -1016,9 +1041,9 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
   qk_scale = scale * LOG2E
 
   def attention_dq(
-    q_ref, k_ref, v_ref, do_ref, bias_ref, lse_ref, delta_ref, dq_ref, scratch, barriers
+    q_ref, k_ref, v_ref, do_ref, bias_ref, ones_ref, lse_ref, delta_ref, dq_ref, scratch, barriers
   ):
-    q_smem, do_smem, lse_smem, delta_smem, ring_buffers = scratch
+    q_smem, do_smem, lse_smem, delta_smem, ones_smem, ring_buffers = scratch
     own_ready, ring_barriers = barriers
     ring = KeyRing.of(ring_buffers, ring_barriers)
     b, h = lax.axis_index('batch'), lax.axis_index('heads')
@@ -1037,6 +1062,8 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], ready)
       plgpu.copy_gmem_to_smem(lse_ref.at[vector], lse_smem.at[wg], ready)
       plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem.at[wg], ready)
+      if blocks.bias_in_product:
+        plgpu.copy_gmem_to_smem(ones_ref, ones_smem.at[wg], ready)
       plgpu.barrier_wait(ready)
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       lse = load_vector(lse_smem.at[wg], row_layout, interpret)
@@ -1047,24 +1074,31 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
       def kv_step(step, dq, masked: bool):
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(ring.k_ready.at[slot])
+        also: tuple = ()
+        if blocks.bias_in_product:  # the key tile's ALiBi row joins Q K^T
+          plgpu.barrier_wait(ring.bias_ready.at[slot])
+          also = ((ones_smem.at[wg], ring.bias.at[slot]),)
         if blocks.paired_backward:
           plgpu.barrier_wait(ring.v_ready.at[slot])
           scores, d_probs = mma_together(
             (
-              Fresh(q_smem.at[wg], ring.k.at[slot], transpose_b=True),
+              Fresh(q_smem.at[wg], ring.k.at[slot], transpose_b=True, also=also),
               Fresh(do_smem.at[wg], ring.v.at[slot], transpose_b=True),
             ),
             interpret,
           )
           plgpu.barrier_arrive(ring.v_free.at[slot])
         else:
-          scores = mma(q_smem.at[wg], ring.k.at[slot], interpret, transpose_b=True)
-        bias = ring.key_bias(slot, interpret)
-        scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [1])
-        if masked:
-          visible = causal_mask(scores.shape, q_start, step * block_kv, True, interpret)
-          scores = jnp.where(visible, scores, -jnp.inf)
-        probs = jnp.exp2(scores - lax.broadcast_in_dim(lse, scores.shape, [0]))
+          scores = mma(q_smem.at[wg], ring.k.at[slot], interpret, transpose_b=True, also=also)
+        bias = None if blocks.bias_in_product else ring.key_bias(slot, interpret)
+        probs = exponentiated(
+          scores,
+          bias,
+          lse,
+          qk_scale,
+          causal_mask(scores.shape, q_start, step * block_kv, True, interpret) if masked else None,
+          rows_are_queries=True,
+        )
         if not blocks.paired_backward:
           plgpu.barrier_wait(ring.v_ready.at[slot])
           d_probs = mma(do_smem.at[wg], ring.v.at[slot], interpret, transpose_b=True)
@@ -1092,16 +1126,20 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
       ring.fill(k_ref, v_ref, bias_ref, b, h, block_kv, program_steps, stages)
       ring.wait_all_free(program_steps, stages)
 
-  ring_buffers, ring_barriers = key_ring_types(stages, block_kv, head_dim, dtype, wgs)
+  ring_buffers, ring_barriers = key_ring_types(
+    stages, block_kv, head_dim, dtype, wgs, blocks.bias_in_product
+  )
   scratch = (
     _tile_smem((wgs, block_q, head_dim), dtype),
     _tile_smem((wgs, block_q, head_dim), dtype),
     plgpu.SMEM((wgs, block_q), jnp.float32),
     plgpu.SMEM((wgs, block_q), jnp.float32),
+    _bias_tile_smem((wgs, block_q, BIAS_COLUMNS), dtype) if blocks.bias_in_product else None,
     ring_buffers,
   )
-  # q, dO, lse and delta of a warpgroup arrive on one barrier.
-  barriers = (plgpu.Barrier(num_arrivals=4, num_barriers=wgs), ring_barriers)
+  # q, dO, lse and delta of a warpgroup (and its ones) arrive on one barrier.
+  own_copies = 5 if blocks.bias_in_product else 4
+  barriers = (plgpu.Barrier(num_arrivals=own_copies, num_barriers=wgs), ring_barriers)
   call = _kernel_call(
     attention_dq,
     jax.ShapeDtypeStruct(q.shape, dtype),
@@ -1113,7 +1151,9 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
     blocks,
     interpret,
   )
-  return call(q, k, v, d_out, key_bias, lse, delta)
+  if blocks.bias_in_product:
+    key_bias = bias_columns(key_bias, qk_scale, dtype)
+  return call(q, k, v, d_out, key_bias, query_ones(block_q, dtype), lse, delta)
 
 
 def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlocks, interpret):
@@ -1132,9 +1172,20 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
   q_tiles = seq // block_q
 
   def attention_dkv(
-    q_ref, k_ref, v_ref, do_ref, bias_ref, lse_ref, delta_ref, dk_ref, dv_ref, scratch, barriers
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    bias_ref,
+    ones_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    scratch,
+    barriers,
   ):
-    k_smem, v_smem, bias_smem, q_smem, do_smem, lse_smem, delta_smem = scratch
+    k_smem, v_smem, bias_smem, ones_smem, q_smem, do_smem, lse_smem, delta_smem = scratch
     own_ready, q_ready, lse_ready, do_ready, delta_ready, q_free, do_free = barriers
     b, h, tile = lax.axis_index('batch'), lax.axis_index('heads'), lax.axis_index('kv_tile')
     wg = lax.axis_index('wg')
@@ -1149,8 +1200,17 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
       plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[wg], ready)
       plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[wg], ready)
       plgpu.copy_gmem_to_smem(bias_ref.at[h, pl.ds(kv_start, block_kv)], bias_smem.at[wg], ready)
+      if blocks.bias_in_product:
+        plgpu.copy_gmem_to_smem(ones_ref, ones_smem.at[wg], ready)
       plgpu.barrier_wait(ready)
-      bias = load_vector(bias_smem.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret)
+      # bias_in_product: the keys' ALiBi rows join K Q^T as the product of their parts and the
+      # queries' ones; otherwise they are added to its result.
+      also = ((bias_smem.at[wg], ones_smem.at[wg]),) if blocks.bias_in_product else ()
+      bias = (
+        None
+        if blocks.bias_in_product
+        else load_vector(bias_smem.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret)
+      )
       own_first = lax.div(kv_start, block_q)  # this warpgroup's diagonal query tile
       unmasked_from = pl.cdiv(kv_start + block_kv, block_q)
       column_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -1159,14 +1219,19 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
         dk, dv = carry
         slot = lax.rem(step - first_step, stages)
         plgpu.barrier_wait(q_ready.at[slot])
-        scores = mma(k_smem.at[wg], q_smem.at[slot], interpret, transpose_b=True)  # [keys, queries]
+        scores = mma(  # [keys, queries]
+          k_smem.at[wg], q_smem.at[slot], interpret, transpose_b=True, also=also
+        )
         plgpu.barrier_wait(lse_ready.at[slot])
         lse = load_vector(lse_smem.at[slot], column_layout, interpret)
-        scores = scores * qk_scale + lax.broadcast_in_dim(bias, scores.shape, [0])
-        if masked:
-          visible = causal_mask(scores.shape, kv_start, step * block_q, False, interpret)
-          scores = jnp.where(visible, scores, -jnp.inf)
-        probs = jnp.exp2(scores - lax.broadcast_in_dim(lse, scores.shape, [1]))
+        probs = exponentiated(
+          scores,
+          bias,
+          lse,
+          qk_scale,
+          causal_mask(scores.shape, kv_start, step * block_q, False, interpret) if masked else None,
+          rows_are_queries=False,
+        )
         plgpu.barrier_wait(do_ready.at[slot])
         if blocks.paired_backward:
           dv, d_probs = mma_together(
@@ -1223,17 +1288,23 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
       _stream(q_tiles - first_step, stages, (q_free, do_free), issue, start=first_step)
       _wait_last_consumed(q_tiles - first_step, stages, (q_free, do_free))
 
+  if blocks.bias_in_product:
+    key_bias = bias_columns(key_bias, qk_scale, dtype)
   scratch = (
     _tile_smem((wgs, block_kv, head_dim), dtype),
     _tile_smem((wgs, block_kv, head_dim), dtype),
-    plgpu.SMEM((wgs, block_kv), jnp.float32),
+    _bias_tile_smem((wgs, block_kv, BIAS_COLUMNS), dtype)
+    if blocks.bias_in_product
+    else plgpu.SMEM((wgs, block_kv), jnp.float32),
+    _bias_tile_smem((wgs, block_q, BIAS_COLUMNS), dtype) if blocks.bias_in_product else None,
     _tile_smem((stages, block_q, head_dim), dtype),
     _tile_smem((stages, block_q, head_dim), dtype),
     plgpu.SMEM((stages, block_q), jnp.float32),
     plgpu.SMEM((stages, block_q), jnp.float32),
   )
   barriers = (
-    plgpu.Barrier(num_arrivals=3, num_barriers=wgs),  # k, v and the bias row of a warpgroup
+    # k, v and the bias row of a warpgroup (and its ones)
+    plgpu.Barrier(num_arrivals=4 if blocks.bias_in_product else 3, num_barriers=wgs),
     *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
     plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
     plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
@@ -1250,4 +1321,4 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
     blocks,
     interpret,
   )
-  return call(q, k, v, d_out, key_bias, lse, delta)
+  return call(q, k, v, d_out, key_bias, query_ones(block_q, dtype), lse, delta)

@@ -58,10 +58,13 @@ OWN_TURNS = dataclasses.replace(SMALL, issue_handoff=True, own_turn_barriers=Tru
 # FlashAttention-3's intra-warpgroup overlap on SMALL's unequal warpgroups, in a ring of 3: each
 # key tile's softmax and P V beneath the next tile's Q K^T, the diagonal tile's alone, the drain.
 INTRA_OVERLAP = dataclasses.replace(SMALL, stages=3, intra_overlap=True)
-# The ALiBi row added by the tensor cores, on SMALL's unequal warpgroups, and with the persistent
-# forward's tokamax order (its ones are copied once a program, not once an item).
+# The ALiBi rows added by the tensor cores, on SMALL's unequal warpgroups; and with the persistent
+# forward's tokamax order (its ones are copied once a program, not once an item) and the paired
+# backward products (dQ's Q K^T and the rows' product issued with dO V^T).
 BIAS_IN_PRODUCT = dataclasses.replace(SMALL, bias_in_product=True)
-BIAS_IN_PRODUCT_PERSISTENT = dataclasses.replace(ISSUE_HANDOFF, bias_in_product=True)
+BIAS_IN_PRODUCT_PAIRED = dataclasses.replace(
+  ISSUE_HANDOFF, bias_in_product=True, paired_backward=True
+)
 B200 = Device('gpu', 'NVIDIA B200', '10.0')
 
 
@@ -82,7 +85,7 @@ B200 = Device('gpu', 'NVIDIA B200', '10.0')
     pytest.param(256, 64, 'bfloat16', True, INTRA_OVERLAP, id='intra-overlap'),
     pytest.param(256, 64, 'bfloat16', True, BIAS_IN_PRODUCT, id='bias-in-product'),
     pytest.param(
-      256, 64, 'bfloat16', True, BIAS_IN_PRODUCT_PERSISTENT, id='bias-in-product-persistent'
+      256, 64, 'bfloat16', True, BIAS_IN_PRODUCT_PAIRED, id='bias-in-product-persistent-paired'
     ),
   ],
 )
@@ -161,9 +164,9 @@ def test_the_bf16_model_through_mosaic_matches_xla():
 def test_the_gpu_kernels_lower_for_cuda_with_alibi_as_key_rows(blocks):
   """Forward, dQ and dK/dV: three Mosaic GPU kernels (wgmma, TMA, the register layouts: none of
   interpret mode's stand-ins), with every option. ALiBi reaches them as a float32 [heads, seq]
-  row per key (the forward's, with bias_in_product, as [heads, seq, 16] bfloat16 parts of it,
-  with a [64, 16] tile of ones for the queries), the forward saves a float32 [batch, heads, seq]
-  log-sum-exp, and no [seq, seq] tensor exists."""
+  row per key (with bias_in_product as [heads, seq, 16] bfloat16 parts of it, beside a [64, 16]
+  tile of ones for the queries), the forward saves a float32 [batch, heads, seq] log-sum-exp,
+  and no [seq, seq] tensor exists."""
   x = jax.ShapeDtypeStruct((1, 384, 2, 128), jnp.bfloat16)
   slopes = np.array([LARGE_SLOPE, 0.5], np.float32)
 
@@ -177,10 +180,13 @@ def test_the_gpu_kernels_lower_for_cuda_with_alibi_as_key_rows(blocks):
   qkv = 'tensor<1x384x2x128xbf16>'
   forward, dq, dkv = (operands.split(', ') + [results] for _, _, operands, results in calls)
   in_product = blocks is not None and blocks.bias_in_product
-  row = 'tensor<2x384x16xbf16>' if in_product else 'tensor<2x384xf32>'
-  assert forward[:5] == [qkv, qkv, qkv, row, 'tensor<64x16xbf16>']
-  assert forward[5] == f'({qkv}, tensor<1x2x384xf32>)'
-  assert dq[4:] == ['tensor<2x384xf32>', 'tensor<1x2x384xf32>', 'tensor<1x2x384xf32>', qkv]
+  row, ones, lse = 'tensor<2x384xf32>', 'tensor<64x16xbf16>', 'tensor<1x2x384xf32>'
+  if in_product:
+    row = 'tensor<2x384x16xbf16>'
+  assert forward[:5] == [qkv, qkv, qkv, row, ones]
+  assert forward[5] == f'({qkv}, {lse})'
+  assert dq[4:] == [row, ones, lse, lse, qkv]
+  assert dkv[4:8] == [row, ones, lse, lse]
   assert dkv[-1] == f'({qkv}, {qkv})'
   assert not re.search(r'tensor<[^>]*384x384', text)
 
