@@ -65,6 +65,7 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     'bias_in_product': True,
   },
   'intra_overlap_bias_in_product': {'intra_overlap': True, 'bias_in_product': True},
+  'bias_in_product_copy24': {'bias_in_product': True, 'copy_registers': 24},
 }
 SMOKE_CANDIDATES = ('default', 'own_turns_no_auto_barriers')
 VERDICTS = ('faster', 'slower', 'within')
@@ -174,7 +175,7 @@ def run(args) -> dict[str, Any]:
         got = jax.device_get([x[:1] for x in forward_backward(q, k, v, do)])
       except Exception as e:  # noqa: BLE001 (one candidate's failure; the others still run)
         row['failed'] = f'{type(e).__name__}: {e}'.splitlines()[0][:300]
-        print(f'{name:28} {seq:5}  FAILED: {row["failed"]}', flush=True)
+        print(f'{name:30} {seq:5}  FAILED: {row["failed"]}', flush=True)
         report['rows'].append(row)
         save()
         continue
@@ -186,7 +187,7 @@ def run(args) -> dict[str, Any]:
       save()
       error_text = '/'.join(f'{errors[n]:.1e}' for n in ('out', 'dq', 'dk', 'dv'))
       state = 'correct' if row['correct'] else f'WRONG (> {attention_benchmark.TOLERANCE})'
-      print(f'{name:28} {seq:5}  {state}, max error out/dq/dk/dv {error_text}', flush=True)
+      print(f'{name:30} {seq:5}  {state}, max error out/dq/dk/dv {error_text}', flush=True)
       if row['correct']:
         programs[name] = (forward, forward_backward, row)
     if on_cpu or 'default' not in programs:
@@ -222,7 +223,7 @@ def run(args) -> dict[str, Any]:
           f'{kind} {f["tflops"]:5.0f} ({f["pct_peak"]:4.1f}%) x{f["speedup"]:.3f} '
           f'[{low:.3f}-{high:.3f}] {f["verdict"]}'
         )
-      print(f'  {name:28} ' + ' | '.join(cells), flush=True)
+      print(f'  {name:30} ' + ' | '.join(cells), flush=True)
   if not on_cpu:
     report['adoptable'] = [
       name for name in names if name != 'default' and adoptable(report['rows'], name, args.seqs)

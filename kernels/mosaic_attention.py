@@ -82,6 +82,7 @@ L2_GROUP_BYTES = 16 * 2**20
 # small test, so that programs run different numbers of items.
 INTERPRET_PROGRAMS = 3
 H100_SMS = 132
+REGISTERS_PER_SM = 65536  # sm90's register file, 32-bit registers
 
 
 # CUDA runtimes (cudaRuntimeGetVersion's numbers, 12080 for 12.8) whose ptxas miscompiles Mosaic
@@ -112,6 +113,9 @@ class MosaicBlocks:
   key/value tiles of block_kv. dK/dV: a program owns compute_wgs * block_kv_dkv keys and streams
   query tiles of block_q_dkv. dQ: a program owns compute_wgs * block_q_dq queries and streams key
   tiles of block_kv_dq. stages: buffers in each ring (at least 2, so a copy overlaps the math).
+  copy_registers: the copy warpgroup's registers a thread (`setmaxnreg`); the math warpgroups
+  share what it leaves of the program's (`math_registers`): 40 leaves two of them 232 each,
+  FlashAttention-3's 24 leaves them 240.
 
   persistent (forward): one program per SM runs a sequence of query tiles (`forward_item_order`)
   through one key ring, so the next tile's keys and query are copied while the current one's
@@ -154,6 +158,7 @@ class MosaicBlocks:
   block_kv_dq: int = 64
   compute_wgs: int = 2
   stages: int = 2
+  copy_registers: int = 40
   persistent: bool = False
   early_handoff: bool = False
   paired_backward: bool = False
@@ -162,6 +167,16 @@ class MosaicBlocks:
   no_auto_barriers: bool = False
   intra_overlap: bool = False
   bias_in_product: bool = False
+
+  @property
+  def math_registers(self) -> int:
+    """A math warpgroup's registers a thread: what copy_registers leaves of the program's
+    (65,536 over its threads at launch, rounded down to 8 a thread), split among compute_wgs, in
+    multiples of 8, at most 240."""
+    warpgroups = self.compute_wgs + 1
+    at_launch = REGISTERS_PER_SM // (128 * warpgroups) // 8 * 8
+    share = (at_launch * warpgroups - self.copy_registers) // self.compute_wgs
+    return min(240, share // 8 * 8)
 
   @property
   def multiple(self) -> int:
@@ -186,6 +201,11 @@ class MosaicBlocks:
       found.append(f'MosaicBlocks.stages={self.stages} must be at least 2')
     if self.compute_wgs not in (1, 2):
       found.append(f'MosaicBlocks.compute_wgs={self.compute_wgs} must be 1 or 2')
+    if self.copy_registers % 8 or not 24 <= self.copy_registers <= 64:
+      found.append(
+        f'MosaicBlocks.copy_registers={self.copy_registers} must be a multiple of 8 from 24 '
+        "(setmaxnreg's least) to 64 (more would only take them from the math warpgroups)"
+      )
     if self.early_handoff and self.issue_handoff:
       found.append(
         'MosaicBlocks.early_handoff and issue_handoff are two orders of the same hand-over: '
@@ -738,7 +758,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
 
     @pl.when(wg < wgs)
     def _math():
-      plgpu.set_max_registers(232 if wgs > 1 else 240, action='increase')
+      plgpu.set_max_registers(blocks.math_registers, action='increase')
       q_tile_smem = q_smem.at[wg]
       # Without persistence the output goes through the query's buffer; with it the next item's
       # query arrives there while this one's output is being stored.
@@ -980,7 +1000,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
         )
         return ring_base + steps
 
-      plgpu.set_max_registers(40, action='decrease')
+      plgpu.set_max_registers(blocks.copy_registers, action='decrease')
       ring.wait_all_free(over_items(count, fill_item), stages)
 
   ring_buffers, ring_barriers = key_ring_types(
@@ -1053,7 +1073,7 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
 
     @pl.when(wg < wgs)
     def _math():
-      plgpu.set_max_registers(232 if wgs > 1 else 240, action='increase')
+      plgpu.set_max_registers(blocks.math_registers, action='increase')
       q_start = tile * span + wg * block_q
       rows = (b, pl.ds(q_start, block_q), h)
       vector = (b, h, pl.ds(q_start, block_q))
@@ -1122,7 +1142,7 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
 
     @pl.when(wg == wgs)
     def _copies():
-      plgpu.set_max_registers(40, action='decrease')
+      plgpu.set_max_registers(blocks.copy_registers, action='decrease')
       ring.fill(k_ref, v_ref, bias_ref, b, h, block_kv, program_steps, stages)
       ring.wait_all_free(program_steps, stages)
 
@@ -1193,7 +1213,7 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
 
     @pl.when(wg < wgs)
     def _math():
-      plgpu.set_max_registers(232 if wgs > 1 else 240, action='increase')
+      plgpu.set_max_registers(blocks.math_registers, action='increase')
       kv_start = tile * span + wg * block_kv
       keys = (b, pl.ds(kv_start, block_kv), h)
       ready = own_ready.at[wg]
@@ -1275,7 +1295,7 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
 
     @pl.when(wg == wgs)
     def _copies():
-      plgpu.set_max_registers(40, action='decrease')
+      plgpu.set_max_registers(blocks.copy_registers, action='decrease')
 
       def issue(step, slot):
         rows = (b, pl.ds(step * block_q, block_q), h)

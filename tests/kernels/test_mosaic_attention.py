@@ -279,6 +279,13 @@ def options_refused(blocks: MosaicBlocks, rule: str):
       (1, 128, 2, 64), jnp.bfloat16, MosaicBlocks(block_kv=96), 'multiple of 64', id='block'
     ),
     pytest.param((1, 128, 2, 64), jnp.bfloat16, MosaicBlocks(stages=1), 'at least 2', id='stages'),
+    pytest.param(
+      (1, 128, 2, 64),
+      jnp.bfloat16,
+      MosaicBlocks(copy_registers=20),
+      "from 24 \\(setmaxnreg's least\\)",
+      id='copy-registers',
+    ),
     options_refused(MosaicBlocks(early_handoff=True, issue_handoff=True), 'two orders of the'),
     options_refused(MosaicBlocks(own_turn_barriers=True), 'a form of issue_handoff'),
     options_refused(
