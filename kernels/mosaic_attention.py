@@ -379,21 +379,31 @@ def mma_while(a, b, interpret: bool, while_running, transpose_b: bool = False, a
   transposed as the first is, whose products add to the same accumulator (issued right after)."""
   pairs = ((a, b), *also)
   if interpret:
-    total = None
-    for left, right in pairs:
-      rhs = right[...].T if transpose_b else right[...]
-      product = jnp.dot(left[...], rhs, preferred_element_type=jnp.float32)
-      total = product if total is None else total + product
-    return total, while_running()
+    return _dot_sum(pairs, transpose_b), while_running()
 
   def run(acc_ref):
-    for left, right in pairs:
-      plgpu.wgmma(acc_ref, left, plgpu.transpose_ref(right, (1, 0)) if transpose_b else right)
+    _issue_products(acc_ref, pairs, transpose_b)
     meanwhile = while_running()
     return acc_ref[...], meanwhile  # reading the accumulator waits for the wgmmas
 
   columns = b.shape[0] if transpose_b else b.shape[1]
   return pl.run_scoped(run, plgpu.ACC((a.shape[0], columns), jnp.float32))
+
+
+def _dot_sum(pairs, transpose_b: bool):
+  """Interpret mode's float32 sum of a @ b (a @ b^T with transpose_b) over (a, b) tile pairs."""
+  total = None
+  for a, b in pairs:
+    rhs = b[...].T if transpose_b else b[...]
+    product = jnp.dot(a[...], rhs, preferred_element_type=jnp.float32)
+    total = product if total is None else total + product
+  return total
+
+
+def _issue_products(acc_ref, pairs, transpose_b: bool) -> None:
+  """One wgmma a pair into acc_ref, back to back (the tensor cores add them up)."""
+  for a, b in pairs:
+    plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)) if transpose_b else b)
 
 
 def mma_accumulate(acc, a, b, interpret: bool, while_running=None):
@@ -439,12 +449,7 @@ def mma_together(products, interpret: bool) -> tuple:
     results = []
     for p in products:
       if isinstance(p, Fresh):
-        total = None
-        for a, b in ((p.a, p.b), *p.also):
-          rhs = b[...].T if p.transpose_b else b[...]
-          product = jnp.dot(a[...], rhs, preferred_element_type=jnp.float32)
-          total = product if total is None else total + product
-        results.append(total)
+        results.append(_dot_sum(((p.a, p.b), *p.also), p.transpose_b))
       else:
         results.append(p.acc + jnp.dot(p.a, p.b[...], preferred_element_type=jnp.float32))
     return tuple(results)
@@ -459,9 +464,8 @@ def mma_together(products, interpret: bool) -> tuple:
     for acc_ref, p in zip(acc_refs, products):
       if isinstance(p, Accumulate):
         plgpu.wgmma(acc_ref, p.a, p.b)
-        continue
-      for a, b in ((p.a, p.b), *p.also):
-        plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)) if p.transpose_b else b)
+      else:
+        _issue_products(acc_ref, ((p.a, p.b), *p.also), p.transpose_b)
 
   return tuple(pl.run_state(run)(tuple(initial(p) for p in products)))
 
