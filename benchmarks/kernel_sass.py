@@ -45,8 +45,12 @@ from t5x_like.kernels import MosaicBlocks, mosaic_attention
 from t5x_like.planning import gpu_target
 
 TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
-# The architecture XLA targets for each kind (gpu_target's compute capability), as ptxas names it.
-SM_ARCH = {'9.0': 'sm_90a', '8.0': 'sm_80'}
+# The Mosaic GPU kernels are Hopper's: the architecture ptxas assembles them for (wgmma and
+# setmaxnreg are sm_90a's), and the GPU kinds of gpu_target with it.
+SM_ARCH = 'sm_90a'
+HOPPER_KINDS = tuple(
+  kind for kind in sorted(gpu_target.DEVICES) if gpu_target.compute_capability(kind) == '9.0'
+)
 # The kernels' Python names (kernels/mosaic_attention.py); Mosaic GPU names its dumps after them.
 KERNELS = ('attention_forward', 'attention_dkv', 'attention_dq')
 
@@ -319,7 +323,7 @@ def _child_environment() -> dict[str, str]:
 
 
 def report(names: Sequence[str], seq: int, kind: str, keep: Path | None = None) -> dict:
-  arch = SM_ARCH[gpu_target.compute_capability(kind)]
+  arch = SM_ARCH
   rows = []
   with tempfile.TemporaryDirectory(prefix='kernel_sass_') as scratch:
     root = keep or Path(scratch)
@@ -372,7 +376,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n', 1)[0])
   parser.add_argument('--only', default='', help='candidates, comma-separated (default: all)')
   parser.add_argument('--seq', type=int, default=4096)
-  parser.add_argument('--gpu', default='h100-80gb', choices=sorted(gpu_target.DEVICES))
+  parser.add_argument('--gpu', default='h100-80gb', choices=HOPPER_KINDS)
   parser.add_argument('--json', type=Path, help='write the report here too')
   parser.add_argument('--keep', type=Path, help='keep the PTX, cubins and listings here')
   parser.add_argument('--compile_only', help=argparse.SUPPRESS)  # one candidate, into --keep
