@@ -7,7 +7,7 @@ For each candidate of `mosaic_sweep.CANDIDATES` (or `--only`'s), the forward and
 `attention.py`'s workload (causal ALiBi, 16 heads of 128, bf16, batch x seq = 16384 tokens) are
 compiled for `--gpu` on the CPU: jax's CUDA plugin compiles for an abstract GPU, and Mosaic GPU
 runs ptxas on each kernel's PTX as it would on a GPU, dumping the PTX on request. This script
-assembles each dumped PTX again (`ptxas -v`, the ptxas on PATH, which XLA used) for its
+assembles each dumped PTX again (`ptxas -v`: the ptxas on PATH, the machine's CUDA) for its
 resources, and disassembles the result (nvdisasm, from PATH or the `nvidia-cuda-nvdisasm` wheel)
 into the machine code the GPU would run.
 
@@ -57,7 +57,7 @@ KERNELS = ('attention_forward', 'attention_dkv', 'attention_dq')
 # Instruction kinds by SASS opcode (its first dot-separated part).
 KINDS: dict[str, tuple[str, ...]] = {
   'product': ('HGMMA', 'HMMA'),
-  'exp2': ('MUFU',),
+  'exp2': ('MUFU',),  # the special-function unit: exp2 in these loops, its rcp and lg2 after
   'fp32': ('FADD', 'FMUL', 'FFMA', 'FMNMX', 'FSEL', 'FSETP', 'FCHK', 'FSWZADD'),
   'convert': ('F2FP', 'F2F', 'I2F', 'F2I', 'I2FP'),
   'shuffle': ('SHFL',),
