@@ -51,6 +51,10 @@ SM_ARCH = 'sm_90a'
 HOPPER_KINDS = tuple(
   kind for kind in sorted(gpu_target.DEVICES) if gpu_target.compute_capability(kind) == '9.0'
 )
+# Mosaic GPU's compile (jax 0.10.2's CUDA plugin) leaves each kernel's binary behind in a directory
+# of its own, /tmp/mosaic-gpu-XXXXXX/kernel.bin (the path is fixed in jax's CUDA plugin): those
+# the children made are removed.
+MOSAIC_TEMP = Path('/tmp/mosaic-gpu-*')
 # The kernels' Python names (kernels/mosaic_attention.py); Mosaic GPU names its dumps after them.
 KERNELS = ('attention_forward', 'attention_dkv', 'attention_dq')
 
@@ -308,9 +312,15 @@ def compile_in_child(name: str, seq: int, kind: str, dump_dir: Path) -> dict[str
   once a process, so a kernel that an earlier candidate shares would not be dumped again."""
   shutil.rmtree(dump_dir, ignore_errors=True)  # an earlier run's dumps
   command = [sys.executable, __file__, '--compile_only', name, '--seq', str(seq), '--gpu', kind]
-  child = subprocess.run(
-    [*command, '--keep', str(dump_dir)], capture_output=True, text=True, env=_child_environment()
-  )
+  before = set(MOSAIC_TEMP.parent.glob(MOSAIC_TEMP.name))
+  try:
+    child = subprocess.run(
+      [*command, '--keep', str(dump_dir)], capture_output=True, text=True, env=_child_environment()
+    )
+  finally:
+    for left in set(MOSAIC_TEMP.parent.glob(MOSAIC_TEMP.name)) - before:
+      if {p.name for p in left.iterdir()} <= {'kernel.bin'}:
+        shutil.rmtree(left, ignore_errors=True)
   if child.returncode:
     raise RuntimeError(f'compiling {name} failed:\n{child.stderr[-3000:]}')
   return dumped_ptx(dump_dir)

@@ -87,10 +87,13 @@ def test_bias_in_product_takes_the_alibi_rows_work_out_of_the_kernels_loops(tmp_
   instruction less for each of a thread's scores: at least 60 of the forward's 64 (64 x 128
   tiles), 30 of the backward's 32 (64 x 64). Neither forward spills. With copy_registers=24 the
   math warpgroups' 240 registers keep dK/dV's loops free of local memory (at 232 its masked loop
-  spills), with fewer bytes spilled in all."""
+  spills), with fewer bytes spilled in all. Mosaic GPU's binaries are not left in /tmp."""
+  temp = kernel_sass.MOSAIC_TEMP
+  before = set(temp.parent.glob(temp.name))
   out = tmp_path / 'sass.json'
   names = 'default,bias_in_product,bias_in_product_copy24'
   assert kernel_sass.main(['--only', names, '--seq', '2048', '--json', str(out)]) == 0
+  assert set(temp.parent.glob(temp.name)) <= before
   table = capsys.readouterr().out
   assert 'attention_forward' in table and 'bias_in_product_copy24' in table
   report = json.loads(out.read_text())
