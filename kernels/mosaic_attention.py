@@ -298,7 +298,10 @@ def mosaic_attention(
     positions = jnp.arange(padded, dtype=jnp.float32) - padded // 2
     key_bias = slopes[:, None] * positions[None, :]
   # Scores are exponentiated in base 2 (exp2 is one instruction): scale and bias carry log2(e).
-  key_bias = lax.stop_gradient(key_bias * LOG2E)
+  key_bias = key_bias * LOG2E
+  if blocks.bias_in_product:  # the form all three kernels read, made once
+    key_bias = bias_columns(key_bias, scale * LOG2E, q.dtype)
+  key_bias = lax.stop_gradient(key_bias)
   if padded != seq:
     q, k, v = (jnp.pad(x, ((0, 0), (0, padded - seq), (0, 0), (0, 0))) for x in (q, k, v))
   return _attention(q, k, v, key_bias, scale, blocks, interpret)[:, :seq]
@@ -1029,8 +1032,6 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
   call = _kernel_call(
     attention_forward, out_type, scratch, barriers, grid, grid_names, wgs, blocks, interpret
   )
-  if blocks.bias_in_product:
-    key_bias = bias_columns(key_bias, qk_scale, dtype)
   out, lse = call(q, k, v, key_bias, query_ones(block_q, dtype))
   return out, lse
 
@@ -1175,8 +1176,6 @@ def _backward_dq(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBloc
     blocks,
     interpret,
   )
-  if blocks.bias_in_product:
-    key_bias = bias_columns(key_bias, qk_scale, dtype)
   return call(q, k, v, d_out, key_bias, query_ones(block_q, dtype), lse, delta)
 
 
@@ -1312,8 +1311,6 @@ def _backward_dkv(q, k, v, d_out, key_bias, lse, delta, scale, blocks: MosaicBlo
       _stream(q_tiles - first_step, stages, (q_free, do_free), issue, start=first_step)
       _wait_last_consumed(q_tiles - first_step, stages, (q_free, do_free))
 
-  if blocks.bias_in_product:
-    key_bias = bias_columns(key_bias, qk_scale, dtype)
   scratch = (
     _tile_smem((wgs, block_kv, head_dim), dtype),
     _tile_smem((wgs, block_kv, head_dim), dtype),
