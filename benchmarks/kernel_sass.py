@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import json
 import os
@@ -33,7 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +158,9 @@ def hot_loops(instructions: Sequence[Instruction], labels: dict[str, int]) -> li
   def body(span):
     return [i for i in instructions if span[0] <= i.address <= span[1]]
 
-  with_products = [s for s in loops(instructions, labels) if any(_issues_products(body(s)))]
+  with_products = [
+    s for s in loops(instructions, labels) if any(i.kind == 'product' for i in body(s))
+  ]
   innermost = [
     s
     for s in with_products
@@ -173,10 +174,6 @@ def hot_loops(instructions: Sequence[Instruction], labels: dict[str, int]) -> li
     opcodes = collections.Counter(i.opcode.split('.', 1)[0] for i in members)
     result.append(Loop(span[0], span[1], dict(counts), dict(opcodes.most_common())))
   return result
-
-
-def _issues_products(members: Sequence[Instruction]) -> Iterator[bool]:
-  return (i.kind == 'product' for i in members)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,22 +223,9 @@ def tool(name: str) -> str:
   )
 
 
-@contextlib.contextmanager
-def _environment(**values: str) -> Iterator[None]:
-  before = {name: os.environ.get(name) for name in values}
-  os.environ.update(values)
-  try:
-    yield
-  finally:
-    for name, value in before.items():
-      if value is None:
-        os.environ.pop(name, None)
-      else:
-        os.environ[name] = value
-
-
 def compile_kernels(blocks: MosaicBlocks, seq: int, kind: str, dump_dir: Path) -> dict[str, Path]:
-  """{kernel name: its PTX} of the attention's forward and backward, compiled for `kind`."""
+  """{kernel name: its PTX} of the attention's forward and backward, compiled for `kind` in a
+  process whose environment asks Mosaic GPU to dump into dump_dir (`compile_in_child`'s)."""
   device = gpu_target.devices(kind, 1)[0]
   sharding = jax.sharding.SingleDeviceSharding(device)
   tokens = jax.ShapeDtypeStruct(
@@ -258,11 +242,8 @@ def compile_kernels(blocks: MosaicBlocks, seq: int, kind: str, dump_dir: Path) -
     .trace(tokens, tokens, tokens, slopes)
     .lower(lowering_platforms=('cuda',))
   )
-  dump_dir.mkdir(parents=True, exist_ok=True)
-  # Mosaic GPU reads these as it compiles each kernel, and dumps its passes' IR too (tens of MB a
-  # kernel), removed at once.
-  with _environment(MOSAIC_GPU_DUMP_PTX='1', MOSAIC_GPU_DUMP_TO=str(dump_dir)):
-    gpu_target.compile_without_cache(lowered, kind)
+  gpu_target.compile_without_cache(lowered, kind)
+  # Mosaic GPU dumps its passes' IR too (tens of MB a kernel): removed at once.
   for log in dump_dir.glob('*.mlir-passes.log'):
     log.unlink()
   return dumped_ptx(dump_dir)
@@ -311,11 +292,15 @@ def compile_in_child(name: str, seq: int, kind: str, dump_dir: Path) -> dict[str
   """`compile_kernels` of one candidate in a process of its own: Mosaic GPU compiles a kernel
   once a process, so a kernel that an earlier candidate shares would not be dumped again."""
   shutil.rmtree(dump_dir, ignore_errors=True)  # an earlier run's dumps
+  dump_dir.mkdir(parents=True)
   command = [sys.executable, __file__, '--compile_only', name, '--seq', str(seq), '--gpu', kind]
   before = set(MOSAIC_TEMP.parent.glob(MOSAIC_TEMP.name))
   try:
     child = subprocess.run(
-      [*command, '--keep', str(dump_dir)], capture_output=True, text=True, env=_child_environment()
+      [*command, '--keep', str(dump_dir)],
+      capture_output=True,
+      text=True,
+      env=_child_environment(dump_dir),
     )
   finally:
     for left in set(MOSAIC_TEMP.parent.glob(MOSAIC_TEMP.name)) - before:
@@ -326,24 +311,31 @@ def compile_in_child(name: str, seq: int, kind: str, dump_dir: Path) -> dict[str
   return dumped_ptx(dump_dir)
 
 
-def _child_environment() -> dict[str, str]:
+def _child_environment(dump_dir: Path) -> dict[str, str]:
+  """The child's: on the CPU, this script's folder importable, and Mosaic GPU asked to dump
+  each kernel's PTX into dump_dir (it reads these as it compiles)."""
   here = str(Path(__file__).resolve().parent)
   path = os.environ.get('PYTHONPATH', '')
-  return {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': f'{here}:{path}' if path else here}
+  return {
+    **os.environ,
+    'JAX_PLATFORMS': 'cpu',
+    'PYTHONPATH': f'{here}:{path}' if path else here,
+    'MOSAIC_GPU_DUMP_PTX': '1',
+    'MOSAIC_GPU_DUMP_TO': str(dump_dir),
+  }
 
 
 def report(names: Sequence[str], seq: int, kind: str, keep: Path | None = None) -> dict:
-  arch = SM_ARCH
   rows = []
   with tempfile.TemporaryDirectory(prefix='kernel_sass_') as scratch:
     root = keep or Path(scratch)
     for name in names:
       ptx = compile_in_child(name, seq, kind, root / name)
-      kernels = {kernel: kernel_report(path, arch) for kernel, path in ptx.items()}
+      kernels = {kernel: kernel_report(path, SM_ARCH) for kernel, path in ptx.items()}
       rows.append({'candidate': name, 'kernels': kernels})
   return {
     'gpu': kind,
-    'arch': arch,
+    'arch': SM_ARCH,
     'seq': seq,
     'jax': jax.__version__,
     'ptxas': _version(tool('ptxas')),
