@@ -135,6 +135,9 @@ class Loop:
   end: int  # its backward branch's
   counts: dict[str, int]  # its instructions by kind, 'total' too
   opcodes: dict[str, int]  # by opcode root, most frequent first
+  # Waits for products (WARPGROUP.DEPBAR) between its first product's issue and its last's: the
+  # times the tensor cores may run dry within an iteration (one a product where ptxas serialises)
+  product_waits: int
 
 
 def loops(instructions: Sequence[Instruction], labels: dict[str, int]) -> list[tuple[int, int]]:
@@ -172,7 +175,11 @@ def hot_loops(instructions: Sequence[Instruction], labels: dict[str, int]) -> li
     counts = collections.Counter(i.kind for i in members)
     counts['total'] = len(members)
     opcodes = collections.Counter(i.opcode.split('.', 1)[0] for i in members)
-    result.append(Loop(span[0], span[1], dict(counts), dict(opcodes.most_common())))
+    products = [n for n, i in enumerate(members) if i.kind == 'product']
+    waits = sum(
+      i.opcode.startswith('WARPGROUP.DEPBAR') for i in members[products[0] : products[-1]]
+    )
+    result.append(Loop(span[0], span[1], dict(counts), dict(opcodes.most_common()), waits))
   return result
 
 
@@ -353,9 +360,10 @@ def format_table(result: dict) -> str:
   lines = [
     f'{result["gpu"]} ({result["arch"]}), seq {result["seq"]}, jax {result["jax"]}, '
     f'ptxas {result["ptxas"]}',
-    'hot loop: one iteration, instructions per thread by kind',
+    'hot loop: one iteration, instructions per thread by kind; waits: for products, among them',
     f'{"candidate":30s} {"kernel":18s} {"regs":>4s} {"spill":>7s} {"loop":>13s} '
-    + ' '.join(f'{k:>7s}' for k in ('total', *TABLE_KINDS)),
+    + ' '.join(f'{k:>7s}' for k in ('total', *TABLE_KINDS))
+    + f' {"waits":>7s}',
   ]
   for row in result['rows']:
     for kernel, info in row['kernels'].items():
@@ -367,7 +375,7 @@ def format_table(result: dict) -> str:
           continue
         span = f'{loop["start"]:#06x}-{loop["end"]:#06x}'
         counts = ' '.join(f'{loop["counts"].get(k, 0):7d}' for k in ('total', *TABLE_KINDS))
-        lines.append(f'{head} {span:>13s} {counts}')
+        lines.append(f'{head} {span:>13s} {counts} {loop["product_waits"]:7d}')
         head = ' ' * len(head)
       for warning in info['warnings']:
         lines.append(f'{"":30s} ptxas: {warning}')

@@ -50,7 +50,6 @@ from t5x_like.training import accounting
 CANDIDATES: dict[str, dict[str, Any]] = {
   'default': {},
   'issue_handoff': {'issue_handoff': True},
-  'own_turns': {'issue_handoff': True, 'own_turn_barriers': True},
   'own_turns_no_auto_barriers': {
     'issue_handoff': True,
     'own_turn_barriers': True,
@@ -58,6 +57,7 @@ CANDIDATES: dict[str, dict[str, Any]] = {
   },
   'issue_handoff_persistent': {'issue_handoff': True, 'persistent': True},
   'intra_overlap': {'intra_overlap': True},
+  'paired_turns': {'paired_turns': True},
   'bias_in_product': {'bias_in_product': True},
   'own_turns_bias_in_product': {
     'issue_handoff': True,
@@ -65,6 +65,7 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     'bias_in_product': True,
   },
   'intra_overlap_bias_in_product': {'intra_overlap': True, 'bias_in_product': True},
+  'paired_turns_bias_in_product': {'paired_turns': True, 'bias_in_product': True},
   'bias_in_product_copy24': {'bias_in_product': True, 'copy_registers': 24},
 }
 SMOKE_CANDIDATES = ('default', 'own_turns_no_auto_barriers')

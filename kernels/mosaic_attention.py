@@ -24,10 +24,10 @@ only issues copies into a ring of `stages` buffers, so loads overlap the matmuls
 * `MosaicBlocks` also holds options, off until a GPU run shows one faster: a persistent forward
   (a program per SM running a sequence of query tiles through one key ring), orders of the
   hand-over of the tensor cores between the forward's math warpgroups (`early_handoff`,
-  `issue_handoff`, `own_turn_barriers`) or, instead of turns, each warpgroup's softmax beneath
-  its own next product (`intra_overlap`), the backward's independent products issued in pairs,
-  Mosaic GPU's own barriers left out (`no_auto_barriers`), and the ALiBi rows added by the
-  tensor cores (`bias_in_product`).
+  `issue_handoff`, `own_turn_barriers`, FlashAttention-3's `paired_turns`) or, instead of
+  turns, each warpgroup's softmax beneath its own next product (`intra_overlap`), the
+  backward's independent products issued in pairs, Mosaic GPU's own barriers left out
+  (`no_auto_barriers`), and the ALiBi rows added by the tensor cores (`bias_in_product`).
 * Backward (`jax.custom_vjp`): the forward saves the output and the log-sum-exp (named
   `residuals.ATTENTION_RESIDUALS`, so that remat_policy='save_dots' keeps them). One kernel
   computes dK and dV (a program per key tile, looping over the query tiles from the diagonal),
@@ -146,8 +146,12 @@ class MosaicBlocks:
   is what it is without a bias: in the forward the max of the raw scores and one fused
   multiply-add into exp2, in the backward one fused multiply-add with the log-sum-exp (where
   otherwise a multiply-add with the row and a subtraction, and the forward's and dQ's rows are
-  read from shared memory each tile). All off: the kernels first measured on an H100
-  (docs/benchmarks.md).
+  read from shared memory each tile). paired_turns (forward, FlashAttention-3's order of the
+  products with its turns): a math warpgroup's turn on the tensor cores issues a key tile's
+  Q K^T and then the previous tile's P V back to back and ends once both are issued (a barrier
+  of each warpgroup's own, the other's turn ending at it); the softmax of the tile follows its
+  Q K^T, where otherwise each P V is waited for before the next Q K^T is issued. All off: the
+  kernels first measured on an H100 (docs/benchmarks.md).
   """
 
   block_q: int = 64
@@ -167,6 +171,7 @@ class MosaicBlocks:
   no_auto_barriers: bool = False
   intra_overlap: bool = False
   bias_in_product: bool = False
+  paired_turns: bool = False
 
   @property
   def math_registers(self) -> int:
@@ -219,6 +224,14 @@ class MosaicBlocks:
       found.append(
         'MosaicBlocks.intra_overlap runs without turns on the tensor cores and without '
         'persistent programs: unset early_handoff, issue_handoff, own_turn_barriers and persistent'
+      )
+    others = ('early_handoff', 'issue_handoff', 'own_turn_barriers', 'intra_overlap', 'persistent')
+    if self.paired_turns and any(getattr(self, name) for name in others):
+      # Its turns are barriers of each warpgroup's own, whose phases one item's last turn and
+      # the next item's first would overrun, as own_turn_barriers' would.
+      found.append(
+        'MosaicBlocks.paired_turns is an order of its own, without persistent programs: unset '
+        + ', '.join(others)
       )
     if self.own_turn_barriers and self.persistent:
       # An item's last turn and the next item's first could both reach the other warpgroup's
@@ -471,6 +484,37 @@ def mma_together(products, interpret: bool) -> tuple:
         _issue_products(acc_ref, ((p.a, p.b), *p.also), p.transpose_b)
 
   return tuple(pl.run_state(run)(tuple(initial(p) for p in products)))
+
+
+def scores_then_values(pairs, values, interpret: bool, after_issue, under):
+  """FlashAttention-3's pair of products: a fresh float32 sum of a @ b^T over `pairs` (the
+  scores, `mma_while`'s pairs with b transposed), then acc + p @ v, (acc, p, v) being what
+  `values()` returns, issued back to back; `after_issue()` runs once both are, and
+  `under(scores)` once the scores are done while the second product still runs. Returns
+  (acc + p @ v, what under returned)."""
+  if interpret:
+    scores = _dot_sum(pairs, transpose_b=True)
+    acc, probs, v = values()
+    after_issue()
+    meanwhile = under(scores)
+    return acc + jnp.dot(probs, v[...], preferred_element_type=jnp.float32), meanwhile
+
+  a, b = pairs[0]
+
+  def issue_scores(scores_ref):
+    _issue_products(scores_ref, pairs, transpose_b=True)
+    acc, probs, v = values()
+
+    def issue_values(acc_ref):
+      acc_ref[...] = acc
+      plgpu.wgmma(acc_ref, probs, v)  # one wgmma group, the last one issued
+      after_issue()
+      meanwhile = under(plgpu.wgmma_accumulator_load(scores_ref, wait_n=1))
+      return acc_ref[...], meanwhile  # reading the accumulator waits for the P V
+
+    return pl.run_scoped(issue_values, plgpu.ACC(acc.shape, jnp.float32))
+
+  return pl.run_scoped(issue_scores, plgpu.ACC((a.shape[0], b.shape[0]), jnp.float32))
 
 
 def load_vector(ref, layout, interpret: bool):
@@ -736,7 +780,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
 
   # Both orders wait for the next key tile while P V runs, not before its QK^T.
   handed_over_early = blocks.early_handoff or blocks.issue_handoff
-  own_turns = blocks.own_turn_barriers and wgs > 1
+  own_turns = (blocks.own_turn_barriers or blocks.paired_turns) and wgs > 1
 
   def item_steps(tile):  # key tiles an item's program needs: up to its last query's diagonal
     return pl.cdiv((tile + 1) * span, block_kv)
@@ -776,16 +820,18 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
         rows = (b, pl.ds(tile * span + wg * block_q, block_q), h)
         plgpu.copy_gmem_to_smem(q_ref.at[rows], q_tile_smem, q_ready.at[wg])
 
+      def qk_pairs(slot):
+        """The (a, b^T) tile pairs whose products sum to the slot's scores: Q K^T, and with
+        bias_in_product the ALiBi row's product, once the row is there."""
+        if not blocks.bias_in_product:
+          return ((q_tile_smem, ring.k.at[slot]),)
+        plgpu.barrier_wait(ring.bias_ready.at[slot])
+        return ((q_tile_smem, ring.k.at[slot]), (ones_smem.at[wg], ring.bias.at[slot]))
+
       def qk_product(slot, while_running=lambda: None):
-        """(Q K^T of the slot's keys, what `while_running()` returns beneath it); with
-        bias_in_product the ALiBi row's product joins it, once the row is there."""
-        also: tuple = ()
-        if blocks.bias_in_product:
-          plgpu.barrier_wait(ring.bias_ready.at[slot])
-          also = ((ones_smem.at[wg], ring.bias.at[slot]),)
-        return mma_while(
-          q_tile_smem, ring.k.at[slot], interpret, while_running, transpose_b=True, also=also
-        )
+        """(Q K^T of the slot's keys, what `while_running()` returns beneath it)."""
+        (a, b), *also = qk_pairs(slot)
+        return mma_while(a, b, interpret, while_running, transpose_b=True, also=tuple(also))
 
       def row_bias(slot):
         """The slot's ALiBi row for the softmax; None where the product added it."""
@@ -856,10 +902,9 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
             scores, bias = key_scores(step, after_product=rendezvous)
           return scores, bias, diagonal_mask(step) if masked else None
 
-        def softmax(scores, bias, visible, carry):
-          """The online softmax of a key tile's scores: (the rescaled accumulator, the new row
-          maxima and sums, the probabilities in the inputs' dtype)."""
-          acc, row_max, row_sum = carry
+        def softmax_rows(scores, bias, visible, row_max, row_sum):
+          """The online softmax of a key tile's scores: (the new row maxima and sums, the float32
+          probabilities, the factor of the accumulator's rows)."""
           if bias is None:  # bias_in_product: the scores carry the row; qk_scale goes into exp2's
             # multiply-add, and the maxima of the raw scores are scaled a row at a time
             if visible is not None:
@@ -875,8 +920,19 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           correction = jnp.exp2(row_max - new_max)
           probs = jnp.exp2(exponents)
           row_sum = row_sum * correction + probs.sum(axis=1)
-          acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-          return acc, new_max, row_sum, probs.astype(dtype)
+          return new_max, row_sum, probs, correction
+
+        def rescaled(acc, correction):
+          return acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+
+        def softmax(scores, bias, visible, carry):
+          """softmax_rows with the accumulator rescaled: (acc, new maxima, sums, probabilities in
+          the inputs' dtype)."""
+          acc, row_max, row_sum = carry
+          new_max, row_sum, probs, correction = softmax_rows(
+            scores, bias, visible, row_max, row_sum
+          )
+          return rescaled(acc, correction), new_max, row_sum, probs.astype(dtype)
 
         def kv_step(step, carry, masked: bool):
           slot = slot_of(step)
@@ -939,11 +995,82 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           )
           return values_step(last, probs, acc), row_max, row_sum
 
+        # paired_turns: a turn is the issue of a key tile's Q K^T and the previous tile's P V;
+        # the second warpgroup's first turn waits for the first's, and the first waits for the
+        # second's last at the end.
+        def turn_taken():
+          if wgs > 1:
+            take_turn()
+
+        def turn_passed():
+          if wgs > 1:
+            pass_turn()
+
+        def paired_step(step, carry, masked: bool):
+          """paired_turns (FlashAttention-3's order): key tile `step`'s Q K^T, then the previous
+          tile's P V (on the accumulator rescaled for it), issued in one turn; this tile's softmax
+          runs once its Q K^T is done. Its probabilities are made bfloat16 after the P V (which
+          reads the previous ones from registers) is done: written while it runs, ptxas would
+          wait for every product of the kernel."""
+          acc, row_max, row_sum, probs, correction = carry
+          slot, previous = slot_of(step), slot_of(step - 1)
+          plgpu.barrier_wait(ring.k_ready.at[slot])
+          turn_taken()
+
+          def previous_values():
+            plgpu.barrier_wait(ring.v_ready.at[previous])
+            return rescaled(acc, correction), probs, ring.v.at[previous]
+
+          def scores_softmax(scores):
+            bias = row_bias(slot)
+            plgpu.barrier_arrive(ring.k_free.at[slot])
+            visible = diagonal_mask(step) if masked else None
+            return softmax_rows(scores, bias, visible, row_max, row_sum)
+
+          acc, (row_max, row_sum, probs, correction) = scores_then_values(
+            qk_pairs(slot), previous_values, interpret, turn_passed, scores_softmax
+          )
+          plgpu.barrier_arrive(ring.v_free.at[previous])
+          return acc, row_max, row_sum, probs.astype(dtype), correction
+
+        def paired(carry):
+          """paired_turns' key loop: the first tile's Q K^T in a turn of its own and its
+          softmax (masked: it may cross the diagonal), each later tile's Q K^T with the P V of
+          the one before, then the last tile's P V in a turn of its own."""
+          acc, row_max, row_sum = carry
+          first = slot_of(0)
+          plgpu.barrier_wait(ring.k_ready.at[first])
+          pl.when(wg == 1)(turn_taken)
+          scores = qk_product(first, turn_passed)[0]
+          bias = row_bias(first)
+          plgpu.barrier_arrive(ring.k_free.at[first])
+          row_max, row_sum, probs, correction = softmax_rows(
+            scores, bias, diagonal_mask(0), row_max, row_sum
+          )
+          carry = (acc, row_max, row_sum, probs.astype(dtype), correction)
+          carry = lax.fori_loop(
+            1, unmasked_steps, functools.partial(paired_step, masked=False), carry
+          )
+          carry = lax.fori_loop(
+            lax.max(unmasked_steps, 1),
+            steps,
+            functools.partial(paired_step, masked=True),
+            carry,
+          )
+          acc, row_max, row_sum, probs, correction = carry
+          turn_taken()
+          acc = rescaled(acc, correction)
+          acc = values_step(steps - 1, probs, acc, while_running=turn_passed)
+          return acc, row_max, row_sum
+
         def drain(step, _):  # key tiles another warpgroup needed: release them, keep the turns
           ring.release(slot_of(step))
           if blocks.intra_overlap:
             return
-          if own_turns:
+          if blocks.paired_turns:
+            turn_taken()
+            turn_passed()
+          elif own_turns:
             pass_turn()
             take_turn()
           else:
@@ -958,6 +1085,10 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
         if blocks.intra_overlap:  # no turns: each warpgroup overlaps its own softmax
           carry = overlapped(carry)
           lax.fori_loop(steps, program_steps, drain, None)
+        elif blocks.paired_turns:
+          carry = paired(carry)
+          lax.fori_loop(steps, program_steps, drain, None)
+          pl.when(wg == 0)(turn_taken)
         else:
           if handed_over_early:
             plgpu.barrier_wait(ring.k_ready.at[slot_of(0)])

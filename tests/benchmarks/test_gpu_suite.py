@@ -675,10 +675,10 @@ def test_the_mosaic_sweep_candidates_are_valid_tiles_and_reach_the_kernel():
     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(lowering_platforms=('cuda',))
   with pytest.raises(SystemExit, match='unknown candidate'):
     mosaic_sweep.parse_args(['--only', 'own_turn'])
-  with pytest.raises(SystemExit, match='--mosaic_blocks needs 17 integers'):
+  with pytest.raises(SystemExit, match='--mosaic_blocks needs 18 integers'):
     attention_benchmark.parse_mosaic_blocks('64,128')
 
-  one_warpgroup = '64,64,64,64,64,64,1,2,40,0,0,0,0,0,0,0,0'
+  one_warpgroup = '64,64,64,64,64,64,1,2,40,0,0,0,0,0,0,0,0,0'
   args = attention_benchmark.parse_args(
     ['--smoke', '--seqs', '64', '--impls', 'mosaic', '--mosaic_blocks', one_warpgroup]
   )
@@ -687,7 +687,7 @@ def test_the_mosaic_sweep_candidates_are_valid_tiles_and_reach_the_kernel():
   (row,) = report['results']
   assert row['correct'], row
   # Tiles the kernel refuses: the row's error is the kernel's, so the option reached it.
-  args.mosaic_blocks = '64,96,64,64,64,64,1,2,40,0,0,0,0,0,0,0,0'
+  args.mosaic_blocks = '64,96,64,64,64,64,1,2,40,0,0,0,0,0,0,0,0,0'
   (row,) = attention_benchmark.run(args)['results']
   assert 'MosaicBlocks.block_kv=96 must be a multiple of 64' in row['failed'], row
 

@@ -57,6 +57,22 @@ def test_hot_loops_are_the_innermost_loops_that_issue_products():
     'total': 7,
   }
   assert loop.opcodes['BRA'] == 2
+  assert loop.product_waits == 0  # one product: nothing issued after a wait
+
+
+def test_waits_among_products_are_counted():
+  """A wait between two products of an iteration counts; one after its last does not."""
+  listing = """
+.L_x_1:
+        /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0 ;
+        /*0010*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0020*/                   MUFU.EX2 R3, R24 ;
+        /*0030*/                   HGMMA.64x128x16.F32.BF16 R88, R152, gdesc[UR8], R88, gsb0 ;
+        /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0050*/               @P0 BRA `(.L_x_1) ;
+"""
+  (loop,) = kernel_sass.hot_loops(*kernel_sass.parse_sass(listing))
+  assert loop.product_waits == 1
 
 
 def test_ptxas_resources_and_warnings_are_read():
@@ -119,7 +135,26 @@ def test_bias_in_product_takes_the_alibi_rows_work_out_of_the_kernels_loops(tmp_
   assert lean_dkv['spill_store_bytes'] < dkv['spill_store_bytes'], (lean_dkv, dkv)
 
 
-def unmasked_loop(kernel: dict) -> dict:
-  """The instruction counts of a kernel's unmasked loop: the shorter of its two hot loops."""
+def test_paired_turns_issue_both_products_of_a_turn_without_a_wait(tmp_path):
+  """The forward compiled for an H100: by default each iteration of its unmasked loop waits for
+  its Q K^T before it issues the P V; with paired_turns (FlashAttention-3's turns) a turn's Q K^T
+  and P V go to the tensor cores back to back, with the ALiBi rows' product too, and ptxas
+  serialises none of them (it warns where it does, and then waits after every product)."""
+  out = tmp_path / 'sass.json'
+  names = 'default,paired_turns,paired_turns_bias_in_product'
+  assert kernel_sass.main(['--only', names, '--seq', '1024', '--json', str(out)]) == 0
+  rows = {row['candidate']: row['kernels'] for row in json.loads(out.read_text())['rows']}
+  forwards = {name: rows[name]['attention_forward'] for name in names.split(',')}
+  waits = {name: unmasked_loop(kernel, 'product_waits') for name, kernel in forwards.items()}
+  assert waits == {'default': 1, 'paired_turns': 0, 'paired_turns_bias_in_product': 0}, waits
+  for name, kernel in forwards.items():
+    assert not [w for w in kernel['warnings'] if 'serialized' in w], (name, kernel['warnings'])
+  products = {name: unmasked_loop(kernel)['product'] for name, kernel in forwards.items()}
+  assert products == {'default': 16, 'paired_turns': 16, 'paired_turns_bias_in_product': 17}
+
+
+def unmasked_loop(kernel: dict, field: str = 'counts'):
+  """`field` of a kernel's unmasked loop (the shorter of its two hot loops): by default its
+  instruction counts."""
   assert len(kernel['hot_loops']) == 2, kernel['hot_loops']
-  return min((loop['counts'] for loop in kernel['hot_loops']), key=lambda counts: counts['total'])
+  return min(kernel['hot_loops'], key=lambda loop: loop['counts']['total'])[field]
