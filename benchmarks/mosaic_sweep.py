@@ -56,7 +56,6 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     'no_auto_barriers': True,
   },
   'issue_handoff_persistent': {'issue_handoff': True, 'persistent': True},
-  'intra_overlap': {'intra_overlap': True},
   'paired_turns': {'paired_turns': True},
   'bias_in_product': {'bias_in_product': True},
   'own_turns_bias_in_product': {
@@ -66,6 +65,11 @@ CANDIDATES: dict[str, dict[str, Any]] = {
   },
   'intra_overlap_bias_in_product': {'intra_overlap': True, 'bias_in_product': True},
   'paired_turns_bias_in_product': {'paired_turns': True, 'bias_in_product': True},
+  'paired_turns_persistent_bias_in_product': {
+    'paired_turns': True,
+    'persistent': True,
+    'bias_in_product': True,
+  },
   'bias_in_product_copy24': {'bias_in_product': True, 'copy_registers': 24},
 }
 SMOKE_CANDIDATES = ('default', 'own_turns_no_auto_barriers')

@@ -149,8 +149,9 @@ class MosaicBlocks:
   read from shared memory each tile). paired_turns (forward, FlashAttention-3's order of the
   products with its turns): a math warpgroup's turn on the tensor cores issues a key tile's
   Q K^T and then the previous tile's P V back to back and ends once both are issued (a barrier
-  of each warpgroup's own, the other's turn ending at it); the softmax of the tile follows its
-  Q K^T, where otherwise each P V is waited for before the next Q K^T is issued. All off: the
+  of each warpgroup's own, the other's turn ending at it; persistent programs too); the
+  softmax of the tile follows its Q K^T, where otherwise each P V is waited for before the next
+  Q K^T is issued. All off: the
   kernels first measured on an H100 (docs/benchmarks.md).
   """
 
@@ -225,14 +226,9 @@ class MosaicBlocks:
         'MosaicBlocks.intra_overlap runs without turns on the tensor cores and without '
         'persistent programs: unset early_handoff, issue_handoff, own_turn_barriers and persistent'
       )
-    others = ('early_handoff', 'issue_handoff', 'own_turn_barriers', 'intra_overlap', 'persistent')
+    others = ('early_handoff', 'issue_handoff', 'own_turn_barriers', 'intra_overlap')
     if self.paired_turns and any(getattr(self, name) for name in others):
-      # Its turns are barriers of each warpgroup's own, whose phases one item's last turn and
-      # the next item's first would overrun, as own_turn_barriers' would.
-      found.append(
-        'MosaicBlocks.paired_turns is an order of its own, without persistent programs: unset '
-        + ', '.join(others)
-      )
+      found.append('MosaicBlocks.paired_turns is an order of its own: unset ' + ', '.join(others))
     if self.own_turn_barriers and self.persistent:
       # An item's last turn and the next item's first could both reach the other warpgroup's
       # barrier before it waits, two phases at once.
@@ -1024,6 +1020,8 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           def scores_softmax(scores):
             bias = row_bias(slot)
             plgpu.barrier_arrive(ring.k_free.at[slot])
+            if masked:
+              query_tile_done(step)
             visible = diagonal_mask(step) if masked else None
             return softmax_rows(scores, bias, visible, row_max, row_sum)
 
@@ -1044,6 +1042,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           scores = qk_product(first, turn_passed)[0]
           bias = row_bias(first)
           plgpu.barrier_arrive(ring.k_free.at[first])
+          query_tile_done(0)
           row_max, row_sum, probs, correction = softmax_rows(
             scores, bias, diagonal_mask(0), row_max, row_sum
           )

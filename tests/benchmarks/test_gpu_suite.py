@@ -772,16 +772,16 @@ def test_the_sweep_times_and_ranks_the_candidates_where_a_gpu_would(monkeypatch,
   monkeypatch.setattr(mosaic_sweep.attention_benchmark, 'cuda_runtime', lambda: 'CUDA none')
   monkeypatch.setattr(mosaic_sweep, 'mosaic_attention', reference)
   args = mosaic_sweep.parse_args(
-    ['--seqs', '64,128', '--only', 'intra_overlap', '--rounds', '3', '--iters', '1']
+    ['--seqs', '64,128', '--only', 'paired_turns', '--rounds', '3', '--iters', '1']
   )
   args.tokens, args.heads, args.head_dim = 128, 2, 64
   report = mosaic_sweep.run(args)
   rows = report['rows']
   assert [(r['candidate'], r['seq']) for r in rows] == [
     ('default', 64),
-    ('intra_overlap', 64),
+    ('paired_turns', 64),
     ('default', 128),
-    ('intra_overlap', 128),
+    ('paired_turns', 128),
   ]
   for row in rows:
     assert row['correct']
@@ -789,7 +789,7 @@ def test_the_sweep_times_and_ranks_the_candidates_where_a_gpu_would(monkeypatch,
       figures = row[kind]
       assert len(figures['seconds']) == len(figures['speedups']) == 3
       assert figures['tflops'] > 0 and figures['verdict'] in (*mosaic_sweep.VERDICTS, 'baseline')
-  assert report['adoptable'] in ([], ['intra_overlap'])
+  assert report['adoptable'] in ([], ['paired_turns'])
   printed = capsys.readouterr().out
   assert 'seq 128 x batch 1' in printed and 'adoptable' in printed
 

@@ -63,6 +63,8 @@ INTRA_OVERLAP = dataclasses.replace(SMALL, stages=3, intra_overlap=True)
 # turns of their own, the drain's turns (a turn left out deadlocks here; a P V of the wrong tile,
 # or of an accumulator not rescaled for it, fails).
 PAIRED_TURNS = dataclasses.replace(SMALL, paired_turns=True)
+# And in persistent programs, on ISSUE_HANDOFF's items and ring: the turns go on across items.
+PAIRED_TURNS_PERSISTENT = dataclasses.replace(SMALL, stages=3, persistent=True, paired_turns=True)
 # The ALiBi rows added by the tensor cores, on SMALL's unequal warpgroups; and with the persistent
 # forward's tokamax order (its ones are copied once a program, not once an item) and the paired
 # backward products (dQ's Q K^T and the rows' product issued with dO V^T).
@@ -89,6 +91,7 @@ B200 = Device('gpu', 'NVIDIA B200', '10.0')
     pytest.param(256, 64, 'bfloat16', True, OWN_TURNS, id='own-turn-barriers'),
     pytest.param(256, 64, 'bfloat16', True, INTRA_OVERLAP, id='intra-overlap'),
     pytest.param(256, 64, 'bfloat16', True, PAIRED_TURNS, id='paired-turns'),
+    pytest.param(256, 64, 'bfloat16', True, PAIRED_TURNS_PERSISTENT, id='paired-turns-persistent'),
     pytest.param(256, 64, 'bfloat16', True, BIAS_IN_PRODUCT, id='bias-in-product'),
     pytest.param(
       256, 64, 'bfloat16', True, BIAS_IN_PRODUCT_PAIRED, id='bias-in-product-persistent-paired'
@@ -158,7 +161,8 @@ def test_the_bf16_model_through_mosaic_matches_xla():
     pytest.param(MosaicBlocks(intra_overlap=True, no_auto_barriers=True), id='intra-overlap'),
     pytest.param(MosaicBlocks(paired_turns=True), id='paired-turns'),
     pytest.param(
-      MosaicBlocks(paired_turns=True, bias_in_product=True), id='paired-turns-bias-in-product'
+      MosaicBlocks(paired_turns=True, persistent=True, bias_in_product=True),
+      id='paired-turns-persistent-bias-in-product',
     ),
     # The ALiBi row's product beside each order's Q K^T: in turns, issued early, overlapped.
     pytest.param(MosaicBlocks(bias_in_product=True), id='bias-in-product'),
@@ -306,7 +310,7 @@ def options_refused(blocks: MosaicBlocks, rule: str):
       MosaicBlocks(intra_overlap=True, issue_handoff=True), 'runs without turns on the tensor'
     ),
     options_refused(
-      MosaicBlocks(paired_turns=True, persistent=True), 'an order of its own, without persistent'
+      MosaicBlocks(paired_turns=True, own_turn_barriers=True), 'paired_turns is an order of its'
     ),
     pytest.param(
       (1, 128, 2, 64),
