@@ -71,6 +71,11 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     'bias_in_product': True,
   },
   'bias_in_product_copy24': {'bias_in_product': True, 'copy_registers': 24},
+  'bias_in_product_copy24_paired_backward': {
+    'bias_in_product': True,
+    'copy_registers': 24,
+    'paired_backward': True,
+  },
 }
 SMOKE_CANDIDATES = ('default', 'own_turns_no_auto_barriers')
 VERDICTS = ('faster', 'slower', 'within')
