@@ -1,13 +1,16 @@
 """benchmarks/kernel_sass.py: the Mosaic GPU kernels' machine code, read without a GPU.
 
-The compile test runs what a GPU session would (XLA's CUDA compiler for an abstract H100, ptxas
+The compile tests run what a GPU session would (XLA's CUDA compiler for an abstract H100, ptxas
 on each kernel, nvdisasm on the result): the machine's CUDA ptxas, the test extras' nvdisasm.
 """
 
+import contextlib
+import io
 import json
 import os
 import sys
 
+import pytest
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
@@ -96,7 +99,32 @@ def test_ptxas_resources_and_warnings_are_read():
   )
 
 
-def test_bias_in_product_takes_the_alibi_rows_work_out_of_the_kernels_loops(tmp_path, capsys):
+# The candidates the compile tests read, compiled once (about 9 s each).
+COMPILED = (
+  'default',
+  'bias_in_product',
+  'bias_in_product_copy24',
+  'paired_turns',
+  'paired_turns_bias_in_product',
+)
+
+
+@pytest.fixture(scope='module')
+def compiled(tmp_path_factory):
+  """(kernel_sass.py's table and JSON report of COMPILED at seq 2048, the /tmp/mosaic-gpu-*
+  folders that were there before and are there after)."""
+  temp = kernel_sass.MOSAIC_TEMP
+  before = set(temp.parent.glob(temp.name))
+  out = tmp_path_factory.mktemp('sass') / 'sass.json'
+  table = io.StringIO()
+  with contextlib.redirect_stdout(table):
+    status = kernel_sass.main(['--only', ','.join(COMPILED), '--seq', '2048', '--json', str(out)])
+  assert status == 0
+  after = set(temp.parent.glob(temp.name))
+  return table.getvalue(), json.loads(out.read_text()), (before, after)
+
+
+def test_bias_in_product_takes_the_alibi_rows_work_out_of_the_kernels_loops(compiled):
   """The kernels compiled for an H100 (ptxas's machine code): with bias_in_product each one's
   unmasked loop (the shorter of its two hot loops: the diagonal's builds its mask) issues one
   more product (the ALiBi rows'), loads no ALiBi row from shared memory, and does a float32
@@ -104,15 +132,10 @@ def test_bias_in_product_takes_the_alibi_rows_work_out_of_the_kernels_loops(tmp_
   tiles), 30 of the backward's 32 (64 x 64). Neither forward spills. With copy_registers=24 the
   math warpgroups' 240 registers keep dK/dV's loops free of local memory (at 232 its masked loop
   spills), with fewer bytes spilled in all. Mosaic GPU's binaries are not left in /tmp."""
-  temp = kernel_sass.MOSAIC_TEMP
-  before = set(temp.parent.glob(temp.name))
-  out = tmp_path / 'sass.json'
-  names = 'default,bias_in_product,bias_in_product_copy24'
-  assert kernel_sass.main(['--only', names, '--seq', '2048', '--json', str(out)]) == 0
-  assert set(temp.parent.glob(temp.name)) <= before
-  table = capsys.readouterr().out
+  table, report, (before, after) = compiled
+  assert after <= before
   assert 'attention_forward' in table and 'bias_in_product_copy24' in table
-  report = json.loads(out.read_text())
+  names = 'default,bias_in_product,bias_in_product_copy24'
   assert report['arch'] == 'sm_90a' and report['seq'] == 2048
   rows = {row['candidate']: row['kernels'] for row in report['rows']}
   default, in_product, lean = (rows[name] for name in names.split(','))
@@ -135,15 +158,13 @@ def test_bias_in_product_takes_the_alibi_rows_work_out_of_the_kernels_loops(tmp_
   assert lean_dkv['spill_store_bytes'] < dkv['spill_store_bytes'], (lean_dkv, dkv)
 
 
-def test_paired_turns_issue_both_products_of_a_turn_without_a_wait(tmp_path):
+def test_paired_turns_issue_both_products_of_a_turn_without_a_wait(compiled):
   """The forward compiled for an H100: by default each iteration of its unmasked loop waits for
   its Q K^T before it issues the P V; with paired_turns (FlashAttention-3's turns) a turn's Q K^T
   and P V go to the tensor cores back to back, with the ALiBi rows' product too, and ptxas
   serialises none of them (it warns where it does, and then waits after every product)."""
-  out = tmp_path / 'sass.json'
   names = 'default,paired_turns,paired_turns_bias_in_product'
-  assert kernel_sass.main(['--only', names, '--seq', '1024', '--json', str(out)]) == 0
-  rows = {row['candidate']: row['kernels'] for row in json.loads(out.read_text())['rows']}
+  rows = {row['candidate']: row['kernels'] for row in compiled[1]['rows']}
   forwards = {name: rows[name]['attention_forward'] for name in names.split(',')}
   waits = {name: unmasked_loop(kernel, 'product_waits') for name, kernel in forwards.items()}
   assert waits == {'default': 1, 'paired_turns': 0, 'paired_turns_bias_in_product': 0}, waits
