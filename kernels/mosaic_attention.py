@@ -795,13 +795,16 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
-    # own_turn_barriers: schedule is a barrier per math warpgroup; the other warpgroup arrives
-    # at a warpgroup's once its QK^T is issued, and the warpgroup waits at its own before P V.
+    # own_turn_barriers (and paired_turns): schedule is a barrier per math warpgroup; the other
+    # warpgroup arrives at a warpgroup's once its products are issued, and the warpgroup waits
+    # at its own before its next turn. One math warpgroup takes no turns.
     def pass_turn():
-      plgpu.barrier_arrive(schedule.at[1 - wg] if own_turns else schedule)
+      if wgs > 1:
+        plgpu.barrier_arrive(schedule.at[1 - wg] if own_turns else schedule)
 
     def take_turn():
-      plgpu.barrier_wait(schedule.at[wg] if own_turns else schedule)
+      if wgs > 1:
+        plgpu.barrier_wait(schedule.at[wg] if own_turns else schedule)
 
     @pl.when(wg < wgs)
     def _math():
@@ -949,7 +952,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
             step,
             probs,
             acc,
-            before=take_turn if wgs > 1 else lambda: None,
+            before=take_turn,
             while_running=next_keys if handed_over_early else None,
           )
           return acc, new_max, row_sum
@@ -994,14 +997,6 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
         # paired_turns: a turn is the issue of a key tile's Q K^T and the previous tile's P V;
         # the second warpgroup's first turn waits for the first's, and the first waits for the
         # second's last at the end.
-        def turn_taken():
-          if wgs > 1:
-            take_turn()
-
-        def turn_passed():
-          if wgs > 1:
-            pass_turn()
-
         def paired_step(step, carry, masked: bool):
           """paired_turns (FlashAttention-3's order): key tile `step`'s Q K^T, then the previous
           tile's P V (on the accumulator rescaled for it), issued in one turn; this tile's softmax
@@ -1011,7 +1006,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           acc, row_max, row_sum, probs, correction = carry
           slot, previous = slot_of(step), slot_of(step - 1)
           plgpu.barrier_wait(ring.k_ready.at[slot])
-          turn_taken()
+          take_turn()
 
           def previous_values():
             plgpu.barrier_wait(ring.v_ready.at[previous])
@@ -1026,7 +1021,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
             return softmax_rows(scores, bias, visible, row_max, row_sum)
 
           acc, (row_max, row_sum, probs, correction) = scores_then_values(
-            qk_pairs(slot), previous_values, interpret, turn_passed, scores_softmax
+            qk_pairs(slot), previous_values, interpret, pass_turn, scores_softmax
           )
           plgpu.barrier_arrive(ring.v_free.at[previous])
           return acc, row_max, row_sum, probs.astype(dtype), correction
@@ -1038,8 +1033,8 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           acc, row_max, row_sum = carry
           first = slot_of(0)
           plgpu.barrier_wait(ring.k_ready.at[first])
-          pl.when(wg == 1)(turn_taken)
-          scores = qk_product(first, turn_passed)[0]
+          pl.when(wg == 1)(take_turn)
+          scores = qk_product(first, pass_turn)[0]
           bias = row_bias(first)
           plgpu.barrier_arrive(ring.k_free.at[first])
           query_tile_done(0)
@@ -1057,9 +1052,9 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
             carry,
           )
           acc, row_max, row_sum, probs, correction = carry
-          turn_taken()
+          take_turn()
           acc = rescaled(acc, correction)
-          acc = values_step(steps - 1, probs, acc, while_running=turn_passed)
+          acc = values_step(steps - 1, probs, acc, while_running=pass_turn)
           return acc, row_max, row_sum
 
         def drain(step, _):  # key tiles another warpgroup needed: release them, keep the turns
@@ -1067,8 +1062,8 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
           if blocks.intra_overlap:
             return
           if blocks.paired_turns:
-            turn_taken()
-            turn_passed()
+            take_turn()
+            pass_turn()
           elif own_turns:
             pass_turn()
             take_turn()
@@ -1087,7 +1082,7 @@ def _forward(q, k, v, key_bias, scale, blocks: MosaicBlocks, interpret: bool):
         elif blocks.paired_turns:
           carry = paired(carry)
           lax.fori_loop(steps, program_steps, drain, None)
-          pl.when(wg == 0)(turn_taken)
+          pl.when(wg == 0)(take_turn)
         else:
           if handed_over_early:
             plgpu.barrier_wait(ring.k_ready.at[slot_of(0)])
