@@ -511,8 +511,22 @@ def failures(report: dict) -> list[dict]:
   return [r for r in report['results'] if 'failed' in r or r.get('correct') is False]
 
 
+# Interpret mode runs each warpgroup of a Mosaic GPU kernel as a thread executing a computation of
+# its own on the CPU client: on a 2-core machine with 1 or 2 CPU devices the jitted
+# forward+backward of mosaic_sweep.py's `own_turns_no_auto_barriers` deadlocked there in every
+# run, with 3 in some, with 4 in none (2026-11-29). The tests run with 8.
+INTERPRET_CPU_DEVICES = 4
+
+
+def use_cpu_devices_for_interpret_mode() -> None:
+  """Before jax starts its CPU backend: the CPU devices interpret mode needs (--smoke)."""
+  jax.config.update('jax_num_cpu_devices', INTERPRET_CPU_DEVICES)
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.smoke:
+    use_cpu_devices_for_interpret_mode()
   report = run(args)
   return 1 if failures(report) else 0
 

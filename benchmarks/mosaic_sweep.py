@@ -345,17 +345,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-# Interpret mode runs each warpgroup of a kernel as a thread executing a computation of its own
-# on the CPU client: on a 2-core machine with 1 or 2 CPU devices the jitted forward+backward of
-# `own_turns_no_auto_barriers` deadlocked there in every run, with 3 in some, with 4 in none
-# (2026-11-29). The tests run with 8.
-SMOKE_CPU_DEVICES = 4
-
-
 def main(argv=None) -> int:
   args = parse_args(argv)
   if args.smoke:
-    jax.config.update('jax_num_cpu_devices', SMOKE_CPU_DEVICES)
+    attention_benchmark.use_cpu_devices_for_interpret_mode()
   report = run(args)
   return 1 if failures(report) else 0
 
