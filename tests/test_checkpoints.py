@@ -212,6 +212,8 @@ TINY = [
   '--config.train.steps=8',
   '--config.checkpoint.save_interval=2',
   '--config.optimizer.warmup_samples=16',
+  # No TensorBoard: clu's writer imports TensorFlow, 5 s of a 10 s process (test_tensorboard.py).
+  '--config.runtime.tensorboard_dir=',
 ]
 
 

@@ -16,7 +16,8 @@ from t5x_like.config import ConfigError
 from t5x_like.mesh import distributed
 
 # configs/tiny.py made small enough to compile in seconds, on a data=2 x tensor=2 mesh: 2 virtual
-# CPU devices in each of two processes. No evaluation (one compilation less) unless a test asks.
+# CPU devices in each of two processes. No evaluation (one compilation less) unless a test asks,
+# no TensorBoard (clu's writer imports TensorFlow: 5 s a process; tests/test_tensorboard.py).
 SMALL_TINY = [
   '--config',
   os.path.join(REPO, 'configs', 'tiny.py'),
@@ -26,6 +27,7 @@ SMALL_TINY = [
   '--config.mesh.data=2',
   '--config.mesh.tensor=2',
   '--config.eval.interval=0',
+  '--config.runtime.tensorboard_dir=',
 ]
 
 

@@ -3,7 +3,7 @@
 import json
 import os
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, users_xla_flags
 
 from t5x_like.config import Config, load_gin
 
@@ -20,7 +20,8 @@ def test_tiny_config_trains_with_a_falling_loss(tmp_path):
       workdir,
       '--config.train.steps=20',
       '--config.checkpoint.save_interval=10',
-    ]
+    ],
+    env={'XLA_FLAGS': users_xla_flags()},  # 20 iterations of configs/tiny.py's full size
   )
   assert r.returncode == 0, r.stderr[-3000:]
   assert 'iteration       20/      20' in r.stdout

@@ -79,6 +79,19 @@ def _load_cached(tokens_path: str, meta_path: str) -> np.ndarray | None:
   return tokens if valid else None
 
 
+def _recorded_corpus_id(path: str) -> str | None:
+  """The corpus fingerprint recorded at `path` (corpus_tokens), or None if there is none."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      corpus_id = json.load(f)['corpus']
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError, KeyError, TypeError) as error:
+    logging.warning('Unreadable corpus record %s (%s); building the corpus.', path, error)
+    return None
+  return corpus_id if isinstance(corpus_id, str) and corpus_id else None
+
+
 def corpus_tokens(
   tokenizer: Tokenizer, cache_dir: str | None = None, documents: Sequence[str] | None = None
 ) -> np.ndarray:
@@ -86,11 +99,23 @@ def corpus_tokens(
 
   The cache is keyed by the corpus fingerprint and the tokenizer file hash.  Its metadata file
   records the token count and checksum, so a truncated or corrupted cache is rebuilt, never used.
+  The default corpus's fingerprint is kept too, keyed by what it is built from
+  (`corpus.sources_fingerprint`), so that its cached tokens are found without building it.
   """
-  if documents is None:
-    documents = corpus.default_documents()
   cache_dir = cache_dir or default_cache_dir()
+  sources_path = ''
+  if documents is None:
+    sources_path = os.path.join(cache_dir, f'corpus-{corpus.sources_fingerprint()}.json')
+    known_id = _recorded_corpus_id(sources_path)
+    if known_id:
+      tokens = _load_cached(*cache_paths(cache_dir, known_id, tokenizer.fingerprint))
+      if tokens is not None:
+        return tokens
+    documents = corpus.default_documents()
   corpus_id = corpus.corpus_fingerprint(documents)
+  if sources_path:
+    record = json.dumps({'corpus': corpus_id, 'num_documents': len(documents)}).encode('utf-8')
+    files.atomic_write(sources_path, lambda f: f.write(record))
   tokens_path, meta_path = cache_paths(cache_dir, corpus_id, tokenizer.fingerprint)
   tokens = _load_cached(tokens_path, meta_path)
   if tokens is not None:

@@ -8,7 +8,7 @@ import re
 import sys
 
 import pytest
-from conftest import REPO, TEST_XLA_FLAGS, run_cli
+from conftest import REPO, run_cli, users_xla_flags
 
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
 import train_throughput  # noqa: E402  (a script, not a package module)
@@ -38,7 +38,7 @@ def tiny_two_rounds(tmp_path_factory):
     # The script measures XLA as users run it, not the suite's faster compiles.
     env={
       'PYTHONPATH': REPO,
-      'XLA_FLAGS': os.environ['XLA_FLAGS'].replace(TEST_XLA_FLAGS, '').strip(),
+      'XLA_FLAGS': users_xla_flags(),
     },
   )
   assert proc.returncode == 0, proc.stderr[-3000:]

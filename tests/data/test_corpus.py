@@ -68,6 +68,25 @@ def test_source_files_are_sorted_and_skip_test_directories():
   assert all(files == sorted(files) for files in by_dir.values())
 
 
+def test_sources_fingerprint_follows_each_files_stamp_and_the_file_list(tmp_path):
+  (tmp_path / 'a.py').write_text('"""A module."""\n')
+  (tmp_path / 'b.py').write_text('"""B module."""\n')
+  first = corpus.sources_fingerprint(str(tmp_path))
+  assert corpus.sources_fingerprint(str(tmp_path)) == first
+  stat = os.stat(tmp_path / 'a.py')
+  os.utime(tmp_path / 'a.py', ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+  touched = corpus.sources_fingerprint(str(tmp_path))
+  assert touched != first
+  (tmp_path / 'c.py').write_text('"""C module."""\n')
+  assert corpus.sources_fingerprint(str(tmp_path)) not in (first, touched)
+  # Files the corpus skips do not count.
+  (tmp_path / 'tests').mkdir()
+  with_c = corpus.sources_fingerprint(str(tmp_path))
+  (tmp_path / 'tests' / 'd.py').write_text('"""D."""\n')
+  (tmp_path / 'notes.txt').write_text('not a source')
+  assert corpus.sources_fingerprint(str(tmp_path)) == with_c
+
+
 def test_source_document_collects_docstrings_and_comment_prose_in_order(tmp_path):
   path = tmp_path / 'example.py'
   path.write_text(

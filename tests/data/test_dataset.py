@@ -1,5 +1,6 @@
 """Tests for the token stream, its cache, and the deterministic sampler."""
 
+import json
 import os
 
 import numpy as np
@@ -125,6 +126,62 @@ def test_damaged_cache_is_rebuilt(tokenizer, tmp_path, monkeypatch, damage, targ
     dataset.corpus_tokens(tokenizer, str(tmp_path), DOCUMENTS), expected
   )
   assert calls == [1]
+
+
+def _default_corpus_is(monkeypatch, documents):
+  """corpus.default_documents() returns `documents`; returns the list of its calls."""
+  calls = []
+
+  def default_documents():
+    calls.append(1)
+    if documents is None:
+      raise AssertionError('the default corpus was built')
+    return list(documents)
+
+  monkeypatch.setattr(corpus, 'default_documents', default_documents)
+  return calls
+
+
+def test_default_corpus_tokens_are_found_without_building_the_corpus(
+  tokenizer, tmp_path, monkeypatch
+):
+  built = _default_corpus_is(monkeypatch, DOCUMENTS)
+  first = dataset.corpus_tokens(tokenizer, str(tmp_path))
+  assert built == [1]
+  record = tmp_path / f'corpus-{corpus.sources_fingerprint()}.json'
+  assert json.loads(record.read_text()) == {
+    'corpus': corpus.corpus_fingerprint(DOCUMENTS),
+    'num_documents': len(DOCUMENTS),
+  }
+  # The next process reads the recorded fingerprint and the tokens: no corpus is built.
+  _default_corpus_is(monkeypatch, None)
+  np.testing.assert_array_equal(dataset.corpus_tokens(tokenizer, str(tmp_path)), first)
+  # Other sources (a Python upgrade, an edited library file): the corpus is built again.
+  built = _default_corpus_is(monkeypatch, DOCUMENTS[:1])
+  monkeypatch.setattr(corpus, 'sources_fingerprint', lambda: 'other-sources')
+  again = dataset.corpus_tokens(tokenizer, str(tmp_path))
+  assert built == [1] and again.tolist() == tokenizer.encode(DOCUMENTS[0]) + [tokenizer.eod_id]
+
+
+@pytest.mark.parametrize('damage', ['garbled', 'no tokens'])
+def test_a_damaged_corpus_record_or_its_missing_tokens_build_the_corpus_again(
+  tokenizer, tmp_path, monkeypatch, caplog, damage
+):
+  _default_corpus_is(monkeypatch, DOCUMENTS)
+  expected = dataset.corpus_tokens(tokenizer, str(tmp_path))
+  record = tmp_path / f'corpus-{corpus.sources_fingerprint()}.json'
+  if damage == 'garbled':
+    record.write_text('{"corpus": ')
+  else:
+    for path in dataset.cache_paths(
+      str(tmp_path), corpus.corpus_fingerprint(DOCUMENTS), tokenizer.fingerprint
+    ):
+      os.remove(path)
+  built = _default_corpus_is(monkeypatch, DOCUMENTS)
+  np.testing.assert_array_equal(dataset.corpus_tokens(tokenizer, str(tmp_path)), expected)
+  assert built == [1]
+  assert ('Unreadable corpus record' in caplog.text) == (damage == 'garbled')
+  assert json.loads(record.read_text())['corpus'] == corpus.corpus_fingerprint(DOCUMENTS)
 
 
 def test_failed_write_leaves_no_file(tmp_path):
