@@ -512,9 +512,8 @@ def failures(report: dict) -> list[dict]:
 
 
 # Interpret mode runs each warpgroup of a Mosaic GPU kernel as a thread executing a computation of
-# its own on the CPU client: on a 2-core machine with 1 or 2 CPU devices the jitted
-# forward+backward of mosaic_sweep.py's `own_turns_no_auto_barriers` deadlocked there in every
-# run, with 3 in some, with 4 in none (2026-11-29). The tests run with 8.
+# its own on the CPU client; with too few CPU devices some kernels' jitted forward+backward
+# deadlock there (docs/benchmarks.md, "The GPU suite"). The tests run with 8.
 INTERPRET_CPU_DEVICES = 4
 
 

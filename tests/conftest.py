@@ -165,8 +165,8 @@ def assert_draws_its_own_dropout_masks(losses, reference, dropout: float):
 
 def users_xla_flags() -> str:
   """XLA_FLAGS without the tests' cheap code generation (TEST_XLA_FLAGS): for a process that
-  measures XLA as users run it, or runs its programs long enough (configs/tiny.py's step: 0.7 s
-  an iteration optimised, 1.5 s not, for 2.5 s more compile) that the optimisation pays."""
+  measures XLA as users run it, or runs its programs long enough that the optimisation pays for
+  its longer compile (docs/tests.md)."""
   return os.environ['XLA_FLAGS'].replace(TEST_XLA_FLAGS, '').strip()
 
 

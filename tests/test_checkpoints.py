@@ -212,7 +212,7 @@ TINY = [
   '--config.train.steps=8',
   '--config.checkpoint.save_interval=2',
   '--config.optimizer.warmup_samples=16',
-  # No TensorBoard: clu's writer imports TensorFlow, 5 s of a 10 s process (test_tensorboard.py).
+  # No TensorBoard: clu's writer imports TensorFlow, half of a run's time (docs/tests.md).
   '--config.runtime.tensorboard_dir=',
 ]
 

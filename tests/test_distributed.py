@@ -17,7 +17,7 @@ from t5x_like.mesh import distributed
 
 # configs/tiny.py made small enough to compile in seconds, on a data=2 x tensor=2 mesh: 2 virtual
 # CPU devices in each of two processes. No evaluation (one compilation less) unless a test asks,
-# no TensorBoard (clu's writer imports TensorFlow: 5 s a process; tests/test_tensorboard.py).
+# no TensorBoard (clu's writer imports TensorFlow, half of a run's time; docs/tests.md).
 SMALL_TINY = [
   '--config',
   os.path.join(REPO, 'configs', 'tiny.py'),

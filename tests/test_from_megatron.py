@@ -730,7 +730,7 @@ TINY_SHAPE = [
   'checkpoint.save_interval=0',
   'runtime.kill_switch_path=',
   'runtime.exit_duration_mins=0',
-  'runtime.tensorboard_dir=',  # clu's writer imports TensorFlow: 5 s of the run
+  'runtime.tensorboard_dir=',  # clu's writer imports TensorFlow (docs/tests.md)
 ]
 # Each run's data and schedule scaled to the embedded corpus and 2 iterations of 32 tokens.
 EMBEDDED_DATA = {

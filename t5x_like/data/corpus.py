@@ -10,8 +10,8 @@ No download is needed, so tests, CI and air-gapped machines can train on the sam
 
 The result is a pure function of the Python install (sorted walks, no clock, no randomness), so
 `corpus_fingerprint` identifies it and keys the token cache in `dataset.py`. Building it parses
-the whole library (about 3 s); `sources_fingerprint` identifies what it is built from in a few
-milliseconds, so that a process finds its cached tokens without building it.
+the whole library (seconds); `sources_fingerprint` identifies what it is built from by file
+stamps alone, so that a process finds its cached tokens without building it.
 """
 
 from __future__ import annotations
