@@ -335,6 +335,10 @@ class PipelineConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   save_interval: int = 0  # Iterations between saves; 0 saves only at the end.
+  # Also a save once this many minutes of wall clock passed since this job's last save or its
+  # first iteration, so a crash loses at most that much training whatever an iteration takes
+  # (the batch-size ramp-up changes it); every process saves at the same iteration. 0: none.
+  save_interval_mins: float = 0.0
   max_to_keep: int = _ranged(3, 1)  # The latest K checkpoints are kept...
   keep_period: int = 0  # ...plus, for good, every step that is a multiple of this (0: none).
   init_from: str = ''  # A checkpoint whose weights start a new run (optimizer starts fresh).

@@ -153,15 +153,20 @@ def test_two_processes_train_exactly_like_one_and_one_process_resumes_their_chec
 def test_two_processes_summing_gradients_once_a_step_train_exactly_like_one(tmp_path):
   """pipeline.grad_sync='step' without a pipeline: each data rank's micro-batch loop runs in a
   shard_map over `data`, here one rank per process, and the ranks' sums cross the processes
-  once a step (gloo): the same losses and gradient norms as one process."""
+  once a step (gloo): the same losses and gradient norms as one process. The two processes
+  also agree on each timed save (checkpoint.save_interval_mins, here due at every iteration)."""
   multi, single = str(tmp_path / 'multi'), str(tmp_path / 'single')
   args = ['--config.train.steps=3', '--config.pipeline.grad_sync=step']
+  timed = ['--config.checkpoint.save_interval_mins=1e-6', '--config.checkpoint.max_to_keep=5']
   results = finish(
-    two_processes_by_flags([*args, '--workdir', multi]) + [start([*args, '--workdir', single])]
+    two_processes_by_flags([*args, *timed, '--workdir', multi])
+    + [start([*args, '--workdir', single])]
   )
   for code, _, stderr in results:
     assert code == 0, stderr[-3000:]
   assert "summed once a step (pipeline.grad_sync 'step'" in results[0][1]
+  assert sorted(os.listdir(os.path.join(multi, 'checkpoints'))) == ['1', '2', '3']
+  assert results[0][1].count('minutes since the last save') == 3
   a, b = metrics(multi), metrics(single)
   assert [r['iteration'] for r in a] == [r['iteration'] for r in b] == [1, 2, 3]
   for x, y in zip(a, b):

@@ -735,6 +735,58 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(tmp_p
   assert note.startswith("> throughput: the checkpoint's job ran on another setup")
 
 
+def test_save_interval_mins_saves_when_the_minutes_passed_since_the_last_save(
+  tmp_path, monkeypatch
+):
+  """checkpoint.save_interval_mins on a fake clock on which each step takes 30 s: a save each
+  minute of training (iterations 2, 4, 6), counted from the last save, then the end's (7); no
+  count interval. The log says why a step was saved."""
+  clock = FakeClock()
+  workdir = str(tmp_path / 'run')
+  cfg = corpus_config(
+    train=dict(steps=7),
+    checkpoint=dict(save_interval=0, save_interval_mins=1, max_to_keep=5),
+    runtime=dict(replica_check_interval=0),
+  )
+  trainer = Trainer(cfg, workdir)
+  trainer.checkpoints.save_timer.clock = clock.perf_counter
+  compile_step = trainer.steps.compile
+  monkeypatch.setattr(
+    trainer.steps, 'compile', lambda shape: StepTakes(compile_step(shape), clock, 30.0)
+  )
+  trainer.run()
+  assert checkpoints.available_steps(os.path.join(workdir, 'checkpoints')) == [2, 4, 6, 7]
+  with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
+    saves = re.findall(r'> checkpoint at iteration (\d+): (.*)', f.read())
+  assert saves == [
+    (str(i), '1.0 minutes since the last save (checkpoint.save_interval_mins=1)') for i in (2, 4, 6)
+  ]
+
+
+@pytest.mark.parametrize('others', [[0, 0], [0, 1]])
+def test_save_interval_mins_is_one_decision_for_every_process(others, monkeypatch):
+  """Each process's clock differs: a save is due everywhere when it is due on any process, or a
+  process would wait in a save the others never join."""
+  from jax.experimental import multihost_utils
+
+  from t5x_like.training.run_checkpoints import SaveTimer
+
+  now = [0.0]
+  sent = []
+
+  def allgather(x):
+    sent.append(int(x))
+    return np.asarray(others, np.int32)
+
+  monkeypatch.setattr(multihost_utils, 'process_allgather', allgather)
+  timer = SaveTimer(1, num_processes=2, clock=lambda: now[0])
+  now[0] = 30.0
+  assert timer.due() is bool(max(others)) and sent == [0]
+  alone = SaveTimer(1, num_processes=1, clock=lambda: now[0])
+  now[0] = 90.0
+  assert alone.due() and not SaveTimer(0, num_processes=2).due() and sent == [0]
+
+
 def test_replica_check_names_the_arrays_whose_copies_differ(tmp_path):
   trainer = Trainer(
     corpus_config(runtime=dict(replica_check_interval=3, alert_command=ALERT_RECORD)), str(tmp_path)

@@ -1,15 +1,22 @@
 """A run's checkpoints as one object: the Orbax checkpointer (opened when the run starts), the
-metadata of each save, when to save (checkpoint.save_interval), and what a save decides: a state
-with non-finite params is never written and stops the run as diverged.
+metadata of each save, when to save (checkpoint.save_interval and save_interval_mins), and what
+a save decides: a state with non-finite params is never written and stops the run as diverged.
 
 It registers its own hooks (t5x_like/hooks.py; docs/training_loop.md): a save every
-save_interval iterations (0: none in between), never in the middle of non-finite iterations (a
-divergence keeps the last finite state), and one at the end or before leaving early, after
-which the save in flight is waited for. At a spike it keeps the checkpoint from before it; at a
-divergence it saves the last finite state; incidents.IncidentReports tells the user.
+save_interval iterations and once save_interval_mins of wall clock passed since the last one
+(0: none in between), never in the middle of non-finite iterations (a divergence keeps the last
+finite state), and one at the end or before leaving early, after which the save in flight is
+waited for. At a spike it keeps the checkpoint from before it; at a divergence it saves the last
+finite state; incidents.IncidentReports tells the user.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
 
 from t5x_like.checkpointing import checkpoints
 from t5x_like.parallel.train_state import Progress, StateLayout, TrainState
@@ -18,6 +25,38 @@ from t5x_like.training import resume, runtime
 from t5x_like.training import watches as watches_lib
 from t5x_like.training.hooks import Hooks, StepInfo
 from t5x_like.training.incidents import IncidentReports
+
+
+class SaveTimer:
+  """Whether `minutes` (> 0; 0: never) of wall clock passed since the last `restart()`, the same
+  answer on all `num_processes` processes: their clocks differ, so they agree at each iteration
+  (an all-gather; a save is a collective, and a process that saved alone would wait in it
+  forever). `clock` gives seconds."""
+
+  def __init__(
+    self, minutes: float, num_processes: int, clock: Callable[[], float] = time.monotonic
+  ):
+    self.interval_s = minutes * 60.0
+    self.num_processes = num_processes
+    self.clock = clock
+    self.since = clock()
+
+  def restart(self) -> None:
+    self.since = self.clock()
+
+  def elapsed_s(self) -> float:
+    return self.clock() - self.since
+
+  def due(self) -> bool:
+    """Called at every iteration boundary by every process (when minutes > 0)."""
+    if self.interval_s <= 0:
+      return False
+    due = self.elapsed_s() >= self.interval_s
+    if self.num_processes == 1:
+      return due
+    from jax.experimental import multihost_utils
+
+    return bool(np.max(multihost_utils.process_allgather(np.int32(due))))
 
 
 class RunCheckpoints:
@@ -45,6 +84,8 @@ class RunCheckpoints:
       writer.info, alerts, workdir, resumption.ckpt_root, self.divergence
     )
     self.checkpointer: checkpoints.Checkpointer | None = None  # opened by open()
+    # Restarted when training starts and at every save.
+    self.save_timer = SaveTimer(self.cfg.checkpoint.save_interval_mins, jax.process_count())
 
   def open(self, progress: Progress) -> None:
     """The run starts at `progress`: resume.begin, which opens the checkpointer."""
@@ -58,8 +99,9 @@ class RunCheckpoints:
     checkpoints.close_unless_failing(checkpointer)
 
   def register(self, hooks: Hooks) -> None:
-    """The save every checkpoint.save_interval iterations; the last save, at the end and on a
-    stop."""
+    """The saves every checkpoint.save_interval iterations and save_interval_mins minutes; the
+    last save, at the end and on a stop."""
+    hooks.at_start(self.start_hook)
     hooks.add_hook(self.iteration_hook)
     for add in (hooks.at_end, hooks.on_stop):
       add(self.final_hook)
@@ -93,7 +135,9 @@ class RunCheckpoints:
   def save(self, state: TrainState, progress: Progress) -> bool:
     """Starts saving `state` as step `progress.iteration` (Checkpointer.save: False if that step
     is already saved; checkpoints.NonFiniteStateError for non-finite params)."""
-    return self.opened.save(state, progress, self.cfg, self.meta(progress))
+    saved = self.opened.save(state, progress, self.cfg, self.meta(progress))
+    self.save_timer.restart()
+    return saved
 
   def save_or_stop(self, state: TrainState, progress: Progress) -> bool:
     """Saves; a state with non-finite params is never written: the run then stops as diverged.
@@ -107,9 +151,21 @@ class RunCheckpoints:
 
   # ---------------------------------------------------------------------------------- hooks
 
+  def start_hook(self, info: StepInfo) -> None:
+    """Training starts: save_interval_mins counts from here (not from the compilation)."""
+    self.save_timer.restart()
+
   def iteration_hook(self, info: StepInfo) -> None:
-    """After every iteration (every=1): a save when the interval says so."""
-    if self.should_save(info.iteration) and not self.divergence.consecutive:
+    """After every iteration (every=1): a save when either interval says so."""
+    by_count = self.should_save(info.iteration)
+    by_time = self.save_timer.due()  # every process takes part in its agreement
+    if (by_count or by_time) and not self.divergence.consecutive:
+      if by_time and not by_count:
+        self.writer.info(
+          f'> checkpoint at iteration {info.iteration}: '
+          f'{self.save_timer.elapsed_s() / 60:.1f} minutes since the last save '
+          f'(checkpoint.save_interval_mins={self.cfg.checkpoint.save_interval_mins:g})'
+        )
       if not self.save_or_stop(info.state, info.progress):
         info.request_stop(runtime.StopReason.DIVERGED)
 
