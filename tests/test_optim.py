@@ -69,6 +69,58 @@ def test_no_weight_decay_on_biases_or_any_layernorm():
     assert node is False, path
 
 
+@pytest.mark.parametrize(
+  'model, mesh',
+  [
+    ({'architecture': 'bloom'}, {'data': 2, 'tensor': 2}),
+    ({'architecture': 'gpt2'}, {'data': 2, 'tensor': 2}),
+    ({'architecture': 'gpt2', 'stable_embedding': True}, {'data': 2}),
+    ({'architecture': 'bloom'}, {'pipeline': 2, 'tensor': 2}),
+  ],
+)
+def test_weight_decay_reaches_exactly_the_real_models_matrices(model, mesh):
+  """The mask on the params as the train step holds them (the pipeline's stage stacks, ZeRO's
+  padding), of each architecture: no LayerNorm (any {scale, bias} pair, wherever it sits and
+  whatever it is named: the chronicles' embedding LayerNorm) and no bias decays; every weight
+  matrix and embedding does, GPT-2's positions included, as in Megatron."""
+  from t5x_like.config import Config
+  from t5x_like.mesh import partitioning
+  from t5x_like.parallel.train_state import make_layout
+
+  cfg = Config.from_dict(
+    {
+      'model': {'num_layers': 4, 'hidden_size': 32, 'num_heads': 4, 'vocab_size': 64, **model},
+      'train': {'steps': 1, 'global_batch_size': 8, 'micro_batch_size': 2, 'seq_len': 16},
+      'mesh': mesh,
+    }
+  ).validate()
+  params = make_layout(cfg, partitioning.mesh_of(cfg.mesh)).abstract.params
+  mask = optim.decay_mask(params)
+
+  def leaves(tree, path=()):
+    for key, node in tree.items():
+      if isinstance(node, dict):
+        is_norm = set(node) == {'scale', 'bias'}
+        yield from ((p, norm or is_norm) for p, norm in leaves(node, (*path, key)))
+      else:
+        yield (*path, key), False
+
+  def at(tree, path):
+    for key in path:
+      tree = tree[key]
+    return tree
+
+  found = list(leaves(params))
+  norms = [path for path, is_norm in found if is_norm]
+  assert len(norms) >= 2 * (2 + 1)  # each layer's two LayerNorms (stacked) and the final one
+  decayed = sorted('/'.join(path) for path, _ in found if at(mask, path))
+  expected = sorted(
+    '/'.join(path) for path, is_norm in found if not is_norm and not path[-1].endswith('bias')
+  )
+  assert decayed == expected
+  assert 'word_embeddings' in '|'.join(decayed) and 'qkv_kernel' in '|'.join(decayed)
+
+
 def test_adam_step_count_lives_in_the_state_and_matches_torch_adamw_math():
   cfg = OptimizerConfig(lr=0.1, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
   params = {'w': jnp.array([[1.0, -2.0]]), 'b': jnp.array([0.5])}

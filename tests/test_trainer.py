@@ -1052,6 +1052,43 @@ def test_a_step_that_needs_more_memory_than_the_device_gives_is_one_error(tmp_pa
   assert [r['iteration'] for r in read_metrics(str(tmp_path / 'large'))] == [1, 2]
 
 
+def test_a_curriculum_whose_last_step_would_not_fit_is_refused_before_its_first_iteration(
+  tmp_path, monkeypatch
+):
+  """Early curriculum steps are short and need less memory than the run's last ones (the
+  chronicles' 'false lower memory usage under early steps of CL'): on an accelerator the run's
+  largest step is compiled before the first iteration too, and one that would not fit ends the
+  run there, naming its shape."""
+  from t5x_like.training import device_memory
+  from t5x_like.training import trainer as trainer_lib
+  from t5x_like.training.step import CompiledSteps
+
+  cfg = corpus_config(
+    train={'steps': 3, 'seq_len': 128},
+    mesh={'data': 1, 'tensor': 1},
+    curriculum={'min_seq_len': 8, 'total_iterations': 3},
+    runtime={'replica_check_interval': 0},
+  ).validate()
+  gbs, first_len = cfg.train.global_batch_size, schedule.padded_seq_len_at(cfg, 1)
+  steps = CompiledSteps(cfg, make_layout(cfg, partitioning.mesh_of(cfg.mesh)), lambda line: None)
+  first, last = (
+    device_memory.peak_bytes(steps.get(gbs, n).memory_analysis()) for n in (first_len, 128)
+  )
+  assert first_len < 128 and first < last
+  monkeypatch.setattr(trainer_lib, 'accelerator_memory', lambda: ((first + last) // 2, 'GPU'))
+  workdir = tmp_path / 'run'
+  with pytest.raises(ConfigError) as found:
+    Trainer(cfg, str(workdir)).run()
+  assert str(found.value).startswith('the train step for 4 micro-batch(es) of 2x129 tokens needs')
+  assert not os.path.exists(workdir / 'metrics.jsonl')  # no iteration ran
+  log = (workdir / 'logs' / 'main_log.txt').read_text()
+  assert f'> compiled the train step for 4 micro-batch(es) of 2x{first_len + 1} tokens' in log
+  assert (
+    "> the run's largest step (iteration 3's, 8 samples of 128 tokens) is compiled now to "
+    'check that it fits in memory'
+  ) in log
+
+
 def test_the_memory_error_names_the_fixes_that_apply():
   """A GPipe pipeline under full recomputation: the fixes name 1F1B, not 'full' again."""
   from t5x_like.training.step import CompiledSteps

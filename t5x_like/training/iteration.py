@@ -30,10 +30,22 @@ class TrainIteration:
   def compile_ahead(self, progress: Progress, evaluator: TrainingEvaluator) -> None:
     """Compiles the next iteration's step (and the evaluation step) before the loop rather than
     in it: a signal during compilation ends the run at once, and a failure shows in the first
-    minutes rather than at iteration 1000."""
-    gbs = schedule.global_batch_size_at(self.cfg.train, progress.consumed_samples)
-    self.steps.get(gbs, schedule.padded_seq_len_at(self.cfg, progress.iteration + 1))
-    if self.cfg.eval.interval:
+    minutes rather than at iteration 1000. Where the device's memory is known, also the step of
+    the run's last iteration, the largest (the full batch size and length after a ramp-up or a
+    curriculum): a step that would not fit there is one error now, not days into the run."""
+    cfg = self.cfg
+    gbs = schedule.global_batch_size_at(cfg.train, progress.consumed_samples)
+    self.steps.get(gbs, schedule.padded_seq_len_at(cfg, progress.iteration + 1))
+    if self.steps.memory_limit is not None:
+      last = schedule.total_iterations(cfg.train)
+      largest = (cfg.train.global_batch_size, schedule.padded_seq_len_at(cfg, last))
+      if not self.steps.compiled(*largest):
+        self.steps.log(
+          f"> the run's largest step (iteration {last}'s, {largest[0]} samples of "
+          f'{largest[1]} tokens) is compiled now to check that it fits in memory'
+        )
+        self.steps.get(*largest)
+    if cfg.eval.interval:
       evaluator.step_for(gbs)
 
   def __call__(

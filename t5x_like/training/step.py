@@ -668,11 +668,20 @@ class CompiledSteps:
     self.memory_limit = memory_limit
     self.programs: dict[tuple[int, int], Any] = {}  # (micro-batches, length + 1) -> compiled
 
+  def shape(self, global_batch_size: int, seq_len: int) -> tuple[int, int, int]:
+    """The batch [micro-batches, rows, length + 1] the step runs on at this global batch size
+    and sequence length."""
+    micro = schedule.step_microbatches(self.cfg, global_batch_size)
+    return batches.batch_shape(self.cfg, global_batch_size, seq_len, micro)
+
+  def compiled(self, global_batch_size: int, seq_len: int) -> bool:
+    """Whether that step is compiled already."""
+    shape = self.shape(global_batch_size, seq_len)
+    return (shape[0], shape[2]) in self.programs
+
   def get(self, global_batch_size: int, seq_len: int):
     """The compiled step for this global batch size and sequence length."""
-    shape = batches.batch_shape(
-      self.cfg, global_batch_size, seq_len, schedule.step_microbatches(self.cfg, global_batch_size)
-    )
+    shape = self.shape(global_batch_size, seq_len)
     key = (shape[0], shape[2])
     if key not in self.programs:
       self.programs[key] = self.compile(shape)
