@@ -52,7 +52,8 @@ def get_config() -> ml_collections.ConfigDict:
   # 152.49 GiB per device, plan, CPU compile, 2026-11-24).
   c.pipeline = dict(schedule='1f1b')
   c.eval = dict(interval=1000, iters=1)  # --eval-interval 1000, on the split's validation share
-  c.checkpoint = dict(save_interval=300, max_to_keep=3, init_from='')
+  # And a temporary save each hour: a crash loses at most about that (docs/checkpoints.md).
+  c.checkpoint = dict(save_interval=300, save_interval_mins=60.0, max_to_keep=3, init_from='')
   # SLURM's 20 h limit as in tr8/tr11 (--exit-duration-in-mins 1190), and no progress for 30
   # minutes ends the job with every thread's stack (exit 4) instead of an hours-long hang.
   c.runtime = dict(

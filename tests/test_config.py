@@ -265,11 +265,13 @@ def test_every_shipped_config_validates_with_its_own_mesh():
 
 
 def test_cluster_configs_guard_against_hangs_and_the_job_time_limit():
-  """The chronicles lost hours to silent NCCL hangs and to jobs killed mid-save at SLURM's limit:
-  every multi-node config turns on the hang watchdog, the exit before the limit and evaluation."""
+  """The chronicles lost hours to silent NCCL hangs, to jobs killed mid-save at SLURM's limit
+  and to hardware failures hours after the last save: every multi-node config turns on the hang
+  watchdog, the exit before the limit, timed saves of at most an hour, and evaluation."""
   for name in ('bloom_176b.py', 'tr8_104b.py', 'bloom_1b3.py'):
     cfg = load_config_file(cfg_path(name))
     assert cfg.runtime.hang_timeout_mins > 0, name
+    assert 0 < cfg.checkpoint.save_interval_mins <= 60, name
     assert 0 < cfg.runtime.exit_duration_mins < 20 * 60, name
     assert cfg.eval.interval > 0 and cfg.runtime.replica_check_interval > 0, name
 

@@ -735,17 +735,20 @@ def test_the_next_job_keeps_a_spikes_checkpoint_and_the_step_time_baseline(tmp_p
   assert note.startswith("> throughput: the checkpoint's job ran on another setup")
 
 
-def test_save_interval_mins_saves_when_the_minutes_passed_since_the_last_save(
+def test_save_interval_mins_saves_when_the_minutes_passed_and_keeps_it_until_the_next_save(
   tmp_path, monkeypatch
 ):
-  """checkpoint.save_interval_mins on a fake clock on which each step takes 30 s: a save each
-  minute of training (iterations 2, 4, 6), counted from the last save, then the end's (7); no
-  count interval. The log says why a step was saved."""
+  """checkpoint.save_interval_mins=1 beside save_interval=3, on a fake clock on which each step
+  takes 30 s: a timed save once a minute passed since the last save of either kind (iterations
+  2 and 5), the log saying why. A timed step is temporary: the newest checkpoint until the next
+  save lands, then deleted, never pushing an interval step out of max_to_keep; a restart knows
+  it from the checkpoint's meta. No timed save at the last iteration: the end's save follows."""
   clock = FakeClock()
   workdir = str(tmp_path / 'run')
+  root = os.path.join(workdir, 'checkpoints')
   cfg = corpus_config(
     train=dict(steps=7),
-    checkpoint=dict(save_interval=0, save_interval_mins=1, max_to_keep=5),
+    checkpoint=dict(save_interval=3, save_interval_mins=1, max_to_keep=5),
     runtime=dict(replica_check_interval=0),
   )
   trainer = Trainer(cfg, workdir)
@@ -754,13 +757,53 @@ def test_save_interval_mins_saves_when_the_minutes_passed_since_the_last_save(
   monkeypatch.setattr(
     trainer.steps, 'compile', lambda shape: StepTakes(compile_step(shape), clock, 30.0)
   )
+  on_disk = {}
+
+  def after_the_saves(info):
+    trainer.checkpoints.opened.wait()  # the save in flight, and the deletions it triggered
+    on_disk[info.iteration] = checkpoints.available_steps(root)
+
+  trainer.hooks.add_hook(after_the_saves)
   trainer.run()
-  assert checkpoints.available_steps(os.path.join(workdir, 'checkpoints')) == [2, 4, 6, 7]
+  assert on_disk == {1: [], 2: [2], 3: [3], 4: [3], 5: [3, 5], 6: [3, 6], 7: [3, 6]}
+  assert checkpoints.available_steps(root) == [3, 6, 7]
   with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
     saves = re.findall(r'> checkpoint at iteration (\d+): (.*)', f.read())
-  assert saves == [
-    (str(i), '1.0 minutes since the last save (checkpoint.save_interval_mins=1)') for i in (2, 4, 6)
-  ]
+  why = (
+    '1.0 minutes since the last save (checkpoint.save_interval_mins=1); kept until the next save'
+  )
+  assert saves == [('2', why), ('5', why)]
+  assert checkpoints.read_meta(root, 6)['temporary_steps'] == [2, 5]
+
+
+def test_a_timed_save_that_a_job_ended_on_goes_after_the_next_jobs_first_save(
+  tmp_path, monkeypatch
+):
+  """A job stopped (here by the kill switch) right after a timed save leaves it as its newest
+  checkpoint, which the next job resumes from; its meta says it is temporary, so the next job's
+  first save deletes it."""
+  clock = FakeClock()
+  workdir, kill_switch = str(tmp_path / 'run'), str(tmp_path / 'stop')
+  root = os.path.join(workdir, 'checkpoints')
+  cfg = corpus_config(
+    train=dict(steps=6),
+    checkpoint=dict(save_interval=3, save_interval_mins=1),
+    runtime=dict(replica_check_interval=0, kill_switch_path=kill_switch),
+  )
+  first = Trainer(cfg, workdir)
+  first.checkpoints.save_timer.clock = clock.perf_counter
+  compile_step = first.steps.compile
+  monkeypatch.setattr(
+    first.steps, 'compile', lambda shape: StepTakes(compile_step(shape), clock, 30.0)
+  )
+  first.hooks.add_hook(lambda info: open(kill_switch, 'w').close(), every=2)
+  first.run()
+  assert checkpoints.available_steps(root) == [2]
+  assert checkpoints.read_meta(root)['temporary_steps'] == [2]
+  os.remove(kill_switch)
+  Trainer(cfg, workdir).run()  # resumes from 2; saves 3 (the interval's), then 6 (the end's)
+  assert checkpoints.available_steps(root) == [3, 6]
+  assert [r['iteration'] for r in read_metrics(workdir)] == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.parametrize('others', [[0, 0], [0, 1]])

@@ -104,17 +104,36 @@ class _KeptSteps:
     return [c.step in self.steps for c in checkpoints]
 
 
+@dataclasses.dataclass
+class _LatestOrdinary:
+  """Orbax preservation policy: the latest `n` steps not in `temporary` (the timed saves, a set
+  the Checkpointer adds to), and the newest step whatever it is. A timed save is kept until the
+  next save lands, and never pushes an ordinary step out."""
+
+  n: int
+  temporary: set[int]
+
+  def should_preserve(self, checkpoints, *, context):
+    del context
+    steps = [c.step for c in checkpoints]
+    ordinary = sorted(s for s in steps if s not in self.temporary)
+    keep = set(ordinary[-self.n :]) | set(sorted(steps)[-1:])
+    return [c.step in keep for c in checkpoints]
+
+
 def _manager(
   root: str,
   *,
   max_to_keep: int | None = None,
   keep_period: int = 0,
   kept_steps: set[int] | None = None,
+  temporary_steps: set[int] | None = None,
   read_only: bool = False,
 ) -> ocp.CheckpointManager:
   policy = None
   if not read_only and max_to_keep:
-    policies = [ocp.checkpoint_managers.LatestN(n=max_to_keep)]
+    temporary = set() if temporary_steps is None else temporary_steps  # the caller adds to it
+    policies: list[Any] = [_LatestOrdinary(max_to_keep, temporary)]
     if keep_period:
       policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=keep_period))
     if kept_steps is not None:
@@ -369,9 +388,10 @@ def _meta_problem(raw: Any) -> str | None:
   unknown = sorted(set(raw['lr_schedule']) - set(LR_SCHEDULE_FIELDS))
   if unknown:
     return f'has unknown lr_schedule keys {", ".join(unknown)}'
-  kept = raw.get('kept_steps', [])
-  if not isinstance(kept, list) or not all(isinstance(s, int) for s in kept):
-    return f'has kept_steps that are not a list of steps (got {kept!r})'
+  for key in ('kept_steps', 'temporary_steps'):
+    steps = raw.get(key, [])
+    if not isinstance(steps, list) or not all(isinstance(s, int) for s in steps):
+      return f'has {key} that are not a list of steps (got {steps!r})'
   for key in ('software', 'throughput'):
     if raw.get(key) is not None and not isinstance(raw[key], dict):
       return f'has a {key} entry that is not a mapping (got {raw[key]!r})'
@@ -395,13 +415,16 @@ def make_meta(
   adam_count_base: dict[str, int],
   software: dict[str, Any] | None = None,
   kept_steps: Iterable[int] = (),
+  temporary_steps: Iterable[int] = (),
 ) -> dict[str, Any]:
   """The `meta` item: what a restart needs besides the arrays, progress and config, and the
   software that wrote it (`provenance.software()`, taken now unless given). `kept_steps`: the
-  checkpoints kept past the keep policy (the last one before each loss spike)."""
+  checkpoints kept past the keep policy (the last one before each loss spike);
+  `temporary_steps`: the timed saves, each kept only until the next save."""
   return {
     'software': provenance.software() if software is None else software,
     'kept_steps': sorted(kept_steps),
+    'temporary_steps': sorted(temporary_steps),
     'format': 1,
     'rng': {'seed': cfg.train.seed, 'iteration': progress.iteration},
     'data': {'seed': data_seed, 'consumed_samples': progress.consumed_samples},
@@ -563,7 +586,9 @@ def silence_orbax_aftermath() -> _OrbaxAftermath:
 
 class Checkpointer:
   """Asynchronous saves every `save_interval` iterations under the keep policy (latest
-  `max_to_keep` plus every multiple of `keep_period`); `close()` waits for the last one."""
+  `max_to_keep` plus every multiple of `keep_period`, and the newest step); `close()` waits for
+  the last one. A temporary save (a timed one, `save(temporary=True)`) counts as none of the
+  latest `max_to_keep`: it is deleted once a later step is saved."""
 
   def __init__(
     self,
@@ -573,6 +598,7 @@ class Checkpointer:
     layout: StateLayout | None = None,
     keep_period: int = 0,
     kept_steps: Iterable[int] = (),
+    temporary_steps: Iterable[int] = (),
   ):
     self.root = os.path.abspath(root)
     self.save_interval = save_interval
@@ -586,8 +612,13 @@ class Checkpointer:
     if jax.process_index() == 0:
       self._discard_interrupted_saves()
     self.kept_steps = set(kept_steps)  # kept whatever the keep policy says (`keep_last_before`)
+    self.temporary_steps = set(temporary_steps)  # kept until a later step is saved
     self._mgr = _manager(
-      self.root, max_to_keep=max_to_keep, keep_period=keep_period, kept_steps=self.kept_steps
+      self.root,
+      max_to_keep=max_to_keep,
+      keep_period=keep_period,
+      kept_steps=self.kept_steps,
+      temporary_steps=self.temporary_steps,
     )
     self._saved = set(available_steps(self.root))
     self._purge_deleted()
@@ -614,9 +645,15 @@ class Checkpointer:
     return self.save_interval > 0 and iteration % self.save_interval == 0
 
   def save(
-    self, state: TrainState, progress: Progress, config: Config, meta: dict[str, Any]
+    self,
+    state: TrainState,
+    progress: Progress,
+    config: Config,
+    meta: dict[str, Any],
+    temporary: bool = False,
   ) -> bool:
     """Starts saving `state` as step `progress.iteration`; False if that step is already saved.
+    A `temporary` step is deleted once a later one is saved (`meta` lists it so for restarts).
 
     Returns once the arrays are copied off the devices (the step may donate them next); the
     files are written in the background and the step becomes visible when all of them are.
@@ -632,6 +669,8 @@ class Checkpointer:
       )
     self.wait()  # the previous save, and the deletions it triggered
     self._purge_deleted()
+    if temporary:
+      self.temporary_steps.add(step)
     params, opt_state = state.params, state.opt_state
     if self.layout is not None:
       params = self.layout.to_canonical(params, 'params')

@@ -250,6 +250,7 @@ def begin(
     layout,
     keep_period=cfg.checkpoint.keep_period,
     kept_steps=resumption.meta.get('kept_steps', []),
+    temporary_steps=resumption.meta.get('temporary_steps', []),
   )
   # Records after the resumed iteration were written by a job that died before saving again;
   # with no checkpoint at all, the run starts its records afresh.

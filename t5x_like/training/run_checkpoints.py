@@ -21,7 +21,7 @@ import numpy as np
 from t5x_like.checkpointing import checkpoints
 from t5x_like.parallel.train_state import Progress, StateLayout, TrainState
 from t5x_like.training import alerts as alerts_lib
-from t5x_like.training import resume, runtime
+from t5x_like.training import resume, runtime, schedule
 from t5x_like.training import watches as watches_lib
 from t5x_like.training.hooks import Hooks, StepInfo
 from t5x_like.training.incidents import IncidentReports
@@ -86,6 +86,7 @@ class RunCheckpoints:
     self.checkpointer: checkpoints.Checkpointer | None = None  # opened by open()
     # Restarted when training starts and at every save.
     self.save_timer = SaveTimer(self.cfg.checkpoint.save_interval_mins, jax.process_count())
+    self.last_iteration = schedule.total_iterations(self.cfg.train)
 
   def open(self, progress: Progress) -> None:
     """The run starts at `progress`: resume.begin, which opens the checkpointer."""
@@ -117,10 +118,11 @@ class RunCheckpoints:
   def should_save(self, iteration: int) -> bool:
     return self.opened.should_save(iteration)
 
-  def meta(self, progress: Progress) -> dict:
+  def meta(self, progress: Progress, temporary: bool = False) -> dict:
     """The `meta` item of the checkpoint of `progress` (checkpoints.make_meta), with the
-    throughput baselines the next job starts from."""
+    throughput baselines the next job starts from; `temporary`: a timed save."""
     resumption = self.resumption
+    temporary_steps = self.opened.temporary_steps | ({progress.iteration} if temporary else set())
     meta = checkpoints.make_meta(
       self.cfg,
       progress,
@@ -128,22 +130,25 @@ class RunCheckpoints:
       resumption.adam_count_base,
       resumption.software,
       self.opened.kept_steps,
+      temporary_steps,
     )
     meta['throughput'] = self.watches.checkpoint_meta()
     return meta
 
-  def save(self, state: TrainState, progress: Progress) -> bool:
+  def save(self, state: TrainState, progress: Progress, temporary: bool = False) -> bool:
     """Starts saving `state` as step `progress.iteration` (Checkpointer.save: False if that step
-    is already saved; checkpoints.NonFiniteStateError for non-finite params)."""
-    saved = self.opened.save(state, progress, self.cfg, self.meta(progress))
+    is already saved; checkpoints.NonFiniteStateError for non-finite params). A `temporary` one
+    (a timed save) is deleted once a later step is saved."""
+    meta = self.meta(progress, temporary)
+    saved = self.opened.save(state, progress, self.cfg, meta, temporary)
     self.save_timer.restart()
     return saved
 
-  def save_or_stop(self, state: TrainState, progress: Progress) -> bool:
+  def save_or_stop(self, state: TrainState, progress: Progress, temporary: bool = False) -> bool:
     """Saves; a state with non-finite params is never written: the run then stops as diverged.
     Returns whether the run goes on."""
     try:
-      self.save(state, progress)
+      self.save(state, progress, temporary)
       return True
     except checkpoints.NonFiniteStateError as e:
       self.diverged(f'> {e}')
@@ -156,17 +161,20 @@ class RunCheckpoints:
     self.save_timer.restart()
 
   def iteration_hook(self, info: StepInfo) -> None:
-    """After every iteration (every=1): a save when either interval says so."""
+    """After every iteration (every=1): a save when either interval says so; a timed one is
+    temporary, and none at the last iteration, whose save the end hook makes."""
     by_count = self.should_save(info.iteration)
     by_time = self.save_timer.due()  # every process takes part in its agreement
-    if (by_count or by_time) and not self.divergence.consecutive:
-      if by_time and not by_count:
+    timed = by_time and not by_count and info.iteration < self.last_iteration
+    if (by_count or timed) and not self.divergence.consecutive:
+      if timed:
         self.writer.info(
           f'> checkpoint at iteration {info.iteration}: '
           f'{self.save_timer.elapsed_s() / 60:.1f} minutes since the last save '
-          f'(checkpoint.save_interval_mins={self.cfg.checkpoint.save_interval_mins:g})'
+          f'(checkpoint.save_interval_mins={self.cfg.checkpoint.save_interval_mins:g}); '
+          'kept until the next save'
         )
-      if not self.save_or_stop(info.state, info.progress):
+      if not self.save_or_stop(info.state, info.progress, temporary=timed):
         info.request_stop(runtime.StopReason.DIVERGED)
 
   def final_hook(self, info: StepInfo) -> None:
