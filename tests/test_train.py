@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 from conftest import REPO, run_cli, users_xla_flags
 
@@ -40,6 +42,30 @@ def test_tiny_config_trains_with_a_falling_loss(tmp_path):
   assert evals[0]['lm_loss'] < losses[0] - 1.0
   assert ' valid loss at iteration 20 | lm loss value: ' in r.stdout
   assert os.listdir(os.path.join(workdir, 'tensorboard'))
+
+
+def test_with_a_gpu_plugin_and_no_gpu_the_run_trains_on_the_cpus_virtual_devices(tmp_path):
+  """jax[cuda] installed on a machine without a GPU (a login node; the test extras install the
+  CUDA plugin here): with no JAX_PLATFORMS, JAX falls back to the CPU after the plugin's error,
+  and the mesh still gets its 4 virtual devices; the log says the error is harmless."""
+  import importlib.util
+
+  assert importlib.util.find_spec('jax_cuda13_plugin'), 'the test extras install it'
+  workdir = str(tmp_path / 'run')
+  env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
+  args = ['--config.train.steps=1', '--config.model.num_layers=1', '--config.eval.interval=0']
+  r = subprocess.run(
+    [sys.executable, '-m', 't5x_like.train', '--config', 'configs/tiny.py', '--workdir', workdir]
+    + [*args, '--config.runtime.tensorboard_dir='],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert 'tensor=2 (4 cpu devices)' in r.stdout
+  assert '> devices: an accelerator plugin is installed but found no accelerator' in r.stdout
 
 
 def test_gin_front_end_trains_and_records_the_same_config(tmp_path):

@@ -337,7 +337,14 @@ def ensure_devices(num_devices: int) -> None:
       'are allowed (creating more takes minutes and tests nothing more); ask '
       'for fewer, or run on GPUs'
     )
-  if not backends_started() and cpu_only() and not jax.distributed.is_initialized():
+  if (
+    not backends_started()
+    and not jax.distributed.is_initialized()
+    and num_devices <= MAX_VIRTUAL_CPU_DEVICES
+  ):
+    # Also where an accelerator plugin is installed: on a machine without its accelerator
+    # (jax[cuda] on a login node, the test extras) JAX falls back to the CPU, which then needs
+    # the mesh's devices; where the accelerator is there, the CPU's unused devices cost nothing.
     # jax adds its flags to Config at runtime; its stubs do not declare them.
     current = jax.config.jax_num_cpu_devices  # type: ignore[attr-defined]
     if current is None or current < num_devices:
@@ -345,11 +352,15 @@ def ensure_devices(num_devices: int) -> None:
   available = jax.device_count()
   if available < num_devices:
     platform = jax.devices()[0].platform
-    hint = (
-      'start the process with more virtual CPU devices'
-      if platform == 'cpu'
-      else f'use a mesh of at most {available} devices or launch on more nodes'
-    )
+    if platform != 'cpu':
+      hint = f'use a mesh of at most {available} devices or launch on more nodes'
+    elif cpu_only():
+      hint = 'start the process with more virtual CPU devices'
+    else:
+      hint = (
+        'JAX found no usable accelerator and started on the CPU before the mesh could add '
+        'its virtual devices; set JAX_PLATFORMS=cpu to train on the CPU'
+      )
     raise ConfigError(
       f'the mesh needs {num_devices} devices but only {available} '
       f'{platform.upper()} device(s) are present; {hint}'

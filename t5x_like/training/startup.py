@@ -77,6 +77,11 @@ def start_report(cfg: Config, layout, software: dict) -> list[str]:
   report = report_lines(
     cfg, layout, software, jax.device_count(), device.platform, attention.Device.of(device)
   )
+  if device.platform == 'cpu' and not partitioning.cpu_only():
+    report.append(
+      '> devices: an accelerator plugin is installed but found no accelerator, so JAX runs on '
+      "the CPU (the plugin's error printed above is harmless; JAX_PLATFORMS=cpu skips it)"
+    )
   return report + parameter_table(layout.logical.params)
 
 
