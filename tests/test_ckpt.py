@@ -471,3 +471,40 @@ def test_ckpt_tools_from_the_command_line(fake_run):
   assert r.stdout.strip().endswith('/2: verified') and 'Traceback' not in r.stderr
   r = run_cli(['-m', 't5x_like.ckpt', 'inspect', '/no/such/checkpoints'])
   assert r.returncode == 2 and r.stderr.startswith('error: checkpoint path /no/such')
+
+
+def test_rollback_makes_a_step_the_latest_and_keeps_the_later_ones_aside(
+  fake_run, tmp_path, capsys
+):
+  """`ckpt rollback CKPT --to N`: the steps after N move to CKPT/.rolled_back/TIME/ (nothing
+  deleted; moving them back undoes it), so the next run resumes from N. Never while a trainer
+  holds the workdir; a step that is not a complete one, or already the latest, is refused."""
+  from t5x_like.checkpointing import checkpoints
+  from t5x_like.training import workdir as workdir_lib
+
+  workdir = tmp_path / 'run'
+  root = str(workdir / 'checkpoints')
+  shutil.copytree(fake_run, root)
+  running = workdir_lib.Lock(str(workdir))
+  running.acquire()
+  running.mark_started()
+  code, _, err = run_ckpt(capsys, 'rollback', root, '--to', '1')
+  assert code == 2 and 'is in use by another trainer' in err
+  assert checkpoints.available_steps(root) == [1, 2]
+  running.release()
+
+  code, _, err = run_ckpt(capsys, 'rollback', root, '--to', '3')
+  assert code == 2 and 'step 3 is not a complete checkpoint' in err and '[1, 2]' in err
+  code, out, _ = run_ckpt(capsys, 'rollback', root, '--to', '1')
+  assert code == 0
+  assert checkpoints.available_steps(root) == [1]
+  (aside,) = os.listdir(os.path.join(root, '.rolled_back'))
+  target = os.path.join(root, '.rolled_back', aside)
+  assert checkpoints.available_steps(target) == [2]
+  assert f'moved step(s) 2 of {root} to {target}' in out
+  assert f'the next run in {workdir} resumes from step 1' in out
+  assert f'to undo: mv {target}/* {root}/' in out
+  assert checkpoints.resolve(root) == (root, 1)
+  code, _, err = run_ckpt(capsys, 'rollback', root, '--to', '1')
+  assert code == 2 and 'step 1 is already the latest' in err
+  assert os.path.exists(workdir / 'trainer.lock')  # the trainer's file, left as it was

@@ -297,7 +297,8 @@ def test_a_run_whose_every_step_is_nan_stops_as_diverged(tmp_path):
     '> diverged: iterations 2-4 (3 in a row, runtime.max_consecutive_nan=3) had a '
     'non-finite loss or gradient norm'
   ) in log
-  assert 'roll back to checkpoint 1' in log
+  assert 'the next run resumes from checkpoint 1, the last finite state' in log
+  assert f'python -m t5x_like.ckpt rollback {workdir}/checkpoints --to STEP' in log
   assert 'data.skip_train_iteration_range' in log and 'override_lr_scheduler' in log
   assert log.rstrip().endswith('exit code 5 (DIVERGED)')
   root = os.path.join(workdir, 'checkpoints')

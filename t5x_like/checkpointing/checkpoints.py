@@ -47,6 +47,7 @@ ITEMS = ('params', 'opt_state', 'progress', 'config', 'meta')
 REQUIRED_ITEMS = ('params', 'progress', 'config')
 DELETED_SUBDIR = '.deleted'
 DAMAGED_SUBDIR = '.damaged'  # incomplete steps found at start-up, moved aside
+ROLLED_BACK_SUBDIR = '.rolled_back'  # the steps after a rollback's (`roll_back`)
 TMP_MARKER = '.orbax-checkpoint-tmp'  # in the name of a step directory still being written
 # Model fields that decide parameter shapes; a checkpoint must agree on all of them.
 SHAPE_FIELDS = (
@@ -286,6 +287,33 @@ def move_damaged_aside(root: str, step: int) -> str:
   target += f'.{suffix}' if suffix else ''
   os.replace(os.path.join(root, str(step)), target)
   return target
+
+
+def roll_back(root: str, step: int) -> tuple[list[int], str]:
+  """Makes `step` (a complete one) the latest checkpoint of `root`, so that the next run resumes
+  from it: every later step directory moves to ROOT/.rolled_back/TIME/ (never deleted: moving
+  them back undoes it), the newest first, so the steps left are always the earliest ones.
+  Returns (the steps moved, where they went)."""
+  root = os.path.abspath(root)
+  steps = available_steps(root)
+  if step not in steps:
+    raise CheckpointError(
+      f'step {step} is not a complete checkpoint of {root}; its complete steps: {steps}'
+    )
+  later = [s for s in step_dirs(root) if s > step]
+  if not later:
+    raise CheckpointError(
+      f'step {step} is already the latest of {root} (steps {steps}); nothing to roll back'
+    )
+  target = os.path.join(root, ROLLED_BACK_SUBDIR, time.strftime('%Y%m%d-%H%M%S'))
+  suffix = 0
+  while os.path.exists(target + (f'.{suffix}' if suffix else '')):
+    suffix += 1
+  target += f'.{suffix}' if suffix else ''
+  os.makedirs(target)
+  for s in sorted(later, reverse=True):
+    os.replace(os.path.join(root, str(s)), os.path.join(target, str(s)))
+  return later, target
 
 
 def _read_json_item(path: str, step: int | None, item: str) -> tuple[str, dict | None]:

@@ -8,11 +8,14 @@ and export).
   python -m t5x_like.ckpt stats CKPT [--step N]              norm/mean/std/min/max/zeros per tensor
   python -m t5x_like.ckpt import-hf HF_DIR OUT_DIR           BloomForCausalLM (safetensors) -> ckpt
   python -m t5x_like.ckpt export-hf CKPT HF_DIR              checkpoint -> BloomForCausalLM dir
+  python -m t5x_like.ckpt rollback CKPT --to N               step N becomes the latest: the later
+                                                             steps move to CKPT/.rolled_back/
 
 CKPT (and A, B) is a run's checkpoint root (`WORKDIR/checkpoints`, meaning its latest step unless
 `--step N` says otherwise; `--step-a` / `--step-b` for diff) or one step's directory inside it.
 Exit codes: 0 ok; 1 `diff` found a difference beyond --atol or `verify` a failed check (the reason
-is printed); 2 bad input (no such directory or step, no checkpoint, a damaged checkpoint).
+is printed); 2 bad input (no such directory or step, no checkpoint, a damaged checkpoint, a
+rollback while a trainer holds the workdir).
 The tools run on the CPU (virtual devices where a mesh needs them), never on a GPU a job may hold.
 """
 
@@ -107,6 +110,31 @@ def run_tool(args) -> int:
   return 1 if failed else 0
 
 
+def rollback(ckpt_dir: str, step: int) -> None:
+  """checkpoints.roll_back under the workdir's lock (WORKDIR/trainer.lock, when there is one):
+  never while a trainer runs there, and no trainer starts while the steps move."""
+  from t5x_like.checkpointing import checkpoints
+  from t5x_like.training import workdir as workdir_lib
+
+  root, _ = checkpoints.resolve(ckpt_dir)
+  workdir = os.path.dirname(root)
+  lock = None
+  if os.path.exists(os.path.join(workdir, workdir_lib.LOCK_FILE)):
+    lock = workdir_lib.Lock(workdir)
+    lock.acquire()
+  try:
+    moved, target = checkpoints.roll_back(root, step)
+  finally:
+    if lock is not None:
+      lock.release(started=False)
+  print(
+    f'moved step(s) {", ".join(map(str, moved))} of {root} to {target}\n'
+    f'the next run in {workdir} resumes from step {step}, and replaces its records after '
+    f'iteration {step} (metrics.jsonl, eval_metrics.jsonl, TensorBoard); to undo: '
+    f'mv {target}/* {root}/'
+  )
+
+
 def _use_cpu() -> None:
   """Unless JAX_PLATFORMS says otherwise, the tools never take a GPU (a job may be using it)."""
   from t5x_like.mesh import partitioning
@@ -155,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument('ckpt_dir')
   p.add_argument('hf_dir')
   p.add_argument('--step', type=int, default=None)
+  p = sub.add_parser('rollback', help='make step N the latest: the later steps are moved aside')
+  p.add_argument('ckpt_dir', help="a run's WORKDIR/checkpoints")
+  p.add_argument('--to', type=int, required=True, help='the step the next run resumes from')
   args = parser.parse_args(argv)
   _use_cpu()
   from t5x_like.checkpointing.checkpoints import CheckpointError
@@ -162,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
   try:
     if args.command in ('inspect', 'diff', 'verify', 'stats'):
       return run_tool(args)
+    if args.command == 'rollback':
+      rollback(args.ckpt_dir, args.to)
+      return 0
     if args.command == 'import-hf':
       cfg = import_hf(args.hf_dir, args.out_dir)
       print(

@@ -45,8 +45,9 @@ class IncidentReports:
     before = saved[-1] if saved else None
     first = self.divergence.first_non_finite or self.divergence.last_finite.iteration + 1
     rollback = (
-      f'roll back to checkpoint {before} (delete or move the later steps of '
-      f'{self.ckpt_root}) and rerun'
+      f'rerun: the next run resumes from checkpoint {before}, the last finite state; to start '
+      'from an earlier one, from before the trouble began, first run python -m t5x_like.ckpt '
+      f'rollback {self.ckpt_root} --to STEP'
       if before is not None
       else 'no checkpoint was saved: rerun from scratch'
     )
