@@ -344,6 +344,10 @@ class CheckpointConfig:
   init_from: str = ''  # A checkpoint whose weights start a new run (optimizer starts fresh).
   # Restart controls, applied when a run resumes from its workdir (docs/checkpoints.md).
   load_optimizer: bool = True  # False: fresh Adam moments and step count 0 (--no-load-optim).
+  # With load_optimizer=False: the first this many iterations after the reset train at lr 0
+  # while the fresh Adam moments warm up (the chronicles' recipe; about 5 / (1 - beta2)), then
+  # the schedule goes on. Recorded in the checkpoints, so a restart inside them keeps lr 0.
+  reset_warmup_iterations: int = 0
   override_lr_scheduler: bool = False  # True: the config's schedule wins (--override-lr-scheduler).
   load_rng: bool = True  # False: dropout follows the config's train.seed (--no-load-rng).
 
@@ -742,6 +746,11 @@ class Config:
     )
 
   def _check_checkpoint(self) -> None:
+    _need(
+      not self.checkpoint.reset_warmup_iterations or not self.checkpoint.load_optimizer,
+      f'checkpoint.reset_warmup_iterations={self.checkpoint.reset_warmup_iterations} is the '
+      'lr-0 warm-up after an optimizer reset; set checkpoint.load_optimizer=False with it',
+    )
     init_from = self.checkpoint.init_from
     _need(
       not init_from or os.path.isdir(init_from),

@@ -541,6 +541,46 @@ def test_optimizer_reset_recipe(base_run, tmp_path):
   assert checkpoints.read_meta(root)['adam_count_base']['iteration'] == 2
 
 
+def test_optimizer_reset_in_one_command_with_reset_warmup_iterations(base_run, tmp_path):
+  """checkpoint.load_optimizer=False with reset_warmup_iterations=2 is the recipe in one command:
+  lr 0 at iterations 3 and 4 (the weights untouched, the moments warming up), then the config's
+  own schedule, with no override and no iteration arithmetic. A restart inside the warm-up (a
+  requeue after iteration 3, the same command) keeps lr 0 through 4 from the checkpoint, does
+  not reset Adam again, and trains exactly as the uninterrupted job."""
+  reset = corpus_config(
+    train=dict(steps=6),
+    checkpoint=dict(save_interval=2, load_optimizer=False, reset_warmup_iterations=2),
+  )
+  whole = resumable_copy(base_run[0], tmp_path / 'whole')
+  root = os.path.join(whole, 'checkpoints')
+  before = jax.device_get(checkpoints.restore(root, base_run[1].layout, base_run[1].cfg)[0].params)
+  trainer = Trainer(reset, whole)
+  trainer.run()
+  records = read_metrics(whole)
+  assert [r['iteration'] for r in records] == [1, 2, 3, 4, 5, 6]
+  assert [r['learning_rate'] for r in records[2:4]] == [0.0, 0.0]
+  assert records[4]['learning_rate'] == pytest.approx(
+    float(schedule.learning_rate(reset.optimizer, 16))
+  )
+  at_4, _ = checkpoints.restore(root, trainer.layout, trainer.cfg, step=4)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(at_4.params), before)
+  assert int(optim.adam_count(at_4.opt_state)) == 2
+  assert checkpoints.read_meta(root)['lr_zero_until'] == 4
+  assert int(optim.adam_count(trainer.final_state.opt_state)) == 4  # counted since the reset
+
+  requeued = resumable_copy(base_run[0], tmp_path / 'requeued')
+  Trainer(reset.replace(train={'steps': 3}), requeued).run()
+  Trainer(reset, requeued).run()
+  with open(os.path.join(requeued, 'logs', 'main_log.txt')) as f:
+    log = f.read()
+  assert log.count('> checkpoint.load_optimizer=False: fresh Adam moments') == 1
+  assert '> lr 0 through iteration 4 while the fresh Adam moments warm up' in log
+  assert losses_of(requeued) == losses_of(whole)
+  assert [r['learning_rate'] for r in read_metrics(requeued)] == [
+    r['learning_rate'] for r in records
+  ]
+
+
 # ------------------------------------------------------------------------------ leaving cleanly
 
 

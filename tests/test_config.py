@@ -75,6 +75,11 @@ def test_overrides_on_both_front_ends_agree():
     (['--config.model.dtype=float16'], 'needs dynamic loss scaling'),
     (['--config.train.train_samples=8'], 'train.train_samples (8) is less than one global batch'),
     (['--config.checkpoint.init_from=/no/such/ckpt'], 'is not a directory'),
+    (['--config.checkpoint.save_interval_mins=-5'], 'save_interval_mins must be >= 0'),
+    (
+      ['--config.checkpoint.reset_warmup_iterations=100'],
+      'set checkpoint.load_optimizer=False with it',
+    ),
     (['--config.data.train_path=0.5 /d/a /d/b'], 'weight/prefix pairs'),
     (['--config.data.split=98,x'], "data.split='98,x'"),
     (['--config.data.skip_train_iteration_range=("9-3",)'], "'9-3' is not a range"),

@@ -420,6 +420,9 @@ def _meta_problem(raw: Any) -> str | None:
     steps = raw.get(key, [])
     if not isinstance(steps, list) or not all(isinstance(s, int) for s in steps):
       return f'has {key} that are not a list of steps (got {steps!r})'
+  lr_zero_until = raw.get('lr_zero_until', 0)
+  if not isinstance(lr_zero_until, int) or isinstance(lr_zero_until, bool):
+    return f'has an lr_zero_until that is not an iteration (got {lr_zero_until!r})'
   for key in ('software', 'throughput'):
     if raw.get(key) is not None and not isinstance(raw[key], dict):
       return f'has a {key} entry that is not a mapping (got {raw[key]!r})'
@@ -444,11 +447,13 @@ def make_meta(
   software: dict[str, Any] | None = None,
   kept_steps: Iterable[int] = (),
   temporary_steps: Iterable[int] = (),
+  lr_zero_until: int = 0,
 ) -> dict[str, Any]:
   """The `meta` item: what a restart needs besides the arrays, progress and config, and the
   software that wrote it (`provenance.software()`, taken now unless given). `kept_steps`: the
   checkpoints kept past the keep policy (the last one before each loss spike);
-  `temporary_steps`: the timed saves, each kept only until the next save."""
+  `temporary_steps`: the timed saves, each kept only until the next save; `lr_zero_until`: the
+  last iteration of an optimizer reset's lr-0 warm-up (0: none)."""
   return {
     'software': provenance.software() if software is None else software,
     'kept_steps': sorted(kept_steps),
@@ -458,6 +463,7 @@ def make_meta(
     'data': {'seed': data_seed, 'consumed_samples': progress.consumed_samples},
     'lr_schedule': lr_schedule(cfg),
     'adam_count_base': dict(adam_count_base),
+    'lr_zero_until': int(lr_zero_until),
   }
 
 

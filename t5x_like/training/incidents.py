@@ -56,7 +56,7 @@ class IncidentReports:
       f'diverged with --config.data.skip_train_iteration_range="(\'{first}-{first + 99}\',)" '
       f'(its batch: python -m t5x_like.data batch {self.workdir} --iteration {first}); lower '
       'optimizer.lr (with checkpoint.override_lr_scheduler=True); or reset the optimizer '
-      '(checkpoint.load_optimizer=False with lr 0 while the Adam moments warm up, '
-      'docs/checkpoints.md, "Restart controls")'
+      '(checkpoint.load_optimizer=False with checkpoint.reset_warmup_iterations=N: lr 0 while '
+      'the Adam moments warm up, docs/checkpoints.md, "Restart controls")'
     )
     self.alerts.send('diverged', message, self.divergence.last_finite.iteration)

@@ -21,9 +21,13 @@ class TrainIteration:
   record is accounting.iteration_record's. `peak` is the run's accounting.PeakReference, the MFU
   reference."""
 
-  def __init__(self, cfg: Config, layout, steps: CompiledSteps, batch_sharding, peak):
+  def __init__(
+    self, cfg: Config, layout, steps: CompiledSteps, batch_sharding, peak, lr_zero_until: int = 0
+  ):
     self.cfg, self.layout, self.steps, self.batch_sharding = cfg, layout, steps, batch_sharding
     self.peak = peak
+    # The iterations up to this one train at lr 0 (an optimizer reset's warm-up, resume.py).
+    self.lr_zero_until = lr_zero_until
     # optimizer.decay_tokens counts from here (a pure function of the config).
     self.warmup_end_tokens = schedule.warmup_end_tokens(cfg) if cfg.optimizer.decay_tokens else 0
 
@@ -59,6 +63,8 @@ class TrainIteration:
     lr = schedule.learning_rate(
       cfg.optimizer, progress.consumed_samples, progress.consumed_tokens, self.warmup_end_tokens
     )
+    if progress.iteration + 1 <= self.lr_zero_until:
+      lr = 0.0
     start = time.perf_counter()
     step_micro = schedule.step_microbatches(cfg, gbs)
     batch = batches.global_batch(

@@ -36,6 +36,9 @@ class Resumption:
   load_optimizer: bool  # whether the restore reads the Adam state
   # Iteration and skipped count at which the Adam step count was 0 (`ckpt verify` checks it).
   adam_count_base: dict[str, int]
+  # The iterations up to this one train at lr 0 (checkpoint.reset_warmup_iterations after an
+  # optimizer reset, from this job's reset or the checkpoint's meta); 0: none.
+  lr_zero_until: int
   meta: dict[str, Any]  # the checkpoint's metadata ({} from scratch)
   software: dict[str, Any]  # this job's versions
   config_changes: list[str]  # 'section.key: checkpoint VALUE -> now VALUE'
@@ -78,7 +81,7 @@ def resolve(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -
         f'checkpoint.init_from={cfg.checkpoint.init_from}',
       )
     return Resumption(
-      cfg, root, steps, damaged, Progress(), cfg.train.seed, True, zero, {}, software, [], [], []
+      cfg, root, steps, damaged, Progress(), cfg.train.seed, True, zero, 0, {}, software, [], [], []
     )
   what = f'the checkpoint in {root} (this workdir resumes it)'
   step = steps[-1]  # the latest complete step (damaged ones are moved aside)
@@ -107,11 +110,13 @@ def resolve(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -
   if load_optimizer:
     optim.check_same_state_format(saved_cfg, cfg, what)
     adam_count_base = dict(meta['adam_count_base'])
+    lr_zero_until = int(meta.get('lr_zero_until', 0))
   else:
     adam_count_base = {
       'iteration': progress.iteration,
       'skipped_iterations': progress.skipped_iterations,
     }
+    lr_zero_until = progress.iteration + cfg.checkpoint.reset_warmup_iterations
   # Every difference from the checkpoint's run in the log, before training: edits between
   # jobs (the chronicles' `perl -pi` on launch scripts) and upgrades are visible, not silent.
   config_changes = provenance.config_changes(saved_cfg, resumed_cfg)
@@ -127,6 +132,7 @@ def resolve(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -
     data_seed,
     load_optimizer,
     adam_count_base,
+    lr_zero_until,
     meta,
     software,
     config_changes,
@@ -161,6 +167,12 @@ def initial_state(
       log(
         '> checkpoint.load_optimizer=False: fresh Adam moments, Adam step count 0 (once: a '
         'restart from a checkpoint saved with this flag loads its Adam state)'
+      )
+    if resumption.lr_zero_until > progress.iteration:
+      log(
+        f'> lr 0 through iteration {resumption.lr_zero_until} while the fresh Adam moments '
+        f'warm up (checkpoint.reset_warmup_iterations after the reset at iteration '
+        f'{resumption.adam_count_base["iteration"]}); then the schedule goes on'
       )
     elif not cfg.checkpoint.load_optimizer:
       log(

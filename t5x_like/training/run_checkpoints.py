@@ -131,6 +131,7 @@ class RunCheckpoints:
       resumption.software,
       self.opened.kept_steps,
       temporary_steps,
+      resumption.lr_zero_until,
     )
     meta['throughput'] = self.watches.checkpoint_meta()
     return meta

@@ -86,7 +86,9 @@ class Trainer:
       # The MFU reference; on CPU a matmul probe, compiled once the run started (and its
       # compilation cache is set).
       self.peak = accounting.PeakReference(cfg.model.dtype)
-      self.iterations = TrainIteration(cfg, self.layout, self.steps, self.batch_sharding, self.peak)
+      self.iterations = TrainIteration(
+        cfg, self.layout, self.steps, self.batch_sharding, self.peak, r.lr_zero_until
+      )
       self.checkpoints = RunCheckpoints(
         r, self.layout, self.writer, self.alerts, self.workdir, self.watches, self.watchdog
       )
