@@ -211,6 +211,20 @@ def test_iterations_follow_megatrons_train_samples_count():
   assert sizes == [4, 4, 4, 4, 8, 8, 8, 8, 8] and schedule.total_samples(t) == consumed == 56
 
 
+@pytest.mark.parametrize('rampup', [(4, 12, 64), (8, 4, 64)])
+def test_a_rampup_batch_that_the_data_ranks_micro_batches_do_not_divide_is_refused(rampup):
+  """Every global batch of the ramp-up must be whole micro-batches on every data rank (the
+  chronicles' tr8b ramp had to be picked so): a start or an increment that is not a multiple of
+  micro_batch_size x data is one error before anything starts; multiples of it pass."""
+  base = {'train': dict(steps=10, global_batch_size=64, micro_batch_size=4), 'mesh': {'data': 2}}
+  bad = Config.from_dict({**base, 'train': {**base['train'], 'rampup_batch_size': rampup}})
+  with pytest.raises(ConfigError) as found:
+    startup.check_config(bad)
+  assert 'micro_batch_size x mesh.data (8) does not divide' in str(found.value)
+  good = Config.from_dict({**base, 'train': {**base['train'], 'rampup_batch_size': (8, 8, 64)}})
+  startup.check_config(good)
+
+
 def test_rampup_microbatch_multiple_rounds_tr11s_ramp_to_fewer_programs():
   cfg = load_config_file(cfg_path('bloom_176b.py'))
   # 192 -> 2048 by 16 with 16 rows per micro-batch (2 x data 8): 12, 13, ..., 128 micro-batches.

@@ -69,6 +69,25 @@ def test_sharded_run_matches_single_device(single_device_run, data, tensor):
   )
 
 
+def test_clipping_on_a_tensor_parallel_mesh_is_the_single_devices(single_device_run):
+  """tr11's bug: the gradient clipping of tensor ranks > 1 was skipped. Here with clip_grad=0.5,
+  below every iteration's pre-clip norm (about 1.0) so that each update is clipped, a data=2 x
+  tensor=4 run's losses, norms and params are the single device's, and the clipping mattered
+  (the params differ from the unclipped run's, whose norms stay under its clip_grad of 1.0)."""
+  clip = {'optimizer': {'clip_grad': 0.5}}
+  ref_losses, ref_norms, ref_params = run_steps(small_config(**clip))
+  losses, norms, params = run_steps(small_config(mesh=dict(data=2, tensor=4), **clip))
+  assert min(ref_norms) > 0.5 and max(single_device_run[1]) < 1.0
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  np.testing.assert_allclose(norms, ref_norms, rtol=2e-5)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), params, ref_params
+  )
+  unclipped = single_device_run[2]['layers']['mlp']['wi_kernel']
+  gap = np.max(np.abs(np.asarray(ref_params['layers']['mlp']['wi_kernel']) - unclipped))
+  assert gap > 1e-4
+
+
 # An all-gather's line in compiled HLO text: `%name = f32[3000,64]{1,0} all-gather(%x), ...`, the
 # result's shape (with its layout, or a tuple of shapes) between `=` and the op; on GPU the async
 # form `all-gather-start(` carries the shape.
