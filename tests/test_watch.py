@@ -117,3 +117,65 @@ def test_stale_mins_must_be_a_finite_number_above_0(tmp_path, capsys):
       'how long the run may go without writing (the default is 30)\n'
     ), captured.err
   assert read_alerts(tmp_path) == []
+
+
+def test_a_running_run_says_how_far_it_is_and_how_long_it_has_left(tmp_path, capsys):
+  """The last records of metrics.jsonl against the config's total samples: iteration 60 of 100,
+  at the pace of the last 50 iterations (16 samples every 2 s; the 10 slow ones before them do
+  not count), 640 samples to go: 80 s of training steps. A torn last line is skipped."""
+  from t5x_like.config import Config
+
+  make_run(tmp_path, TRAINING, idle_mins=1)
+  cfg = Config.from_dict({'train': {'steps': 100, 'global_batch_size': 16, 'micro_batch_size': 4}})
+  (tmp_path / 'config.json').write_text(cfg.to_json())
+  records = [
+    {
+      'iteration': i,
+      'consumed_samples': 16 * i,
+      'global_batch_size': 16,
+      'step_time_s': 30.0 if i <= 10 else 2.0,
+    }
+    for i in range(1, 61)
+  ]
+  lines = [json.dumps(r) for r in records] + ['{"iteration": 61, "consum']
+  (tmp_path / 'metrics.jsonl').write_text('\n'.join(lines))
+  code, state = run_watch(tmp_path, capsys)
+  assert code == 0 and state['state'] == 'running'
+  assert state['progress'] == {
+    'iteration': 60,
+    'iterations': 100,
+    'done': 0.6,
+    'samples_per_sec': 8.0,
+    'hours_left': round(80 / 3600, 2),
+    'pace_of': 50,
+  }
+  assert watch.main([str(tmp_path)]) == 0
+  assert (
+    'Iteration 60 of 100, 60.0% of its samples; about 1m of training steps left at the pace of '
+    'its last 50 iterations (8 samples/s)'
+  ) in capsys.readouterr().out
+
+
+def test_durations_read_in_days_hours_and_minutes():
+  assert [watch.describe_duration(h) for h in (0.2, 5.2, 76.1)] == ['12m', '5h 12m', '3d 4h']
+
+
+def test_a_long_runs_records_are_read_from_their_end(tmp_path):
+  """A metrics.jsonl larger than what is read (its last watch.TAIL_BYTES): the line cut at the
+  start of that window is skipped, and the last 50 records are whole."""
+  from t5x_like.config import Config
+
+  cfg = Config.from_dict({'train': {'steps': 9000, 'global_batch_size': 16, 'micro_batch_size': 4}})
+  (tmp_path / 'config.json').write_text(cfg.to_json())
+  pad = 'x' * 80
+  lines = [
+    json.dumps(
+      {'iteration': i, 'consumed_samples': 16 * i, 'global_batch_size': 16, 'step_time_s': 1.0}
+    )[:-1]
+    + f', "pad": "{pad}"}}'
+    for i in range(1, 4001)
+  ]
+  (tmp_path / 'metrics.jsonl').write_text('\n'.join(lines) + '\n')
+  assert os.path.getsize(tmp_path / 'metrics.jsonl') > 2 * watch.TAIL_BYTES
+  p = watch.progress(str(tmp_path))
+  assert (p['iteration'], p['pace_of'], p['samples_per_sec'], p['done']) == (4000, 50, 16.0, 0.4444)

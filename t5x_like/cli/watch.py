@@ -17,6 +17,10 @@ job waiting for nodes is not taken for a dead run. States, and the exit code:
   diverged  the log's last word is a stop with exit code 5 (non-finite iterations): fix the
             run (roll back, skip data, lower the learning rate) before resubmitting          1
 
+A run that has trained says how far it is, and how long its remaining samples take at the pace
+of its last iterations (`progress`: the training steps alone; evaluations, saves, restarts and
+the queue come on top, and a batch-size ramp-up still under way makes it an overestimate).
+
 On `stopped`, `stale` and `diverged` the run's `runtime.alert_command` (from WORKDIR/config.json, or
 `--alert-command`) is sent the event of that name (t5x_like/training/alerts.py), once per episode:
 the next cron tick alerts again only after the run wrote something in between.
@@ -36,9 +40,10 @@ import subprocess
 import sys
 import time
 
+from t5x_like.config import Config
 from t5x_like.errors import ConfigError
 from t5x_like.files import atomic_write
-from t5x_like.training import alerts
+from t5x_like.training import alerts, schedule
 
 STATE_FILE = os.path.join('logs', 'watch_state.json')
 # squeue states of a job that is about to run or is running.
@@ -52,6 +57,11 @@ SLURM_ALIVE = (
   'SUSPENDED',
 )
 
+
+# The pace of the run is its last this many iterations' (read from the end of metrics.jsonl).
+PACE_ITERATIONS = 50
+# Bytes read from the end of metrics.jsonl: more than PACE_ITERATIONS records.
+TAIL_BYTES = 256 * 1024
 
 # The states an operator must act on: exit code 1, and the alert command.
 ALERTED = ('stale', 'stopped', 'diverged')
@@ -104,6 +114,58 @@ def slurm_job_states(job_name: str) -> list[str]:
   return [line.strip() for line in r.stdout.splitlines() if line.strip()]
 
 
+def last_records(path: str, count: int) -> list[dict]:
+  """The last `count` whole records of a JSON-lines file (its tail only: a long run's file is
+  large); a line torn by a kill is skipped."""
+  with open(path, 'rb') as f:
+    size = f.seek(0, os.SEEK_END)
+    f.seek(max(0, size - TAIL_BYTES))
+    lines = f.read().decode(errors='replace').splitlines()
+  if size > TAIL_BYTES:
+    lines = lines[1:]  # the first one read may be a record's end
+  records = []
+  for line in lines:
+    try:
+      records.append(json.loads(line))
+    except ValueError:
+      continue
+  return records[-count:]
+
+
+def progress(workdir: str) -> dict | None:
+  """How far the run is (its last record against the config's total samples), and the hours its
+  remaining samples take at its last PACE_ITERATIONS iterations' pace; None before a record."""
+  try:
+    with open(os.path.join(workdir, 'config.json')) as f:
+      cfg = Config.from_dict(json.load(f))
+    records = last_records(os.path.join(workdir, 'metrics.jsonl'), PACE_ITERATIONS)
+    last = records[-1]
+    samples = sum(int(r['global_batch_size']) for r in records)
+    seconds = sum(float(r['step_time_s']) for r in records)
+    consumed = int(last['consumed_samples'])
+  except (OSError, ValueError, KeyError, TypeError, IndexError, ConfigError):
+    return None
+  total = schedule.total_samples(cfg.train)
+  pace = samples / seconds if seconds > 0 else 0.0
+  return {
+    'iteration': int(last['iteration']),
+    'iterations': schedule.total_iterations(cfg.train),
+    'done': round(min(consumed / total, 1.0), 4) if total else 1.0,
+    'samples_per_sec': round(pace, 3),
+    'hours_left': round(max(total - consumed, 0) / pace / 3600, 2) if pace else None,
+    'pace_of': len(records),
+  }
+
+
+def describe_duration(hours: float) -> str:
+  """'3d 4h', '5h 12m' or '12m'."""
+  days, minutes = divmod(round(hours * 60), 24 * 60)
+  whole_hours, minutes = divmod(minutes, 60)
+  if days:
+    return f'{days}d {whole_hours}h'
+  return f'{whole_hours}h {minutes}m' if whole_hours else f'{minutes}m'
+
+
 def status(workdir: str, stale_mins: float, job_name: str = '', now: float | None = None) -> dict:
   now = time.time() if now is None else now
   last_write = last_activity(workdir)
@@ -130,6 +192,7 @@ def status(workdir: str, stale_mins: float, job_name: str = '', now: float | Non
     'idle_mins': round(idle_mins, 2),
     'last_end_line': end,
     'slurm_states': queue,
+    'progress': progress(workdir),
   }
 
 
@@ -145,9 +208,20 @@ def describe(s: dict) -> str:
       'learning rate before resubmitting (see its log)'
     ),
   }[s['state']]
-  return f'{s["workdir"]}: {s["state"]}, last write {s["idle_mins"]:.1f} minutes ago; {what}' + (
-    f'; its log ends with: {s["last_end_line"]}' if s['last_end_line'] else ''
-  )
+  line = f'{s["workdir"]}: {s["state"]}, last write {s["idle_mins"]:.1f} minutes ago; {what}'
+  if s['last_end_line']:
+    line += f'; its log ends with: {s["last_end_line"]}'
+  p = s.get('progress')
+  if p and s['state'] != 'finished':
+    line += (
+      f'. Iteration {p["iteration"]} of {p["iterations"]}, {100 * p["done"]:.1f}% of its samples'
+    )
+    if p['hours_left'] is not None:
+      line += (
+        f'; about {describe_duration(p["hours_left"])} of training steps left at the pace of '
+        f'its last {p["pace_of"]} iterations ({p["samples_per_sec"]:g} samples/s)'
+      )
+  return line
 
 
 def alert_once(workdir: str, s: dict, command: str) -> bool:
