@@ -1071,10 +1071,12 @@ def test_a_later_job_loads_its_programs_from_the_compilation_cache(tmp_path):
 def test_a_step_that_needs_more_memory_than_the_device_gives_is_one_error(tmp_path, monkeypatch):
   """On an accelerator, a compiled step whose XLA peak is more than JAX may allocate on one
   device ends the run before its first iteration with one ConfigError naming the figures and
-  the fixes, not XLA's out-of-memory report at the first allocation; within the limit it runs."""
-  from t5x_like.training import trainer as trainer_lib
+  the fixes, not XLA's out-of-memory report at the first allocation; within the limit it runs,
+  and logs the allocator's peak after its first iteration (the count faked here: a CPU keeps
+  none) and records it with every iteration."""
+  from t5x_like.training import device_memory
 
-  monkeypatch.setattr(trainer_lib, 'accelerator_memory', lambda: (2**20, 'Small GPU'))
+  monkeypatch.setattr(device_memory, 'accelerator_memory', lambda: (2**20, 'Small GPU'))
   cfg = corpus_config(train={'steps': 2}, mesh={'data': 1, 'tensor': 1})
   trainer = Trainer(cfg, str(tmp_path / 'small'))
   with pytest.raises(ConfigError) as found:
@@ -1089,10 +1091,18 @@ def test_a_step_that_needs_more_memory_than_the_device_gives_is_one_error(tmp_pa
   assert '1f1b' not in message  # no pipeline here
   assert 'python -m t5x_like.plan --config CFG --search' in message
   assert not os.path.exists(tmp_path / 'small' / 'metrics.jsonl')  # no iteration ran
-  monkeypatch.setattr(trainer_lib, 'accelerator_memory', lambda: (2**40, 'Large GPU'))
+  monkeypatch.setattr(device_memory, 'accelerator_memory', lambda: (2**40, 'Large GPU'))
+  monkeypatch.setattr(device_memory, 'allocator_bytes', lambda: (3 * 2**29, 2**29))
   trainer = Trainer(cfg, str(tmp_path / 'large'))
   trainer.run()
-  assert [r['iteration'] for r in read_metrics(str(tmp_path / 'large'))] == [1, 2]
+  records = read_metrics(str(tmp_path / 'large'))
+  assert [(r['iteration'], r['peak_memory_gib']) for r in records] == [(1, 1.5), (2, 1.5)]
+  log = (tmp_path / 'large' / 'logs' / 'main_log.txt').read_text()
+  assert log.count('> device memory after') == 1
+  assert (
+    '> device memory after iteration 1: peak 1.50 GiB of the 1024.00 GiB JAX may use on one '
+    'Large GPU, 0.50 GiB in use between iterations'
+  ) in log
 
 
 def test_a_curriculum_whose_last_step_would_not_fit_is_refused_before_its_first_iteration(
@@ -1103,7 +1113,6 @@ def test_a_curriculum_whose_last_step_would_not_fit_is_refused_before_its_first_
   largest step is compiled before the first iteration too, and one that would not fit ends the
   run there, naming its shape."""
   from t5x_like.training import device_memory
-  from t5x_like.training import trainer as trainer_lib
   from t5x_like.training.step import CompiledSteps
 
   cfg = corpus_config(
@@ -1118,7 +1127,7 @@ def test_a_curriculum_whose_last_step_would_not_fit_is_refused_before_its_first_
     device_memory.peak_bytes(steps.get(gbs, n).memory_analysis()) for n in (first_len, 128)
   )
   assert first_len < 128 and first < last
-  monkeypatch.setattr(trainer_lib, 'accelerator_memory', lambda: ((first + last) // 2, 'GPU'))
+  monkeypatch.setattr(device_memory, 'accelerator_memory', lambda: ((first + last) // 2, 'GPU'))
   workdir = tmp_path / 'run'
   with pytest.raises(ConfigError) as found:
     Trainer(cfg, str(workdir)).run()

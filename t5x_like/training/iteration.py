@@ -11,7 +11,7 @@ import numpy as np
 
 from t5x_like.config import Config
 from t5x_like.parallel.train_state import Progress, TrainState
-from t5x_like.training import accounting, batches, schedule
+from t5x_like.training import accounting, batches, device_memory, schedule
 from t5x_like.training.evaluation import TrainingEvaluator
 from t5x_like.training.step import CompiledSteps
 
@@ -92,4 +92,7 @@ class TrainIteration:
     record = accounting.iteration_record(
       cfg, progress, lr, gbs, seq, padded_seq, step_micro, stats, elapsed, peak, bubble
     )
+    counted = device_memory.allocator_bytes()
+    if counted is not None:
+      record['peak_memory_gib'] = round(counted[0] / 2**30, 3)
     return state, record, bool(stats['finite'])

@@ -25,6 +25,7 @@ from t5x_like.training import (
   accounting,
   alerts,
   batches,
+  device_memory,
   metrics,
   resume,
   runtime,
@@ -33,7 +34,6 @@ from t5x_like.training import (
   watches,
 )
 from t5x_like.training import workdir as workdir_lib
-from t5x_like.training.device_memory import accelerator_memory
 from t5x_like.training.evaluation import TrainingEvaluator
 from t5x_like.training.hooks import Hooks, StepInfo
 from t5x_like.training.iteration import TrainIteration
@@ -77,8 +77,9 @@ class Trainer:
       )
       self.profiler = startup.run_profiler(cfg, self.workdir, self.writer, self.is_writer)
       self.watchdog = startup.run_watchdog(cfg, self.writer, self.alerts, self.is_writer)
+      self.memory_limit = device_memory.accelerator_memory()  # None on CPU
       self.steps = CompiledSteps(
-        cfg, self.layout, self.writer.info, self.watchdog.suspended, accelerator_memory()
+        cfg, self.layout, self.writer.info, self.watchdog.suspended, self.memory_limit
       )
       self.skipped = batches.SkippedIterations(cfg, self.writer.info)
       r = self.resumption
@@ -110,6 +111,7 @@ class Trainer:
     """The run's monitors, in the order they see an iteration (docs/training_loop.md)."""
     cfg, hooks = self.cfg, Hooks()
     hooks.add_hook(metrics.record_hook(self.writer, schedule.total_iterations(cfg.train)))
+    hooks.add_hook(device_memory.report_hook(self.writer.info, self.memory_limit))
     self.watches.register(hooks, self.writer.info, self.alerts.send, self.checkpoints)
     if cfg.runtime.replica_check_interval:
       hooks.add_hook(self.replica_check, every=cfg.runtime.replica_check_interval)
