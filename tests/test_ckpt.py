@@ -384,6 +384,12 @@ def test_verify_passes_a_sound_checkpoint_and_names_each_failure(fake_run, tmp_p
   ):
     assert f'ok   {check}:' in out
   assert 'identical on all 4 devices of the saved mesh' in out
+  # --no-restore: the streamed checks and the shapes, without holding the state in memory.
+  code, out, _ = run_ckpt(capsys, 'verify', fake_run, '--no-restore')
+  assert code == 0 and 'restorable' not in out and 'replicas identical' not in out
+  for check in ('finite', 'adam step count', 'progress', 'shapes match the config'):
+    assert f'ok   {check}:' in out
+  assert out.strip().endswith('/2: verified (not restored: --no-restore)')
   # The chronicles' step-count bug: a checkpoint whose Adam count restarted at 0.
   lost = str(tmp_path / 'lost_count')
   save_fake_run(lost, steps=(3,), count=0)
@@ -398,9 +404,10 @@ def test_verify_passes_a_sound_checkpoint_and_names_each_failure(fake_run, tmp_p
     steps=(1,),
     edit=lambda p: {**p, 'word_embeddings': p['word_embeddings'].at[3, 5].set(jnp.nan)},
   )
-  code, out, _ = run_ckpt(capsys, 'verify', nan)
-  assert code == 1
-  assert 'FAIL finite: 1 tensor(s) hold NaN or inf: params/word_embeddings' in out
+  for flags in ((), ('--no-restore',)):
+    code, out, _ = run_ckpt(capsys, 'verify', nan, *flags)
+    assert code == 1
+    assert 'FAIL finite: 1 tensor(s) hold NaN or inf: params/word_embeddings' in out
 
 
 def test_stats_streams_params_and_both_adam_moments(fake_run, capsys, monkeypatch):

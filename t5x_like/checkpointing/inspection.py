@@ -506,8 +506,10 @@ def format_diff(result: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------- verify
 
 
-def verify(reader: CheckpointReader) -> list[dict[str, Any]]:
-  """Each check as {check, ok, detail}; the step is sound when every `ok` is True."""
+def verify(reader: CheckpointReader, restore: bool = True) -> list[dict[str, Any]]:
+  """Each check as {check, ok, detail}; the step is sound when every `ok` is True. `restore`
+  False (`verify --no-restore`) leaves out the restore and the replica check, which need host
+  memory of the checkpoint's size (over 2 TB for BLOOM-176B): the streamed checks remain."""
   results = []
 
   def report(check: str, ok: bool, detail: str) -> None:
@@ -515,7 +517,7 @@ def verify(reader: CheckpointReader) -> list[dict[str, Any]]:
 
   cfg, progress, meta = reader.config, reader.progress, reader.meta
   # Devices of the saved mesh must exist before anything starts the JAX backend.
-  mesh = _saved_mesh_or_none(cfg)
+  mesh = _saved_mesh_or_none(cfg) if restore else None
   tensors = reader.tensors()
   nonfinite, count = [], None
   with _progress_bar(sum(t.nbytes for t in tensors), 'verify: reading') as bar:
@@ -574,7 +576,11 @@ def verify(reader: CheckpointReader) -> list[dict[str, Any]]:
     f'{progress.consumed_tokens} tokens; data position {meta["data"]["consumed_samples"]}, '
     f'rng iteration {meta["rng"]["iteration"]}',
   )
-  report_restore(reader, mesh, report)
+  if restore:
+    report_restore(reader, mesh, report)
+  else:
+    one_device, mesh = _one_device_layout(cfg)
+    report_shapes(reader, one_device, mesh, report)
   return results
 
 
@@ -616,12 +622,41 @@ def _saved_mesh_or_none(cfg):
     return None
 
 
+def _one_device_layout(cfg):
+  """(cfg on one device, keeping its saved vocabulary padding; that device's mesh)."""
+  from t5x_like.mesh import partitioning
+
+  one = cfg.replace(
+    mesh={'data': 1, 'pipeline': 1, 'tensor': 1},
+    model={'pad_vocab_size_to': cfg.padded_vocab_size},
+  )
+  return one, partitioning.make_mesh(1, 1, 1)
+
+
+def report_shapes(reader: CheckpointReader, cfg, mesh, report):
+  """Reports whether every tensor has the shape `cfg` gives it (abstract shapes: nothing is
+  allocated); returns the layout of `cfg` on `mesh`."""
+  from t5x_like.parallel.train_state import make_layout
+
+  layout = make_layout(cfg, mesh)
+  shapes_wrong = []
+  for t in reader.tensors():
+    want = _abstract_at(layout.canonical, t)
+    if want is not None and tuple(want.shape) != t.shape:
+      shapes_wrong.append(f'{t.key} {t.shape} (config says {tuple(want.shape)})')
+  report(
+    'shapes match the config',
+    not shapes_wrong,
+    '; '.join(shapes_wrong) if shapes_wrong else 'every tensor has the shape its config gives',
+  )
+  return layout
+
+
 def report_restore(reader: CheckpointReader, mesh, report) -> None:
   """Restores like a resuming run; on the saved mesh, checks every replica is identical."""
   import jax
 
   from t5x_like.mesh import partitioning
-  from t5x_like.parallel.train_state import make_layout
 
   cfg = reader.config
   if mesh is None:
@@ -631,23 +666,8 @@ def report_restore(reader: CheckpointReader, mesh, report) -> None:
       False,
       f'not checked: the saved mesh needs {needed} devices, {jax.device_count()} present',
     )
-    cfg = cfg.replace(
-      mesh={'data': 1, 'pipeline': 1, 'tensor': 1},
-      model={'pad_vocab_size_to': cfg.padded_vocab_size},
-    )
-    mesh = partitioning.make_mesh(1, 1, 1)
-  layout = make_layout(cfg, mesh)
-  canonical = layout.canonical
-  shapes_wrong = []
-  for t in reader.tensors():
-    want = _abstract_at(canonical, t)
-    if want is not None and tuple(want.shape) != t.shape:
-      shapes_wrong.append(f'{t.key} {t.shape} (config says {tuple(want.shape)})')
-  report(
-    'shapes match the config',
-    not shapes_wrong,
-    '; '.join(shapes_wrong) if shapes_wrong else 'every tensor has the shape its config gives',
-  )
+    cfg, mesh = _one_device_layout(cfg)
+  layout = report_shapes(reader, cfg, mesh, report)
   try:
     state, _ = checkpoints.restore(
       reader.root, layout, cfg, step=reader.step, load_optimizer='opt_state' in reader.items
