@@ -566,6 +566,12 @@ def test_optimizer_reset_in_one_command_with_reset_warmup_iterations(base_run, t
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(at_4.params), before)
   assert int(optim.adam_count(at_4.opt_state)) == 2
   assert checkpoints.read_meta(root)['lr_zero_until'] == 4
+  from t5x_like.checkpointing import inspection
+
+  described = inspection.format_inspect(inspection.inspect(inspection.CheckpointReader(root)))
+  assert (
+    "started from 0 at iteration 2; lr 0 through iteration 4 (the reset's warm-up)" in described
+  )
   assert int(optim.adam_count(trainer.final_state.opt_state)) == 4  # counted since the reset
 
   requeued = resumable_copy(base_run[0], tmp_path / 'requeued')

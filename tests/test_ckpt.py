@@ -346,6 +346,7 @@ def test_inspect_shows_step_config_and_tensors_from_metadata_only(fake_run, caps
   assert code == 0
   assert 'step 2' in out and 'params/layers.attn.qkv_kernel' in out and 'total: params' in out
   assert 'written by: python ' in out and f'jax {info["meta"]["software"]["jax"]}' in out
+  assert 'steps kept past the keep policy: none; temporary (timed saves' in out
 
 
 def test_diff_reports_each_tensor_and_fails_beyond_atol(fake_run, tmp_path, capsys):

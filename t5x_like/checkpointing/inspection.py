@@ -258,7 +258,16 @@ def format_inspect(info: dict[str, Any]) -> str:
     f'position {meta["data"]["consumed_samples"]} samples',
     'lr schedule: ' + ', '.join(f'{k}={v}' for k, v in meta['lr_schedule'].items()),
     f'optimizer state: {"yes" if info["has_optimizer_state"] else "no (weights only)"}; Adam '
-    f'step count started from 0 at iteration {meta["adam_count_base"]["iteration"]}',
+    f'step count started from 0 at iteration {meta["adam_count_base"]["iteration"]}'
+    + (
+      f"; lr 0 through iteration {meta['lr_zero_until']} (the reset's warm-up)"
+      if meta.get('lr_zero_until')
+      else ''
+    ),
+    'steps kept past the keep policy: '
+    + (', '.join(map(str, meta.get('kept_steps', []))) or 'none')
+    + '; temporary (timed saves, deleted at the next save): '
+    + (', '.join(map(str, meta.get('temporary_steps', []))) or 'none'),
     'written by: '
     + (
       provenance.describe(meta['software'])
