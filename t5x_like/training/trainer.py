@@ -70,22 +70,20 @@ class Trainer:
       self.mesh = partitioning.mesh_of(cfg.mesh)
       self.layout = make_layout(cfg, self.mesh)
       self.batch_sharding = batch_sharding(self.layout)
-      rt = cfg.runtime
-      self.alerts = alerts.Alerts(rt.alert_command, self.workdir, jax.process_index())
+      self.alerts = alerts.Alerts(cfg.runtime.alert_command, self.workdir, jax.process_index())
       self.writer = metrics.MetricsWriter(
-        self.workdir, enabled=self.is_writer, tensorboard_dir=rt.tensorboard_dir
+        self.workdir, enabled=self.is_writer, tensorboard_dir=cfg.runtime.tensorboard_dir
       )
       self.profiler = startup.run_profiler(cfg, self.workdir, self.writer, self.is_writer)
       self.watchdog = startup.run_watchdog(cfg, self.writer, self.alerts, self.is_writer)
-      self.memory_limit = device_memory.accelerator_memory()  # None on CPU
+      memory_limit = device_memory.accelerator_memory()  # None on CPU
       self.steps = CompiledSteps(
-        cfg, self.layout, self.writer.info, self.watchdog.suspended, self.memory_limit
+        cfg, self.layout, self.writer.info, self.watchdog.suspended, memory_limit
       )
       self.skipped = batches.SkippedIterations(cfg, self.writer.info)
       r = self.resumption
       self.watches = watches.RunWatches(cfg, r.software, r.meta.get('throughput'), r.progress)
-      # The MFU reference; on CPU a matmul probe, compiled once the run started (and its
-      # compilation cache is set).
+      # The MFU reference; on CPU a matmul probe, compiled once the run and its cache started.
       self.peak = accounting.PeakReference(cfg.model.dtype)
       self.iterations = TrainIteration(
         cfg, self.layout, self.steps, self.batch_sharding, self.peak, r.lr_zero_until
@@ -111,7 +109,7 @@ class Trainer:
     """The run's monitors, in the order they see an iteration (docs/training_loop.md)."""
     cfg, hooks = self.cfg, Hooks()
     hooks.add_hook(metrics.record_hook(self.writer, schedule.total_iterations(cfg.train)))
-    hooks.add_hook(device_memory.report_hook(self.writer.info, self.memory_limit))
+    hooks.add_hook(device_memory.report_hook(self.writer.info, self.steps.memory_limit))
     self.watches.register(hooks, self.writer.info, self.alerts.send, self.checkpoints)
     if cfg.runtime.replica_check_interval:
       hooks.add_hook(self.replica_check, every=cfg.runtime.replica_check_interval)
