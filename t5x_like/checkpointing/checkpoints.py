@@ -280,13 +280,17 @@ def move_damaged_aside(root: str, step: int) -> str:
   ROOT/.damaged/STEP-TIME (never deleted: what is left of it may still matter to someone)."""
   target_dir = os.path.join(root, DAMAGED_SUBDIR)
   os.makedirs(target_dir, exist_ok=True)
-  target = os.path.join(target_dir, f'{step}-{time.strftime("%Y%m%d-%H%M%S")}')
-  suffix = 0
-  while os.path.exists(target + (f'.{suffix}' if suffix else '')):
-    suffix += 1
-  target += f'.{suffix}' if suffix else ''
+  target = _unused_path(os.path.join(target_dir, f'{step}-{time.strftime("%Y%m%d-%H%M%S")}'))
   os.replace(os.path.join(root, str(step)), target)
   return target
+
+
+def _unused_path(path: str) -> str:
+  """`path`, or `path.1`, `path.2`, ...: the first that does not exist."""
+  suffix = 0
+  while os.path.exists(path + (f'.{suffix}' if suffix else '')):
+    suffix += 1
+  return path + (f'.{suffix}' if suffix else '')
 
 
 def roll_back(root: str, step: int) -> tuple[list[int], str]:
@@ -305,11 +309,7 @@ def roll_back(root: str, step: int) -> tuple[list[int], str]:
     raise CheckpointError(
       f'step {step} is already the latest of {root} (steps {steps}); nothing to roll back'
     )
-  target = os.path.join(root, ROLLED_BACK_SUBDIR, time.strftime('%Y%m%d-%H%M%S'))
-  suffix = 0
-  while os.path.exists(target + (f'.{suffix}' if suffix else '')):
-    suffix += 1
-  target += f'.{suffix}' if suffix else ''
+  target = _unused_path(os.path.join(root, ROLLED_BACK_SUBDIR, time.strftime('%Y%m%d-%H%M%S')))
   os.makedirs(target)
   for s in sorted(later, reverse=True):
     os.replace(os.path.join(root, str(s)), os.path.join(target, str(s)))
