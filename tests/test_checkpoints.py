@@ -521,6 +521,11 @@ def test_optimizer_reset_recipe(base_run, tmp_path):
   )
   trainer = Trainer(warmup, workdir)
   trainer.run()
+  with open(os.path.join(workdir, 'logs', 'main_log.txt')) as f:
+    log = f.read()
+  # The reset job says it reset the Adam state, and only that.
+  assert log.count('> checkpoint.load_optimizer=False: fresh Adam moments') == 1
+  assert 'already applied' not in log and '> lr 0 through' not in log
   state = jax.device_get(trainer.final_state)
   jax.tree.map(np.testing.assert_array_equal, state.params, before)  # lr 0: weights untouched
   assert int(optim.adam_count(state.opt_state)) == 2
@@ -580,6 +585,7 @@ def test_optimizer_reset_in_one_command_with_reset_warmup_iterations(base_run, t
   with open(os.path.join(requeued, 'logs', 'main_log.txt')) as f:
     log = f.read()
   assert log.count('> checkpoint.load_optimizer=False: fresh Adam moments') == 1
+  assert log.count('> checkpoint.load_optimizer=False: already applied at iteration 2') == 1
   assert '> lr 0 through iteration 4 while the fresh Adam moments warm up' in log
   assert losses_of(requeued) == losses_of(whole)
   assert [r['learning_rate'] for r in read_metrics(requeued)] == [

@@ -168,17 +168,17 @@ def initial_state(
         '> checkpoint.load_optimizer=False: fresh Adam moments, Adam step count 0 (once: a '
         'restart from a checkpoint saved with this flag loads its Adam state)'
       )
-    if resumption.lr_zero_until > progress.iteration:
-      log(
-        f'> lr 0 through iteration {resumption.lr_zero_until} while the fresh Adam moments '
-        f'warm up (checkpoint.reset_warmup_iterations after the reset at iteration '
-        f'{resumption.adam_count_base["iteration"]}); then the schedule goes on'
-      )
     elif not cfg.checkpoint.load_optimizer:
       log(
         '> checkpoint.load_optimizer=False: already applied at iteration '
         f'{resumption.adam_count_base["iteration"]} by the job that saved this checkpoint; its '
         'Adam state is loaded, not reset again'
+      )
+    if resumption.lr_zero_until > progress.iteration:
+      log(
+        f'> lr 0 through iteration {resumption.lr_zero_until} while the fresh Adam moments '
+        f'warm up (checkpoint.reset_warmup_iterations after the reset at iteration '
+        f'{resumption.adam_count_base["iteration"]}); then the schedule goes on'
       )
     for note in list(resumption.notes) + list(notes):
       log(note)
