@@ -116,19 +116,20 @@ def slurm_job_states(job_name: str) -> list[str]:
 
 def last_records(path: str, count: int) -> list[dict]:
   """The last `count` whole records of a JSON-lines file (its tail only: a long run's file is
-  large); a line torn by a kill is skipped."""
+  large); a line torn by a kill, or cut by the tail's start, is skipped."""
   with open(path, 'rb') as f:
     size = f.seek(0, os.SEEK_END)
     f.seek(max(0, size - TAIL_BYTES))
+    # The first line read may be a record's end: like a torn line, it is no JSON object.
     lines = f.read().decode(errors='replace').splitlines()
-  if size > TAIL_BYTES:
-    lines = lines[1:]  # the first one read may be a record's end
   records = []
   for line in lines:
     try:
-      records.append(json.loads(line))
+      record = json.loads(line)
     except ValueError:
       continue
+    if isinstance(record, dict):
+      records.append(record)
   return records[-count:]
 
 
