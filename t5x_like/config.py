@@ -388,8 +388,13 @@ class RuntimeConfig:
   # A JAX profiler trace of these iterations, 'FIRST-LAST' (e.g. '20-25'), under tensorboard_dir
   # in plugins/profile/ for TensorBoard's Profile tab and Perfetto (docs/monitoring.md); '': none.
   profile_steps: str = ''
-  # The process (jax.process_index()) that records the trace.
+  # The process (jax.process_index()) that records the traces.
   profile_process: int = 0
+  # Also a trace of profile_length iterations each time this many minutes passed since the last
+  # one (clu.periodic_actions), the first that long after the job's first iteration: e.g. 360 for
+  # a trace every 6 hours, to set beside an early one when a run slows down days in; 0: none.
+  profile_every_mins: float = _ranged(0.0, 0)
+  profile_length: int = _ranged(3, 1)
 
   def profile_range(self) -> tuple[int, int] | None:
     """profile_steps as (first, last), None for ''; a ConfigError names a bad one."""
@@ -743,6 +748,11 @@ class Config:
       rt.profile_range() is None or bool(rt.tensorboard_dir),
       f'runtime.profile_steps={rt.profile_steps!r} writes its trace under '
       "runtime.tensorboard_dir, which is ''; set a tensorboard_dir or profile_steps=''",
+    )
+    _need(
+      not rt.profile_every_mins or bool(rt.tensorboard_dir),
+      f'runtime.profile_every_mins={rt.profile_every_mins} writes its traces under '
+      "runtime.tensorboard_dir, which is ''; set a tensorboard_dir or profile_every_mins=0",
     )
 
   def _check_checkpoint(self) -> None:

@@ -141,7 +141,23 @@ def check(result, code, fragment):
       [
         '--config',
         TINY,
-        '--config.runtime.profile_steps=1-2',
+        '--config.runtime.profile_every_mins=60',
+        '--config.runtime.tensorboard_dir=',
+      ],
+      2,
+      'runtime.profile_every_mins=60.0 writes its traces under runtime.tensorboard_dir, which '
+      "is ''",
+    ),
+    (
+      ['--config', TINY, '--config.runtime.profile_every_mins=-1'],
+      2,
+      'runtime.profile_every_mins must be >= 0',
+    ),
+    (
+      [
+        '--config',
+        TINY,
+        '--config.runtime.profile_every_mins=60',
         '--config.runtime.profile_process=1',
       ],
       2,

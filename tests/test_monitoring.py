@@ -1,12 +1,14 @@
 """What a run shows about itself besides its metrics: runtime.profile_steps' JAX profiler trace of
-exactly those iterations (t5x_like/training/profiling.py, read back from the trace files for its
-step markers) and the start-up parameter table (startup.parameter_table)."""
+exactly those iterations and runtime.profile_every_mins's periodic ones (t5x_like/training/
+profiling.py, read back from the trace files for their step markers), and the start-up parameter
+table (startup.parameter_table)."""
 
 import glob
 import gzip
 import json
 import os
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +22,14 @@ from t5x_like.training.trainer import Trainer
 
 @pytest.fixture(scope='module')
 def profiled_run(tmp_path_factory):
-  """A tiny run with runtime.profile_steps='2-3': (workdir, trainer, its log)."""
+  """A tiny run with runtime.profile_steps='2-3' and a periodic trace of 2 iterations each time a
+  microsecond passed (after every iteration, but never inside a trace): (workdir, trainer, log)."""
   cfg = config_with(
     {
       'model': dict(num_layers=1, hidden_size=32, num_heads=2, vocab_size=8192),
-      'train': dict(steps=4, global_batch_size=2, micro_batch_size=2, seq_len=16),
+      'train': dict(steps=5, global_batch_size=2, micro_batch_size=2, seq_len=16),
       'optimizer': dict(warmup_samples=2, decay_samples=100),
-      'runtime': dict(profile_steps='2-3'),
+      'runtime': dict(profile_steps='2-3', profile_every_mins=1e-8, profile_length=2),
     },
     {},
   )
@@ -37,38 +40,90 @@ def profiled_run(tmp_path_factory):
     return workdir, trainer, f.read()
 
 
-def traced_steps(log_dir):
-  """{trace file name: sorted step numbers of its 'train' step markers} of the one capture
-  under log_dir/plugins/profile/."""
-  captures = glob.glob(os.path.join(log_dir, 'plugins', 'profile', '*'))
-  assert len(captures) == 1, captures
-  out = {}
-  for path in glob.glob(os.path.join(captures[0], '*.json.gz')):
-    with gzip.open(path) as f:
-      trace = json.load(f)
-    events = trace['traceEvents'] if isinstance(trace, dict) else trace
-    out[os.path.basename(path).split('.')[-3]] = sorted(
-      int(e['args']['step_num']) for e in events if e.get('name') == 'train'
-    )
-  assert glob.glob(os.path.join(captures[0], '*.xplane.pb'))  # TensorBoard's Profile tab
+def captured_steps(log_dir):
+  """For each capture under log_dir/plugins/profile/, in the order they were written: {trace
+  file name: sorted step numbers of its 'train' step markers}."""
+  captures = sorted(glob.glob(os.path.join(log_dir, 'plugins', 'profile', '*')))
+  out = []
+  for capture in captures:
+    steps = {}
+    for path in glob.glob(os.path.join(capture, '*.json.gz')):
+      with gzip.open(path) as f:
+        trace = json.load(f)
+      events = trace['traceEvents'] if isinstance(trace, dict) else trace
+      steps[os.path.basename(path).split('.')[-3]] = sorted(
+        int(e['args']['step_num']) for e in events if e.get('name') == 'train'
+      )
+    assert glob.glob(os.path.join(capture, '*.xplane.pb'))  # TensorBoard's Profile tab
+    out.append(steps)
   return out
 
 
-def run_iterations(profiler, first, last):
+def traced_steps(log_dir):
+  """captured_steps of the one capture under log_dir."""
+  (steps,) = captured_steps(log_dir)
+  return steps
+
+
+def run_iterations(profiler, first, last, hooks=False):
+  """Iterations first..last bracketed by `profiler`; with `hooks`, its periodic hook after each."""
   step = jax.jit(lambda x: x @ x)
   x = jnp.ones((8, 8))
   for iteration in range(first, last + 1):
     profiler.before_iteration(iteration)
     step(x).block_until_ready()
     profiler.after_iteration(iteration)
+    if hooks:
+      profiler.periodic_hook(types.SimpleNamespace(iteration=iteration))
 
 
-def test_a_run_traces_exactly_its_profile_steps(profiled_run):
+def test_a_run_traces_exactly_its_profile_steps_then_the_periodic_ones(profiled_run):
   workdir, _, log = profiled_run
   log_dir = os.path.join(workdir, 'tensorboard')
-  steps = traced_steps(log_dir)
-  assert steps == {'trace': [2, 3], 'perfetto_trace': [2, 3]}, steps
+  # The periodic trace due after iteration 2 was not started inside the range's trace; the one
+  # due after 3 traced 4-5, in a directory of its own.
+  assert captured_steps(log_dir) == [
+    {'trace': [2, 3], 'perfetto_trace': [2, 3]},
+    {'trace': [4, 5], 'perfetto_trace': [4, 5]},
+  ]
   assert f'> profile: iterations 2-3 traced to {log_dir}/plugins/profile/' in log
+  assert f'> profile: iterations 4-5 traced to {log_dir}/plugins/profile/' in log
+
+
+class FakeClock:
+  """Seconds that pass only when the test says so."""
+
+  def __init__(self, step_s):
+    self.now, self.step_s = 0.0, step_s
+
+  def __call__(self):
+    self.now += self.step_s
+    return self.now
+
+
+def test_periodic_traces_come_every_so_many_minutes_and_leave_the_range_alone(tmp_path):
+  # 25 s an iteration, a trace of 2 iterations once a minute passed: the timer starts at the
+  # first iteration (25 s) and fires after iterations 4 (100 s), 7 and 10.
+  periodic = profiling.Profiler(
+    None, str(tmp_path / 'periodic'), 0, every_mins=1, length=2, clock=FakeClock(25.0)
+  )
+  run_iterations(periodic, 1, 12, hooks=True)
+  periodic.close()
+  assert periodic.traces == [(5, 6), (8, 9), (11, 12)]
+  # Each in a directory of its own, though they ended within a second of each other.
+  assert [s['trace'] for s in captured_steps(str(tmp_path / 'periodic'))] == [
+    [5, 6],
+    [8, 9],
+    [11, 12],
+  ]
+  # The range 3-5 is traced whole; the periodic trace due after 4 is dropped, not started after
+  # it: the timer fires again after 7 (75 s after 4).
+  both = profiling.Profiler(
+    (3, 5), str(tmp_path / 'both'), 0, every_mins=1, length=2, clock=FakeClock(25.0)
+  )
+  run_iterations(both, 1, 9, hooks=True)
+  both.close()
+  assert both.traces == [(3, 5), (8, 9)]
 
 
 def test_the_start_up_log_has_the_parameter_table_with_its_total(profiled_run):
@@ -93,7 +148,7 @@ def test_a_resumed_run_traces_the_rest_of_the_range_and_a_stop_ends_it(tmp_path)
   profiler = profiling.Profiler((3, 6), str(tmp_path), 0, log=lambda line: None)
   run_iterations(profiler, 4, 5)  # resumed at 3; stopped after 5
   profiler.close()
-  assert profiler.traced == (4, 5)
+  assert profiler.traces == [(4, 5)]
   assert traced_steps(str(tmp_path))['trace'] == [4, 5]
 
 
@@ -101,7 +156,7 @@ def test_no_range_traces_nothing_and_a_process_not_in_the_job_is_refused(tmp_pat
   quiet = profiling.Profiler(None, str(tmp_path), 0)
   run_iterations(quiet, 1, 2)
   quiet.close()
-  assert quiet.traced is None and not os.path.exists(tmp_path / 'plugins')
+  assert quiet.traces == [] and not os.path.exists(tmp_path / 'plugins')
   with pytest.raises(
     ConfigError,
     match=r'runtime.profile_process=1 names no process of this '

@@ -218,6 +218,8 @@ def run_profiler(cfg: Config, workdir: str, writer, is_writer: bool) -> profilin
     os.path.join(workdir, rt.tensorboard_dir),
     rt.profile_process,
     log=writer.info if is_writer else print,
+    every_mins=rt.profile_every_mins,
+    length=rt.profile_length,
   )
 
 

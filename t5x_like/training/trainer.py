@@ -111,6 +111,7 @@ class Trainer:
     hooks.add_hook(metrics.record_hook(self.writer, schedule.total_iterations(cfg.train)))
     hooks.add_hook(device_memory.report_hook(self.writer.info, self.steps.memory_limit))
     self.watches.register(hooks, self.writer.info, self.alerts.send, self.checkpoints)
+    self.profiler.register(hooks)  # runtime.profile_every_mins's traces
     if cfg.runtime.replica_check_interval:
       hooks.add_hook(self.replica_check, every=cfg.runtime.replica_check_interval)
     self.checkpoints.register(hooks)  # the cadence's saves; the last save, then the close
@@ -236,7 +237,6 @@ class Trainer:
     return progress
 
   def train_iteration(self, state: TrainState, progress: Progress) -> tuple[TrainState, dict, bool]:
-    """One train step on the next global batch (iteration.TrainIteration): the new state, the
-    iteration's metrics record, whether the step was finite (a non-finite one changed nothing)."""
+    """iteration.TrainIteration on the next global batch: new state, record, whether finite."""
     self.skipped.trained()
     return self.iterations(state, progress, self.source)
