@@ -742,7 +742,8 @@ def test_save_interval_mins_saves_when_the_minutes_passed_and_keeps_it_until_the
   takes 30 s: a timed save once a minute passed since the last save of either kind (iterations
   2 and 5), the log saying why. A timed step is temporary: the newest checkpoint until the next
   save lands, then deleted, never pushing an interval step out of max_to_keep; a restart knows
-  it from the checkpoint's meta. No timed save at the last iteration: the end's save follows."""
+  it from the checkpoint's meta, which lists only the timed saves still on disk. No timed save
+  at the last iteration: the end's save follows."""
   clock = FakeClock()
   workdir = str(tmp_path / 'run')
   root = os.path.join(workdir, 'checkpoints')
@@ -773,7 +774,8 @@ def test_save_interval_mins_saves_when_the_minutes_passed_and_keeps_it_until_the
     '1.0 minutes since the last save (checkpoint.save_interval_mins=1); kept until the next save'
   )
   assert saves == [('2', why), ('5', why)]
-  assert checkpoints.read_meta(root, 6)['temporary_steps'] == [2, 5]
+  # Each meta lists the timed saves on disk when it was saved: 2 went when 3 landed.
+  assert [checkpoints.read_meta(root, s)['temporary_steps'] for s in (3, 6, 7)] == [[2], [5], []]
 
 
 def test_a_timed_save_that_a_job_ended_on_goes_after_the_next_jobs_first_save(

@@ -678,6 +678,14 @@ class Checkpointer:
   def should_save(self, iteration: int) -> bool:
     return self.save_interval > 0 and iteration % self.save_interval == 0
 
+  def settle_temporary_steps(self) -> set[int]:
+    """Waits for the save in flight (and the deletions it triggers), then forgets the timed
+    saves no longer on disk: the keep policy and the next meta list only those still there, so
+    the list stays a few steps long over a run of months. Returns them."""
+    self.wait()
+    self.temporary_steps.intersection_update(step_dirs(self.root))  # the policy holds this set
+    return set(self.temporary_steps)
+
   def save(
     self,
     state: TrainState,

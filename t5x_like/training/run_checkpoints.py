@@ -120,9 +120,11 @@ class RunCheckpoints:
 
   def meta(self, progress: Progress, temporary: bool = False) -> dict:
     """The `meta` item of the checkpoint of `progress` (checkpoints.make_meta), with the
-    throughput baselines the next job starts from; `temporary`: a timed save."""
+    throughput baselines the next job starts from; `temporary`: a timed save. Waits for the
+    save in flight, whose deletions decide which timed saves are still on disk."""
     resumption = self.resumption
-    temporary_steps = self.opened.temporary_steps | ({progress.iteration} if temporary else set())
+    temporary_steps = self.opened.settle_temporary_steps()
+    temporary_steps |= {progress.iteration} if temporary else set()
     meta = checkpoints.make_meta(
       self.cfg,
       progress,
