@@ -83,7 +83,7 @@ from t5x_like.kernels import (
   flash_attention,
   mosaic_attention,
 )
-from t5x_like.kernels.mosaic_attention import cuda_runtime_version
+from t5x_like.kernels.mosaic_attention import INTERPRET_CPU_DEVICES, cuda_runtime_version
 from t5x_like.model import attention as attention_lib
 from t5x_like.model.transformer import alibi_slopes
 from t5x_like.training import accounting
@@ -511,14 +511,10 @@ def failures(report: dict) -> list[dict]:
   return [r for r in report['results'] if 'failed' in r or r.get('correct') is False]
 
 
-# Interpret mode runs each warpgroup of a Mosaic GPU kernel as a thread executing a computation of
-# its own on the CPU client; with too few CPU devices some kernels' jitted forward+backward
-# deadlock there (docs/benchmarks.md, "The GPU suite"). The tests run with 8.
-INTERPRET_CPU_DEVICES = 4
-
-
 def use_cpu_devices_for_interpret_mode() -> None:
-  """Before jax starts its CPU backend: the CPU devices interpret mode needs (--smoke)."""
+  """Before jax starts its CPU backend: the CPU devices interpret mode needs (--smoke). It runs
+  each warpgroup of a Mosaic GPU kernel as a computation of its own on XLA's CPU client, whose
+  threads are max(cores, CPU devices) (mosaic_attention.check_interpret_threads)."""
   jax.config.update('jax_num_cpu_devices', INTERPRET_CPU_DEVICES)
 
 

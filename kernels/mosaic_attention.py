@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -83,6 +84,10 @@ L2_GROUP_BYTES = 16 * 2**20
 INTERPRET_PROGRAMS = 3
 H100_SMS = 132
 REGISTERS_PER_SM = 65536  # sm90's register file, 32-bit registers
+MAX_COMPUTE_WGS = 2  # math warpgroups a program may have (MosaicBlocks.compute_wgs)
+# CPU devices that give interpret mode enough of XLA's CPU threads for any MosaicBlocks
+# (interpret_threads_needed's largest); docs/benchmarks.md, "The GPU suite".
+INTERPRET_CPU_DEVICES = MAX_COMPUTE_WGS + 2
 
 
 # CUDA runtimes (cudaRuntimeGetVersion's numbers, 12080 for 12.8) whose ptxas miscompiles Mosaic
@@ -205,8 +210,10 @@ class MosaicBlocks:
         found.append(f'MosaicBlocks.{name}={size} must be a multiple of 64 (wgmma tiles)')
     if self.stages < 2:
       found.append(f'MosaicBlocks.stages={self.stages} must be at least 2')
-    if self.compute_wgs not in (1, 2):
-      found.append(f'MosaicBlocks.compute_wgs={self.compute_wgs} must be 1 or 2')
+    if not 1 <= self.compute_wgs <= MAX_COMPUTE_WGS:
+      found.append(
+        f'MosaicBlocks.compute_wgs={self.compute_wgs} must be from 1 to {MAX_COMPUTE_WGS}'
+      )
     if self.copy_registers % 8 or not 24 <= self.copy_registers <= 64:
       found.append(
         f'MosaicBlocks.copy_registers={self.copy_registers} must be a multiple of 8 from 24 '
@@ -264,6 +271,40 @@ def unmet_constraints(
   return found + blocks.problems()
 
 
+def cpu_client_threads() -> int:
+  """The threads of XLA's CPU client in this process: max(its default pool size, the CPU
+  devices), the default being NPROC where that is set, else the cores this process may run on
+  (XLA's DefaultThreadPoolSize)."""
+  nproc = os.environ.get('NPROC', '')
+  if nproc.isdigit() and int(nproc) > 0:
+    cores = int(nproc)
+  elif hasattr(os, 'sched_getaffinity'):
+    cores = len(os.sched_getaffinity(0))
+  else:
+    cores = os.cpu_count() or 1
+  return max(cores, jax.local_device_count(backend='cpu'))
+
+
+def interpret_threads_needed(blocks: MosaicBlocks) -> int:
+  """XLA CPU threads interpret mode holds at once: each of a program's warpgroups (the math ones
+  and the copy one) is a computation of its own, all waiting for each other at barriers, and
+  the computation that started them waits for them on one more."""
+  return blocks.compute_wgs + 2
+
+
+def check_interpret_threads(blocks: MosaicBlocks) -> None:
+  """A MosaicAttentionConstraintError where interpret mode would hang for want of threads."""
+  needed, threads = interpret_threads_needed(blocks), cpu_client_threads()
+  if threads < needed:
+    raise MosaicAttentionConstraintError(
+      f"interpret mode runs this kernel's {blocks.compute_wgs + 1} warpgroups as computations "
+      f"that wait for each other on XLA's CPU threads, and needs {needed} of them; this "
+      f'process has {threads} (max(cores, CPU devices)), so it would hang. Start JAX with '
+      f"{INTERPRET_CPU_DEVICES} CPU devices: jax.config.update('jax_num_cpu_devices', "
+      f'{INTERPRET_CPU_DEVICES}) before anything uses JAX'
+    )
+
+
 def mosaic_attention(
   q,
   k,
@@ -296,6 +337,8 @@ def mosaic_attention(
   )
   if problems:
     raise MosaicAttentionConstraintError('; '.join(problems))
+  if interpret:
+    check_interpret_threads(blocks)
   scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
   padded = -(-seq // blocks.multiple) * blocks.multiple
   if alibi_slopes is None:

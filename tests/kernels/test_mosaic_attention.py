@@ -7,6 +7,7 @@ same cases compile and run the real kernels.
 """
 
 import dataclasses
+import importlib
 import itertools
 import re
 
@@ -33,6 +34,8 @@ from t5x_like.model.attention import Device
 from t5x_like.model.transformer import alibi_slopes
 
 INTERPRET = jax.default_backend() == 'cpu'
+# The module (the package exports its function under the same name).
+mosaic_attention_module = importlib.import_module('t5x_like.kernels.mosaic_attention')
 # 64-row tiles everywhere: in both kernels' programs the two warpgroups need different numbers of
 # tiles (the forward's and dQ's first warpgroup stops a key tile early, dK/dV's second starts a
 # query tile late), so the drain and skip loops run.
@@ -408,3 +411,27 @@ def test_the_persistent_forward_runs_every_item_once_longest_first_by_l2_group(
     assert [t for *_, t in items[start:end]] == sorted(
       (t for *_, t in items[start:end]), reverse=True
     )
+
+
+def test_interpret_mode_is_refused_where_it_would_hang_for_want_of_cpu_threads(monkeypatch):
+  """Interpret mode holds compute_wgs + 2 of XLA's CPU threads at once (the warpgroups, waiting
+  for each other at barriers, and the computation that started them), and the CPU client has
+  max(cores, CPU devices): on a 2-core machine 1 or 2 devices hung every run, 3 some
+  (docs/benchmarks.md). Where it would, the call is refused before anything runs."""
+  x = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+  monkeypatch.setattr(mosaic_attention_module, 'cpu_client_threads', lambda: 3)
+  with pytest.raises(MosaicAttentionConstraintError, match=r'needs 4 of them; this process has 3'):
+    mosaic_attention(x, x, x, blocks=SMALL, interpret=True)
+  mosaic_attention_module.check_interpret_threads(ONE_WARPGROUP)  # 3 are enough for one
+  # The suite's devices and the benchmarks' --smoke runs give every MosaicBlocks its threads.
+  monkeypatch.undo()
+  assert mosaic_attention_module.cpu_client_threads() >= jax.local_device_count() >= 4
+  largest = MosaicBlocks(compute_wgs=mosaic_attention_module.MAX_COMPUTE_WGS)
+  assert mosaic_attention_module.interpret_threads_needed(largest) == 4
+  assert mosaic_attention_module.INTERPRET_CPU_DEVICES == 4
+  assert MosaicBlocks(compute_wgs=3).problems() == [
+    'MosaicBlocks.compute_wgs=3 must be from 1 to 2'
+  ]
+  # XLA's default pool size is NPROC where that is set.
+  monkeypatch.setenv('NPROC', '64')
+  assert mosaic_attention_module.cpu_client_threads() == 64
