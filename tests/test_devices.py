@@ -171,6 +171,9 @@ def test_the_node_with_a_slow_link_or_slow_devices_is_named():
   marked = [line.split()[0] for line in lines if line.endswith('<- slow')]
   assert marked == ['d', 'c+d', 'b+c']  # slowest first within each part
   assert lines[0].startswith('all-reduce of 256 MiB a device')
+  assert interconnect.report_lines([], 256 * interconnect.MIB, []) == [
+    'all-reduce: no link to measure (one node with one device)'
+  ]
 
 
 def test_bad_input_is_one_message_and_exit_2():

@@ -182,6 +182,8 @@ _TITLES = {'node': 'within each node', 'pair': 'between nodes (ring pairs)', 'jo
 
 def report_lines(results: Sequence[dict], nbytes: int, slow: Sequence[dict]) -> list[str]:
   """The table of `results` (measure's), slowest first in each part, the slow ones marked."""
+  if not results:
+    return ['all-reduce: no link to measure (one node with one device)']
   marked = {(s['kind'] == 'node', s['node']) for s in slow}
   lines = [
     f'all-reduce of {nbytes / MIB:g} MiB a device (float32), bus bandwidth (NCCL-tests busbw):',
