@@ -166,7 +166,8 @@ def test_the_node_with_a_slow_link_or_slow_devices_is_named():
   ]
   slow = interconnect.slow_links(results, 0.03)
   assert [(s['kind'], s['node']) for s in slow] == [('node', 'd'), ('link', 'c')]
-  assert slow[1]['busbw_gbs'] == 61.0 and slow[1]['vs_median'] == pytest.approx(61.0 / 75.5)
+  # Best pairs: a 91, b 90, c 61, d 91; their median 90.5.
+  assert slow[1]['busbw_gbs'] == 61.0 and slow[1]['vs_median'] == pytest.approx(61.0 / 90.5)
   lines = interconnect.report_lines(results, 256 * interconnect.MIB, slow)
   marked = [line.split()[0] for line in lines if line.endswith('<- slow')]
   assert marked == ['d', 'c+d', 'b+c']  # slowest first within each part
@@ -186,3 +187,17 @@ def test_bad_input_is_one_message_and_exit_2():
   ):
     r = run_cli(['-m', 't5x_like.devices', *flags])
     assert r.returncode == 2 and r.stderr.startswith('error: '), r.stderr
+
+
+@pytest.mark.parametrize('num_nodes', [3, 4, 5, 8])
+def test_a_node_whose_link_is_five_percent_slow_is_named_from_three_nodes_on(num_nodes):
+  # Its two pairs are 5% slow; half the ring's pairs are its own at 3 nodes, a third at 4.
+  names = [f'n{i}' for i in range(num_nodes)]
+  bad = names[-1]
+  results = [
+    result('pair', [a, b], 95.0 if bad in (a, b) else 100.0)
+    for a, b in ((names[i], names[(i + 1) % num_nodes]) for i in range(num_nodes))
+  ]
+  slow = interconnect.slow_links(results, 0.03)
+  assert [(s['kind'], s['node']) for s in slow] == [('link', bad)]
+  assert interconnect.slow_links(results, 0.06) == []  # within a 6% tolerance

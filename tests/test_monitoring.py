@@ -22,14 +22,15 @@ from t5x_like.training.trainer import Trainer
 
 @pytest.fixture(scope='module')
 def profiled_run(tmp_path_factory):
-  """A tiny run with runtime.profile_steps='2-3' and a periodic trace of 2 iterations each time a
-  microsecond passed (after every iteration, but never inside a trace): (workdir, trainer, log)."""
+  """A tiny run of 5 iterations with runtime.profile_steps='2-3' and a periodic trace of 3
+  iterations each time a microsecond passed (after every iteration, but never inside a trace):
+  (workdir, trainer, log)."""
   cfg = config_with(
     {
       'model': dict(num_layers=1, hidden_size=32, num_heads=2, vocab_size=8192),
       'train': dict(steps=5, global_batch_size=2, micro_batch_size=2, seq_len=16),
       'optimizer': dict(warmup_samples=2, decay_samples=100),
-      'runtime': dict(profile_steps='2-3', profile_every_mins=1e-8, profile_length=2),
+      'runtime': dict(profile_steps='2-3', profile_every_mins=1e-8, profile_length=3),
     },
     {},
   )
@@ -40,23 +41,34 @@ def profiled_run(tmp_path_factory):
     return workdir, trainer, f.read()
 
 
-def captured_steps(log_dir):
+def captured_events(log_dir):
   """For each capture under log_dir/plugins/profile/, in the order they were written: {trace
-  file name: sorted step numbers of its 'train' step markers}."""
+  file name: its events}."""
   captures = sorted(glob.glob(os.path.join(log_dir, 'plugins', 'profile', '*')))
   out = []
   for capture in captures:
-    steps = {}
+    files = {}
     for path in glob.glob(os.path.join(capture, '*.json.gz')):
       with gzip.open(path) as f:
         trace = json.load(f)
-      events = trace['traceEvents'] if isinstance(trace, dict) else trace
-      steps[os.path.basename(path).split('.')[-3]] = sorted(
-        int(e['args']['step_num']) for e in events if e.get('name') == 'train'
+      files[os.path.basename(path).split('.')[-3]] = (
+        trace['traceEvents'] if isinstance(trace, dict) else trace
       )
     assert glob.glob(os.path.join(capture, '*.xplane.pb'))  # TensorBoard's Profile tab
-    out.append(steps)
+    out.append(files)
   return out
+
+
+def captured_steps(log_dir):
+  """For each capture (captured_events): {trace file name: sorted step numbers of its 'train'
+  step markers}."""
+  return [
+    {
+      name: sorted(int(e['args']['step_num']) for e in events if e.get('name') == 'train')
+      for name, events in files.items()
+    }
+    for files in captured_events(log_dir)
+  ]
 
 
 def traced_steps(log_dir):
@@ -81,11 +93,16 @@ def test_a_run_traces_exactly_its_profile_steps_then_the_periodic_ones(profiled_
   workdir, _, log = profiled_run
   log_dir = os.path.join(workdir, 'tensorboard')
   # The periodic trace due after iteration 2 was not started inside the range's trace; the one
-  # due after 3 traced 4-5, in a directory of its own.
+  # due after 3 traced 4-5, in a directory of its own, and ended with the loop: the final
+  # save's work (Orbax's) is not in it.
   assert captured_steps(log_dir) == [
     {'trace': [2, 3], 'perfetto_trace': [2, 3]},
     {'trace': [4, 5], 'perfetto_trace': [4, 5]},
   ]
+  last = captured_events(log_dir)[1]['perfetto_trace']
+  names = {str(e.get('name', '')) for e in last}
+  assert not [n for n in names if 'final_hook' in n or 'async_checkpointer' in n]
+  assert [n for n in names if 'iteration_hook' in n]  # the hooks between its iterations are
   assert f'> profile: iterations 2-3 traced to {log_dir}/plugins/profile/' in log
   assert f'> profile: iterations 4-5 traced to {log_dir}/plugins/profile/' in log
 
@@ -163,3 +180,49 @@ def test_no_range_traces_nothing_and_a_process_not_in_the_job_is_refused(tmp_pat
     r'job \(0-0\)',
   ):
     profiling.Profiler((1, 2), str(tmp_path), 1)
+
+
+def test_a_periodic_trace_due_before_skipped_iterations_traces_the_next_trained_ones(tmp_path):
+  # data.skip_train_iteration_range: iterations 5 and 6 do not train (the hooks still run). The
+  # trace due after 4 (100 s) covers 7-8; the timer fires again after 7, inside that trace (not
+  # taken), and after 10.
+  profiler = profiling.Profiler(
+    None, str(tmp_path), 0, log=lambda line: None, every_mins=1, length=2, clock=FakeClock(25.0)
+  )
+  step = jax.jit(lambda x: x @ x)
+  for iteration in range(1, 14):
+    if iteration not in (5, 6):
+      profiler.before_iteration(iteration)
+      step(jnp.ones((8, 8))).block_until_ready()
+      profiler.after_iteration(iteration)
+    profiler.periodic_hook(types.SimpleNamespace(iteration=iteration))
+  profiler.close()
+  assert profiler.traces == [(7, 8), (11, 12)]
+
+
+def test_a_trace_that_cannot_start_or_stop_is_logged_and_training_goes_on(tmp_path, monkeypatch):
+  lines = []
+  profiler = profiling.Profiler((2, 2), str(tmp_path), 0, log=lines.append)
+
+  def busy(*args, **kwargs):
+    raise RuntimeError('Profile has already been started')
+
+  monkeypatch.setattr(jax.profiler, 'start_trace', busy)
+  run_iterations(profiler, 1, 3)
+  assert profiler.traces == [] and lines == [
+    '> profile: iterations 2-2 not traced: the profiler did not start (RuntimeError: Profile '
+    'has already been started); training goes on'
+  ]
+  monkeypatch.undo()
+  # A trace that cannot be written: reported, and no later trace is tried in this job.
+  lines.clear()
+  periodic = profiling.Profiler(
+    None, str(tmp_path), 0, log=lines.append, every_mins=1, length=1, clock=FakeClock(40.0)
+  )
+  monkeypatch.setattr(jax.profiler, 'stop_trace', busy)
+  run_iterations(periodic, 1, 6, hooks=True)  # due after 3 (120 s) and 5
+  monkeypatch.undo()
+  jax.profiler.stop_trace()  # the session the failed stop left running
+  assert periodic.traces == [] and len(lines) == 1, lines
+  assert lines[0].startswith('> profile: the trace from iteration 4 could not be written')
+  assert lines[0].endswith('no more traces in this job, training goes on')

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
       )
     for r in summary.get('all_reduce', {}).get('slow', []):
       what = "its devices'" if r['kind'] == 'node' else 'its best ring pair'
-      which = "the median node's" if r['kind'] == 'node' else "the median pair's"
+      which = "the median node's" if r['kind'] == 'node' else "the median node's best"
       link = 'NVLink or PCIe' if r['kind'] == 'node' else 'network link'
       print(
         f'slow: node {r["node"]}: all-reduce bandwidth of {what} {r["busbw_gbs"]:.3g} GB/s, '

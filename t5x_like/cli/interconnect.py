@@ -10,7 +10,8 @@ GPUs, gloo on CPU):
   (NVLink or PCIe; none with one device a node);
 - between nodes: every node all-reduces with the next in a ring of the nodes (host order), in
   rounds of disjoint pairs, so each node is measured in two pairs; a node whose best pair is
-  slow has the bad link (with three or more nodes; two are the whole job);
+  slower than the other nodes' best has the bad link (with three or more nodes; two are the
+  whole job);
 - the whole job: all devices at once, the figure a data-parallel gradient reduction sees.
 
 Bandwidth is NCCL-tests' bus bandwidth, `busbw = size / time * 2 (n - 1) / n` for an all-reduce
@@ -151,8 +152,8 @@ def measure(rows: Sequence[dict], nbytes: int, repeats: int) -> list[dict]:
 def slow_links(results: Sequence[dict], tolerance: float) -> list[dict]:
   """What is slower than its peers by more than `tolerance`: a node whose devices all-reduce
   below (1 - tolerance) x the median node's bandwidth ('node'), and a node whose best ring pair
-  is below that fraction of the median pair's ('link': its own link is the slow one, as a
-  healthy node's other pair is fast)."""
+  is below that fraction of the median node's best pair ('link': its own link is the slow one,
+  as a healthy node's other pair is fast)."""
   slow = []
   within = [r for r in results if r['kind'] == 'node']
   if within:
@@ -162,13 +163,15 @@ def slow_links(results: Sequence[dict], tolerance: float) -> list[dict]:
       for r in within
       if (bw := r['busbw_gbs']) < (1.0 - tolerance) * median
     ]
-  pairs = [r for r in results if r['kind'] == 'pair']
-  if pairs:
-    median = statistics.median(r['busbw_gbs'] for r in pairs)
-    best: dict[str, float] = {}
-    for r in pairs:
+  best: dict[str, float] = {}
+  for r in results:
+    if r['kind'] == 'pair':
       for node in r['nodes']:
         best[node] = max(best.get(node, 0.0), r['busbw_gbs'])
+  if best:
+    # The median node's best, not the median pair: a slow node is in two pairs of the ring, so
+    # with three nodes two of the three pairs are slow.
+    median = statistics.median(best.values())
     slow += [
       {'kind': 'link', 'node': node, 'busbw_gbs': bw, 'vs_median': bw / median}
       for node, bw in best.items()
