@@ -202,19 +202,9 @@ def make_impl(
       return Impl(None, f'tokamax is not installed ({e})')
     on_cpu = platform == 'cpu'
     if name == 'tokamax':
-      model_fn = getattr(attention_lib, 'tokamax_attention', None)
-      if model_fn is None:  # this checkout has no tokamax attention_impl: tokamax directly
-        implementation = 'xla' if on_cpu else 'mosaic'
-        return Impl(
-          lambda q, k, v: _tokamax(q, k, v, slopes, implementation),
-          note=f'no model tokamax_attention here: tokamax called directly ({implementation!r})',
-        )
-      which = ''
-      if hasattr(attention_lib, 'tokamax_implementation') and hasattr(attention_lib, 'Device'):
-        device = attention_lib.Device.of(jax.devices()[0])
-        which = attention_lib.tokamax_implementation(device)
+      which = attention_lib.tokamax_implementation(attention_lib.Device.of(jax.devices()[0]))
       return Impl(
-        lambda q, k, v: model_fn(q, k, v, alibi_slopes=slopes),
+        lambda q, k, v: attention_lib.tokamax_attention(q, k, v, alibi_slopes=slopes),
         note=f"model.attention_impl='tokamax' (tokamax implementation={which!r})",
       )
     implementation = {

@@ -59,7 +59,7 @@ def build(model: str):
   return cfg, layout.compute_params(layout.init(0).params)
 
 
-def no_cache_generator(cfg, length: int):
+def no_cache_generator(cfg):
   """The generation without a cache: next_token(params, buffer [length], position) -> the greedy
   token at `position` from the forward over the whole buffer."""
   import jax
@@ -118,7 +118,7 @@ def measure(model: str, prompt_len: int, new: int, batch: int, rounds: int, no_c
   # No cache: one prompt, `no_cache_tokens` tokens after a compiling call.
   length = prompt_len + new
   measured = min(no_cache_tokens or new, new)
-  next_token = no_cache_generator(cfg, length)
+  next_token = no_cache_generator(cfg)
   run_no_cache(next_token, params, prompts[0], length, 1)
   start = time.perf_counter()
   reference = run_no_cache(next_token, params, prompts[0], length, measured)

@@ -345,7 +345,7 @@ def step_throughput_tolerance() -> float:
 
 
 def start_plan(
-  smoke: bool, workdir: str, limit_s: float, json_path: str, gpu_kind: str
+  smoke: bool, limit_s: float, json_path: str, gpu_kind: str
 ) -> tuple[threading.Thread, dict]:
   """`plan --json` of the suite's step in the background (CPU only), then `plan --gpu gpu_kind`
   (XLA's GPU compile of it on the CPU, 'auto' attention as the GPU resolves it: what a user
@@ -844,7 +844,7 @@ def run_suite(args: argparse.Namespace) -> int:
     plan_started = time.perf_counter()
     if 'plan' in args.stages:
       plan_thread, plan_result = start_plan(
-        args.smoke, workdir, limit('plan'), args.json, cost_model_kind(device_kind)
+        args.smoke, limit('plan'), args.json, cost_model_kind(device_kind)
       )
     for stage in args.stages:
       if stage == 'plan':

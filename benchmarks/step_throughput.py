@@ -41,7 +41,6 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -145,16 +144,11 @@ def measure(
   return result
 
 
-def resolved_impl(cfg, platform: str) -> str | None:
-  """The implementation `model.attention_impl` runs on `platform` ('auto' resolved), if the
-  attention module can say without tracing; None otherwise."""
-  try:
-    device: Any = platform
-    if hasattr(attention_lib, 'Device'):  # a device kind and compute capability: 'auto' needs them
-      device = attention_lib.Device.of(jax.devices()[0])
-    return str(attention_lib.resolve_impl(cfg.model, device, quiet=True))
-  except Exception:  # noqa: BLE001 (an older or newer signature: not known then)
-    return None
+def resolved_impl(cfg) -> str:
+  """The implementation `model.attention_impl` runs on this machine's first device ('auto'
+  resolved for its kind and compute capability)."""
+  device = attention_lib.Device.of(jax.devices()[0])
+  return str(attention_lib.resolve_impl(cfg.model, device, quiet=True))
 
 
 def describe(impl: str, result: dict) -> str:
@@ -257,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
       save(spec, {'skipped': str(error)})
       print(f'{spec:>7}: skipped: {error}', flush=True)
       continue
-    runs = resolved_impl(cfg, device.platform)
+    runs = resolved_impl(cfg)
     same = runs if loss == '' else f'{runs}:{loss}'
     if impl == 'auto' and (runs in reusable or 'step_s_median' in report['results'].get(same, {})):
       save(spec, {'resolved_to': runs, 'same_as': same})

@@ -287,10 +287,10 @@ def worker_jax(args: argparse.Namespace) -> dict:
     **_summary(times, cpu_s, cfg),
   }
   if args.profile:
-    state, out['profile'] = jax_profile(compiled, state, batch, gbs, schedule_arg(0))
+    state, out['profile'] = jax_profile(compiled, state, batch, schedule_arg(0))
   if args.breakdown:
     del state
-    out['breakdown'] = jax_breakdown(cfg, layout, host_batch, args.steps)
+    out['breakdown'] = jax_breakdown(cfg, layout, host_batch)
   return out
 
 
@@ -353,7 +353,7 @@ def untraced_time(intervals: list[tuple[float, float]]) -> tuple[float, float]:
   return span, span - covered
 
 
-def jax_profile(compiled, state, batch, gbs: int, schedule_arg):
+def jax_profile(compiled, state, batch, schedule_arg):
   """Traces one step with jax.profiler and splits the step's time into categories.
 
   Op times are summed over the ops' trace events (on whichever thread ran them); the time in which
@@ -403,11 +403,14 @@ def jax_profile(compiled, state, batch, gbs: int, schedule_arg):
   }
 
 
-def jax_breakdown(cfg, layout, host_batch, steps: int) -> dict:
-  """Times the forward, forward+backward and the attention core alone (same shapes, jitted)."""
+def jax_breakdown(cfg, layout, host_batch) -> dict:
+  """Times the forward, forward+backward and the attention core alone (same shapes, jitted): the
+  median of two runs after a warm-up run each."""
   import jax
   import jax.numpy as jnp
 
+  from t5x_like.kernels import attention_reference
+  from t5x_like.model import losses
   from t5x_like.model import transformer as model_lib
 
   model = layout.model.clone(mesh=None)
@@ -418,7 +421,7 @@ def jax_breakdown(cfg, layout, host_batch, steps: int) -> dict:
   def loss_fn(p, tokens):
     p = jax.tree.map(lambda x: x.astype(dtype), p)
     logits = model.apply({'params': p}, tokens[:, :-1])
-    return model_lib.cross_entropy(logits, tokens[:, 1:]).mean()
+    return losses.cross_entropy(logits, tokens[:, 1:]).mean()
 
   m = cfg.model
   b, s, n, d = micro.shape[0], cfg.train.seq_len, m.num_heads, m.head_dim
@@ -426,11 +429,8 @@ def jax_breakdown(cfg, layout, host_batch, steps: int) -> dict:
 
   slopes = model_lib.alibi_slopes(n) if m.architecture == 'bloom' else None
 
-  def attention_loss(q, k, v):  # The attention core the model calls, whichever API it has.
-    if hasattr(model_lib, 'attention_reference'):
-      ctx = model_lib.attention_reference(q, k, v, alibi_slopes=slopes, causal=True)
-    else:
-      ctx = model_lib.dot_product_attention(q, k, v, m)
+  def attention_loss(q, k, v):  # The attention core the model calls on a CPU ('xla').
+    ctx = attention_reference(q, k, v, alibi_slopes=slopes, causal=True)
     return ctx.astype(jnp.float32).sum()
 
   # Host data pipeline: the Trainer builds each global batch from the embedded corpus.

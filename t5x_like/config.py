@@ -88,8 +88,8 @@ class ModelConfig:
   # Unroll the layer scan only, in training (the params keep their stacked layout; the
   # micro-batch and pipeline loops stay loops). XLA then drops the scan's per-layer slices of the
   # weights, its stacked residuals and their zero fills, and merges the layers' recomputation
-  # into their forward (so 'full' is refused with it): on an H200 the 1.3B step ran 1.10x faster
-  # for 9.7 GiB more memory (docs/benchmarks.md, "The GPU suite"); compiling takes longer.
+  # into their forward (so 'full' is refused with it): a faster step for more memory, and a longer
+  # compile (the figures: docs/benchmarks.md, "The GPU suite").
   unroll_layers: bool = False
   # Megatron-LM's sequence parallelism: between the tensor-parallel matmuls the residual stream,
   # LayerNorms and dropout (and the pipeline's kept stage inputs) are split over mesh.tensor
@@ -242,12 +242,14 @@ class DataConfig:
   # How a blend orders its datasets' samples (data/blending.py): 'quota', every prefix within one
   # sample of each weight; 'divisor', the order of runs started before it. A resumed run keeps
   # its checkpoint's order; a recorded config without this key had 'divisor'.
-  blend_order: str = 'quota'
+  blend_order: Literal['quota', 'divisor'] = 'quota'
 
   def skip_ranges(self) -> list[tuple[int, int]]:
-    """skip_train_iteration_range as [(first, last)]; validate() has checked the syntax."""
-    pairs = [str(r).split('-') for r in self.skip_train_iteration_range]
-    return [(int(first), int(last)) for first, last in pairs]
+    """skip_train_iteration_range as [(first, last)]; a ConfigError names a bad one."""
+    return [
+      iteration_range('data.skip_train_iteration_range', r, '("13251-14000",)')
+      for r in self.skip_train_iteration_range
+    ]
 
   def skips(self, iteration: int) -> bool:
     return any(a <= iteration <= b for a, b in self.skip_ranges())
@@ -400,17 +402,23 @@ class RuntimeConfig:
     """profile_steps as (first, last), None for ''; a ConfigError names a bad one."""
     if not self.profile_steps:
       return None
-    parts = str(self.profile_steps).split('-')
-    if (
-      len(parts) != 2
-      or not all(p.strip().isdigit() for p in parts)
-      or not 1 <= int(parts[0]) <= int(parts[1])
-    ):
-      raise ConfigError(
-        f'runtime.profile_steps must be iterations FIRST-LAST with 1 <= FIRST <= '
-        f"LAST, e.g. '20-25' ('' for no profile), got {self.profile_steps!r}"
-      )
-    return int(parts[0]), int(parts[1])
+    return iteration_range('runtime.profile_steps', self.profile_steps, "'20-25' ('' for none)")
+
+
+def iteration_range(key: str, text: Any, example: str) -> tuple[int, int]:
+  """'FIRST-LAST' (iterations, 1-based, inclusive) as (first, last); a ConfigError naming `key`
+  and the form, with `example`, for anything else."""
+  parts = str(text).split('-')
+  if (
+    len(parts) != 2
+    or not all(p.strip().isdigit() for p in parts)
+    or not 1 <= int(parts[0]) <= int(parts[1])
+  ):
+    raise ConfigError(
+      f'{key}: {text!r} is not a range of iterations FIRST-LAST with 1 <= FIRST <= LAST, '
+      f'e.g. {example}'
+    )
+  return int(parts[0]), int(parts[1])
 
 
 SECTIONS = {
@@ -502,9 +510,6 @@ class Config:
         _check_range(key, value)
     return self
 
-  # The name start-up calls it by.
-  check_ranges = check_values
-
   @property
   def grad_sync(self) -> str:
     """pipeline.grad_sync resolved: 'step' or 'tick'. 'auto' is 'step' for a ZeRO-1 pipeline,
@@ -528,6 +533,7 @@ class Config:
     self._check_curriculum()
     self._check_runtime()
     self._check_checkpoint()
+    self._check_data()
     return self
 
   def _check_model(self) -> None:
@@ -586,9 +592,9 @@ class Config:
     _need(
       not (m.unroll_layers and m.remat_policy == 'full'),
       "model.unroll_layers=True under model.remat_policy='full' recomputes nothing: XLA merges "
-      "the recomputed forward into the forward and keeps what 'save_dots' keeps (XLA's H100 "
-      'compile of configs/bloom_1b3.py: 29.4 GiB per GPU, against 13.5 with its layers '
-      "scanned); use remat_policy='save_dots' with unrolled layers, or scanned layers for 'full'",
+      "the recomputed forward into the forward and keeps what 'save_dots' keeps (more than "
+      "twice the memory of scanned layers); use remat_policy='save_dots' with unrolled layers, "
+      "or scanned layers for 'full'",
     )
     _need(
       m.architecture != 'gpt2' or t.seq_len <= m.max_position_embeddings,
@@ -753,6 +759,16 @@ class Config:
       not rt.profile_every_mins or bool(rt.tensorboard_dir),
       f'runtime.profile_every_mins={rt.profile_every_mins} writes its traces under '
       "runtime.tensorboard_dir, which is ''; set a tensorboard_dir or profile_every_mins=0",
+    )
+
+  def _check_data(self) -> None:
+    d = self.data
+    d.skip_ranges()  # raises on a bad range
+    _need(
+      not d.mixture_or_task_module or bool(d.mixture_or_task),
+      f'data.mixture_or_task_module={d.mixture_or_task_module!r} registers seqio '
+      'Tasks for data.mixture_or_task, which is empty; name the Task or Mixture '
+      "to train on, or set data.mixture_or_task_module=''",
     )
 
   def _check_checkpoint(self) -> None:

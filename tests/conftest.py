@@ -46,8 +46,6 @@ import jax  # noqa: E402
 # Must happen before any backend starts, so that (2,2,2)-style meshes run on one CPU.
 jax.config.update('jax_num_cpu_devices', 8)
 
-import pytest  # noqa: E402
-
 from t5x_like.config import Config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -188,11 +186,6 @@ def run_cli(args, cwd=REPO, timeout=600, env=None):
   return subprocess.run(
     [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env
   )
-
-
-@pytest.fixture(scope='session')
-def repo_root():
-  return REPO
 
 
 def random_bloom(tmp_path, n_head, vocab, hidden=48, layers=2, seed=0):

@@ -124,13 +124,13 @@ def check(result, code, fragment):
     (
       ['--config', TINY, '--config.runtime.profile_steps=25-20'],
       2,
-      "runtime.profile_steps must be iterations FIRST-LAST with 1 <= FIRST <= LAST, e.g. '20-25' "
-      "('' for no profile), got '25-20'",
+      "runtime.profile_steps: '25-20' is not a range of iterations FIRST-LAST with 1 <= FIRST <= "
+      "LAST, e.g. '20-25' ('' for none)",
     ),
     (
       ['--config', TINY, '--config.runtime.profile_steps=20'],
       2,
-      'runtime.profile_steps must be iterations FIRST-LAST',
+      "runtime.profile_steps: '20' is not a range of iterations FIRST-LAST",
     ),
     (
       ['--config', TINY, '--config.runtime.profile_steps=1-2', '--config.runtime.tensorboard_dir='],

@@ -278,7 +278,7 @@ def uninterrupted(tmp_path_factory):
   return losses_of(workdir)
 
 
-def _kill_9_at(point: str, workdir, args=TINY) -> None:
+def kill_9_at(point: str, workdir, args=TINY) -> None:
   """Starts TINY's run (or `args`') stopping at `point`, and SIGKILLs it there."""
   reached = str(workdir) + '.reached'
   log_path = str(workdir) + '.log'
@@ -312,7 +312,7 @@ def test_kill_9_then_restart_reproduces_the_uninterrupted_run(uninterrupted, poi
   uninterrupted run's, bitwise."""
   straight = uninterrupted
   workdir = tmp_path / 'interrupted'
-  _kill_9_at(point, workdir)
+  kill_9_at(point, workdir)
   root = os.path.join(workdir, 'checkpoints')
   on_disk = sorted(os.listdir(root)) if os.path.isdir(root) else []
   complete = checkpoints.available_steps(root) if on_disk else []
@@ -641,7 +641,7 @@ def test_kill_switch_saves_and_exits_0_then_blocks_new_starts(tmp_path):
 def test_time_limit_saves_and_asks_for_a_requeue(tmp_path, monkeypatch):
   clock = [0.0]
   monkeypatch.setattr(runtime, 'PROCESS_START', 0.0)
-  monkeypatch.setattr(runtime, '_now', lambda: clock[0])
+  monkeypatch.setattr(runtime, 'now', lambda: clock[0])
   trainer = Trainer(corpus_config(runtime=dict(exit_duration_mins=2.5)), str(tmp_path / 'w'))
   record = trainer.writer.record
 

@@ -267,11 +267,38 @@ def private_uses(modules: dict[str, str]) -> list[str]:
         owner = module_of(node.value)
         if owner and owner != module:
           found.append(f'{path}:{node.lineno}: {owner}.{node.attr}')
+      elif (  # monkeypatch.setattr(module, '_name', ...), setattr(module, '_name', ...)
+        isinstance(node, ast.Call)
+        and getattr(node.func, 'attr', getattr(node.func, 'id', None)) == 'setattr'
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and str(node.args[1].value).startswith('_')
+        and not str(node.args[1].value).startswith('__')
+      ):
+        owner = module_of(node.args[0])
+        if owner and owner != module:
+          found.append(f'{path}:{node.lineno}: {owner}.{node.args[1].value}')
   return found
 
 
+def script_files() -> dict[str, str]:
+  """{name: file} for the tests and benchmark scripts, named as they import each other (by the
+  file's stem: pytest and the scripts put their own folder on sys.path)."""
+  scripts = {}
+  for directory in ('tests', 'benchmarks'):
+    for root, dirs, files in os.walk(os.path.join(REPO, directory)):
+      dirs[:] = sorted(d for d in dirs if d != '__pycache__')
+      for name in sorted(files):
+        if name.endswith('.py'):
+          assert name[:-3] not in scripts, f'two scripts named {name}: they would shadow each other'
+          scripts[name[:-3]] = os.path.join(root, name)
+  return scripts
+
+
 def test_no_module_uses_another_modules_private_names():
-  uses = private_uses(module_files())
+  """The package, its tests and its benchmarks: a test that needs a module's internal names has
+  found a name that should be public."""
+  uses = private_uses({**module_files(), **script_files()})
   assert not uses, (
     'make these public (a name without the underscore) in the module that owns '
     'them:\n' + '\n'.join(uses)
@@ -288,6 +315,8 @@ def test_private_uses_finds_each_form(tmp_path):
       'import t5x_like.data.reader\nfrom t5x_like.lib import _helper\n'
       'def main():\n  lib._helper()\n  other._helper()\n'
       '  t5x_like.data.reader._read()\n  os._exit(0)\n  lib.public()\n'
+      'def test_it(monkeypatch):\n  monkeypatch.setattr(lib, "_helper", None)\n'
+      '  monkeypatch.setattr(lib, "public", None)\n  monkeypatch.setattr(os, "_exit", None)\n'
     ),
     't5x_like.data.user': 'from . import reader\nfrom .reader import _read\nreader._read()\n',
   }
@@ -300,6 +329,7 @@ def test_private_uses_finds_each_form(tmp_path):
   assert sorted(uses) == sorted(
     [
       'from t5x_like.lib import _helper',
+      't5x_like.lib._helper',
       't5x_like.lib._helper',
       't5x_like.lib._helper',
       't5x_like.data.reader._read',
@@ -332,3 +362,69 @@ def test_class_lengths_counts_a_class_to_its_last_line(tmp_path):
   path = tmp_path / 'm.py'
   path.write_text('x = 1\n\n\nclass A:\n  """Doc."""\n\n  def f(self):\n    return 1\n\n\ny = 2\n')
   assert class_lengths(str(path)) == {'A': 5}
+
+
+# Where a class's fields are made: the constructor, a dataclass's __post_init__, a Flax module's
+# setup (its constructor for submodules).
+CONSTRUCTORS = ('__init__', '__post_init__', 'setup')
+
+
+def fields_set_outside_constructors(path: str) -> list[str]:
+  """'path:line: Class.field first set in method' for each attribute of `self` that a class's
+  methods assign but neither its constructor nor its body declares."""
+  found = []
+  for cls in ast.walk(parse(path)):
+    if not isinstance(cls, ast.ClassDef):
+      continue
+    declared = {
+      target.id
+      for statement in cls.body
+      for target in (
+        statement.targets
+        if isinstance(statement, ast.Assign)
+        else [getattr(statement, 'target', None)]
+      )
+      if isinstance(target, ast.Name)
+    }
+    elsewhere = {}
+    for method in cls.body:
+      if not isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef):
+        continue
+      for node in ast.walk(method):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.AugAssign | ast.AnnAssign):
+          targets = [node.target]
+        names = [
+          attribute.attr
+          for target in targets
+          for attribute in ast.walk(target)
+          if isinstance(attribute, ast.Attribute)
+          and isinstance(attribute.value, ast.Name)
+          and attribute.value.id == 'self'
+        ]
+        if method.name in CONSTRUCTORS:
+          declared.update(names)
+        else:
+          for name in names:
+            elsewhere.setdefault(name, (method.name, node.lineno))
+    for name, (method_name, line) in sorted(elsewhere.items()):
+      if name not in declared:
+        found.append(f'{path}:{line}: {cls.name}.{name} first set in {method_name}')
+  return found
+
+
+def test_each_class_sets_its_fields_in_its_constructor():
+  """A reader learns every field a class has from its constructor."""
+  files = [*module_files().values(), *script_files().values()]
+  found = [line for path in files for line in fields_set_outside_constructors(path)]
+  assert not found, 'set these in the constructor (None until known):\n' + '\n'.join(found)
+
+
+def test_the_field_check_finds_a_field_set_in_a_method(tmp_path):
+  path = tmp_path / 'cache.py'
+  path.write_text(
+    'class Cache:\n  size: int = 0\n\n  def __init__(self):\n    self.hits = 0\n\n'
+    '  def get(self):\n    self.hits += 1\n    self.size = 2\n    if not hasattr(self, "_value"):\n'
+    '      self._value = 3\n    return self._value\n'
+  )
+  assert fields_set_outside_constructors(str(path)) == [f'{path}:11: Cache._value first set in get']

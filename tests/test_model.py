@@ -8,6 +8,7 @@ import pytest
 from conftest import program_loops
 
 from t5x_like.config import ModelConfig
+from t5x_like.model import losses
 from t5x_like.model import transformer as model_lib
 
 
@@ -125,7 +126,7 @@ def test_remat_policies_give_the_same_loss_and_gradients(policy):
   remat = model_lib.Transformer(ModelConfig(**{**cfg.__dict__, 'remat_policy': policy}), 256)
 
   def loss(model, p):
-    return model_lib.cross_entropy(model.apply({'params': p}, tokens[:, :-1]), tokens[:, 1:]).mean()
+    return losses.cross_entropy(model.apply({'params': p}, tokens[:, :-1]), tokens[:, 1:]).mean()
 
   l1, g1 = jax.value_and_grad(lambda p: loss(m, p))(params)
   l2, g2 = jax.value_and_grad(lambda p: loss(remat, p))(params)
@@ -168,7 +169,7 @@ def test_cross_entropy_matches_log_softmax():
   logits = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 37)) * 4
   labels = jax.random.randint(jax.random.PRNGKey(1), (2, 5), 0, 37)
   want = -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]
-  np.testing.assert_allclose(model_lib.cross_entropy(logits, labels), want, rtol=1e-6)
+  np.testing.assert_allclose(losses.cross_entropy(logits, labels), want, rtol=1e-6)
 
 
 def test_compile_size_does_not_grow_with_depth():
@@ -195,7 +196,7 @@ def test_unrolled_layers_give_the_scanned_loss_and_gradients_one_block_per_layer
   )
 
   def loss(model, p):
-    return model_lib.cross_entropy(model.apply({'params': p}, tokens[:, :-1]), tokens[:, 1:]).mean()
+    return losses.cross_entropy(model.apply({'params': p}, tokens[:, :-1]), tokens[:, 1:]).mean()
 
   steps = [
     jax.jit(jax.value_and_grad(lambda p, model=model: loss(model, p)))

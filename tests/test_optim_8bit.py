@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import REPO, run_cli, run_steps, small_config
-from test_checkpoints import TINY, _kill_9_at, losses_of, save_step
+from test_checkpoints import TINY, kill_9_at, losses_of, save_step
 
 from t5x_like.checkpointing import checkpoints
 from t5x_like.checkpointing import inspection as checkpoint_inspection
@@ -492,7 +492,7 @@ def test_kill_9_then_restart_resumes_adamw_8bit_exactly(tmp_path):
   saved = checkpoint_inspection.CheckpointReader(str(straight_dir / 'checkpoints'))
   assert any(t.name.endswith('.codes') for t in saved.tensors())
   workdir = tmp_path / 'interrupted'
-  _kill_9_at('asynchronous save', workdir, args=TINY_8BIT)
+  kill_9_at('asynchronous save', workdir, args=TINY_8BIT)
   assert checkpoints.available_steps(str(workdir / 'checkpoints')) == [2]
   r = run_cli(['-m', 't5x_like.train', *TINY_8BIT, '--workdir', str(workdir)])
   assert r.returncode == runtime.ExitCode.FINISHED, r.stderr[-3000:]

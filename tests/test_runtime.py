@@ -9,7 +9,7 @@ from t5x_like.training import runtime
 
 def test_first_iteration_grace_and_suspension(monkeypatch):
   clock = [1000.0]
-  monkeypatch.setattr(runtime, '_now', lambda: clock[0])
+  monkeypatch.setattr(runtime, 'now', lambda: clock[0])
   watchdog = runtime.Watchdog(timeout_s=60.0)
   clock[0] += 3600
   assert not watchdog.overdue()  # not armed before the first beat (start-up, restore)
@@ -51,7 +51,7 @@ def test_the_watchdog_thread_ends_the_process_after_the_timeout_and_not_before(
     exits.put(code)
     test_over.wait(30)  # then the stopped watchdog's thread ends
 
-  monkeypatch.setattr(runtime, '_now', now)
+  monkeypatch.setattr(runtime, 'now', now)
   monkeypatch.setattr(runtime.os, '_exit', fake_exit)
   monkeypatch.setattr(runtime.Watchdog, 'CHECK_EVERY_S', 0.01)
   hangs, log_path = [], str(tmp_path / 'main_log.txt')

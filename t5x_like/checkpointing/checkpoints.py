@@ -661,10 +661,6 @@ class Checkpointer:
     """The steps saved or being saved (a save in flight included), oldest first."""
     return sorted(self._saved)
 
-  def latest_step(self) -> int | None:
-    steps = available_steps(self.root)
-    return steps[-1] if steps else None
-
   def keep_last_before(self, iteration: int) -> int | None:
     """Keeps the latest step saved before `iteration` past the keep policy (it survives later
     saves; the meta of every later checkpoint carries the list, so restarts keep it too).

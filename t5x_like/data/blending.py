@@ -25,6 +25,7 @@ dataset's samples before it, so each dataset is read in order, once per epoch of
 
 from __future__ import annotations
 
+import functools
 import heapq
 import threading
 from collections.abc import Sequence
@@ -321,26 +322,24 @@ class BlendedSource:
     if any(s.seq_len != self.seq_len for s in self.sources):
       raise ValueError('blended sources must share one seq_len')
 
-  @property
+  @functools.cached_property
   def num_samples(self) -> int:
     """How many samples from the start of the blend come before any source repeats one of its
     own (as SampleSource.num_samples counts an epoch): the largest n whose counts(n) stay within
     every source's samples, found by bisection (counts grows with n)."""
-    if not hasattr(self, '_num_samples'):
-      sizes = np.asarray([s.num_samples for s in self.sources])
-      low, high = 0, int(sizes.sum())  # counts(high) must exceed some size, or equal all
-      if isinstance(self.blend, Blend):
-        # Past (size_d + 1) / w_d samples, floor(w_d n) alone exceeds size_d: no need to grow
-        # the boundary table further.
-        high = min(high, int(np.floor(np.min((sizes + 1) / self.blend.weights))))
-      while low < high:
-        middle = (low + high + 1) // 2
-        if np.all(self.blend.counts(middle) <= sizes):
-          low = middle
-        else:
-          high = middle - 1
-      self._num_samples = low
-    return self._num_samples
+    sizes = np.asarray([s.num_samples for s in self.sources])
+    low, high = 0, int(sizes.sum())  # counts(high) must exceed some size, or equal all
+    if isinstance(self.blend, Blend):
+      # Past (size_d + 1) / w_d samples, floor(w_d n) alone exceeds size_d: no need to grow
+      # the boundary table further.
+      high = min(high, int(np.floor(np.min((sizes + 1) / self.blend.weights))))
+    while low < high:
+      middle = (low + high + 1) // 2
+      if np.all(self.blend.counts(middle) <= sizes):
+        low = middle
+      else:
+        high = middle - 1
+    return low
 
   def rows(self, start: int, stop: int) -> np.ndarray:
     """Global samples start..stop-1 as int32 [stop - start, seq_len + 1]."""

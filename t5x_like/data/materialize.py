@@ -153,7 +153,7 @@ def cache_problem(prefix: str, expected: str) -> str | None:
   return None
 
 
-class _SplitLock:
+class SplitLock:
   """An exclusive flock on PREFIX.lock, polled until `timeout_s` (then one DataError).
 
   `discard()` (while held) removes the lock file and the directories this lock created, so a
@@ -168,13 +168,13 @@ class _SplitLock:
     self._created_file = False
     self._created_dirs: list[str] = []  # innermost first
 
-  def __enter__(self) -> _SplitLock:
+  def __enter__(self) -> SplitLock:
     deadline = time.monotonic() + self.timeout_s
     while True:
       if self._open() and self._wait(deadline):
         if self._still_named():
           return self
-        self._opened.close()  # removed by a writer that failed: lock the path anew
+        self.file.close()  # removed by a writer that failed: lock the path anew
 
   def _open(self) -> bool:
     directory = os.path.dirname(self.path)
@@ -192,7 +192,7 @@ class _SplitLock:
     return True
 
   @property
-  def _opened(self) -> TextIO:
+  def file(self) -> TextIO:
     """The lock file, which _open has opened."""
     assert self._file is not None, 'the lock file is not open'
     return self._file
@@ -200,13 +200,13 @@ class _SplitLock:
   def _wait(self, deadline: float) -> bool:
     while True:
       try:
-        fcntl.flock(self._opened, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
       except OSError as error:
         if error.errno not in (errno.EAGAIN, errno.EACCES):
           raise
       if time.monotonic() >= deadline:
-        self._opened.close()
+        self.file.close()
         raise DataError(
           f'waited {self.timeout_s:g} s for another process preparing '
           f'{self.path[:-5]} (it holds {self.path}); let it finish, run `python -m '
@@ -216,7 +216,7 @@ class _SplitLock:
 
   def _still_named(self) -> bool:
     try:
-      return os.path.samestat(os.fstat(self._opened.fileno()), os.stat(self.path))
+      return os.path.samestat(os.fstat(self.file.fileno()), os.stat(self.path))
     except FileNotFoundError:
       return False
 
@@ -235,8 +235,8 @@ class _SplitLock:
         break
 
   def __exit__(self, *exc) -> None:
-    fcntl.flock(self._opened, fcntl.LOCK_UN)
-    self._opened.close()
+    fcntl.flock(self.file, fcntl.LOCK_UN)
+    self.file.close()
 
 
 def _checked_ids(task, split: str, data) -> Iterator[np.ndarray]:
@@ -317,7 +317,7 @@ def materialize(
   if data is None and cache_problem(prefix, expected):
     data = seqio_tasks.split_examples(task, split)
   built = False
-  with _SplitLock(prefix, timeout_s) as lock:
+  with SplitLock(prefix, timeout_s) as lock:
     problem = cache_problem(prefix, expected)
     if problem:
       if problem != 'missing':

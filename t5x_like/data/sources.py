@@ -322,12 +322,6 @@ def check_config(d, e) -> None:
   """Config-time check of data.* (`d`, a config.DataConfig) and eval.* (`e`) syntax: one
   ConfigError naming the fix. The files themselves are opened by the trainer, still before any
   compilation."""
-  if d.blend_order not in blending.ORDERS:
-    raise ConfigError(
-      f"data.blend_order={d.blend_order!r} is not a blend order; use 'quota' "
-      "(every prefix within one sample of the weights) or 'divisor' (the order "
-      'of runs started before it)'
-    )
   try:
     if d.train_path:
       parse_data_path(d.train_path)
@@ -360,24 +354,7 @@ def check_config(d, e) -> None:
       parse_data_path(spec, key=f'data.valid_path[{name!r}]')
   except DataError as error:
     raise ConfigError(str(error)) from None
-  for r in d.skip_train_iteration_range:
-    parts = str(r).split('-')
-    if (
-      len(parts) != 2
-      or not all(p.strip().isdigit() for p in parts)
-      or not 1 <= int(parts[0]) <= int(parts[1])
-    ):
-      raise ConfigError(
-        f'data.skip_train_iteration_range: {r!r} is not a range of iterations '
-        'FIRST-LAST with 1 <= FIRST <= LAST, e.g. ("13251-14000",)'
-      )
   check_weighted_split_paths(d, e)
-  if d.mixture_or_task_module and not d.mixture_or_task:
-    raise ConfigError(
-      f'data.mixture_or_task_module={d.mixture_or_task_module!r} registers seqio '
-      'Tasks for data.mixture_or_task, which is empty; name the Task or Mixture '
-      "to train on, or set data.mixture_or_task_module=''"
-    )
   if uses_seqio(d):
     check_seqio(d, e)
     return

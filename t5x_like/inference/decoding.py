@@ -120,7 +120,7 @@ def generate(
     tokens[row, : len(prompt)] = prompt
     lengths[row] = len(prompt)
   mesh = partitioning.make_mesh(data, 1, cfg.mesh.tensor)
-  prefill, step = _programs(model, cfg.padded_vocab_size, mesh, float(temperature), top_k)
+  prefill, step = _programs(model, mesh, float(temperature), top_k)
 
   token, positions, cache, key = prefill(
     params, tokens, lengths, jax.random.PRNGKey(seed), cache_length
@@ -158,7 +158,7 @@ def generate(
 
 
 @functools.lru_cache(maxsize=8)
-def _programs(model: ModelConfig, padded_vocab: int, mesh, temperature: float, top_k: int):
+def _programs(model: ModelConfig, mesh, temperature: float, top_k: int):
   """The jitted (prefill, step) of a model on a mesh with one way of picking tokens. jax.jit
   compiles each for the shapes it is called with: one program per (rows, cache length, prompt
   length) bucket."""

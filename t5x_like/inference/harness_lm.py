@@ -120,6 +120,7 @@ def _score_fn(model_cfg: ModelConfig, padded_vocab: int, data: int, tensor: int)
   import jax.numpy as jnp
 
   from t5x_like.mesh import partitioning
+  from t5x_like.model import losses
   from t5x_like.model import transformer as model_lib
 
   mesh = partitioning.make_mesh(data, 1, tensor)
@@ -143,7 +144,7 @@ def _score_fn(model_cfg: ModelConfig, padded_vocab: int, data: int, tensor: int)
       x, y = args  # [B, chunk, h], [B, chunk]
       # fp32 logits, the padded vocabulary rows at the lowest float (never the argmax).
       logits = model_lib.tied_logits(x, embedding, model_cfg.vocab_size, ctx)
-      return -model_lib.cross_entropy(logits, y), jnp.argmax(logits, -1) == y
+      return -losses.cross_entropy(logits, y), jnp.argmax(logits, -1) == y
 
     logprobs, greedy = jax.lax.map(one_chunk, (hidden, labels))
     unchunk = lambda a: a.swapaxes(0, 1).reshape(rows, chunks * chunk)[:, :length]

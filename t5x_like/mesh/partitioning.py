@@ -23,7 +23,6 @@ import functools
 import hashlib
 import math
 import os
-import sys
 from collections.abc import Sequence
 
 import jax
@@ -371,7 +370,7 @@ def backends_started() -> bool:
   """Whether a JAX backend has started (after which the virtual CPU device count is fixed)."""
   from jax._src import xla_bridge
 
-  return bool(xla_bridge._backends)
+  return xla_bridge.backends_are_initialized()
 
 
 def cpu_only() -> bool:
@@ -627,54 +626,3 @@ def replica_report(tree) -> list[ReplicaMismatch]:
 def replica_mismatches(tree) -> list[str]:
   """Paths of the replicated arrays of `tree` whose copies differ (`replica_report`)."""
   return [mismatch.path for mismatch in replica_report(tree)]
-
-
-class ReplicaCheck:
-  """runtime.replica_check_interval as a training-loop hook (hooks.Hooks.add_hook): the
-  replicated arrays of the params and optimizer state whose copies differ (the chronicles'
-  LayerNorm weights that drifted apart across tensor ranks, found weeks later). One SPMD program
-  updates every copy alike, so this should never find one; the check makes that a measured fact
-  of the run, not an assumption. Every process calls it at the same iteration (a collective)
-  and reaches the same verdict. `log(line)` writes the run's log, `alert(event, message,
-  iteration)` is alerts.Alerts.send; a process that writes no log prints a mismatch too.
-  `num_devices`: the mesh's, as the log line names them."""
-
-  def __init__(self, log, alert, is_writer: bool, num_devices: int):
-    self.log, self.alert, self.is_writer = log, alert, is_writer
-    self.num_devices = num_devices
-
-  def __call__(self, info) -> None:
-    if info.trained:
-      self.check(info.state, info.iteration)
-
-  def check(self, tree, iteration: int) -> list[str]:
-    """Logs the verdict on `tree` at `iteration`; returns the paths whose copies differ."""
-    drifted = replica_report(tree)
-    devices = self.num_devices
-    if drifted:
-      where = '; '.join(
-        f'{m.path} on process{"es" * (len(m.processes) > 1)} {", ".join(map(str, m.processes))}'
-        for m in drifted
-      )
-      message = (
-        f'> replica check at iteration {iteration}: the copies of '
-        f'{", ".join(m.path for m in drifted)} differ across devices. Resume from the '
-        'last checkpoint (a restore reads one copy) and report it with this log. The '
-        f'differing copies: {where}'
-      )
-      self.log(message)
-      self.alert('replica_mismatch', message, iteration)
-      if not self.is_writer:
-        print(message, file=sys.stderr, flush=True)
-    elif jax.process_count() == 1:
-      self.log(
-        f'> replica check at iteration {iteration}: every replicated array of the '
-        f"params and optimizer state is identical on this process's {devices} devices"
-      )
-    else:
-      self.log(
-        f'> replica check at iteration {iteration}: every replicated array of the '
-        f'params and optimizer state is identical on all {devices} devices of the '
-        f'{jax.process_count()} processes'
-      )
-    return [m.path for m in drifted]

@@ -461,12 +461,12 @@ def tokamax_attention(q, k, v, *, alibi_slopes=None, implementation: str | None 
     bias = jax.lax.stop_gradient(alibi_key_bias(alibi_slopes, k.shape[1]))
   # A one-op sequence: tokamax 0.0.15 and 0.0.17 (the GPU suite's) take an op object only there.
   return tokamax.dot_product_attention(
-    q, k, v, bias=bias, is_causal=True, implementation=(_tokamax_op(implementation),)
+    q, k, v, bias=bias, is_causal=True, implementation=(tokamax_op(implementation),)
   )
 
 
 @functools.cache
-def _tokamax_op(implementation: str) -> Any:
+def tokamax_op(implementation: str) -> Any:
   """tokamax's op for `implementation` with its backward's ds in TOKAMAX_DS_DTYPE ('xla', whose
   backward is XLA's autodiff, as it is)."""
   if implementation == 'xla':

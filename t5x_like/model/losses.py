@@ -1,7 +1,7 @@
 """Next-token losses of the Transformer, by `model.cross_entropy_impl`.
 
 * 'dense': the model's fp32 logits [B, S, V_pad] (split over the vocabulary under the mesh), then
-  `model.cross_entropy`.
+  `cross_entropy`.
 * 'chunked': the model's final hidden states and the tied embedding go to the vocabulary-parallel
   chunked cross-entropy (`t5x_like.kernels.vocab_parallel_cross_entropy`): under the mesh a
   `shard_map` gives each device its tokens (`data`) and vocabulary rows (`tensor`), and no device
@@ -40,6 +40,20 @@ def split_tokens(tokens):
   return jnp.maximum(inputs, 0), jnp.maximum(targets, 0), weights
 
 
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Per-token next-token cross-entropy in fp32, never gathering the vocabulary on one device.
+
+  The max, the log-sum-exp and the label logit are reductions over the (tensor-split) vocab dim,
+  which the partitioner turns into local reductions plus all-reduces of [B, S] values.
+  """
+  logits = logits.astype(jnp.float32)
+  top = jax.lax.stop_gradient(logits.max(-1, keepdims=True))
+  lse = jnp.log(jnp.exp(logits - top).sum(-1)) + top[..., 0]
+  vocab_ids = jnp.arange(logits.shape[-1], dtype=labels.dtype)
+  label_logit = jnp.where(vocab_ids == labels[..., None], logits, 0.0).sum(-1)
+  return lse - label_logit
+
+
 def real_microbatches(batch):
   """[M] bools: which micro-batches of batch [M, rows, S + 1] hold a target that is not padding
   (train.rampup_microbatch_multiple adds micro-batches of padding only, after the real ones)."""
@@ -74,7 +88,7 @@ def head_loss(head_params, x, labels, weights, count, cfg: ModelConfig, ctx: mod
   impl = cfg.cross_entropy_impl
   if impl == 'dense':
     logits = model_lib.output_logits(head_params, x, cfg, ctx)
-    return (model_lib.cross_entropy(logits, labels) * weights).sum() / count
+    return (cross_entropy(logits, labels) * weights).sum() / count
   hidden = model_lib.final_norm(head_params, x, cfg, ctx)
   embedding = head_params['word_embeddings'].astype(hidden.dtype)
   if impl == 'fused':
@@ -108,7 +122,7 @@ def _token_losses(model: model_lib.Transformer, params, inputs, labels, determin
   cfg = model.cfg
   if cfg.cross_entropy_impl == 'dense':
     logits = model.apply({'params': params}, inputs, deterministic=deterministic, rngs=rngs)
-    return model_lib.cross_entropy(cast(jax.Array, logits), labels)
+    return cross_entropy(cast(jax.Array, logits), labels)
   hidden, embedding = _final_hidden(model, params, inputs, deterministic, rngs)
   return chunked_token_losses(hidden, embedding, labels, cfg, model.mesh)
 

@@ -40,7 +40,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from t5x_like.config import ModelConfig
-from t5x_like.kernels.reference import attention_reference  # noqa: F401 (benchmarks use it)
 from t5x_like.kernels.residuals import ATTENTION_RESIDUALS
 from t5x_like.mesh import partitioning
 from t5x_like.model import attention as attention_lib
@@ -142,8 +141,7 @@ def layer_norm(x, scale, bias, eps: float):
   """(x - mean) / std * scale + bias over the last dim, statistics in fp32, in x's dtype.
 
   The backward is written out (two row reductions, one elementwise pass) and keeps only x and the
-  fp32 row statistics; autodiff of the forward keeps fp32 intermediates and makes more passes
-  (bloom_100m steps on CPU ran up to 5% faster with this in A/B runs, docs/benchmarks.md).
+  fp32 row statistics; autodiff of the forward keeps fp32 intermediates and makes more passes.
   """
   return _layer_norm_fwd(x, scale, bias, eps)[0]
 
@@ -571,20 +569,6 @@ def gathered_embedding(model: Transformer, params) -> jax.Array:
 def remat_policy(name: str):
   """The jax.checkpoint policy of `model.remat_policy`, or None for no recomputation."""
   return _REMAT_POLICIES.get(name)
-
-
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Per-token next-token cross-entropy in fp32, never gathering the vocabulary on one device.
-
-  The max, the log-sum-exp and the label logit are reductions over the (tensor-split) vocab dim,
-  which the partitioner turns into local reductions plus all-reduces of [B, S] values.
-  """
-  logits = logits.astype(jnp.float32)
-  top = jax.lax.stop_gradient(logits.max(-1, keepdims=True))
-  lse = jnp.log(jnp.exp(logits - top).sum(-1)) + top[..., 0]
-  vocab_ids = jnp.arange(logits.shape[-1], dtype=labels.dtype)
-  label_logit = jnp.where(vocab_ids == labels[..., None], logits, 0.0).sum(-1)
-  return lse - label_logit
 
 
 def param_logical_names(boxed_params):

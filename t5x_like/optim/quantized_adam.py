@@ -25,12 +25,10 @@ exactly as optax.scale_by_adam's.
 The token embedding's moments stay fp32 because that is how bitsandbytes' Adam8bit runs language
 models, and what its parity with 32-bit Adam is reported for: its StableEmbedding (which
 Megatron-DeepSpeed's --use-bnb-optimizer uses) keeps its own state in 32 bits (GlobalOptimManager's
-'optim_bits': 32 override). Quantised, the tied embedding's moments drift from AdamW's: fed the
-tiny config's gradients, its update was 9% from AdamW's at iteration 100 and up to 14% after (the
-other quantised matrices: 3%), in this module and in a numpy transcription of bitsandbytes'
-kernel alike (benchmarks/adam8bit_vs_bnb.py, which also steps both from the same state: the same
-codes but for a few in a million); trained that way the tiny config ended 200 iterations 4.8%
-above AdamW, and with fp32 embedding moments 0.6% below (docs/model.md).
+'optim_bits': 32 override). Quantised, the tied embedding's moments drift from AdamW's several
+times more than the other matrices', here and in bitsandbytes' kernel alike, and the loss ends
+above AdamW's; with fp32 embedding moments it does not (the figures: docs/model.md,
+benchmarks/adam8bit_vs_bnb.py).
 """
 
 from __future__ import annotations

@@ -8,9 +8,8 @@ too), not a GPU, a driver or CUDA's libraries: the compile makes the program and
 assignment, and runs nothing. XLA takes the device from a GpuTargetConfig: the data sheet's SM
 count, memory, bandwidth and clock, and CUDA's shared-memory and register limits for the
 compute capability. What it cannot know is autotuning's choice of kernels, which moves no
-buffer: on 2026-11-27 the GPU suite's step compiled so by jax 0.11.2 (the GPU machines') said
-46.856 GiB where an H100 running jax 0.11.2 measured 46.86 (docs/benchmarks.md). The compiler is
-jax's: jax 0.10.2 compiles the same step to 48.64 GiB.
+buffer: the figure equals a GPU's own compile on the same jax (docs/benchmarks.md). The compiler
+is jax's, so the figure moves with jax's version.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ import numpy as np
 PROCESS_START = time.monotonic()
 
 
-def _now() -> float:
+def now() -> float:
+  """The clock the limits and the watchdog read (tests put a stand-in in its place)."""
   return time.monotonic()
 
 
@@ -257,7 +258,7 @@ class StopConditions:
         os._exit(int(ExitCode.REQUEUE))
 
   def elapsed_s(self) -> float:
-    return _now() - self.start
+    return now() - self.start
 
   def local_reason(self) -> StopReason | None:
     if kill_switch_present(self.kill_switch_path):
@@ -270,10 +271,10 @@ class StopConditions:
 
   def poll(self) -> StopReason | None:
     """The reason to stop now, the same on every process."""
-    now = _now()
+    current = now()
     if self._last_poll is not None:
-      self.last_iteration_s = now - self._last_poll
-    self._last_poll = now
+      self.last_iteration_s = current - self._last_poll
+    self._last_poll = current
     reason = self.local_reason()
     if self.num_processes == 1:
       return reason
@@ -324,7 +325,7 @@ class Watchdog:
     self.timeout_s = timeout_s
     self.log_path = log_path
     self.on_hang = on_hang  # called with the message before the stacks are written
-    self._last_beat = _now()
+    self._last_beat = now()
     self._allowed_s = timeout_s  # of silence after the last beat (see `beat`'s grace)
     self._what = 'starting'
     self._armed = False
@@ -349,12 +350,12 @@ class Watchdog:
     NCCL's take minutes on hundreds of GPUs)."""
     self._what = what
     self._allowed_s = self.timeout_s * grace
-    self._last_beat = _now()
+    self._last_beat = now()
     self._armed = True
 
   def overdue(self) -> bool:
     """Whether the silence since the last beat is longer than that beat allows."""
-    return self._armed and not self._suspended and _now() - self._last_beat > self._allowed_s
+    return self._armed and not self._suspended and now() - self._last_beat > self._allowed_s
 
   @contextlib.contextmanager
   def suspended(self):
@@ -363,7 +364,7 @@ class Watchdog:
       yield
     finally:
       self._suspended -= 1
-      self._last_beat = _now()
+      self._last_beat = now()
 
   def _watch(self) -> None:
     while not self._stop.wait(min(self.CHECK_EVERY_S, self.timeout_s / 4)):
@@ -376,7 +377,7 @@ class Watchdog:
       f' x {grace:g} for this step' if grace != 1 else ''
     )
     message = (
-      f'> hang: no progress for {(_now() - self._last_beat) / 60:.2f} minutes '
+      f'> hang: no progress for {(now() - self._last_beat) / 60:.2f} minutes '
       f'({allowed}) while {self._what}; the '
       f'Python stack of every thread follows; exit code {int(ExitCode.HUNG)} '
       f'(HUNG): resubmit to resume from the last checkpoint\n'

@@ -33,7 +33,7 @@ def check_config(cfg: Config, device: attention.Device | None = None) -> Config:
   """Every check of `cfg`, before any JAX backend starts; returns it, or raises one ConfigError
   naming the fix (exit code 2 in every command). device: the devices' kind where they are not
   this machine's (`plan --gpu` compiles for GPUs on a CPU)."""
-  cfg.check_ranges()
+  cfg.check_values()
   if device is None:
     partitioning.check_mesh_size(cfg.mesh.num_devices)
   cfg.validate()

@@ -94,7 +94,7 @@ class Trainer:
       self.evaluator = TrainingEvaluator(
         cfg, self.layout, self.batch_sharding, self.data, self.writer, self.watchdog
       )
-      self.replica_check = partitioning.ReplicaCheck(
+      self.replica_check = watches.ReplicaCheck(
         self.writer.info, self.alerts.send, self.is_writer, self.mesh.devices.size
       )
       self.compilation_cache: str | None = None  # set by start()

@@ -1,5 +1,6 @@
 """The loop's watches and their hooks: a lasting slowdown of the step (throughput), loss and
-grad-norm spikes, and the divergence stop (non-finite iterations in a row)."""
+grad-norm spikes, the divergence stop (non-finite iterations in a row), and the replicated
+copies compared across devices (ReplicaCheck)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import dataclasses
 import json
 import math
 import statistics
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from t5x_like.config import Config
+from t5x_like.mesh import partitioning
 from t5x_like.training import runtime
 
 
@@ -302,3 +305,54 @@ class RunWatches:
   def checkpoint_meta(self) -> dict[str, Any]:
     """What a checkpoint's meta carries for the next job (its 'throughput')."""
     return {'setup': self.throughput_setup, 'baselines': self.throughput.baselines()}
+
+
+class ReplicaCheck:
+  """runtime.replica_check_interval as a training-loop hook (hooks.Hooks.add_hook): the
+  replicated arrays of the params and optimizer state whose copies differ (the chronicles'
+  LayerNorm weights that drifted apart across tensor ranks, found weeks later). One SPMD program
+  updates every copy alike, so this should never find one; the check makes that a measured fact
+  of the run, not an assumption. Every process calls it at the same iteration (a collective)
+  and reaches the same verdict. `log(line)` writes the run's log, `alert(event, message,
+  iteration)` is alerts.Alerts.send; a process that writes no log prints a mismatch too.
+  `num_devices`: the mesh's, as the log line names them."""
+
+  def __init__(self, log, alert, is_writer: bool, num_devices: int):
+    self.log, self.alert, self.is_writer = log, alert, is_writer
+    self.num_devices = num_devices
+
+  def __call__(self, info) -> None:
+    if info.trained:
+      self.check(info.state, info.iteration)
+
+  def check(self, tree, iteration: int) -> list[str]:
+    """Logs the verdict on `tree` at `iteration`; returns the paths whose copies differ."""
+    drifted = partitioning.replica_report(tree)
+    devices = self.num_devices
+    if drifted:
+      where = '; '.join(
+        f'{m.path} on process{"es" * (len(m.processes) > 1)} {", ".join(map(str, m.processes))}'
+        for m in drifted
+      )
+      message = (
+        f'> replica check at iteration {iteration}: the copies of '
+        f'{", ".join(m.path for m in drifted)} differ across devices. Resume from the '
+        'last checkpoint (a restore reads one copy) and report it with this log. The '
+        f'differing copies: {where}'
+      )
+      self.log(message)
+      self.alert('replica_mismatch', message, iteration)
+      if not self.is_writer:
+        print(message, file=sys.stderr, flush=True)
+    elif jax.process_count() == 1:
+      self.log(
+        f'> replica check at iteration {iteration}: every replicated array of the '
+        f"params and optimizer state is identical on this process's {devices} devices"
+      )
+    else:
+      self.log(
+        f'> replica check at iteration {iteration}: every replicated array of the '
+        f'params and optimizer state is identical on all {devices} devices of the '
+        f'{jax.process_count()} processes'
+      )
+    return [m.path for m in drifted]

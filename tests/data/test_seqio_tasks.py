@@ -251,11 +251,11 @@ def test_a_writer_that_fails_removes_its_lock_and_a_waiter_locks_the_path_anew(t
 
   prefix = str(tmp_path / 'cache' / 'seqio' / 'task' / 'train')
   held = []
-  with materialize._SplitLock(prefix, 60) as first:  # pylint: disable=protected-access
+  with materialize.SplitLock(prefix, 60) as first:
 
     def wait():
-      with materialize._SplitLock(prefix, 60) as second:  # pylint: disable=protected-access
-        held.append(os.path.samestat(os.fstat(second._file.fileno()), os.stat(second.path)))
+      with materialize.SplitLock(prefix, 60) as second:
+        held.append(os.path.samestat(os.fstat(second.file.fileno()), os.stat(second.path)))
 
     waiter = threading.Thread(target=wait)
     waiter.start()

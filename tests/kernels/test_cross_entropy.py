@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5x_like.kernels import vocab_parallel_cross_entropy
 from t5x_like.kernels.cross_entropy import fused_cross_entropy_mean, pick_chunk
-from t5x_like.model.transformer import cross_entropy
+from t5x_like.model.losses import cross_entropy
 
 PADDED_VOCAB, VOCAB, WIDTH = 512, 450, 16
 

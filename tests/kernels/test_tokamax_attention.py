@@ -197,9 +197,9 @@ def test_the_private_tokamax_parts_used_are_there():
   """tokamax_attention reads tokamax's op registry and its VJPs' dbias_intermediate_dtype: a
   tokamax that renamed them fails here, not on the GPU."""
   for implementation in ('mosaic', 'triton'):
-    op = attention_lib._tokamax_op(implementation)
+    op = attention_lib.tokamax_op(implementation)
     assert op.vjp.dbias_intermediate_dtype == attention_lib.TOKAMAX_DS_DTYPE
-  assert attention_lib._tokamax_op('xla') == 'xla'
+  assert attention_lib.tokamax_op('xla') == 'xla'
 
 
 # ------------------------------------------------------------------------------------- auto
