@@ -232,7 +232,7 @@ class DataConfig:
   root: str = ''
   # A registered seqio Task or Mixture to train on, instead of train_path and split: a Mixture's
   # rates are the blend weights, each Task's validation splits named validation sets. It is
-  # materialised once into .bin/.idx under cache_dir (docs/data.md#seqio-tasks-and-mixtures).
+  # materialised once into .bin/.idx under cache_dir (docs/data.md, "seqio Tasks and Mixtures").
   mixture_or_task: str = ''
   # A module that registers the user's Tasks and Mixtures, imported before the name is looked
   # up (t5x's MIXTURE_OR_TASK_MODULE); the project's own (data/seqio_tasks.py) always are.
@@ -379,7 +379,7 @@ class RuntimeConfig:
   # job (a restart, a requeue) loads them instead of compiling again, as it does each curriculum
   # length. Relative to the workdir unless absolute; '': none.
   compilation_cache_dir: str = ''
-  # A shell command run in the background on each event an operator must act on (t5x_like/
+  # A shell command run in the background on each event an operator must act on (training/
   # alerts.py: spike, slowdown, replica_mismatch, hang, crashed, stopped, finished), with
   # T5X_LIKE_EVENT, T5X_LIKE_MESSAGE, T5X_LIKE_ITERATION, T5X_LIKE_WORKDIR, T5X_LIKE_PROCESS in
   # its environment; '': none.

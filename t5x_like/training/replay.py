@@ -236,4 +236,5 @@ def print_report(result: dict) -> None:
       print(s['text'])
   if result['samples'] and 'text' not in result['samples'][0]:
     print('(no text: pass the tokenizer of the data with --tokenizer_json or --tokenizer_model)')
-  print(f'to train past this batch: --config.{result["skip_with"]}')
+  key, _, value = result['skip_with'].partition('=')
+  print(f'to train past this batch: --config.{key}="{value}"')  # quoted for the shell
