@@ -1,4 +1,5 @@
-"""Crash- and race-safe file writes for shipped assets and on-disk caches."""
+"""Crash- and race-safe file writes, and the check that an output can be written before the work
+that makes it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 import tempfile
 from collections.abc import Callable
 from typing import BinaryIO
+
+from t5x_like.errors import ConfigError
 
 
 def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
@@ -26,3 +29,29 @@ def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
   except BaseException:
     os.unlink(temp_path)
     raise
+
+
+def nearest_existing(path: str) -> str:
+  while not os.path.exists(path):
+    parent = os.path.dirname(path)
+    if parent == path:
+      break
+    path = parent
+  return path
+
+
+def check_writable(path: str, what: str, fix: str) -> None:
+  """Refuses `path` (a directory a command will create or write to) with one ConfigError when it
+  cannot be: a file in its way, or a read-only or unwritable directory. Nothing is left behind."""
+  existing = nearest_existing(path)
+  if not os.path.isdir(existing):
+    raise ConfigError(f'{what} {path} cannot be created: {existing} is a file; {fix}')
+  try:
+    probe = os.path.join(existing, f'.t5x_like_write_probe_{os.getpid()}')
+    with open(probe, 'w') as f:
+      f.write('ok')
+    os.remove(probe)
+  except OSError as e:
+    raise ConfigError(
+      f'{what} {path} is not writable ({e.strerror} in {existing}); {fix}'
+    ) from None

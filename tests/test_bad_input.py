@@ -290,6 +290,20 @@ def test_train_refuses_an_evaluation_longer_than_its_set(tmp_path, capfd):
   assert not os.path.exists(tmp_path / 'workdir' / 'checkpoints')
 
 
+def test_train_refuses_a_damaged_config_history_and_leaves_it_as_it_was(tmp_path, capfd):
+  """A run appends its job to config_history.jsonl; after a damaged line `data batch` could not
+  read any iteration of the run, so the damage is one error before the run starts."""
+  workdir = tmp_path / 'workdir'
+  workdir.mkdir()
+  history = workdir / 'config_history.jsonl'
+  history.write_text('{garbage\n')
+  argv = ['--config', TINY, '--workdir', str(workdir)]
+  fragment = 'config_history.jsonl is damaged: line 1 is not a job record'
+  check(run_main(train.main, argv, capfd, tmp_path), 2, fragment)
+  assert history.read_text() == '{garbage\n'
+  assert sorted(os.listdir(workdir)) == ['config_history.jsonl']
+
+
 def _write_run(workdir, history_line):
   """A run's workdir as `data batch` reads it: config.json and one config_history record."""
   from conftest import small_config
@@ -351,6 +365,12 @@ def _full_disk(monkeypatch):
       'no text to tokenize (2 document(s)',
     ),
     (
+      lambda tmp, mp: (tmp / 'inputs').mkdir(),
+      ['preprocess', '--input', '{tmp}/inputs'],
+      2,
+      "inputs' is a directory; pass its files (JSON lines or text), e.g. --input ",
+    ),
+    (
       lambda tmp, mp: (tmp / 'bad.model').write_text('not a model'),
       ['preprocess', '--input', TINY, '--tokenizer_model', '{tmp}/bad.model'],
       2,
@@ -366,13 +386,19 @@ def _full_disk(monkeypatch):
       lambda tmp, mp: _write_run(tmp / 'run', '{"first_iteration": 1, "config": {}}'),
       ['batch', '{tmp}/run', '--iteration', '1'],
       2,
-      'config_history.jsonl is damaged: record 1 is not a job',
+      'config_history.jsonl is damaged: line 1 is not a job record',
+    ),
+    (
+      lambda tmp, mp: _write_run(tmp / 'run', '{garbage'),
+      ['batch', '{tmp}/run', '--iteration', '1'],
+      2,
+      'config_history.jsonl is damaged: line 1 is not a job record',
     ),
     (
       lambda tmp, mp: _write_run(tmp / 'run', '[1, 2]'),
       ['batch', '{tmp}/run', '--iteration', '1'],
       2,
-      'config_history.jsonl is damaged: record 1 is not a job',
+      'config_history.jsonl is damaged: line 1 is not a job record',
     ),
     (
       lambda tmp, mp: (
@@ -393,8 +419,25 @@ def test_data_cli_refuses(setup, argv, code, fragment, tmp_path, capsys, monkeyp
   if argv[0] == 'preprocess':
     argv = [*argv, '--output_prefix', str(out_dir / 'data')]
   check(run_main(data_cli.main, argv, capsys, tmp_path), code, fragment)
-  # Nothing half-written: no dataset and no temporary file.
-  assert not os.path.exists(out_dir) or os.listdir(out_dir) == []
+  # Nothing half-written: no dataset, no temporary file, not even the directory made for them.
+  assert not os.path.exists(out_dir)
+
+
+@pytest.mark.parametrize(
+  'prefix, fragment',
+  [
+    ('{tmp}/a_file/data', 'its directory {tmp}/a_file cannot be created: {tmp}/a_file is a file'),
+    ('/sys/kernel/data', 'its directory /sys/kernel is not writable ('),
+  ],
+)
+def test_preprocess_refuses_an_output_it_cannot_write_before_reading(
+  prefix, fragment, tmp_path, capsys
+):
+  (tmp_path / 'a_file').write_text('x')
+  argv = ['preprocess', '--input', TINY, '--output_prefix', prefix]
+  check(
+    run_main(data_cli.main, argv, capsys, tmp_path), 2, fragment.replace('{tmp}', str(tmp_path))
+  )
 
 
 @pytest.mark.parametrize(
@@ -464,6 +507,30 @@ GOOD_META = {
       ['import-hf', '{src}', '{tmp}/out'],
       2,
       'config.json holds a list, not a JSON object',
+    ),
+    (
+      lambda hf, root, tmp: root,
+      ['export-hf', '{src}', '/sys/kernel/hf'],
+      2,
+      'the Hugging Face directory /sys/kernel/hf is not writable (',
+    ),
+    (
+      lambda hf, root, tmp: ((tmp / 'a_file').write_text('x'), root)[1],
+      ['export-hf', '{src}', '{tmp}/a_file/hf'],
+      2,
+      'a_file/hf cannot be created: ',
+    ),
+    (
+      lambda hf, root, tmp: hf,
+      ['import-hf', '{src}', '/sys/kernel/ckpt'],
+      2,
+      'the checkpoint directory /sys/kernel/ckpt is not writable',
+    ),
+    (
+      lambda hf, root, tmp: ((tmp / 'a_file').write_text('x'), hf)[1],
+      ['import-hf', '{src}', '{tmp}/a_file'],
+      2,
+      'a_file is a file; pass a new directory to write the checkpoint to',
     ),
     (
       lambda hf, root, tmp: root,

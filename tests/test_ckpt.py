@@ -445,6 +445,8 @@ def test_bad_checkpoints_are_one_message_and_a_nonzero_exit(fake_run, tmp_path, 
     assert len(err.strip().splitlines()) == 1 and 'Traceback' not in err
 
   fails(2, 'does not exist', 'inspect', str(tmp_path / 'nope'))
+  (tmp_path / 'a_file').write_text('x')
+  fails(2, 'is a file, not a checkpoint directory', 'inspect', str(tmp_path / 'a_file'))
   os.makedirs(tmp_path / 'empty')
   fails(2, 'holds no complete checkpoint', 'verify', str(tmp_path / 'empty'))
   fails(2, 'step 7 is not in', 'stats', fake_run, '--step', '7')
@@ -457,7 +459,10 @@ def test_bad_checkpoints_are_one_message_and_a_nonzero_exit(fake_run, tmp_path, 
   data = os.path.join(truncated, '2', 'params', 'ocdbt.process_0', 'd')
   os.truncate(max((os.path.join(data, f) for f in os.listdir(data)), key=os.path.getsize), 10)
   fails(2, 'is damaged', 'stats', truncated)
-  fails(2, 'is damaged', 'verify', truncated)
+  # For verify a damaged step is a failed check (exit 1), as docs/checkpoints.md says.
+  code, out, err = run_ckpt(capsys, 'verify', truncated)
+  assert code == 1 and out.startswith('FAIL readable: ') and 'is damaged' in out, (out, err)
+  assert err.strip().endswith('FAILED (readable)')
   fails(2, 'is damaged', 'diff', fake_run, truncated)
   os.remove(os.path.join(removed, '2', 'params', '_METADATA'))
   fails(2, 'is damaged: the metadata of its params item cannot be read', 'inspect', removed)

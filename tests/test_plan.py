@@ -91,6 +91,27 @@ def test_bad_config_is_refused_before_compiling():
   assert r.returncode == 2 and 'does not fit 70 layers' in r.stderr
 
 
+def test_plan_takes_the_gin_front_end_as_train_does(monkeypatch, capsys):
+  """The same estimate from configs/bloom_176b.gin as from .py (they are one config), with a
+  binding as the override; a .gin file given to --config is refused with the flag to use."""
+  from conftest import REPO
+
+  from t5x_like.cli import plan
+
+  monkeypatch.chdir(REPO)
+  common = ['--estimate', '--gpu', 'a100-80gb', '--json']
+  assert (
+    plan.main(['--config', 'configs/bloom_176b.py', '--config.train.micro_batch_size=1', *common])
+    == 0
+  )
+  from_py = capsys.readouterr().out
+  gin = ['--gin_file', 'configs/bloom_176b.gin', '--gin_bindings', 'train.micro_batch_size = 1']
+  assert plan.main([*gin, *common]) == 0
+  assert capsys.readouterr().out == from_py and '"micro_batch_size": 1' in from_py
+  assert plan.main(['--config', 'configs/bloom_176b.gin', *common]) == 2
+  assert 'is a gin file; pass it with --gin_file' in capsys.readouterr().err
+
+
 def _plan_json(*overrides):
   r = run_cli(
     [

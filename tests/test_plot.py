@@ -139,6 +139,10 @@ def test_a_bad_or_empty_workdir_is_one_clear_error(tmp_path, capsys):
   assert 'use .png' in capsys.readouterr().err
   assert plot.main([good, '--out', str(tmp_path / 'no_dir' / 'c.png')]) == 2
   assert 'no_dir does not exist' in capsys.readouterr().err
+  assert plot.main([good, '--out', '/sys/kernel/curves.png']) == 2  # a directory one cannot write
+  assert '--out /sys/kernel/curves.png: its directory /sys/kernel is not writable (' in (
+    capsys.readouterr().err
+  )
   r = run_cli(['-m', 't5x_like.plot', str(empty), '--out', str(out)])
   assert r.returncode == 2 and 'has no metrics.jsonl' in r.stderr and 'Traceback' not in r.stderr
 

@@ -201,9 +201,17 @@ def test_a_run_file_that_is_a_link_is_refused_and_nothing_outside_is_written(
 
 
 def test_a_refused_run_does_not_create_its_workdir(tmp_path, capsys):
-  workdir = tmp_path / 'new' / 'run'
-  assert train.main(corpus_args(workdir, '--config.data.train_path=/nonexistent/prefix')) == 2
-  assert not os.path.exists(tmp_path / 'new' / 'run')
+  """Nor the parents it would have made: the lock made them, and removes them again."""
+  workdir = tmp_path / 'new' / 'runs' / 'run'
+  corpus_args(tmp_path / 'config', '--config.data.train_path=/nonexistent/prefix')  # the config
+  assert (
+    train.main(
+      ['--config', str(tmp_path / 'corpus_config.py'), '--workdir', str(workdir)]
+      + ['--config.data.train_path=/nonexistent/prefix']
+    )
+    == 2
+  )
+  assert not os.path.exists(tmp_path / 'new')
   assert 'nonexistent' in capsys.readouterr().err
 
 
@@ -620,6 +628,40 @@ def test_a_signal_during_start_up_ends_the_process_at_once(tmp_path, sig, native
   # Locked (and so created), then removed again; a process that left from a native call can
   # only leave its lock file, which blocks nobody.
   assert not os.path.exists(workdir) or os.listdir(workdir) == [workdir_lib.LOCK_FILE]
+
+
+@pytest.mark.parametrize('delay_s', [0.5, 1.5])
+def test_the_trainer_command_exits_3_when_a_signal_interrupts_its_start_up(tmp_path, delay_s):
+  """`python -m t5x_like.train` sent SIGTERM as the run starts (its log file just made), while
+  it imports TensorFlow for its TensorBoard writer and XLA runs what it dispatched: exit code 3
+  and the one message. The interpreter's teardown under a half-made import crashed (exit 139)
+  in most such runs before the command left at once."""
+  workdir = tmp_path / 'run'
+  process = subprocess.Popen(
+    [
+      sys.executable,
+      '-m',
+      't5x_like.train',
+      *('--config', 'configs/tiny.py', '--config.eval.interval=0', '--config.train.steps=4'),
+      *('--workdir', str(workdir)),
+    ],
+    cwd=REPO,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    for _ in range(1200):
+      if (workdir / 'logs' / 'main_log.txt').exists() or process.poll() is not None:
+        break
+      time.sleep(0.05)
+    time.sleep(delay_s)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+  finally:
+    process.kill()
+  assert process.returncode == runtime.ExitCode.REQUEUE, err[-3000:]
+  assert 'received SIGTERM before the first iteration' in err
 
 
 def test_a_closed_terminal_saves_and_asks_for_a_requeue(tmp_path):

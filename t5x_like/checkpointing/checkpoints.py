@@ -164,8 +164,9 @@ def resolve(path: str, step: int | None = None) -> tuple[str, int]:
   path = os.path.abspath(path)
   if not os.path.isdir(path):
     raise CheckpointError(
-      f"checkpoint path {path} does not exist; pass a run's "
-      'WORKDIR/checkpoints directory or one step directory inside it'
+      f'checkpoint path {path} '
+      + ('is a file, not a checkpoint directory' if os.path.exists(path) else 'does not exist')
+      + "; pass a run's WORKDIR/checkpoints directory or one step directory inside it"
     )
   if os.path.basename(path).isdigit() and _is_step_dir(path):
     root, own_step = os.path.dirname(path), int(os.path.basename(path))

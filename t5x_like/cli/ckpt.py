@@ -31,14 +31,18 @@ import os
 import sys
 
 from t5x_like.config import Config, ConfigError
+from t5x_like.files import check_writable
 
 
 def import_hf(hf_dir: str, out_dir: str) -> Config:
   """Writes a weights-only checkpoint (step 0) with the model config taken from HF's config."""
   from t5x_like.checkpointing import checkpoints, hf
 
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ConfigError(f'{out_dir} is a file; pass a new directory to write the checkpoint to')
   if checkpoints.available_steps(out_dir) or (os.path.isdir(out_dir) and os.listdir(out_dir)):
     raise ConfigError(f'{out_dir} is not empty; choose a new output directory')
+  check_writable(out_dir, 'the checkpoint directory', 'pass a directory you can write to')
   hf_config, state = hf.load_hf_dir(hf_dir)
   cfg = Config.from_dict(
     {'model': hf.model_config_from_hf(hf_config), 'train': {'steps': 1}}
@@ -55,6 +59,7 @@ def export_hf(ckpt_dir: str, hf_dir: str, step: int | None = None) -> None:
   from t5x_like.checkpointing import hf
   from t5x_like.inference.loading import load_for_inference
 
+  check_writable(hf_dir, 'the Hugging Face directory', 'pass a directory you can write to')
   cfg, params = load_for_inference(ckpt_dir, 'float32', step, with_data=False)
   state = hf.hf_state_from_params(jax.tree.map(np.asarray, params), cfg.model)
   hf.save_hf_dir(hf_dir, hf.hf_config_from_model_config(cfg.model), state)
@@ -95,8 +100,13 @@ def run_tool(args) -> int:
     result = inspection.diff(a, b, args.atol)
     emit(result) if args.json else print(inspection.format_diff(result))
     return 0 if result['same'] else 1
+  from t5x_like.checkpointing.checkpoints import CheckpointError
+
   reader = inspection.CheckpointReader(args.ckpt_dir, args.step)
-  results = inspection.verify(reader, restore=not args.no_restore)
+  try:
+    results = inspection.verify(reader, restore=not args.no_restore)
+  except CheckpointError as e:  # a tensor that cannot be read: the check failed, not the input
+    results = [{'check': 'readable', 'ok': False, 'detail': str(e)}]
   if args.json:
     emit(results)
   else:

@@ -40,6 +40,8 @@ from t5x_like.data import indexed, sources
 from t5x_like.data.hf_tokenizer import EOD_CANDIDATES, HFTokenizer
 from t5x_like.data.indexed import DataError
 from t5x_like.data.tokenizer import DEFAULT_MODEL_PATH, Tokenizer
+from t5x_like.errors import ConfigError
+from t5x_like.files import check_writable
 
 BAD_INPUT = 2
 _BATCH_DOCUMENTS = 1024  # documents per multi-threaded encode call
@@ -121,6 +123,20 @@ def preprocess(
       f'{output_prefix}.bin and .idx already exist; pass --overwrite to replace them '
       'or choose another --output_prefix'
     )
+  for path in inputs:
+    if os.path.isdir(path):
+      raise DataError(
+        f'input {path!r} is a directory; pass its files (JSON lines or text), e.g. '
+        f'--input {os.path.join(path, "*.jsonl")}'
+      )
+  try:
+    check_writable(
+      os.path.dirname(os.path.abspath(output_prefix)),
+      f'--output_prefix {output_prefix}: its directory',
+      'choose an --output_prefix in a directory you can write to',
+    )
+  except ConfigError as e:
+    raise DataError(str(e)) from None
   dtype = indexed.best_dtype(tokenizer.vocab_size)
   start = time.perf_counter()
   encoded = (

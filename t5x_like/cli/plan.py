@@ -1,6 +1,7 @@
 """`python -m t5x_like.plan`: compile a config's train step ahead of time and report its cost.
 
   python -m t5x_like.plan --config configs/bloom_176b.py [--config.key=value ...]
+  python -m t5x_like.plan --gin_file configs/bloom_176b.gin [--gin_bindings 'key = value' ...]
       [--gpu KIND] [--unroll] [--json] [--breakdown]
 
 Nothing is allocated: the step is lowered for abstract (shape-only) state and batch on the
@@ -51,7 +52,8 @@ import os
 import sys
 import time
 
-from t5x_like.config import Config, ConfigError, load_config_file, parse_overrides
+from t5x_like.cli.config_arguments import add_config_arguments, config_from_arguments
+from t5x_like.config import Config, ConfigError
 from t5x_like.planning import cost_model, gpu_target, memory_report
 from t5x_like.training import device_memory, schedule, startup
 
@@ -386,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  parser.add_argument('--config', required=True)
+  add_config_arguments(parser)
   parser.add_argument('--json', action='store_true', help='print one JSON object')
   parser.add_argument(
     '--breakdown',
@@ -419,9 +421,6 @@ def main(argv: list[str] | None = None) -> int:
   )
   args, rest = parser.parse_known_args(argv)
   try:
-    overrides = parse_overrides(rest)
-    if args.unroll:
-      overrides['model.scan_unroll'] = True
     check_model_arguments(args)
     if args.gpu and not os.environ.get('JAX_PLATFORMS'):
       # The GPUs are described to XLA, and this process runs on the CPU. On a machine with jax's
@@ -430,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
       import jax
 
       jax.config.update('jax_platforms', 'cpu')
-    cfg = load_config_file(args.config, overrides)
+    cfg = config_from_arguments(args, rest)
+    if args.unroll:
+      cfg = cfg.replace(model={'scan_unroll': True})
     if args.estimate or args.search:
       # Config and schedule arithmetic only: the mesh is the GPUs', not this machine's.
       cfg.validate()

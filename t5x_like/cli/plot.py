@@ -29,6 +29,7 @@ import sys
 from typing import Any
 
 from t5x_like.errors import ConfigError
+from t5x_like.files import check_writable
 from t5x_like.training.workdir import read_records
 
 # --x: the record field of the x axis, and its label.
@@ -164,6 +165,7 @@ def check_out(out: str) -> None:
       + ('is a directory' if os.path.isdir(out) else f'its directory {parent} does not exist')
       + '; pass the path of the image file to write'
     )
+  check_writable(parent, f'--out {out}: its directory', 'pass a directory you can write to')
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,10 +21,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
 
 # First, so that runtime.exit_duration_mins counts from process start.
 from t5x_like.training import runtime  # isort: skip
-from t5x_like.config import Config, ConfigError, load_config_file, load_gin, parse_overrides
+from t5x_like.cli.config_arguments import add_config_arguments, config_from_arguments
+from t5x_like.config import Config, ConfigError
 from t5x_like.mesh import distributed
 from t5x_like.training import startup
 from t5x_like.training import workdir as workdir_lib
@@ -43,14 +45,7 @@ def parse_command_line(argv: list[str]) -> tuple[Config, str, distributed.Proces
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  parser.add_argument('--config', help='ml_collections config file (configs/*.py)')
-  parser.add_argument('--gin_file', action='append', default=[], help='gin file (repeatable)')
-  parser.add_argument(
-    '--gin_bindings',
-    action='append',
-    default=[],
-    help="gin binding such as 'train.steps = 10' (repeatable)",
-  )
+  add_config_arguments(parser)
   parser.add_argument('--workdir', required=True, help='where checkpoints and logs go')
   parser.add_argument(
     '--coordinator_address',
@@ -60,15 +55,7 @@ def parse_command_line(argv: list[str]) -> tuple[Config, str, distributed.Proces
   parser.add_argument('--num_processes', type=int, help='processes in the run')
   parser.add_argument('--process_id', type=int, help='this process, 0 to num_processes - 1')
   args, rest = parser.parse_known_args(argv)
-  overrides = parse_overrides(rest)
-  if bool(args.config) == bool(args.gin_file):
-    raise ConfigError('pass exactly one of --config FILE.py or --gin_file FILE.gin')
-  if args.gin_file:
-    if overrides:
-      raise ConfigError('--config.* overrides go with --config; with gin use --gin_bindings')
-    cfg = load_gin(args.gin_file, args.gin_bindings)
-  else:
-    cfg = load_config_file(args.config, overrides)
+  cfg = config_from_arguments(args, rest)
   workdir_lib.resolve(args.workdir)  # an empty --workdir (unset $WORKDIR) is refused now
   group = distributed.from_flags_or_environment(
     args.coordinator_address, args.num_processes, args.process_id
@@ -100,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
       return _train(cfg, workdir, group, stop, command_line=argv is None)
   except runtime.Interrupted as e:
     print(f'> stopped: {e}', file=sys.stderr, flush=True)
+    if argv is None:
+      # The console script: start-up can leave native work running (XLA's dispatched
+      # computations, TensorFlow's half-done import), under which the interpreter's teardown
+      # crashed (exit 139 instead of 3). Nothing is left to save or close.
+      leave_now(runtime.ExitCode.REQUEUE)
     return runtime.ExitCode.REQUEUE
 
 
@@ -152,14 +144,20 @@ def register_harness(trainer) -> None:
     raise
 
 
+def leave_now(code: int) -> NoReturn:
+  """Ends the process with `code` once its output is flushed, without the interpreter's teardown
+  (threads it would wait for, native work it would crash under)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(int(code))
+
+
 def cli() -> None:
   """The console script: after a failed save, Orbax's writer threads are still unwinding; the
   process leaves without waiting for them."""
   code = main()
   if code == runtime.ExitCode.CRASHED:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(int(code))
+    leave_now(code)
   sys.exit(code)
 
 

@@ -220,6 +220,12 @@ class IndexedDatasetWriter:
     if self.dtype not in _CODE_OF or self.dtype.kind == 'f':
       raise DataError(f'cannot write token ids as {self.dtype}')
     directory = os.path.dirname(os.path.abspath(prefix))
+    # The directories this writer makes, innermost first: a discarded dataset leaves none.
+    self._created_dirs: list[str] = []
+    while not os.path.lexists(directory):
+      self._created_dirs.append(directory)
+      directory = os.path.dirname(directory)
+    directory = os.path.dirname(os.path.abspath(prefix))
     os.makedirs(directory, exist_ok=True)
     fd, self._bin_tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-', suffix='.bin')
     self._bin = os.fdopen(fd, 'wb')
@@ -263,7 +269,15 @@ class IndexedDatasetWriter:
       for leftover in (self._bin_tmp, idx_tmp):
         if leftover and os.path.exists(leftover):
           os.unlink(leftover)
+      self._remove_created_dirs()
       raise
+
+  def _remove_created_dirs(self) -> None:
+    for directory in self._created_dirs:
+      try:
+        os.rmdir(directory)
+      except OSError:
+        return  # not empty: someone else's files
 
   def abort(self) -> None:
     if not self._closed:
@@ -274,6 +288,7 @@ class IndexedDatasetWriter:
         pass
       finally:
         os.unlink(self._bin_tmp)
+        self._remove_created_dirs()
 
   def __enter__(self) -> IndexedDatasetWriter:
     return self

@@ -56,6 +56,39 @@ def record_job(workdir: str, first_iteration: int, cfg: Config, data_seed: int) 
     f.write(line + '\n')
 
 
+def read_history(workdir: str) -> list[dict]:
+  """The jobs of WORKDIR/config_history.jsonl, oldest first ([] without one); a DataError names
+  a damaged line. The trainer reads it before a run starts, so that it never appends to a
+  history that `data batch` could not read."""
+  history = os.path.join(workdir, CONFIG_HISTORY)
+  if not os.path.isfile(history):
+    return []
+  jobs = []
+  with open(history) as f:
+    for number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        job = json.loads(line)
+      except json.JSONDecodeError as e:
+        job = f'not JSON ({e.msg})'
+      if not (
+        isinstance(job, dict)
+        and all(
+          isinstance(job.get(k), int) and not isinstance(job.get(k), bool)
+          for k in ('first_iteration', 'data_seed')
+        )
+        and isinstance(job.get('config'), dict)
+      ):
+        raise DataError(
+          f'{history} is damaged: line {number} is not a job record (a JSON mapping with '
+          'an int first_iteration, an int data_seed and a config); remove that line, or '
+          'the file (`python -m t5x_like.data batch` then uses config.json)'
+        )
+      jobs.append(job)
+  return jobs
+
+
 def _parsed_config(raw, where: str) -> Config:
   if not isinstance(raw, dict):
     raise DataError(
@@ -80,27 +113,8 @@ def run_config(workdir: str, iteration: int | None = None) -> tuple[Config, int]
       '`python -m t5x_like.train --workdir`)'
     )
   history = os.path.join(workdir, CONFIG_HISTORY)
-  if iteration is not None and os.path.isfile(history):
-    with open(history) as f:
-      try:
-        jobs = [json.loads(line) for line in f if line.strip()]
-      except json.JSONDecodeError as e:
-        raise DataError(f'{history} is damaged ({e}); remove it to use config.json') from None
-    for number, job in enumerate(jobs, start=1):
-      if not (
-        isinstance(job, dict)
-        and all(
-          isinstance(job.get(k), int) and not isinstance(job.get(k), bool)
-          for k in ('first_iteration', 'data_seed')
-        )
-        and isinstance(job.get('config'), dict)
-      ):
-        raise DataError(
-          f'{history} is damaged: record {number} is not a job (a mapping with an '
-          f'int first_iteration, an int data_seed and a config); remove that '
-          'line, or the file to use config.json'
-        )
-    started = [job for job in jobs if job['first_iteration'] <= iteration]
+  if iteration is not None:
+    started = [job for job in read_history(workdir) if job['first_iteration'] <= iteration]
     if started:
       job = started[-1]
       return (

@@ -61,6 +61,7 @@ def resolve(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -
   given)."""
   root = os.path.join(workdir, 'checkpoints')
   software = provenance.software() if software is None else software
+  replay.read_history(workdir)  # a damaged history is refused before the run appends to it
   steps, damaged = checkpoints.scan_steps(root)
   zero = {'iteration': 0, 'skipped_iterations': 0}
   if damaged and not steps:

@@ -163,6 +163,9 @@ class StopConditions:
   # long native call (an XLA compilation), Python runs no handler until it returns, so after this
   # long the process leaves from a watcher thread instead.
   FORCE_EXIT_AFTER_S = 2.0
+  # A handler that ran where its exception is dropped (a garbage-collection callback) leaves
+  # the main thread in start-up; after this long the watcher ends the process instead.
+  DROPPED_EXIT_AFTER_S = 10.0
 
   def __init__(
     self,
@@ -184,6 +187,7 @@ class StopConditions:
     self._wakeup: tuple[int, int] | None = None
     self._previous_wakeup_fd = -1
     self._interrupt_handled = threading.Event()
+    self._leaving = threading.Event()  # set when the with-block ends
     self._watcher: threading.Thread | None = None
 
   def __enter__(self) -> StopConditions:
@@ -204,6 +208,7 @@ class StopConditions:
     return self
 
   def __exit__(self, *exc) -> None:
+    self._leaving.set()
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
     self._previous.clear()
@@ -218,13 +223,19 @@ class StopConditions:
       os.close(write_fd)
 
   def start_training(self) -> None:
-    """From here on a signal stops the run at the next iteration boundary, after a save."""
+    """From here on a signal stops the run at the next iteration boundary, after a save. A
+    signal whose Interrupted did not reach the caller ends the run here, before its first
+    iteration: Python runs a handler wherever the main thread is, a garbage-collection callback
+    included (jax registers one), and an exception raised there is dropped."""
+    if self.received is not None:
+      raise Interrupted(self.received)
     self.training = True
 
   def _on_signal(self, signum, frame) -> None:
     if signum == signal.SIGHUP:
       detach_from_terminal()
     if not self.training:
+      self.received = signum  # for start_training, should the exception be dropped
       self._interrupt_handled.set()
       raise Interrupted(signum)
     if self.received is not None and signum in (signal.SIGTERM, signal.SIGINT):
@@ -250,12 +261,14 @@ class StopConditions:
       if self.training or data[0] not in [int(s) for s in self._previous]:
         continue
       if not self._interrupt_handled.wait(self.FORCE_EXIT_AFTER_S):
-        print(
-          f'> {Interrupted(data[0])} (left during a native call, e.g. a compilation)',
-          file=sys.stderr,
-          flush=True,
-        )
-        os._exit(int(ExitCode.REQUEUE))
+        self._leave(f'> {Interrupted(data[0])} (left during a native call, e.g. a compilation)')
+      elif not self._leaving.wait(self.DROPPED_EXIT_AFTER_S) and not self.training:
+        self._leave(f'> {Interrupted(data[0])} (left from start-up, which went on)')
+
+  @staticmethod
+  def _leave(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    os._exit(int(ExitCode.REQUEUE))
 
   def elapsed_s(self) -> float:
     return now() - self.start

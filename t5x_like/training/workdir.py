@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from t5x_like.errors import ConfigError
-from t5x_like.files import atomic_write
+from t5x_like.files import atomic_write, check_writable
 
 LOCK_FILE = 'trainer.lock'
 
@@ -38,32 +38,6 @@ def resolve(workdir: str | None) -> str:
   return path
 
 
-def nearest_existing(path: str) -> str:
-  while not os.path.exists(path):
-    parent = os.path.dirname(path)
-    if parent == path:
-      break
-    path = parent
-  return path
-
-
-def check_writable(path: str, what: str, fix: str) -> None:
-  """Refuses `path` (a directory the run will create or write to) when it cannot be: a file in
-  its way, or a read-only or unwritable directory. Nothing is left behind."""
-  existing = nearest_existing(path)
-  if not os.path.isdir(existing):
-    raise ConfigError(f'{what} {path} cannot be created: {existing} is a file; {fix}')
-  try:
-    probe = os.path.join(existing, f'.t5x_like_write_probe_{os.getpid()}')
-    with open(probe, 'w') as f:
-      f.write('ok')
-    os.remove(probe)
-  except OSError as e:
-    raise ConfigError(
-      f'{what} {path} is not writable ({e.strerror} in {existing}); {fix}'
-    ) from None
-
-
 class Lock:
   """The exclusive lock of a workdir; `acquire()` refuses a second trainer with a ConfigError
   naming the host and process that hold it. Creates the workdir if needed; `release()` removes
@@ -77,7 +51,8 @@ class Lock:
     self.workdir = workdir
     self.path = os.path.join(workdir, LOCK_FILE)
     self._fd: int | None = None
-    self._created_workdir = False
+    # The workdir and the parents that acquire made, innermost first.
+    self._created_dirs: list[str] = []
     self._created_file = False
 
   @property
@@ -85,7 +60,10 @@ class Lock:
     return self._fd is not None
 
   def acquire(self) -> None:
-    self._created_workdir = not os.path.exists(self.workdir)
+    directory = os.path.abspath(self.workdir)
+    while not os.path.lexists(directory):
+      self._created_dirs.append(directory)
+      directory = os.path.dirname(directory)
     try:
       os.makedirs(self.workdir, exist_ok=True)
       self._created_file = not os.path.lexists(self.path)
@@ -93,6 +71,7 @@ class Lock:
         self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644
       )
     except OSError as e:
+      self._remove_created_dirs()
       if e.errno == errno.ELOOP:
         raise ConfigError(
           f'{self.path} is a symbolic link (to {os.readlink(self.path)}); the '
@@ -148,19 +127,27 @@ class Lock:
     os.pwrite(fd, holder.encode(), 0)
 
   def release(self, started: bool = True) -> None:
-    """Lets the lock go. A run that never started removes the lock file and the workdir it
-    created, so a refused run leaves no trace."""
+    """Lets the lock go. A run that never started removes the lock file, the workdir and the
+    parent directories acquire created, so a refused run leaves no trace."""
     if self._fd is None:
       return
     if not started and self._created_file:
       try:
         os.remove(self.path)
-        if self._created_workdir:
-          os.rmdir(self.workdir)
       except OSError:
         pass  # someone else's files appeared meanwhile: leave them
+      self._remove_created_dirs()
     os.close(self._fd)  # closing the only descriptor releases the flock
     self._fd = None
+
+  def _remove_created_dirs(self) -> None:
+    """Removes the directories acquire made, innermost first, while they are empty."""
+    for directory in self._created_dirs:
+      try:
+        os.rmdir(directory)
+      except OSError:
+        return  # someone else's files appeared meanwhile: leave them
+    self._created_dirs = []
 
 
 def atomic_write_text(path: str, text: str) -> None:
