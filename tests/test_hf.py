@@ -18,7 +18,8 @@ from flax import linen as nn
 
 from t5x_like.checkpointing import hf
 from t5x_like.config import Config, ModelConfig
-from t5x_like.model.transformer import Transformer, cross_entropy
+from t5x_like.model.losses import cross_entropy
+from t5x_like.model.transformer import Transformer
 
 # Head counts 3, 5 and 6 exercise the non-power-of-two ALiBi slopes; vocabularies that are not
 # multiples of 128 exercise the embedding padding. A larger initializer_range than HF's 0.02 gives
@@ -197,6 +198,8 @@ def test_save_then_from_pretrained_gives_identical_logits(tmp_path):
   )
   assert sorted(os.listdir(out_dir)) == ['config.json', 'model.safetensors']
   assert os.listdir(tmp_path) == ['export']  # No staging directory left behind.
+  for name in os.listdir(out_dir):  # readable by the others of a shared cluster, as HF's own
+    assert os.stat(out_dir / name).st_mode & 0o777 == 0o644, name
 
   loaded, info = transformers.BloomForCausalLM.from_pretrained(
     str(out_dir), output_loading_info=True

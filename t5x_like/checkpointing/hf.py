@@ -631,6 +631,7 @@ def save_hf_dir(hf_dir: str, config: Mapping[str, Any], state: Mapping[str, np.n
     # format=pt: what transformers writes, and what its loader checks for.
     save_file(tensors, os.path.join(staging, WEIGHTS_FILE), metadata={'format': 'pt'})
     for name in (CONFIG_FILE, WEIGHTS_FILE):
+      os.chmod(os.path.join(staging, name), 0o644)  # safetensors writes its file owner-only
       with open(os.path.join(staging, name), 'rb') as f:
         os.fsync(f.fileno())
     # rename(2) replaces an empty directory atomically and fails on a non-empty one, so a
