@@ -147,6 +147,27 @@ def stop_conditions(rt, stop: StopConditions | None, num_processes: int):
   return StopConditions(rt.kill_switch_path, rt.exit_duration_mins, num_processes=num_processes)
 
 
+def leave_on_early_signals() -> None:
+  """Until StopConditions takes them over, SIGTERM, SIGINT, SIGUSR1 and SIGHUP end the process
+  with exit code 3 and the start-up line: the trainer command spends about a second importing
+  before it can watch them, and the default action (exit 143, no line) would say nothing."""
+
+  def leave(signum, frame) -> None:
+    print(f'> stopped: {Interrupted(signum)}', file=sys.stderr, flush=True)
+    os._exit(int(ExitCode.REQUEUE))
+
+  for sig in StopConditions.SIGNALS:
+    if not (sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN):  # nohup: kept
+      signal.signal(sig, leave)
+
+
+def default_signals() -> None:
+  """The signals' default actions again (SIGHUP's ignored under nohup stays so)."""
+  for sig in StopConditions.SIGNALS:
+    if not (sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN):
+      signal.signal(sig, signal.SIG_DFL)
+
+
 class StopConditions:
   """Watches the kill switch, the wall clock and the signals; a context manager for the handlers.
 
