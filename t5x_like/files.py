@@ -32,6 +32,9 @@ def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
 
 
 def nearest_existing(path: str) -> str:
+  """`path` or the nearest of its parents that exists (a relative path: from the working
+  directory)."""
+  path = os.path.abspath(path)
   while not os.path.exists(path):
     parent = os.path.dirname(path)
     if parent == path:

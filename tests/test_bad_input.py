@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 from conftest import REPO, random_bloom
 
@@ -15,6 +16,7 @@ from t5x_like.cli import ckpt, devices, evaluate, generate, train
 from t5x_like.cli import data as data_cli
 from t5x_like.config import load_config_file
 from t5x_like.data import blending, indexed, sources
+from t5x_like.data.tokenizer import DEFAULT_MODEL_PATH
 
 TINY = os.path.join(REPO, 'configs', 'tiny.py')
 TINY_GIN = os.path.join(REPO, 'configs', 'tiny.gin')
@@ -521,6 +523,12 @@ GOOD_META = {
       'a_file/hf cannot be created: ',
     ),
     (
+      lambda hf, root, tmp: root,
+      ['export-hf', '{src}', '{tmp}/hf', '--tokenizer_model', DEFAULT_MODEL_PATH],
+      2,
+      'the tokenizer has 8192 tokens, the model 64: pass the tokenizer the',
+    ),
+    (
       lambda hf, root, tmp: hf,
       ['import-hf', '{src}', '/sys/kernel/ckpt'],
       2,
@@ -629,6 +637,25 @@ def test_generate_refuses(argv, code, fragment, imported, tmp_path, capsys):
   (tmp_path / 'bad.model').write_text('not a model')
   argv = ['--checkpoint', imported[1], '--prompt', 'hello', *argv]
   check(run_main(generate.main, argv, capsys, tmp_path), code, fragment)
+
+
+def test_evaluate_refuses_rows_longer_than_a_gpt2_models_positions(tmp_path, capsys):
+  """Before the restore, as generate and the harness refuse it; it was a shape error after."""
+  from conftest import small_config
+
+  from t5x_like.checkpointing import checkpoints
+  from t5x_like.mesh import partitioning
+  from t5x_like.parallel.train_state import make_layout
+
+  cfg = small_config(model=dict(architecture='gpt2', max_position_embeddings=16))
+  layout = make_layout(cfg, partitioning.make_mesh(1, 1, 1))
+  checkpoints.save_params(str(tmp_path / 'ckpt'), layout.init(0).params, cfg)
+  np.save(tmp_path / 'rows.npy', np.zeros((2, 18), np.int32))  # 17 inputs each
+  argv = ['--checkpoint', str(tmp_path / 'ckpt'), '--data', str(tmp_path / 'rows.npy')]
+  fragment = 'feeds 17 tokens to the model, more than the 16 learned positions of this gpt2 model'
+  check(run_main(evaluate.main, argv, capsys, tmp_path), 2, fragment)
+  np.save(tmp_path / 'rows.npy', np.zeros((2, 17), np.int32))
+  assert evaluate.main(argv) == 0
 
 
 @pytest.mark.parametrize(

@@ -121,6 +121,26 @@ def test_export_hf_gives_back_the_original_logits(tmp_path):
     np.testing.assert_array_equal(again(tokens).logits.numpy(), model(tokens).logits.numpy())
 
 
+def test_export_hf_names_the_special_tokens_of_the_datas_tokenizer(tmp_path, monkeypatch):
+  """Without a tokenizer BLOOM's ids; with the shipped one (pad 0, eos 1, unk 2, bos 3) its
+  own, or HF's `generate` would write past the data's end of document. Bare relative output
+  names, as a user in the run's directory types them."""
+  from t5x_like.data.tokenizer import DEFAULT_MODEL_PATH
+
+  monkeypatch.chdir(tmp_path)
+  _, hf_dir = random_bloom(tmp_path, 2, 8192, hidden=16, layers=1)
+  assert ckpt.main(['import-hf', hf_dir, 'ckpt']) == 0
+  assert ckpt.main(['export-hf', 'ckpt', 'bloom_ids']) == 0
+  assert ckpt.main(['export-hf', 'ckpt', 'shipped', '--tokenizer_model', DEFAULT_MODEL_PATH]) == 0
+
+  def ids(directory):
+    with open(os.path.join(directory, 'config.json')) as f:
+      config = json.load(f)
+    return [config[f'{k}_token_id'] for k in ('bos', 'eos', 'pad')]
+
+  assert ids('bloom_ids') == [1, 2, 3] and ids('shipped') == [3, 1, 0]
+
+
 def test_evaluate_on_a_megatron_dataset_reads_consecutive_samples_of_its_documents(
   tmp_path, capsys
 ):

@@ -140,6 +140,20 @@ def test_padded_vocabulary_rows_are_never_predicted():
     assert all(0 <= t < cfg.model.vocab_size for row in ids for t in row)
 
 
+def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
+  """A tokenizer smaller than the model's vocabulary (BLOOM's 250,680 tokens in 250,880 rows):
+  the rows past it made the likeliest, greedy and sampled tokens stay below vocab_limit, which
+  the tokenizer can decode."""
+  cfg, params = model('bloom')
+  table, limit = params['word_embeddings'], 900
+  beyond = jnp.arange(table.shape[0]) >= limit
+  params = dict(params, word_embeddings=jnp.where(beyond[:, None], 1e3 * table[:1], table))
+  assert any(t >= limit for row in decoding.generate(cfg, params, PROMPTS, 4) for t in row)
+  for temperature in (0.0, 1.0):
+    ids = decoding.generate(cfg, params, PROMPTS, 4, temperature=temperature, vocab_limit=limit)
+    assert all(0 <= t < limit for row in ids for t in row)
+
+
 def test_requests_in_one_bucket_share_their_compilations(caplog):
   """Prompt and cache lengths are rounded up to multiples of CACHE_MULTIPLE: another request of
   the same rows whose lengths round alike compiles nothing; a longer cache compiles again."""

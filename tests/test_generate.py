@@ -81,13 +81,23 @@ def test_cli_continues_text_with_the_shipped_tokenizer_and_refuses_a_smaller_mod
   assert 1 <= len(result['completion_ids']) <= 5
   ids = result['completion_ids']
   text_ids = ids[:-1] if ids[-1] == tokenizer.eod_id else ids
-  assert result['completion'] == tokenizer.decode(text_ids)
+  assert r.stdout.startswith(tokenizer.decode(result['prompt_ids'] + text_ids))
   assert r.stdout.startswith('def f(x):' + result['completion'])
   # A model whose vocabulary is smaller than the tokenizer's: one message, before the restore.
   _, small = imported(tmp_path, 4, 300, hidden=32)
   r = run_cli(['-m', 't5x_like.generate', '--checkpoint', small, '--prompt', 'x'])
   assert r.returncode == 2 and 'the tokenizer has 8192 tokens' in r.stderr
   assert generate.main(['--checkpoint', small, '--prompt', 'x', '--max_new_tokens', '0']) == 2
+
+
+def test_the_completion_keeps_the_space_that_begins_it():
+  """'The cat' continued by the piece '▁sat' prints 'The cat sat': decoded alone, the piece
+  loses its space ('The catsat'). The end of document is left out of the text."""
+  tokenizer = Tokenizer.load_default()
+  prompt, whole = tokenizer.encode('The cat'), tokenizer.encode('The cat sat on it')
+  assert whole[: len(prompt)] == prompt
+  new = [*whole[len(prompt) :], tokenizer.eod_id]
+  assert generate.completion_text(tokenizer, prompt, new) == ' sat on it'
 
 
 def generated(capsys, argv):

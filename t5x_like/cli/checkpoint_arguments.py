@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from t5x_like.errors import ConfigError
+
 
 def add_checkpoint_arguments(
   parser: argparse.ArgumentParser,
@@ -31,11 +33,25 @@ def add_checkpoint_arguments(
   )
 
 
-def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
+def add_tokenizer_arguments(
+  parser: argparse.ArgumentParser, default: str = 'the shipped tokenizer'
+) -> None:
   """--tokenizer_model or --tokenizer_json (data.tokenizer.load_tokenizer reads them)."""
   which = parser.add_mutually_exclusive_group()
-  which.add_argument('--tokenizer_model', help='a SentencePiece .model (default: the shipped one)')
+  which.add_argument('--tokenizer_model', help=f'a SentencePiece .model (default: {default})')
   which.add_argument(
     '--tokenizer_json',
     help='a Hugging Face tokenizer.json, or the directory a tokenizer was saved to',
   )
+
+
+def tokenizer_from_arguments(args: argparse.Namespace):
+  """--tokenizer_json / --tokenizer_model (data.tokenizer.load_tokenizer); a bad path is one
+  ConfigError."""
+  from t5x_like.data.indexed import DataError
+  from t5x_like.data.tokenizer import load_tokenizer as load
+
+  try:
+    return load(args.tokenizer_json, args.tokenizer_model)
+  except DataError as e:
+    raise ConfigError(str(e)) from None

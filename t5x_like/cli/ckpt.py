@@ -8,6 +8,8 @@ and export).
   python -m t5x_like.ckpt stats CKPT [--step N]              norm/mean/std/min/max/zeros per tensor
   python -m t5x_like.ckpt import-hf HF_DIR OUT_DIR           BloomForCausalLM (safetensors) -> ckpt
   python -m t5x_like.ckpt export-hf CKPT HF_DIR              checkpoint -> BloomForCausalLM dir
+                      [--tokenizer_json F | --tokenizer_model F]  the special-token ids of the
+                                                             data's tokenizer (default: BLOOM's)
   python -m t5x_like.ckpt rollback CKPT --to N               step N becomes the latest: the later
                                                              steps move to CKPT/.rolled_back/
 
@@ -30,6 +32,7 @@ import math
 import os
 import sys
 
+from t5x_like.cli.checkpoint_arguments import add_tokenizer_arguments, tokenizer_from_arguments
 from t5x_like.config import Config, ConfigError
 from t5x_like.files import check_writable
 
@@ -52,7 +55,18 @@ def import_hf(hf_dir: str, out_dir: str) -> Config:
   return cfg
 
 
-def export_hf(ckpt_dir: str, hf_dir: str, step: int | None = None) -> None:
+def special_token_ids(tokenizer) -> dict[str, int]:
+  """The bos, eos and pad ids a Hugging Face config.json names, from the tokenizer the run's data
+  was tokenized with (eos: its end-of-document id); BLOOM's where it has none."""
+  bloom = {'bos_token_id': 1, 'eos_token_id': 2, 'pad_token_id': 3}
+  found = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eod_id}
+  found['pad_token_id'] = tokenizer.pad_id
+  return {k: v if v is not None and v >= 0 else bloom[k] for k, v in found.items()}
+
+
+def export_hf(ckpt_dir: str, hf_dir: str, step: int | None = None, tokenizer=None) -> None:
+  """Writes a BloomForCausalLM directory; its config.json names `tokenizer`'s special-token ids
+  (BLOOM's without one), so that HF's `generate` stops at the data's end of document."""
   import jax
   import numpy as np
 
@@ -60,9 +74,16 @@ def export_hf(ckpt_dir: str, hf_dir: str, step: int | None = None) -> None:
   from t5x_like.inference.loading import load_for_inference
 
   check_writable(hf_dir, 'the Hugging Face directory', 'pass a directory you can write to')
+  ids = special_token_ids(tokenizer) if tokenizer is not None else {}  # {}: BLOOM's
   cfg, params = load_for_inference(ckpt_dir, 'float32', step, with_data=False)
+  if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+    raise ConfigError(
+      f'the tokenizer has {tokenizer.vocab_size} tokens, the model {cfg.model.vocab_size}: pass '
+      "the tokenizer the checkpoint's data was tokenized with (--tokenizer_json or "
+      '--tokenizer_model)'
+    )
   state = hf.hf_state_from_params(jax.tree.map(np.asarray, params), cfg.model)
-  hf.save_hf_dir(hf_dir, hf.hf_config_from_model_config(cfg.model), state)
+  hf.save_hf_dir(hf_dir, hf.hf_config_from_model_config(cfg.model, **ids), state)
 
 
 def _finite_json(value):
@@ -201,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument('ckpt_dir')
   p.add_argument('hf_dir')
   p.add_argument('--step', type=int, default=None)
+  # config.json names the special-token ids of the tokenizer the data was tokenized with.
+  add_tokenizer_arguments(p, default="BLOOM's ids: <s> 1, </s> 2, <pad> 3")
   p = sub.add_parser('rollback', help='make step N the latest: the later steps are moved aside')
   p.add_argument('ckpt_dir', help="a run's WORKDIR/checkpoints")
   p.add_argument('--to', type=int, required=True, help='the step the next run resumes from')
@@ -221,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         f'hidden {cfg.model.hidden_size}, vocab {cfg.model.vocab_size}'
       )
     else:
-      export_hf(args.ckpt_dir, args.hf_dir, args.step)
+      given = args.tokenizer_json or args.tokenizer_model
+      export_hf(
+        args.ckpt_dir, args.hf_dir, args.step, tokenizer_from_arguments(args) if given else None
+      )
       print(f'wrote {args.hf_dir} (load with BloomForCausalLM.from_pretrained)')
   except (ConfigError, CheckpointError, ValueError, FileNotFoundError, FileExistsError) as e:
     print(f'error: {e}', file=sys.stderr)

@@ -225,6 +225,17 @@ def load_data(args: argparse.Namespace, saved: Config) -> np.ndarray:
   )
 
 
+def check_positions(model, inputs: int) -> None:
+  """A gpt2 model reads at most its learned positions per sample: `inputs` more is one error,
+  before the restore."""
+  if model.architecture == 'gpt2' and inputs > model.max_position_embeddings:
+    raise ConfigError(
+      f'a sample feeds {inputs} tokens to the model, more than the '
+      f'{model.max_position_embeddings} learned positions of this gpt2 model; pass shorter '
+      'rows (or, with a dataset, a --seq_len of at most that)'
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
     prog='python -m t5x_like.evaluate',
@@ -292,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     partitioning.ensure_devices(data * tensor)
     saved = read_config(args.checkpoint, args.step)
     tokens = load_data(args, saved)
+    check_positions(saved.model, tokens.shape[1] - 1)
     # A mesh the model cannot use fails in inference.inference_config, before anything is
     # restored.
     cfg, params = inference.load_for_inference(args.checkpoint, args.dtype, args.step, data, tensor)

@@ -40,21 +40,23 @@ import json
 import os
 import sys
 
-from t5x_like.cli.checkpoint_arguments import add_checkpoint_arguments, add_tokenizer_arguments
+from t5x_like.cli.checkpoint_arguments import (
+  add_checkpoint_arguments,
+  add_tokenizer_arguments,
+  tokenizer_from_arguments,
+)
 from t5x_like.config import Config, ConfigError, ModelConfig
 from t5x_like.inference import decoding
 
 
-def load_tokenizer(args: argparse.Namespace):
-  """--tokenizer_json / --tokenizer_model (data.tokenizer.load_tokenizer); a bad path is one
-  ConfigError."""
-  from t5x_like.data.indexed import DataError
-  from t5x_like.data.tokenizer import load_tokenizer as load
-
-  try:
-    return load(args.tokenizer_json, args.tokenizer_model)
-  except DataError as e:
-    raise ConfigError(str(e)) from None
+def completion_text(tokenizer, prompt_ids: list[int], new: list[int]) -> str:
+  """The text of `new` (its end-of-document left out) as it continues the prompt: decoded after
+  the prompt's ids, so that its first piece keeps the space SentencePiece drops from the start
+  of a text ('The cat' + ' sat', not 'The catsat'); alone where the prompt's text ends inside a
+  character."""
+  text_ids = new[:-1] if new and new[-1] == tokenizer.eod_id else new
+  whole, prompt_text = tokenizer.decode(prompt_ids + text_ids), tokenizer.decode(prompt_ids)
+  return whole[len(prompt_text) :] if whole.startswith(prompt_text) else tokenizer.decode(text_ids)
 
 
 def largest_array(
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
       )
     partitioning.ensure_devices(args.mesh_tensor)  # before anything starts JAX
     saved = read_config(args.checkpoint, args.step)
-    tokenizer = load_tokenizer(args)
+    tokenizer = tokenizer_from_arguments(args)
     prompt_ids = list(tokenizer.encode(args.prompt))
     check_request(
       saved,
@@ -239,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     seed=args.seed,
     eod_id=tokenizer.eod_id,
     progress=True,
+    vocab_limit=tokenizer.vocab_size,
   )
-  text_ids = new[:-1] if new and new[-1] == tokenizer.eod_id else new
-  completion = tokenizer.decode(text_ids)
+  completion = completion_text(tokenizer, prompt_ids, new)
   print(args.prompt + completion)
   print(
     json.dumps(

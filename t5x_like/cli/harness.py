@@ -185,12 +185,12 @@ def main(argv: list[str] | None = None) -> int:
       raise ConfigError(
         f"the harness is not installed ({e}); pip install -c constraints.txt -e '.[eval]'"
       ) from None
-    from t5x_like.cli.generate import load_tokenizer
+    from t5x_like.cli.checkpoint_arguments import tokenizer_from_arguments
     from t5x_like.mesh import partitioning
 
     partitioning.ensure_devices(args.mesh_tensor)  # before anything starts JAX
     saved = read_config(args.checkpoint, args.step)
-    tokenizer = load_tokenizer(args)
+    tokenizer = tokenizer_from_arguments(args)
     harness_lm.check_model(saved, tokenizer, args.max_length)
     manager, tasks = resolve_tasks(args.tasks, args.include_path)
     model = harness_lm.T5xLikeLM(

@@ -58,6 +58,9 @@ class HFTokenizer:
     self.eod_token = found[0]
     self.eod_id = vocab[self.eod_token]
     self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+    # The ids a model's config names (BLOOM's: <s> 1, </s> 2, <pad> 3); None where absent.
+    self.bos_id: int | None = vocab.get('<s>')
+    self.pad_id: int | None = vocab.get('<pad>')
 
   def encode(self, text: str) -> list[int]:
     return self._tokenizer.encode(text, add_special_tokens=False).ids

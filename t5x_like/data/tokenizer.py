@@ -124,6 +124,10 @@ class Tokenizer:
     return self._processor.pad_id()
 
   @property
+  def bos_id(self) -> int:
+    return self._processor.bos_id()
+
+  @property
   def unk_id(self) -> int:
     return self._processor.unk_id()
 

@@ -66,6 +66,7 @@ def generate(
   eod_id: int | None = None,
   stop: Callable[[int, list[int]], bool] | None = None,
   progress: bool = False,
+  vocab_limit: int | None = None,
 ) -> list[list[int]]:
   """New token ids per prompt (without the prompt), at most max_new_tokens each; a row ends
   after eod_id (included) or once stop(row_index, its_new_ids) returns True (stop is called
@@ -81,7 +82,9 @@ def generate(
   and a single prompt draws what the generation without a cache drew. A row's eod_id ends it
   without a call to stop. Each prompt is at least one token of [0, vocab_size); for gpt2,
   prompt + max_new_tokens <= max_position_embeddings (else ValueError). `progress`: a bar on
-  stderr once the generation has taken PROGRESS_DELAY_S.
+  stderr once the generation has taken PROGRESS_DELAY_S. `vocab_limit`: no id at or above it is
+  drawn (the tokenizer's size, where it is smaller than the model's vocabulary, as BLOOM's
+  250,680 tokens in its 250,880 rows: the rows past it decode to nothing).
 
   All rows run until the last one ends, in one jitted step per token on a cache of
   buffer_lengths(longest prompt, max_new_tokens)[1] positions; the rows are padded to a multiple
@@ -120,7 +123,8 @@ def generate(
     tokens[row, : len(prompt)] = prompt
     lengths[row] = len(prompt)
   mesh = partitioning.make_mesh(data, 1, cfg.mesh.tensor)
-  prefill, step = _programs(model, mesh, float(temperature), top_k)
+  drawn = model.vocab_size if vocab_limit is None else min(vocab_limit, model.vocab_size)
+  prefill, step = _programs(model, mesh, float(temperature), top_k, drawn)
 
   token, positions, cache, key = prefill(
     params, tokens, lengths, jax.random.PRNGKey(seed), cache_length
@@ -158,7 +162,7 @@ def generate(
 
 
 @functools.lru_cache(maxsize=8)
-def _programs(model: ModelConfig, mesh, temperature: float, top_k: int):
+def _programs(model: ModelConfig, mesh, temperature: float, top_k: int, drawn: int):
   """The jitted (prefill, step) of a model on a mesh with one way of picking tokens. jax.jit
   compiles each for the shapes it is called with: one program per (rows, cache length, prompt
   length) bucket."""
@@ -173,10 +177,9 @@ def _programs(model: ModelConfig, mesh, temperature: float, top_k: int):
   def pick(params, hidden, key):
     """The next token of each row from its final hidden state [rows, h]: (tokens [rows], key)."""
     key, step_key = jax.random.split(key)
-    logits = model_lib.tied_logits(
-      hidden[:, None], params['word_embeddings'], model.vocab_size, ctx
-    )
-    logits = logits[:, 0]  # [rows, V] fp32, the padded rows at the lowest float
+    # Rows from `drawn` on (the padding, ids the tokenizer lacks) at the lowest float.
+    logits = model_lib.tied_logits(hidden[:, None], params['word_embeddings'], drawn, ctx)
+    logits = logits[:, 0]  # [rows, V] fp32
     if temperature == 0:
       return jnp.argmax(logits, -1).astype(jnp.int32), key
     logits = logits / temperature

@@ -429,6 +429,7 @@ class T5xLikeLM(TemplateLM):
           seed=self._seed + self._generations,
           eod_id=self.eot_token_id,
           stop=stop if stops else None,
+          vocab_limit=self.tokenizer.vocab_size,
         )
         self._generations += 1
         for context, kwargs, new in zip(contexts, all_kwargs, generated):
