@@ -738,3 +738,25 @@ def test_damaged_or_missing_checkpoints_are_one_clear_error(base_run, tmp_path):
   assert checkpoints.available_steps(incomplete) == [2]
   with pytest.raises(CheckpointError, match='incomplete checkpoint'):
     checkpoints.resolve(os.path.join(incomplete, '4'))
+
+
+def test_the_shape_check_names_the_keys_to_set_and_only_the_ones_that_shape_parameters():
+  """The FFN width by its settable key (ffn_hidden_size; the effective sizes shown); learned
+  positions and the embedding LayerNorm only where GPT-2 has them: a BLOOM's
+  max_position_embeddings shapes nothing, and a GPT-2 switching stable_embedding gains or loses
+  embed_ln (its restore failed as a 'damaged' checkpoint)."""
+
+  def check(saved, **model):
+    checkpoints.check_compatible(saved, small_config(model=model), 'the checkpoint')
+
+  bloom = small_config()
+  with pytest.raises(ConfigError, match=r'model.ffn_hidden_size: checkpoint 256 vs config 512\.'):
+    check(bloom, ffn_hidden_size=512)
+  check(bloom, max_position_embeddings=4096)  # no refusal
+  gpt2 = dict(architecture='gpt2', max_position_embeddings=64)
+  with pytest.raises(ConfigError, match='model.stable_embedding: checkpoint False vs config True'):
+    check(small_config(model=gpt2), **gpt2, stable_embedding=True)
+  with pytest.raises(
+    ConfigError, match='model.max_position_embeddings: checkpoint 64 vs config 32'
+  ):
+    check(small_config(model=gpt2), **{**gpt2, 'max_position_embeddings': 32})

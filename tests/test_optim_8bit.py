@@ -443,6 +443,16 @@ def test_an_unknown_block_size_and_a_switched_optimizer_are_refused_at_start_up(
     resume.resolve(eight_bit_config(), str(tmp_path))
   fresh = eight_bit_config(checkpoint=dict(load_optimizer=False))
   assert not resume.resolve(fresh, str(tmp_path)).load_optimizer  # the way to switch
+  # Also from a checkpoint that a job resetting Adam saved: its reset counts as done only for a
+  # state of the same format, so switching from it resets again instead of refusing.
+  reset_job = eight_bit_config(optimizer=dict(name='adamw'), checkpoint=dict(load_optimizer=False))
+  checkpointer = checkpoints.Checkpointer(
+    str(tmp_path / 'after_reset' / 'checkpoints'), 1, 1, layout
+  )
+  save_step(checkpointer, reset_job, layout.init(0), 2)
+  checkpointer.close()
+  assert resume.resolve(reset_job, str(tmp_path / 'after_reset')).load_optimizer  # a requeue
+  assert not resume.resolve(fresh, str(tmp_path / 'after_reset')).load_optimizer
   # The trainer's command line: the same message, exit code 2, before any compilation.
   r = run_cli(
     [

@@ -50,15 +50,21 @@ DAMAGED_SUBDIR = '.damaged'  # incomplete steps found at start-up, moved aside
 ROLLED_BACK_SUBDIR = '.rolled_back'  # the steps after a rollback's (`roll_back`)
 TMP_MARKER = '.orbax-checkpoint-tmp'  # in the name of a step directory still being written
 # Model fields that decide parameter shapes; a checkpoint must agree on all of them.
-SHAPE_FIELDS = (
-  'architecture',
-  'num_layers',
-  'hidden_size',
-  'num_heads',
-  'ffn_size',
-  'vocab_size',
-  'max_position_embeddings',
-)
+# The model keys that decide the parameters' shapes, by the key a user sets (the FFN width by
+# its effective size: ffn_hidden_size 0 is 4 * hidden_size).
+SHAPE_FIELDS = {
+  'architecture': 'architecture',
+  'num_layers': 'num_layers',
+  'hidden_size': 'hidden_size',
+  'num_heads': 'num_heads',
+  'ffn_hidden_size': 'ffn_size',
+  'vocab_size': 'vocab_size',
+}
+# Only GPT-2 has learned positions, and an embedding LayerNorm only under stable_embedding.
+GPT2_SHAPE_FIELDS = {
+  'max_position_embeddings': 'max_position_embeddings',
+  'stable_embedding': 'stable_embedding',
+}
 # Megatron's AnnealingLR checks these against the checkpoint's unless --override-lr-scheduler.
 LR_SCHEDULE_FIELDS = (
   'lr',
@@ -510,10 +516,13 @@ def check_lr_schedule(saved_meta: dict[str, Any], cfg: Config, what: str) -> Non
 def check_compatible(saved: Config, wanted: Config, what: str) -> None:
   """One clear error, before any compilation, when parameter shapes would not match."""
   diffs = []
-  for field in SHAPE_FIELDS:
-    a, b = getattr(saved.model, field), getattr(wanted.model, field)
+  fields = dict(SHAPE_FIELDS)
+  if saved.model.architecture == wanted.model.architecture == 'gpt2':
+    fields.update(GPT2_SHAPE_FIELDS)
+  for key, attribute in fields.items():
+    a, b = getattr(saved.model, attribute), getattr(wanted.model, attribute)
     if a != b:
-      diffs.append(f'model.{field}: checkpoint {a!r} vs config {b!r}')
+      diffs.append(f'model.{key}: checkpoint {a!r} vs config {b!r}')
   if diffs:
     raise ConfigError(
       f'{what} has a different model shape: '

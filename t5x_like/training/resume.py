@@ -89,11 +89,13 @@ def resolve(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -
   saved_cfg = checkpoints.read_config(root, step)
   checkpoints.check_compatible(saved_cfg, cfg, what)
   # checkpoint.load_optimizer=False resets Adam once: a checkpoint its own job saved (a
-  # requeue, the next job of an array with the same flags) already has the fresh state.
+  # requeue, the next job of an array with the same flags) already has the fresh state, unless
+  # this job switches the state's format (8-bit Adam, its blocks), which resets it again.
   reset_done = (
     not cfg.checkpoint.load_optimizer
     and not saved_cfg.checkpoint.load_optimizer
     and checkpoints.has_optimizer_state(root, step)
+    and optim.state_format(saved_cfg) == optim.state_format(cfg)
   )
   meta = checkpoints.read_meta(root, step)
   progress = checkpoints.read_progress(root, step)
