@@ -211,6 +211,38 @@ def test_iterations_follow_megatrons_train_samples_count():
   assert sizes == [4, 4, 4, 4, 8, 8, 8, 8, 8] and schedule.total_samples(t) == consumed == 56
 
 
+def test_a_resume_that_would_shift_the_run_through_its_batch_schedule_is_refused():
+  """A global batch change at iteration 10 (80 samples) of a 160-sample run: counted from 0 with
+  16 a sample, its 10 iterations would end it at once (or 40 iterations of 4 overshoot), so the
+  refusal gives the iterations that finish the samples; under optimizer.decay_tokens the warm-up's
+  end in tokens would move (the learning rate jumps), unless checkpoint.override_lr_scheduler."""
+
+  def config(**sections):
+    train = dict(steps=0, train_samples=160, global_batch_size=8, seq_len=16)
+    optimizer = dict(warmup_samples=40, decay_samples=160)
+    raw = {'train': train, 'optimizer': optimizer}
+    for name, values in sections.items():
+      raw[name] = {**raw.get(name, {}), **values}
+    return startup.check_config(Config.from_dict(raw))
+
+  saved = config()
+  with pytest.raises(ConfigError, match=r'set train.steps=15 and train.train_samples=0 \(the 10 '):
+    schedule.check_resumed(saved, config(train=dict(global_batch_size=16)), 10, 80)
+  with pytest.raises(ConfigError, match=r'set train.steps=30 and'):
+    schedule.check_resumed(saved, config(train=dict(global_batch_size=4)), 10, 80)
+  schedule.check_resumed(saved, config(), 10, 80)  # the same schedule
+  steps = dict(steps=20, train_samples=0)
+  saved = config(train=steps, optimizer=dict(decay_tokens=5120))
+  changed = dict(train={**steps, 'global_batch_size': 16}, optimizer=dict(decay_tokens=5120))
+  with pytest.raises(ConfigError, match='the warm-up would end at 768 tokens .* counted 640'):
+    schedule.check_resumed(saved, config(**changed), 10, 80)
+  overridden = config(**changed, checkpoint=dict(override_lr_scheduler=True))
+  schedule.check_resumed(saved, overridden, 10, 80)
+  schedule.check_resumed(
+    config(train=steps), config(train={**steps, 'global_batch_size': 16}), 10, 80
+  )
+
+
 @pytest.mark.parametrize('rampup', [(4, 12, 64), (8, 4, 64)])
 def test_a_rampup_batch_that_the_data_ranks_micro_batches_do_not_divide_is_refused(rampup):
   """Every global batch of the ramp-up must be whole micro-batches on every data rank (the

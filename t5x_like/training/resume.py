@@ -21,7 +21,7 @@ from t5x_like.config import Config
 from t5x_like.mesh import distributed
 from t5x_like.optim import adamw as optim
 from t5x_like.parallel.train_state import Progress, StateLayout, TrainState
-from t5x_like.training import replay
+from t5x_like.training import replay, schedule
 from t5x_like.training import workdir as workdir_lib
 
 
@@ -100,6 +100,7 @@ def resolve(cfg: Config, workdir: str, software: dict[str, Any] | None = None) -
   meta = checkpoints.read_meta(root, step)
   progress = checkpoints.read_progress(root, step)
   checkpoints.check_lr_schedule(meta, cfg, what)
+  schedule.check_resumed(saved_cfg, cfg, progress.iteration, progress.consumed_samples)
   notes: list[str] = []
   resumed_cfg, data_seed = resumed_config(cfg, meta, notes)
   # The blend order, like the data seed, is the checkpoint's: another would reorder the samples.

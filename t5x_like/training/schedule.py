@@ -37,7 +37,14 @@ def total_iterations(train: TrainConfig) -> int:
   are <= its sample count, then whole global batches; a last partial batch is not trained."""
   if not train.train_samples:
     return train.steps
-  iterations, consumed = 0, 0
+  iterations = iterations_after(train, 0)
+  return min(train.steps, iterations) if train.steps else iterations
+
+
+def iterations_after(train: TrainConfig, consumed_samples: int) -> int:
+  """The iterations that train.train_samples still holds after `consumed_samples`, counted as
+  total_iterations counts them from 0."""
+  iterations, consumed = 0, consumed_samples
   if train.rampup_batch_size:
     ramp_samples = train.rampup_batch_size[2]
     while (
@@ -46,8 +53,38 @@ def total_iterations(train: TrainConfig) -> int:
     ):
       consumed += global_batch_size_at(train, consumed)
       iterations += 1
-  iterations += (train.train_samples - consumed) // train.global_batch_size
-  return min(train.steps, iterations) if train.steps else iterations
+  return iterations + max(0, train.train_samples - consumed) // train.global_batch_size
+
+
+def check_resumed(saved: Config, cfg: Config, iteration: int, consumed_samples: int) -> None:
+  """A resume whose batch schedule (train.global_batch_size, train.rampup_batch_size, the
+  curriculum) differs from its checkpoint's, refused where it would shift the run silently:
+  - under train.train_samples the iteration count is counted from sample 0 with the new batch
+    (Megatron's count), so the run would end short of its samples or past them;
+  - under optimizer.decay_tokens the warm-up's end in tokens moves, and the decay with it.
+  One ConfigError with the keys that keep the run whole."""
+  t, s = cfg.train, saved.train
+  batches = (s.global_batch_size, s.rampup_batch_size) != (t.global_batch_size, t.rampup_batch_size)
+  if t.train_samples and batches:
+    steps = iteration + iterations_after(t, consumed_samples)
+    change = f'train.global_batch_size {s.global_batch_size} -> {t.global_batch_size}'
+    if s.rampup_batch_size != t.rampup_batch_size:
+      change += f', train.rampup_batch_size {s.rampup_batch_size} -> {t.rampup_batch_size}'
+    raise ConfigError(
+      f'the batch schedule changes ({change}) in a run of '
+      f'train.train_samples={t.train_samples}, whose iteration count would be counted from '
+      f'sample 0 with the new batch: set train.steps={steps} and train.train_samples=0 (the '
+      f'{iteration} iterations trained and the {steps - iteration} that consume the rest)'
+    )
+  if cfg.optimizer.decay_tokens and not cfg.checkpoint.override_lr_scheduler:
+    before, now = warmup_end_tokens(saved), warmup_end_tokens(cfg)
+    if before != now:
+      raise ConfigError(
+        f'the warm-up would end at {now} tokens with this batch schedule, where the run '
+        f'counted {before}: optimizer.decay_tokens counts from there, so the learning rate '
+        'would jump. Keep the batch schedule of the warm-up, or set '
+        'checkpoint.override_lr_scheduler=True to accept the shift'
+      )
 
 
 def iteration_batch_sizes(train: TrainConfig, iterations: int | None = None) -> Iterator[int]:
