@@ -411,7 +411,7 @@ def iteration_range(key: str, text: Any, example: str) -> tuple[int, int]:
   parts = str(text).split('-')
   if (
     len(parts) != 2
-    or not all(p.strip().isdigit() for p in parts)
+    or not all(p.strip().isdecimal() for p in parts)  # isdigit takes '²', which int() refuses
     or not 1 <= int(parts[0]) <= int(parts[1])
   ):
     raise ConfigError(

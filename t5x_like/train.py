@@ -5,13 +5,13 @@ from t5x_like.training import runtime
 
 
 def main() -> None:
-  runtime.leave_on_early_signals()
+  previous = runtime.leave_on_early_signals()
   try:
     from t5x_like.cli.train import cli  # jax and the rest: the slow imports
 
     cli()
   finally:  # the run is over: a late signal is not one "before the first iteration"
-    runtime.default_signals()
+    runtime.restore_signals(previous)
 
 
 if __name__ == '__main__':

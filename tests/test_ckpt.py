@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import types
 import unittest.mock
 
 import numpy as np
@@ -139,6 +140,17 @@ def test_export_hf_names_the_special_tokens_of_the_datas_tokenizer(tmp_path, mon
     return [config[f'{k}_token_id'] for k in ('bos', 'eos', 'pad')]
 
   assert ids('bloom_ids') == [1, 2, 3] and ids('shipped') == [3, 1, 0]
+
+
+def test_a_tokenizer_without_bos_or_pad_exports_its_end_of_document_for_them():
+  """GPT-2's tokenizer has only <|endoftext|>; a SentencePiece model may have no bos (-1):
+  BLOOM's 1 and 3 would be ordinary tokens of theirs."""
+  gpt2_like = types.SimpleNamespace(eod_id=50256, bos_id=None, pad_id=None)
+  assert ckpt.special_token_ids(gpt2_like) == dict.fromkeys(
+    ('bos_token_id', 'eos_token_id', 'pad_token_id'), 50256
+  )
+  no_bos = types.SimpleNamespace(eod_id=1, bos_id=-1, pad_id=0)
+  assert ckpt.special_token_ids(no_bos) == {'bos_token_id': 1, 'eos_token_id': 1, 'pad_token_id': 0}
 
 
 def test_evaluate_on_a_megatron_dataset_reads_consecutive_samples_of_its_documents(

@@ -83,6 +83,7 @@ def test_overrides_on_both_front_ends_agree():
     (['--config.data.train_path=0.5 /d/a /d/b'], 'weight/prefix pairs'),
     (['--config.data.split=98,x'], "data.split='98,x'"),
     (['--config.data.skip_train_iteration_range=("9-3",)'], "'9-3' is not a range"),
+    (['--config.data.skip_train_iteration_range=("1-²",)'], "'1-²' is not a range"),
     (['--config.data.valid_path={"valid": "/d/x"}'], "names a set 'valid'"),
     (['--config.data.valid_path={"en wiki": "/d/x"}'], "set name 'en wiki'"),
     (['--config.data.split=100,0,0'], 'eval.interval=20 but there is no validation set'),

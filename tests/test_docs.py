@@ -127,19 +127,33 @@ def package_modules() -> dict[str, list[str]]:
 
 @functools.cache
 def defined_names(path: str) -> frozenset[str]:
-  """What a module defines or imports at any depth, and the attributes its classes set on self."""
+  """What a module defines or imports at its top level, what its classes define, and the
+  attributes they set on self (`trainer.checkpoints`: the Trainer's field). A function's local
+  names are not the module's."""
   with open(path) as f:
     tree = ast.parse(f.read())
-  names = set()
-  for node in ast.walk(tree):
-    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-      names.add(node.name)
-    elif isinstance(node, ast.Name | ast.arg):
-      names.add(node.id if isinstance(node, ast.Name) else node.arg)
-    elif isinstance(node, ast.Attribute) and getattr(node.value, 'id', None) == 'self':
-      names.add(node.attr)
-    elif isinstance(node, ast.Import | ast.ImportFrom):
-      names.update((a.asname or a.name).split('.')[0] for a in node.names)
+  names: set[str] = set()
+
+  def define(statements, in_class: bool):
+    for node in statements:
+      if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        names.add(node.name)
+      if isinstance(node, ast.ClassDef):
+        define(node.body, in_class=True)
+      elif isinstance(node, ast.Assign | ast.AnnAssign):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+      elif isinstance(node, ast.Import | ast.ImportFrom) and not in_class:
+        names.update((a.asname or a.name).split('.')[0] for a in node.names)
+      elif isinstance(node, ast.If | ast.Try):  # a guarded import or definition
+        define(ast.iter_child_nodes(node), in_class)
+
+  define(tree.body, in_class=False)
+  names.update(
+    n.attr
+    for n in ast.walk(tree)
+    if isinstance(n, ast.Attribute) and getattr(n.value, 'id', None) == 'self'
+  )
   return frozenset(names)
 
 

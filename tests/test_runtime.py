@@ -119,3 +119,20 @@ def test_a_start_up_signal_handled_inside_a_gc_callback_still_stops_the_run(monk
     with pytest.raises(runtime.Interrupted, match='received SIGTERM before the first iteration'):
       stop.start_training()
     assert not stop.training
+
+
+def test_a_start_up_signal_caught_by_the_run_is_left_to_its_cleanup(monkeypatch):
+  """The reverse case: the Interrupted reached the run, whose cleanup (an alert command) then
+  takes longer than the watcher's wait for a dropped one. The watcher does not end the process
+  (before, it did, cutting the cleanup short with the wrong reason)."""
+  exits = queue.Queue()
+  monkeypatch.setattr(runtime.os, '_exit', exits.put)
+  monkeypatch.setattr(runtime.StopConditions, 'DROPPED_EXIT_AFTER_S', 0.2)
+  with runtime.StopConditions() as stop:
+    with pytest.raises(runtime.Interrupted):
+      with runtime.stop_conditions(None, stop, 1):  # the trainer's view of its caller's stop
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):
+          pass
+    with pytest.raises(queue.Empty):
+      exits.get(timeout=1.0)  # five times the wait, within the block

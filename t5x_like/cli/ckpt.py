@@ -57,11 +57,11 @@ def import_hf(hf_dir: str, out_dir: str) -> Config:
 
 def special_token_ids(tokenizer) -> dict[str, int]:
   """The bos, eos and pad ids a Hugging Face config.json names, from the tokenizer the run's data
-  was tokenized with (eos: its end-of-document id); BLOOM's where it has none."""
-  bloom = {'bos_token_id': 1, 'eos_token_id': 2, 'pad_token_id': 3}
-  found = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eod_id}
-  found['pad_token_id'] = tokenizer.pad_id
-  return {k: v if v is not None and v >= 0 else bloom[k] for k, v in found.items()}
+  was tokenized with: eos its end-of-document id, which also stands for a bos or pad it lacks
+  (GPT-2's convention; another tokenizer's ids would name ordinary tokens)."""
+  eos = tokenizer.eod_id
+  bos, pad = (i if i is not None and i >= 0 else eos for i in (tokenizer.bos_id, tokenizer.pad_id))
+  return {'bos_token_id': bos, 'eos_token_id': eos, 'pad_token_id': pad}
 
 
 def export_hf(ckpt_dir: str, hf_dir: str, step: int | None = None, tokenizer=None) -> None:
@@ -70,18 +70,18 @@ def export_hf(ckpt_dir: str, hf_dir: str, step: int | None = None, tokenizer=Non
   import jax
   import numpy as np
 
-  from t5x_like.checkpointing import hf
+  from t5x_like.checkpointing import checkpoints, hf
   from t5x_like.inference.loading import load_for_inference
 
   check_writable(hf_dir, 'the Hugging Face directory', 'pass a directory you can write to')
   ids = special_token_ids(tokenizer) if tokenizer is not None else {}  # {}: BLOOM's
-  cfg, params = load_for_inference(ckpt_dir, 'float32', step, with_data=False)
-  if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+  vocab = checkpoints.read_config(ckpt_dir, step).model.vocab_size  # before the restore
+  if tokenizer is not None and tokenizer.vocab_size > vocab:
     raise ConfigError(
-      f'the tokenizer has {tokenizer.vocab_size} tokens, the model {cfg.model.vocab_size}: pass '
-      "the tokenizer the checkpoint's data was tokenized with (--tokenizer_json or "
-      '--tokenizer_model)'
+      f'the tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}: pass the '
+      "tokenizer the checkpoint's data was tokenized with (--tokenizer_json or --tokenizer_model)"
     )
+  cfg, params = load_for_inference(ckpt_dir, 'float32', step, with_data=False)
   state = hf.hf_state_from_params(jax.tree.map(np.asarray, params), cfg.model)
   hf.save_hf_dir(hf_dir, hf.hf_config_from_model_config(cfg.model, **ids), state)
 

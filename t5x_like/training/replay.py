@@ -52,8 +52,13 @@ def record_job(workdir: str, first_iteration: int, cfg: Config, data_seed: int) 
   line = json.dumps(
     {'first_iteration': first_iteration, 'data_seed': data_seed, 'config': cfg.to_dict()}
   )
-  with open(os.path.join(workdir, CONFIG_HISTORY), 'a') as f:
-    f.write(line + '\n')
+  path = os.path.join(workdir, CONFIG_HISTORY)
+  with open(path, 'a+b') as f:
+    f.seek(0)
+    kept = f.read().rfind(b'\n') + 1  # a torn last line (no newline) is dropped
+    f.truncate(kept)
+    f.seek(kept)
+    f.write(line.encode() + b'\n')
 
 
 def read_history(workdir: str) -> list[dict]:
@@ -66,8 +71,8 @@ def read_history(workdir: str) -> list[dict]:
   jobs = []
   with open(history) as f:
     for number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
+      if not line.strip() or not line.endswith('\n'):
+        continue  # a last line torn by a kill or a full disk: record_job drops it
       try:
         job = json.loads(line)
       except json.JSONDecodeError as e:

@@ -143,29 +143,43 @@ def stop_conditions(rt, stop: StopConditions | None, num_processes: int):
   """What a run watches, as a context manager: `stop` (entered by the caller), or when None its
   own StopConditions from the config's `runtime` section `rt`."""
   if stop is not None:
-    return contextlib.nullcontext(stop)
+    return _caught_by_the_caller(stop)
   return StopConditions(rt.kill_switch_path, rt.exit_duration_mins, num_processes=num_processes)
 
 
-def leave_on_early_signals() -> None:
+@contextlib.contextmanager
+def _caught_by_the_caller(stop: StopConditions):
+  """`stop` as a context manager that tells it when an Interrupted leaves the block: the run's
+  cleanup (an alert command, up to 10 s) is under way, not a start-up that went on."""
+  try:
+    yield stop
+  except Interrupted:
+    stop.interrupt_seen()
+    raise
+
+
+def leave_on_early_signals() -> dict[signal.Signals, Any]:
   """Until StopConditions takes them over, SIGTERM, SIGINT, SIGUSR1 and SIGHUP end the process
   with exit code 3 and the start-up line: the trainer command spends about a second importing
-  before it can watch them, and the default action (exit 143, no line) would say nothing."""
+  before it can watch them, and the default action (exit 143, no line) would say nothing. A
+  signal the parent left ignored (nohup's SIGHUP, a background job's SIGINT) stays ignored.
+  Returns the handlers it replaced, for restore_signals."""
 
   def leave(signum, frame) -> None:
     print(f'> stopped: {Interrupted(signum)}', file=sys.stderr, flush=True)
     os._exit(int(ExitCode.REQUEUE))
 
+  previous = {}
   for sig in StopConditions.SIGNALS:
-    if not (sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN):  # nohup: kept
-      signal.signal(sig, leave)
+    if signal.getsignal(sig) != signal.SIG_IGN:
+      previous[sig] = signal.signal(sig, leave)
+  return previous
 
 
-def default_signals() -> None:
-  """The signals' default actions again (SIGHUP's ignored under nohup stays so)."""
-  for sig in StopConditions.SIGNALS:
-    if not (sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN):
-      signal.signal(sig, signal.SIG_DFL)
+def restore_signals(previous: dict[signal.Signals, Any]) -> None:
+  """The handlers leave_on_early_signals replaced, again."""
+  for sig, handler in previous.items():
+    signal.signal(sig, handler)
 
 
 class StopConditions:
@@ -208,7 +222,7 @@ class StopConditions:
     self._wakeup: tuple[int, int] | None = None
     self._previous_wakeup_fd = -1
     self._interrupt_handled = threading.Event()
-    self._leaving = threading.Event()  # set when the with-block ends
+    self._leaving = threading.Event()  # set once an Interrupted is caught, or the block ends
     self._watcher: threading.Thread | None = None
 
   def __enter__(self) -> StopConditions:
@@ -242,6 +256,11 @@ class StopConditions:
         self._watcher.join(timeout=5)
       os.close(read_fd)
       os.close(write_fd)
+
+  def interrupt_seen(self) -> None:
+    """The caller caught the handler's Interrupted: the process is leaving through its cleanup,
+    not going on with start-up, and the signal watcher leaves it to do so."""
+    self._leaving.set()
 
   def start_training(self) -> None:
     """From here on a signal stops the run at the next iteration boundary, after a save. A

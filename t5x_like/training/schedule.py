@@ -57,16 +57,17 @@ def iterations_after(train: TrainConfig, consumed_samples: int) -> int:
 
 
 def check_resumed(saved: Config, cfg: Config, iteration: int, consumed_samples: int) -> None:
-  """A resume whose batch schedule (train.global_batch_size, train.rampup_batch_size, the
-  curriculum) differs from its checkpoint's, refused where it would shift the run silently:
+  """A resume whose batch schedule differs from its checkpoint's, refused where it would shift
+  the run silently:
   - under train.train_samples the iteration count is counted from sample 0 with the new batch
     (Megatron's count), so the run would end short of its samples or past them;
-  - under optimizer.decay_tokens the warm-up's end in tokens moves, and the decay with it.
+  - under optimizer.decay_tokens the warm-up's end in tokens (global batches and the
+    curriculum's lengths) moves, and the decay with it.
   One ConfigError with the keys that keep the run whole."""
   t, s = cfg.train, saved.train
-  batches = (s.global_batch_size, s.rampup_batch_size) != (t.global_batch_size, t.rampup_batch_size)
-  if t.train_samples and batches:
-    steps = iteration + iterations_after(t, consumed_samples)
+  steps = iteration + iterations_after(t, consumed_samples)
+  steps = min(t.steps, steps) if t.steps else steps
+  if t.train_samples and total_iterations(t) != steps:
     change = f'train.global_batch_size {s.global_batch_size} -> {t.global_batch_size}'
     if s.rampup_batch_size != t.rampup_batch_size:
       change += f', train.rampup_batch_size {s.rampup_batch_size} -> {t.rampup_batch_size}'

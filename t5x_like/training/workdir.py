@@ -60,6 +60,7 @@ class Lock:
     return self._fd is not None
 
   def acquire(self) -> None:
+    self._created_dirs = []
     directory = os.path.abspath(self.workdir)
     while not os.path.lexists(directory):
       self._created_dirs.append(directory)
@@ -83,7 +84,7 @@ class Lock:
         '--workdir that you can write to'
       ) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
-      os.close(fd)
+      os.close(fd)  # not a file this lock made: nothing to remove
       raise ConfigError(
         f'{self.path} is not a regular file; remove it and rerun (the trainer '
         'makes its own lock file)'
@@ -94,6 +95,9 @@ class Lock:
       holder = os.pread(fd, 4096, 0).decode(errors='replace').strip()
       os.close(fd)
       if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+        if self._created_file:  # no file locks here: the file and directories made go again
+          os.remove(self.path)
+        self._remove_created_dirs()
         raise ConfigError(
           f'cannot lock workdir {self.workdir} ({e.strerror}); the filesystem '
           'may not support file locks: use a workdir on one that does'

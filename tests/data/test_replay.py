@@ -6,9 +6,11 @@ import os
 import shlex
 
 import numpy as np
+import pytest
 from conftest import run_cli, small_config
 from test_sources import make_dataset
 
+from t5x_like.data.indexed import DataError
 from t5x_like.data.tokenizer import DEFAULT_MODEL_PATH
 from t5x_like.parallel.train_state import Progress
 from t5x_like.training import replay
@@ -163,3 +165,21 @@ def test_bad_workdir_or_iteration_is_exit_2_with_the_fix(tmp_path):
   started(Trainer(blended_run(tmp_path), workdir)).release()
   r = run_cli(['-m', 't5x_like.data', 'batch', workdir, '--iteration', '11'])
   assert r.returncode == 2 and 'outside the run, which has iterations 1..10' in r.stderr
+
+
+def test_a_torn_last_history_line_is_dropped_not_refused(tmp_path):
+  """A kill or a full disk during record_job's append leaves a line without its newline: the
+  next job reads the history without it and writes its own record in its place (a refusal would
+  stop a job array on every requeue). Damage before the last line is still refused."""
+  cfg = small_config()
+  replay.record_job(str(tmp_path), 1, cfg, 7)
+  path = tmp_path / replay.CONFIG_HISTORY
+  with open(path, 'a') as f:
+    f.write('{"first_iteration": 9, "torn')  # no newline
+  assert [job['first_iteration'] for job in replay.read_history(str(tmp_path))] == [1]
+  replay.record_job(str(tmp_path), 5, cfg, 7)
+  assert [job['first_iteration'] for job in replay.read_history(str(tmp_path))] == [1, 5]
+  assert path.read_text().count('\n') == 2 and '"torn' not in path.read_text()
+  path.write_text('{torn in the middle\n' + path.read_text())
+  with pytest.raises(DataError, match='line 1 is not a job record'):
+    replay.read_history(str(tmp_path))
