@@ -126,7 +126,11 @@ def test_cli_stops_at_the_end_of_document_and_runs_tensor_parallel(tmp_path, cap
   _, swapped = imported(tmp_path, 4, 8192, hidden=32, swap=(eod, third))
   stopped = generated(capsys, ['--checkpoint', swapped, *args])
   assert stopped['completion_ids'] == ids[:2] + [eod]
-  assert stopped['completion'] == Tokenizer.load_default().decode(ids[:2])
+  tokenizer, prompt = Tokenizer.load_default(), stopped['prompt_ids']
+  # The two tokens' text as it continues the prompt (its leading space kept), the EOD left out.
+  assert (
+    stopped['completion'] == tokenizer.decode(prompt + ids[:2])[len(tokenizer.decode(prompt)) :]
+  )
 
 
 def test_generation_and_export_run_without_the_data_of_the_run():
