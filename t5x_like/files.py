@@ -31,6 +31,31 @@ def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
     raise
 
 
+def make_dirs(path: str) -> list[str]:
+  """os.makedirs(path), returning the directories it made, innermost first (for
+  remove_made_dirs: a refused or failed command leaves none behind)."""
+  made, directory = [], os.path.abspath(path)
+  while not os.path.lexists(directory):
+    made.append(directory)
+    directory = os.path.dirname(directory)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError:  # part of the way: what it made goes again
+    remove_made_dirs(made)
+    raise
+  return made
+
+
+def remove_made_dirs(made: list[str]) -> None:
+  """Removes make_dirs' directories, innermost first, while they are empty (files someone else
+  put there since are left, with the directories that hold them)."""
+  for directory in made:
+    try:
+      os.rmdir(directory)
+    except OSError:
+      return
+
+
 def nearest_existing(path: str) -> str:
   """`path` or the nearest of its parents that exists (a relative path: from the working
   directory)."""

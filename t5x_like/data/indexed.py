@@ -28,6 +28,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from t5x_like import files
+
 MAGIC = b'MMIDIDX\x00\x00'
 VERSION = 1
 # Megatron's dtype codes. Floating-point codes exist in the format but cannot hold token ids.
@@ -220,13 +222,7 @@ class IndexedDatasetWriter:
     if self.dtype not in _CODE_OF or self.dtype.kind == 'f':
       raise DataError(f'cannot write token ids as {self.dtype}')
     directory = os.path.dirname(os.path.abspath(prefix))
-    # The directories this writer makes, innermost first: a discarded dataset leaves none.
-    self._created_dirs: list[str] = []
-    while not os.path.lexists(directory):
-      self._created_dirs.append(directory)
-      directory = os.path.dirname(directory)
-    directory = os.path.dirname(os.path.abspath(prefix))
-    os.makedirs(directory, exist_ok=True)
+    self._created_dirs = files.make_dirs(directory)  # a discarded dataset leaves none
     fd, self._bin_tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-', suffix='.bin')
     self._bin = os.fdopen(fd, 'wb')
     self._sizes: list[int] = []
@@ -269,15 +265,8 @@ class IndexedDatasetWriter:
       for leftover in (self._bin_tmp, idx_tmp):
         if leftover and os.path.exists(leftover):
           os.unlink(leftover)
-      self._remove_created_dirs()
+      files.remove_made_dirs(self._created_dirs)
       raise
-
-  def _remove_created_dirs(self) -> None:
-    for directory in self._created_dirs:
-      try:
-        os.rmdir(directory)
-      except OSError:
-        return  # not empty: someone else's files
 
   def abort(self) -> None:
     if not self._closed:
@@ -288,7 +277,7 @@ class IndexedDatasetWriter:
         pass
       finally:
         os.unlink(self._bin_tmp)
-        self._remove_created_dirs()
+        files.remove_made_dirs(self._created_dirs)
 
   def __enter__(self) -> IndexedDatasetWriter:
     return self

@@ -177,13 +177,7 @@ class SplitLock:
         self.file.close()  # removed by a writer that failed: lock the path anew
 
   def _open(self) -> bool:
-    directory = os.path.dirname(self.path)
-    self._created_dirs = []
-    parent = directory
-    while parent and not os.path.isdir(parent):
-      self._created_dirs.append(parent)
-      parent = os.path.dirname(parent)
-    os.makedirs(directory, exist_ok=True)
+    self._created_dirs = files.make_dirs(os.path.dirname(self.path))
     self._created_file = not os.path.exists(self.path)
     try:
       self._file = open(self.path, 'a+', encoding='utf-8')  # pylint: disable=consider-using-with
@@ -228,11 +222,7 @@ class SplitLock:
       os.unlink(self.path)
     except FileNotFoundError:
       pass
-    for directory in self._created_dirs:
-      try:
-        os.rmdir(directory)
-      except OSError:  # not empty: another split's, or another process's by now
-        break
+    files.remove_made_dirs(self._created_dirs)  # not the ones another split fills by now
 
   def __exit__(self, *exc) -> None:
     fcntl.flock(self.file, fcntl.LOCK_UN)

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from t5x_like.errors import ConfigError
-from t5x_like.files import atomic_write, check_writable
+from t5x_like.files import atomic_write, check_writable, make_dirs, remove_made_dirs
 
 LOCK_FILE = 'trainer.lock'
 
@@ -61,18 +61,14 @@ class Lock:
 
   def acquire(self) -> None:
     self._created_dirs = []
-    directory = os.path.abspath(self.workdir)
-    while not os.path.lexists(directory):
-      self._created_dirs.append(directory)
-      directory = os.path.dirname(directory)
     try:
-      os.makedirs(self.workdir, exist_ok=True)
+      self._created_dirs = make_dirs(self.workdir)
       self._created_file = not os.path.lexists(self.path)
       fd = os.open(
         self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644
       )
     except OSError as e:
-      self._remove_created_dirs()
+      remove_made_dirs(self._created_dirs)
       if e.errno == errno.ELOOP:
         raise ConfigError(
           f'{self.path} is a symbolic link (to {os.readlink(self.path)}); the '
@@ -97,7 +93,7 @@ class Lock:
       if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
         if self._created_file:  # no file locks here: the file and directories made go again
           os.remove(self.path)
-        self._remove_created_dirs()
+        remove_made_dirs(self._created_dirs)
         raise ConfigError(
           f'cannot lock workdir {self.workdir} ({e.strerror}); the filesystem '
           'may not support file locks: use a workdir on one that does'
@@ -140,18 +136,9 @@ class Lock:
         os.remove(self.path)
       except OSError:
         pass  # someone else's files appeared meanwhile: leave them
-      self._remove_created_dirs()
+      remove_made_dirs(self._created_dirs)
     os.close(self._fd)  # closing the only descriptor releases the flock
     self._fd = None
-
-  def _remove_created_dirs(self) -> None:
-    """Removes the directories acquire made, innermost first, while they are empty."""
-    for directory in self._created_dirs:
-      try:
-        os.rmdir(directory)
-      except OSError:
-        return  # someone else's files appeared meanwhile: leave them
-    self._created_dirs = []
 
 
 def atomic_write_text(path: str, text: str) -> None:
