@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NoReturn
 
 # First, so that runtime.exit_duration_mins counts from process start.
 from t5x_like.training import runtime  # isort: skip
@@ -86,12 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     with stop:
       return _train(cfg, workdir, group, stop, command_line=argv is None)
   except runtime.Interrupted as e:
-    print(f'> stopped: {e}', file=sys.stderr, flush=True)
     if argv is None:
       # The console script: start-up can leave native work running (XLA's dispatched
       # computations, TensorFlow's half-done import), under which the interpreter's teardown
       # crashed (exit 139 instead of 3). Nothing is left to save or close.
-      leave_now(runtime.ExitCode.REQUEUE)
+      runtime.leave_now(f'> stopped: {e}')
+    print(f'> stopped: {e}', file=sys.stderr, flush=True)
     return runtime.ExitCode.REQUEUE
 
 
@@ -144,20 +143,12 @@ def register_harness(trainer) -> None:
     raise
 
 
-def leave_now(code: int) -> NoReturn:
-  """Ends the process with `code` once its output is flushed, without the interpreter's teardown
-  (threads it would wait for, native work it would crash under)."""
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(int(code))
-
-
 def cli() -> None:
   """The console script: after a failed save, Orbax's writer threads are still unwinding; the
   process leaves without waiting for them."""
   code = main()
   if code == runtime.ExitCode.CRASHED:
-    leave_now(code)
+    runtime.leave_now(code=runtime.ExitCode.CRASHED)
   sys.exit(code)
 
 

@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -158,6 +158,17 @@ def _caught_by_the_caller(stop: StopConditions):
     raise
 
 
+def leave_now(message: str = '', code: ExitCode = ExitCode.REQUEUE) -> NoReturn:
+  """Prints `message` (if any) on stderr and ends the process with `code` once its output is
+  flushed: no save, no atexit or finalizers, which may wait on the work a signal interrupted
+  (or a failed save's writer threads), and no interpreter teardown under native work."""
+  sys.stdout.flush()
+  if message:
+    print(message, file=sys.stderr)
+  sys.stderr.flush()
+  os._exit(int(code))
+
+
 def leave_on_early_signals() -> dict[signal.Signals, Any]:
   """Until StopConditions takes them over, SIGTERM, SIGINT, SIGUSR1 and SIGHUP end the process
   with exit code 3 and the start-up line: the trainer command spends about a second importing
@@ -166,8 +177,7 @@ def leave_on_early_signals() -> dict[signal.Signals, Any]:
   Returns the handlers it replaced, for restore_signals."""
 
   def leave(signum, frame) -> None:
-    print(f'> stopped: {Interrupted(signum)}', file=sys.stderr, flush=True)
-    os._exit(int(ExitCode.REQUEUE))
+    leave_now(f'> stopped: {Interrupted(signum)}')
 
   previous = {}
   for sig in StopConditions.SIGNALS:
@@ -280,13 +290,10 @@ class StopConditions:
       raise Interrupted(signum)
     if self.received is not None and signum in (signal.SIGTERM, signal.SIGINT):
       # A second SIGTERM or Ctrl-C: the user will not wait for the save.
-      print(
+      leave_now(
         f'> received {signal.Signals(signum).name} again: leaving now without saving; the '
-        f'last complete checkpoint is intact; exit code {int(ExitCode.REQUEUE)} (REQUEUE)',
-        file=sys.stderr,
-        flush=True,
+        f'last complete checkpoint is intact; exit code {int(ExitCode.REQUEUE)} (REQUEUE)'
       )
-      os._exit(int(ExitCode.REQUEUE))
     # Only a flag: the loop saves at the next iteration boundary, outside the handler.
     self.received = signum
 
@@ -301,14 +308,9 @@ class StopConditions:
       if self.training or data[0] not in [int(s) for s in self._previous]:
         continue
       if not self._interrupt_handled.wait(self.FORCE_EXIT_AFTER_S):
-        self._leave(f'> {Interrupted(data[0])} (left during a native call, e.g. a compilation)')
+        leave_now(f'> {Interrupted(data[0])} (left during a native call, e.g. a compilation)')
       elif not self._leaving.wait(self.DROPPED_EXIT_AFTER_S) and not self.training:
-        self._leave(f'> {Interrupted(data[0])} (left from start-up, which went on)')
-
-  @staticmethod
-  def _leave(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-    os._exit(int(ExitCode.REQUEUE))
+        leave_now(f'> {Interrupted(data[0])} (left from start-up, which went on)')
 
   def elapsed_s(self) -> float:
     return now() - self.start
